@@ -1,0 +1,120 @@
+"""LLaDA's forward pass as pure functions over the params pytree.
+
+Bidirectional llama-style blocks: RMSNorm (float32), rotary embeddings (float32, rotate-half),
+grouped K/V attention without a causal mask, SwiGLU MLP (`ff_proj` is the SiLU-gated branch, `up_proj`
+the linear one, the block's `ff_out` the down projection), a separate LM head, no biases.
+
+Shapes: B batch, W query positions, T = S cached slots + W keys, H heads, K kv-heads, G = H / K,
+D model width, E embedding (vocab) size, N layers.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from llada_jax.config import LLaDAConfig
+
+# Added to attention scores of hidden keys. Finite, so a row with every key hidden stays NaN-free.
+HIDDEN = -1e9
+
+
+class Context(NamedTuple):
+    """Cached K/V the queries may attend to, with a 0 / HIDDEN bias per cached slot."""
+
+    keys: jax.Array    # [N, B, S, K, hd], rotary already applied
+    values: jax.Array  # [N, B, S, K, hd]
+    bias: jax.Array    # [B, S] float32
+
+
+class ForwardOut(NamedTuple):
+    hidden: jax.Array  # [B, W, D] after the final norm
+    keys: jax.Array    # [N, B, W, K, hd] proposed K/V of the computed positions (rotary applied)
+    values: jax.Array  # [N, B, W, K, hd]
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """Normalise in float32, cast back, then scale (the order LLaDA's RMSLayerNorm uses)."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * x32.astype(x.dtype)
+
+
+def linear(x: jax.Array, weight: jax.Array) -> jax.Array:
+    """x @ weight.T with the torch `[out, in]` layout."""
+    return jnp.einsum("bwi,oi->bwo", x, weight)
+
+
+def rotary_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos, sin `[B, W, hd]` in float32 for absolute positions `[B, W]`."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE on `[B, W, heads, hd]`, computed in float32."""
+    x32 = x.astype(jnp.float32)
+    first, second = jnp.split(x32, 2, axis=-1)
+    rotated = jnp.concatenate([-second, first], axis=-1)
+    return (x32 * cos[:, :, None, :] + rotated * sin[:, :, None, :]).astype(x.dtype)
+
+
+def attention(q: jax.Array, keys: jax.Array, values: jax.Array, key_bias: jax.Array) -> jax.Array:
+    """Bidirectional attention of q `[B, W, H, hd]` over keys/values `[B, T, K, hd]`; bias `[B, T]`."""
+    b, w, h, hd = q.shape
+    kv_heads = keys.shape[2]
+    grouped_q = q.reshape(b, w, kv_heads, h // kv_heads, hd)
+    scores = jnp.einsum("bwkgd,btkd->bkgwt", grouped_q, keys, preferred_element_type=jnp.float32)
+    scores = scores / jnp.sqrt(jnp.float32(hd)) + key_bias[:, None, None, None, :]
+    probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
+    out = jnp.einsum("bkgwt,btkd->bwkgd", probs, values)
+    return out.reshape(b, w, h, hd)
+
+
+def decoder_layer(block: dict, x: jax.Array, rotary, cached, key_bias: jax.Array, config: LLaDAConfig):
+    """One block. `cached` is this layer's (keys, values) `[B, S, K, hd]` or None. Returns x, k, v."""
+    b, w, _ = x.shape
+    hd = config.head_dim
+    normed = rms_norm(x, block["attn_norm"], config.rms_norm_eps)
+    q = linear(normed, block["q_proj"]).reshape(b, w, config.n_heads, hd)
+    k = linear(normed, block["k_proj"]).reshape(b, w, config.n_kv_heads, hd)
+    v = linear(normed, block["v_proj"]).reshape(b, w, config.n_kv_heads, hd)
+    q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+    all_k, all_v = k, v
+    if cached is not None:
+        all_k = jnp.concatenate([cached[0], k], axis=1)
+        all_v = jnp.concatenate([cached[1], v], axis=1)
+    attended = attention(q, all_k, all_v, key_bias).reshape(b, w, config.d_model)
+    x = x + linear(attended, block["attn_out"])
+    normed = rms_norm(x, block["ff_norm"], config.rms_norm_eps)
+    gated = jax.nn.silu(linear(normed, block["ff_proj"])) * linear(normed, block["up_proj"])
+    return x + linear(gated, block["ff_out"]), k, v
+
+
+def forward(params: dict, tokens: jax.Array, positions: jax.Array, token_bias: jax.Array,
+            context: Context | None, config: LLaDAConfig) -> ForwardOut:
+    """Run W positions `tokens`/`positions` `[B, W]`, attending to `context` (if any) and to themselves.
+
+    `token_bias` `[B, W]` hides padded positions as keys. The result's K/V are proposals: the caller
+    decides whether to commit them into a KV state.
+    """
+    x = params["wte"][tokens]
+    rotary = rotary_tables(positions, config.head_dim, config.rope_theta)
+    key_bias = token_bias if context is None else jnp.concatenate([context.bias, token_bias], axis=1)
+    new_keys, new_values = [], []
+    for layer, block in enumerate(params["blocks"]):
+        cached = None if context is None else (context.keys[layer], context.values[layer])
+        x, k, v = decoder_layer(block, x, rotary, cached, key_bias, config)
+        new_keys.append(k)
+        new_values.append(v)
+    hidden = rms_norm(x, params["ln_f"], config.rms_norm_eps)
+    return ForwardOut(hidden, jnp.stack(new_keys), jnp.stack(new_values))
+
+
+def lm_logits(params: dict, hidden: jax.Array) -> jax.Array:
+    """Vocabulary logits `[B, W, E]` in float32."""
+    return linear(hidden, params["lm_head"]).astype(jnp.float32)

@@ -1,0 +1,114 @@
+"""Tokenizer of an HF model directory: `tokenizer.json` via `tokenizers`, special tokens and the chat
+template from `tokenizer_config.json` / `special_tokens_map.json`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from llada_jax.errors import LladaError
+
+MASK_TOKEN = "<|mdm_mask|>"
+EOT_TOKEN = "<|eot_id|>"
+
+
+@dataclasses.dataclass(frozen=True)
+class Tokenizer:
+    backend: object               # tokenizers.Tokenizer
+    chat_template: str | None
+    special_tokens: dict          # role -> token text: bos_token, eos_token, ...
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids as HF's `tokenizer(text)["input_ids"]` gives them (post-processor applied)."""
+        return self.backend.encode(text, add_special_tokens=True).ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def token_id(self, text: str) -> int | None:
+        return self.backend.token_to_id(text)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(int(token_id))
+
+    def chat_prompt(self, user_text: str) -> str:
+        """One user turn rendered with the checkpoint's chat template and the generation prompt."""
+        if not self.chat_template:
+            raise LladaError("this model's tokenizer_config.json has no chat_template; drop --chat")
+        return render_chat_template(self.chat_template, [{"role": "user", "content": user_text}],
+                                    self.special_tokens)
+
+
+def render_chat_template(template: str, messages: list[dict], special_tokens: dict) -> str:
+    """Render a jinja chat template in a sandbox, with the variables HF passes."""
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(template).render(messages=messages, add_generation_prompt=True, **special_tokens)
+    except TemplateError as err:
+        raise LladaError(f"chat template failed: {err}") from None
+
+
+def _token_text(value) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def read_special_tokens(model_dir: Path) -> tuple[dict, str | None]:
+    """Special token texts (bos_token, eos_token, ...) and the chat template, if the files exist."""
+    special: dict = {}
+    template = None
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        path = model_dir / name
+        if not path.is_file():
+            continue
+        try:
+            data = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise LladaError(f"{path}: not valid JSON ({err})") from None
+        for key in ("bos_token", "eos_token", "pad_token", "unk_token", "mask_token"):
+            text = _token_text(data.get(key))
+            if text is not None:
+                special[key] = text
+        template = data.get("chat_template", template)
+    if isinstance(template, list):  # HF allows a list of named templates
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    return special, template
+
+
+def eot_id_from_files(model_dir: Path) -> int | None:
+    """The id of `<|eot_id|>` as declared in tokenizer_config.json's added tokens, if any."""
+    path = Path(model_dir) / "tokenizer_config.json"
+    if not path.is_file():
+        return None
+    try:
+        added = json.loads(path.read_text()).get("added_tokens_decoder", {})
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        return None
+    for token_id, entry in added.items():
+        if isinstance(entry, dict) and entry.get("content") == EOT_TOKEN:
+            return int(token_id)
+    return None
+
+
+def load_tokenizer(model_dir: Path) -> Tokenizer | None:
+    """The model's tokenizer, or None when the directory has no tokenizer.json."""
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer as HFTokenizer
+
+    try:
+        backend = HFTokenizer.from_file(str(path))
+    except Exception as err:  # the tokenizers library raises plain Exceptions for bad files
+        raise LladaError(f"{path}: cannot load tokenizer ({str(err).splitlines()[0]})") from None
+    special, template = read_special_tokens(Path(model_dir))
+    return Tokenizer(backend, template, special)

@@ -1,0 +1,1 @@
+"""Decoding policies: what each step computes and what it commits."""

@@ -1,0 +1,88 @@
+"""What each step computes: the whole canvas (vanilla), or a window against cached K/V.
+
+A cache policy runs one step for step `step` of `block`, returns the step output, the window it
+computed and the (possibly new) KV state. K/V are committed only at block starts, explicitly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import numpy as np
+
+from llada_jax import kv_state
+from policies.canvas import Block, Canvas, Window
+
+
+def run_full(backend, canvas: Canvas):
+    return backend.full(canvas.tokens, canvas.valid), canvas.full_window()
+
+
+def run_window(backend, canvas: Canvas, state: kv_state.KVState, start: int, end: int):
+    """Compute positions [start, end) against every other filled slot of the canvas."""
+    window = canvas.window(start, end)
+    visible = canvas.valid.copy()
+    visible[:, start:end] = False
+    rows = canvas.tokens.shape[0]
+    ids = canvas.tokens[:, window.positions]
+    out = backend.window(state, visible, ids, np.broadcast_to(window.positions, (rows, len(window.positions))),
+                         np.broadcast_to(window.valid, (rows, len(window.valid))))
+    return out, window
+
+
+def commit_window(state: kv_state.KVState, out, window: Window, canvas: Canvas, keep: np.ndarray,
+                  step: int) -> kv_state.KVState:
+    """Write the proposed K/V of the window positions where `keep` `[W]` holds."""
+    rows = canvas.tokens.shape[0]
+    positions = np.broadcast_to(window.positions, (rows, len(window.positions)))
+    write = np.broadcast_to(window.valid & keep, positions.shape)
+    return kv_state.commit(state, positions, write, out.keys, out.values,
+                           canvas.tokens[:, window.positions], step)
+
+
+@dataclasses.dataclass(frozen=True)
+class Vanilla:
+    """LLaDA's reference: every step runs the whole canvas; nothing is cached."""
+
+    name: ClassVar[str] = "vanilla"
+    uses_cache: ClassVar[bool] = False
+
+    def step(self, backend, canvas: Canvas, state, block: Block, step: int, nfe: int):
+        out, window = run_full(backend, canvas)
+        return out, window, state
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixCache:
+    """Fast-dLLM's prefix cache: a full step at each block start caches K/V of everything before the
+    block; later steps run the block and everything after it against that prefix."""
+
+    name: ClassVar[str] = "prefix-cache"
+    uses_cache: ClassVar[bool] = True
+
+    def step(self, backend, canvas: Canvas, state, block: Block, step: int, nfe: int):
+        if step == 0:
+            out, window = run_full(backend, canvas)
+            return out, window, commit_window(state, out, window, canvas, window.positions < block.start, nfe)
+        out, window = run_window(backend, canvas, state, block.start, canvas.length)
+        return out, window, state
+
+
+@dataclasses.dataclass(frozen=True)
+class DualCache:
+    """Fast-dLLM's dual cache: the block-start step caches K/V of the whole canvas (the part after the
+    block goes stale); later steps run only the block."""
+
+    name: ClassVar[str] = "dual-cache"
+    uses_cache: ClassVar[bool] = True
+
+    def step(self, backend, canvas: Canvas, state, block: Block, step: int, nfe: int):
+        if step == 0:
+            out, window = run_full(backend, canvas)
+            return out, window, commit_window(state, out, window, canvas, np.ones(len(window.positions), bool), nfe)
+        out, window = run_window(backend, canvas, state, block.start, block.end)
+        return out, window, state
+
+
+CACHE_POLICIES = {policy.name: policy for policy in (Vanilla, PrefixCache, DualCache)}

@@ -1,0 +1,78 @@
+"""The host-side canvas of one generation and the windows a step computes over it."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import numpy as np
+
+from llada_jax.buckets import bucket
+
+
+class Block(NamedTuple):
+    index: int
+    start: int  # first canvas position of the block
+    end: int    # one past the last
+
+
+class Window(NamedTuple):
+    """The canvas positions a step computed: `positions[i]` is real where `valid[i]` (padding otherwise)."""
+
+    positions: np.ndarray  # [W] int
+    valid: np.ndarray      # [W] bool
+
+
+@dataclasses.dataclass
+class Canvas:
+    """Token rows `[B, S]`: row 0 is the canvas; under CFG row 1 is the same with the prompt masked.
+
+    Positions >= `length` are padding up to the shape bucket S and are hidden from attention.
+    """
+
+    tokens: np.ndarray
+    length: int
+    prompt_len: int
+    mask_id: int
+
+    @classmethod
+    def start(cls, prompt_ids: np.ndarray, gen_length: int, mask_id: int, cfg: bool, max_len: int) -> "Canvas":
+        length = len(prompt_ids) + gen_length
+        slots = bucket(length, max_len)
+        rows = np.full((2 if cfg else 1, slots), mask_id, np.int32)
+        rows[0, : len(prompt_ids)] = prompt_ids
+        return cls(rows, length, len(prompt_ids), mask_id)
+
+    @property
+    def slots(self) -> int:
+        return self.tokens.shape[1]
+
+    @property
+    def valid(self) -> np.ndarray:
+        """[B, S]: real canvas positions."""
+        return np.broadcast_to(np.arange(self.slots) < self.length, self.tokens.shape)
+
+    @property
+    def masked(self) -> np.ndarray:
+        """[S]: positions of row 0 still holding the mask token (prompt and padding excluded)."""
+        masked = self.tokens[0] == self.mask_id
+        masked[: self.prompt_len] = False
+        masked[self.length:] = False
+        return masked
+
+    def write(self, positions: np.ndarray, tokens: np.ndarray) -> None:
+        """Commit `tokens` at generated `positions` (in every row)."""
+        self.tokens[:, positions] = tokens
+
+    def generated(self) -> np.ndarray:
+        return self.tokens[0, self.prompt_len: self.length].astype(np.int64)
+
+    def window(self, start: int, end: int) -> Window:
+        """Positions [start, end), padded to a shape bucket no wider than the canvas."""
+        width = bucket(end - start, self.slots)
+        positions = np.zeros(width, np.int64)
+        positions[: end - start] = np.arange(start, end)
+        return Window(positions, np.arange(width) < end - start)
+
+    def full_window(self) -> Window:
+        return Window(np.arange(self.slots), np.arange(self.slots) < self.length)

@@ -1,0 +1,129 @@
+"""The semi-autoregressive host loop: blocks left to right, steps until each block is filled.
+
+Per step: the cache policy computes a window, the sampler turns its readout into (x0, confidence),
+the commit rule picks masked positions of the current block, and the canvas takes their tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable
+
+import numpy as np
+
+from llada_jax.errors import LladaError
+from policies.canvas import Block, Canvas
+from policies.sampling import Sampler
+from policies.schedule import FixedSchedule, ThresholdRule, transfer_counts
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """Lengths of one generation, validated as LLaDA's reference requires."""
+
+    gen_length: int
+    block_length: int
+    steps: int
+
+    def __post_init__(self):
+        for name in ("gen_length", "block_length", "steps"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or value <= 0:
+                raise LladaError(f"{name} must be a positive integer, got {value!r}")
+        if self.gen_length % self.block_length:
+            raise LladaError(f"gen_length={self.gen_length} is not a multiple of block_length={self.block_length}")
+        if self.steps < self.num_blocks:
+            raise LladaError(f"steps={self.steps} is fewer than the {self.num_blocks} blocks (need one step per block at least)")
+        if self.steps % self.num_blocks:
+            raise LladaError(f"steps={self.steps} is not divisible by the number of blocks ({self.num_blocks})")
+
+    @property
+    def num_blocks(self) -> int:
+        return self.gen_length // self.block_length
+
+    @property
+    def steps_per_block(self) -> int:
+        return self.steps // self.num_blocks
+
+    def blocks(self, prompt_len: int) -> list[Block]:
+        return [Block(b, prompt_len + b * self.block_length, prompt_len + (b + 1) * self.block_length)
+                for b in range(self.num_blocks)]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """One forward pass: what it computed and what it committed (canvas positions)."""
+
+    nfe: int
+    block: int
+    kind: str                 # "full" or "window"
+    width: int                # real positions computed
+    positions: tuple[int, ...]
+    tokens: tuple[int, ...]
+    confidence: tuple[float, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    output_ids: np.ndarray     # [gen_length] generated token ids
+    nfe: int                   # forward passes
+    wall_s: float
+    trace: tuple[StepRecord, ...]
+    prompt_len: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.output_ids) / self.wall_s if self.wall_s > 0 else float("inf")
+
+
+def decode(backend, prompt_ids: np.ndarray, schedule: Schedule, cache_policy, rule, sampler: Sampler, *,
+           mask_id: int, max_len: int, cfg: bool = False, seed: int = 0,
+           on_step: Callable[[Canvas, StepRecord], None] | None = None) -> Result:
+    """Generate `schedule.gen_length` tokens after `prompt_ids` (already validated on the host)."""
+    started = time.perf_counter()
+    rng = np.random.default_rng(seed)
+    canvas = Canvas.start(prompt_ids, schedule.gen_length, mask_id, cfg, max_len)
+    state = backend.empty_state(canvas.tokens.shape[0], canvas.slots) if cache_policy.uses_cache else None
+    trace: list[StepRecord] = []
+    for block in schedule.blocks(canvas.prompt_len):
+        counts = transfer_counts(int(canvas.masked[block.start:block.end].sum()), schedule.steps_per_block)
+        step = 0
+        while not _block_done(canvas, block, step, schedule, cache_policy, rule):
+            out, window, state = cache_policy.step(backend, canvas, state, block, step, len(trace))
+            x0, confidence = _canvas_wide(canvas, window, *sampler.choose(out.readout, rng))
+            candidates = canvas.masked.copy()
+            candidates[: block.start] = False
+            candidates[block.end:] = False
+            chosen = rule.select(confidence, candidates, step, counts)
+            canvas.write(chosen, x0[chosen])
+            record = StepRecord(len(trace), block.index, "full" if window.valid.size == canvas.slots else "window",
+                                int(window.valid.sum()), tuple(int(p) for p in chosen),
+                                tuple(int(t) for t in x0[chosen]), tuple(float(c) for c in confidence[chosen]))
+            trace.append(record)
+            if on_step is not None:
+                on_step(canvas, record)
+            step += 1
+    return Result(canvas.generated(), len(trace), time.perf_counter() - started, tuple(trace), canvas.prompt_len)
+
+
+def _block_done(canvas: Canvas, block: Block, step: int, schedule: Schedule, cache_policy, rule) -> bool:
+    """Vanilla's fixed schedule runs exactly steps_per_block steps (as LLaDA's reference does); cached
+    decoders and the threshold rule stop as soon as the block has no mask left (as Fast-dLLM does)."""
+    if isinstance(rule, FixedSchedule) and not cache_policy.uses_cache:
+        return step >= schedule.steps_per_block
+    return not canvas.masked[block.start:block.end].any()
+
+
+def _canvas_wide(canvas: Canvas, window, x0: np.ndarray, confidence: np.ndarray):
+    """Spread per-window predictions over canvas positions (confidence -inf where not computed)."""
+    x0_all = np.full(canvas.slots, canvas.mask_id, np.int64)
+    confidence_all = np.full(canvas.slots, -np.inf)
+    real = window.positions[window.valid]
+    x0_all[real] = x0[window.valid]
+    confidence_all[real] = confidence[window.valid]
+    return x0_all, confidence_all
+
+
+def make_rule(schedule: Schedule, threshold: float | None):
+    return FixedSchedule(schedule.steps_per_block) if threshold is None else ThresholdRule(float(threshold))

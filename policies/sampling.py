@@ -1,0 +1,55 @@
+"""Turn a step's readout into (x0, confidence) per computed position, as LLaDA's reference does.
+
+Temperature 0: x0 is the argmax, computed on the device with its log-probability. Temperature > 0:
+Gumbel-max over float64 logits on the host. Confidence is the softmax probability of x0
+(`low_confidence`) or a uniform draw (`random`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from llada_jax.errors import LladaError
+
+REMASKING = ("low_confidence", "random")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampler:
+    temperature: float = 0.0
+    remasking: str = "low_confidence"
+    unconfident_ids: tuple[int, ...] = ()  # confidence 0 when predicted, and left out of the softmax
+
+    def __post_init__(self):
+        if not self.temperature >= 0.0:
+            raise LladaError(f"temperature must be >= 0, got {self.temperature}")
+        if self.remasking not in REMASKING:
+            raise LladaError(f"unknown remasking {self.remasking!r}; choose one of {', '.join(REMASKING)}")
+
+    @property
+    def readout_kind(self) -> str:
+        return "argmax" if self.temperature == 0.0 else "logits"
+
+    def choose(self, readout: dict, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        """x0 and confidence (float64) for every position of row 0 of the readout."""
+        if "logits" in readout:
+            x0, confidence = self._sample(readout["logits"][0].astype(np.float64), rng)
+        else:
+            x0, confidence = readout["x0"][0].astype(np.int64), np.exp(readout["logp"][0].astype(np.float64))
+        if self.remasking == "random":
+            confidence = rng.random(x0.shape[0])
+        return x0, confidence
+
+    def _sample(self, logits: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        # argmax of exp(l) / (-log u)^T, taken in log space so large logits cannot overflow.
+        with np.errstate(divide="ignore"):
+            noisy = logits - self.temperature * np.log(-np.log(rng.random(logits.shape)))
+        x0 = np.argmax(noisy, axis=-1)
+        scored = logits.copy()
+        scored[:, list(self.unconfident_ids)] = -np.inf
+        top = scored.max(axis=-1, keepdims=True)
+        probs = np.exp(scored - top)
+        probs /= probs.sum(axis=-1, keepdims=True)
+        return x0, np.take_along_axis(probs, x0[:, None], axis=-1)[:, 0]

@@ -1,0 +1,56 @@
+"""Shared fixtures: tiny LLaDA checkpoints written in the real HF layout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+from llada_jax.checkpoint import save_hf
+from llada_jax.config import LLaDAConfig
+from llada_jax.params import init_params
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+LLADA_8B_DIR = SHARED / "llada-8b-instruct"
+
+# vocab 512 with mask id 500: nothing may assume the 8B's ids. Grouped K/V (4 heads, 2 kv-heads).
+TINY = LLaDAConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, mlp_hidden_size=64, vocab_size=512,
+                   embedding_size=512, max_sequence_length=128, rope_theta=10000.0, rms_norm_eps=1e-5,
+                   mask_token_id=500, eos_token_id=501, eot_token_id=502)
+
+
+def write_checkpoint(out_dir: Path, config: LLaDAConfig = TINY, seed: int = 0, std: float = 0.5,
+                     stored_dtype: str = "float32", shard_bytes: int | None = None) -> Path:
+    """Random weights (std large enough that predictions are not all ties) saved as an HF directory."""
+    return save_hf(init_params(config, seed=seed, std=std), config, out_dir, stored_dtype=stored_dtype,
+                   shard_bytes=shard_bytes)
+
+
+def read_all(model_dir: Path) -> dict[str, np.ndarray]:
+    """Every tensor of an HF directory as float64 numpy (for the reference oracle)."""
+    tensors = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(file), framework="np") as handle:
+            for name in handle.keys():
+                tensors[name] = handle.get_tensor(name).astype(np.float64)
+    return tensors
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def sharded_bf16_dir(tmp_path_factory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("ckpt") / "sharded", seed=1, stored_dtype="bfloat16",
+                            shard_bytes=20_000)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_dir):
+    import llada_jax
+
+    return llada_jax.load(tiny_dir)

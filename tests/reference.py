@@ -1,0 +1,130 @@
+"""A plain float64 numpy oracle, written straight from the published semantics and independent of
+the package: the HF LLaDA forward (K/V cached before rotary, as `modeling_llada` caches them) and the
+decoding loops of LLaDA's `generate` and Fast-dLLM's prefix / dual cache. Slow and simple on purpose."""
+
+from __future__ import annotations
+
+import numpy as np
+
+P = "model.transformer."
+
+
+def rms(x, w, eps):
+    return w * (x / np.sqrt((x * x).mean(-1, keepdims=True) + eps))
+
+
+def rope(x, positions, theta):
+    """x [B, H, T, hd] at absolute positions [T]."""
+    hd = x.shape[-1]
+    inv = 1.0 / theta ** (np.arange(0, hd, 2) / hd)
+    ang = np.concatenate([np.outer(positions, inv)] * 2, axis=-1)
+    half = hd // 2
+    rot = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * np.cos(ang) + rot * np.sin(ang)
+
+
+def forward(w, cfg, ids, past=None, replace=None):
+    """Logits [B, T, E] and this call's pre-rotary K/V per layer.
+
+    past: per layer (k, v) [B, Kh, P, hd] for positions 0..P-1. Without `replace` the new tokens sit at
+    positions P..P+T-1 (prefix cache); with `replace=(start, end)` they replace slots start..end-1 of
+    `past` (dual cache).
+    """
+    b, t = ids.shape
+    h, kh, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    x = w[P + "wte.weight"][ids]
+    presents = []
+    for layer in range(cfg.n_layers):
+        g = lambda name: w[f"{P}blocks.{layer}.{name}.weight"]  # noqa: E731
+        a = rms(x, g("attn_norm"), cfg.rms_norm_eps)
+        q = (a @ g("q_proj").T).reshape(b, t, h, hd).transpose(0, 2, 1, 3)
+        k = (a @ g("k_proj").T).reshape(b, t, kh, hd).transpose(0, 2, 1, 3)
+        v = (a @ g("v_proj").T).reshape(b, t, kh, hd).transpose(0, 2, 1, 3)
+        presents.append((k, v))
+        if past is None:
+            keys, vals, qpos = k, v, np.arange(t)
+        elif replace is None:
+            pk, pv = past[layer]
+            keys, vals = np.concatenate([pk, k], 2), np.concatenate([pv, v], 2)
+            qpos = np.arange(pk.shape[2], pk.shape[2] + t)
+        else:
+            keys, vals = past[layer][0].copy(), past[layer][1].copy()
+            keys[:, :, replace[0]:replace[1]], vals[:, :, replace[0]:replace[1]] = k, v
+            qpos = np.arange(replace[0], replace[1])
+        q = rope(q, qpos, cfg.rope_theta)
+        keys = rope(keys, np.arange(keys.shape[2]), cfg.rope_theta)
+        rep = h // kh
+        keys, vals = np.repeat(keys, rep, axis=1), np.repeat(vals, rep, axis=1)
+        s = q @ keys.transpose(0, 1, 3, 2) / np.sqrt(hd)
+        s = np.exp(s - s.max(-1, keepdims=True))
+        o = (s / s.sum(-1, keepdims=True)) @ vals
+        x = x + o.transpose(0, 2, 1, 3).reshape(b, t, -1) @ g("attn_out").T
+        f = rms(x, g("ff_norm"), cfg.rms_norm_eps)
+        gate = f @ g("ff_proj").T
+        x = x + ((gate / (1 + np.exp(-gate))) * (f @ g("up_proj").T)) @ g("ff_out").T
+    x = rms(x, w[P + "ln_f.weight"], cfg.rms_norm_eps)
+    return x @ w[P + "ff_out.weight"].T, presents
+
+
+def transfer_counts(n, steps):
+    c = np.zeros(steps, int) + n // steps
+    c[: n % steps] += 1
+    return c
+
+
+def pick(logits, candidates, k, threshold):
+    """Reference commit choice among candidate positions (top-k, or Fast-dLLM's threshold rule)."""
+    x0 = logits.argmax(-1)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    conf = np.where(candidates, np.take_along_axis(p, x0[:, None], -1)[:, 0], -np.inf)
+    order = np.argsort(-conf, kind="stable")
+    if threshold is None:
+        chosen = order[:k]
+    else:
+        n = int(candidates.sum())
+        chosen = [order[0]] + [i for i in order[1:n] if conf[i] >= threshold]
+    return np.array(chosen, int), x0
+
+
+def generate(w, cfg, prompt, gen_length, block_length, steps, policy="vanilla", threshold=None):
+    """Token ids of the generated part, and the number of forward passes."""
+    mask = cfg.mask_token_id
+    x = np.concatenate([prompt, np.full(gen_length, mask)])[None]
+    lp = len(prompt)
+    nb = gen_length // block_length
+    spb = steps // nb
+    nfe = 0
+    for blk in range(nb):
+        s, e = lp + blk * block_length, lp + (blk + 1) * block_length
+        counts = transfer_counts(int((x[0, s:e] == mask).sum()), spb)
+        i = 0
+        past = None
+        while True:
+            if policy == "vanilla" and threshold is None and i >= spb:
+                break
+            if policy != "vanilla" or threshold is not None:
+                if i > 0 and not (x[0, s:e] == mask).any():
+                    break
+            cand = np.zeros(x.shape[1], bool)
+            cand[s:e] = x[0, s:e] == mask
+            if policy == "vanilla" or i == 0:
+                logits, presents = forward(w, cfg, x)
+                logits = logits[0]
+                if policy == "prefix-cache":
+                    past = [(k[:, :, :s], v[:, :, :s]) for k, v in presents]
+                elif policy == "dual-cache":
+                    past = presents
+                offset = 0
+            elif policy == "prefix-cache":
+                logits = forward(w, cfg, x[:, s:], past)[0][0]
+                offset = s
+            else:
+                logits = forward(w, cfg, x[:, s:e], past, replace=(s, e))[0][0]
+                offset = s
+            nfe += 1
+            sub = cand[offset: offset + logits.shape[0]]
+            chosen, x0 = pick(logits, sub, counts[i] if i < spb else 0, threshold)
+            x[0, offset + chosen] = x0[chosen]
+            i += 1
+    return x[0, lp:], nfe

@@ -1,0 +1,36 @@
+"""Every decoder reproduces the reference loops token for token at temperature 0."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import llada_jax
+from tests import reference
+from tests.conftest import TINY, read_all
+
+POLICIES = ["vanilla", "prefix-cache", "dual-cache"]
+
+
+@pytest.fixture(scope="module")
+def weights(tiny_dir):
+    return read_all(tiny_dir)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(policy=st.sampled_from(POLICIES), threshold=st.sampled_from([None, 0.05, 0.3]),
+       prompt_len=st.integers(1, 20), blocks=st.integers(1, 3), block_length=st.sampled_from([4, 8]),
+       steps_per_block=st.sampled_from([1, 2, 4, 8]), seed=st.integers(0, 10_000))
+def test_matches_reference(tiny_model, weights, policy, threshold, prompt_len, blocks, block_length,
+                           steps_per_block, seed):
+    prompt = np.random.default_rng(seed).integers(0, TINY.mask_token_id, prompt_len)
+    gen_length = blocks * block_length
+    steps = blocks * steps_per_block
+    expected, expected_nfe = reference.generate(weights, TINY, prompt, gen_length, block_length, steps,
+                                                policy, threshold)
+    result = llada_jax.generate(tiny_model, prompt, gen_length=gen_length, block_length=block_length,
+                                steps=steps, policy=policy, threshold=threshold)
+    assert result.output_ids.tolist() == expected.tolist()
+    assert result.nfe == expected_nfe
