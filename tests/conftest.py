@@ -6,11 +6,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, settings
 from safetensors import safe_open
 
 from llada_jax.checkpoint import save_hf
 from llada_jax.config import LLaDAConfig
 from llada_jax.params import init_params
+
+# Steps compile on first use, and session fixtures are deliberately shared across examples.
+settings.register_profile("llada", deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+settings.load_profile("llada")
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 LLADA_8B_DIR = SHARED / "llada-8b-instruct"

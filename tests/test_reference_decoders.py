@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import llada_jax
@@ -19,7 +19,7 @@ def weights(tiny_dir):
     return read_all(tiny_dir)
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=15)
 @given(policy=st.sampled_from(POLICIES), threshold=st.sampled_from([None, 0.05, 0.3]),
        prompt_len=st.integers(1, 20), blocks=st.integers(1, 3), block_length=st.sampled_from([4, 8]),
        steps_per_block=st.sampled_from([1, 2, 4, 8]), seed=st.integers(0, 10_000))

@@ -1,0 +1,159 @@
+"""HF layout in and out: bit-exact round trips, the real 8B index, and a one-line error per fault."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+import llada_jax
+from llada_jax.checkpoint import restore_orbax, save_hf, save_orbax
+from llada_jax.config import read_config
+from llada_jax.errors import LladaError
+from llada_jax.params import abstract_params, hf_shapes, params_to_hf
+from tests.conftest import LLADA_8B_DIR, TINY, read_all, write_checkpoint
+
+
+def raw_tensors(model_dir):
+    from safetensors import safe_open
+
+    out = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(file), framework="np") as handle:
+            out.update({name: handle.get_tensor(name) for name in handle.keys()})
+    return out
+
+
+@pytest.mark.parametrize("stored, compute, shards", [("float32", "float32", None), ("bfloat16", "bfloat16", 20_000),
+                                                     ("bfloat16", "float32", None)])
+def test_hf_round_trip_is_bit_exact(tmp_path, stored, compute, shards):
+    source = write_checkpoint(tmp_path / "src", stored_dtype=stored, shard_bytes=shards)
+    model = llada_jax.load(source, dtype=compute)
+    copy = save_hf(model.params, model.config, tmp_path / "copy", stored_dtype=stored, shard_bytes=shards)
+    before, after = raw_tensors(source), raw_tensors(copy)
+    assert list(before) == list(after)
+    for name in before:
+        assert before[name].dtype == after[name].dtype
+        assert before[name].tobytes() == after[name].tobytes(), name
+    assert llada_jax.load(copy).config == model.config
+
+
+def test_sharded_checkpoint_has_an_index_naming_every_tensor(sharded_bf16_dir):
+    index = json.loads((sharded_bf16_dir / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(hf_shapes(TINY))
+    assert len(set(index["weight_map"].values())) > 1
+
+
+def test_real_llada_8b_metadata_matches_the_shape_description():
+    config = read_config(LLADA_8B_DIR, eot_token_id=126348)
+    assert (config.d_model, config.n_layers, config.n_heads, config.n_kv_heads) == (4096, 32, 32, 32)
+    assert (config.mlp_hidden_size, config.embedding_size, config.mask_token_id) == (12288, 126464, 126336)
+    assert config.eos_token_id == 126081 and config.rope_theta == 500000.0
+    index = json.loads((LLADA_8B_DIR / "model.safetensors.index.json").read_text())
+    shapes = hf_shapes(config)
+    assert set(index["weight_map"]) == set(shapes)
+    total = sum(int(np.prod(s)) * 2 for s in shapes.values())  # stored as bf16
+    assert total == index["metadata"]["total_size"]
+
+
+def test_orbax_round_trip(tmp_path, tiny_model):
+    save_orbax(tiny_model.params, tmp_path / "orbax")
+    restored = restore_orbax(tmp_path / "orbax", abstract_params(TINY))
+    for name, value in params_to_hf(tiny_model.params).items():
+        np.testing.assert_array_equal(np.asarray(params_to_hf(restored)[name]), np.asarray(value))
+
+
+def edit_json(path, edit):
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+def drop_from_index(name):
+    return lambda index: index["weight_map"].pop(name)
+
+
+def fault_missing_tensor(d):
+    edit_json(d / "model.safetensors.index.json", drop_from_index("model.transformer.blocks.1.q_proj.weight"))
+
+
+def fault_unexpected_tensor(d):
+    edit_json(d / "config.json", lambda c: c.update(n_layers=1))
+
+
+def fault_config_contradicts_weights(d):
+    edit_json(d / "config.json", lambda c: c.update(mlp_hidden_size=48))
+
+
+def fault_truncated_shard(d):
+    shard = sorted(d.glob("model-*.safetensors"))[1]
+    shard.write_bytes(shard.read_bytes()[:-100])
+
+
+def fault_bad_index(d):
+    (d / "model.safetensors.index.json").write_text("{not json")
+
+
+def fault_missing_shard(d):
+    sorted(d.glob("model-*.safetensors"))[0].unlink()
+
+
+def fault_tensor_in_wrong_shard(d):
+    def move(index):
+        files = sorted(set(index["weight_map"].values()))
+        name = next(n for n, f in index["weight_map"].items() if f == files[0])
+        index["weight_map"][name] = files[1]
+    edit_json(d / "model.safetensors.index.json", move)
+
+
+def fault_no_config(d):
+    (d / "config.json").unlink()
+
+
+def fault_bad_config(d):
+    (d / "config.json").write_text("[1, 2")
+
+
+def fault_unsupported_architecture(d):
+    edit_json(d / "config.json", lambda c: c.update(weight_tying=True))
+
+
+FAULTS = {
+    fault_missing_tensor: "missing tensor model.transformer.blocks.1.q_proj.weight",
+    fault_unexpected_tensor: "unexpected tensor model.transformer.blocks.1.",
+    fault_config_contradicts_weights: "ff_proj.weight has shape [64, 32] but config.json implies [48, 32]",
+    fault_truncated_shard: "unreadable safetensors file",
+    fault_bad_index: "not a valid safetensors index",
+    fault_missing_shard: "shard model-00001-of-",
+    fault_tensor_in_wrong_shard: "is listed in the index but not in this shard",
+    fault_no_config: "no config.json",
+    fault_bad_config: "not valid JSON",
+    fault_unsupported_architecture: "weight_tying=True is not supported",
+}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS), ids=lambda f: f.__name__)
+def test_checkpoint_faults_give_one_line_errors(tmp_path, sharded_bf16_dir, fault):
+    broken = tmp_path / "broken"
+    shutil.copytree(sharded_bf16_dir, broken)
+    fault(broken)
+    with pytest.raises(LladaError) as err:
+        llada_jax.load(broken)
+    message = str(err.value)
+    assert FAULTS[fault] in message and "\n" not in message
+
+
+def test_single_file_truncation_is_caught(tmp_path):
+    model_dir = write_checkpoint(tmp_path / "single")
+    weights = model_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(LladaError, match="unreadable safetensors file"):
+        llada_jax.load(model_dir)
+
+
+def test_weights_equal_what_was_saved(tiny_dir, tiny_model):
+    stored = read_all(tiny_dir)
+    for name, value in params_to_hf(tiny_model.params).items():
+        np.testing.assert_array_equal(np.asarray(value, np.float64), stored[name])

@@ -1,0 +1,81 @@
+"""`llada generate`: JSON output, and a one-line error with a non-zero exit for every bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from llada_jax.cli import main
+from tests.conftest import TINY
+
+VALID = ["--prompt-ids", "1,2,3", "--gen-length", "16", "--block-length", "8", "--steps", "8"]
+
+
+def run(capsys, *args):
+    code = main(["generate", *args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_json_output(capsys, tiny_dir):
+    code, out, _ = run(capsys, "--model", str(tiny_dir), *VALID, "--json", "--policy", "dual-cache")
+    row = json.loads(out)
+    assert code == 0 and len(row["output_ids"]) == 16 and row["nfe"] == 8
+    assert row["wall_s"] > 0 and row["tokens_per_s"] > 0 and "text" not in row  # no tokenizer.json
+
+
+def replace(args, flag, value):
+    out = list(args)
+    if flag in out:
+        out[out.index(flag) + 1] = value
+    else:
+        out += [flag, value]
+    return out
+
+
+BAD_INPUTS = {
+    "token id outside the vocab": (replace(VALID, "--prompt-ids", "1,512"), "outside the vocabulary [0, 512)"),
+    "mask id in prompt": (replace(VALID, "--prompt-ids", f"1,{TINY.mask_token_id}"), "mask token id 500"),
+    "negative token id": (replace(VALID, "--prompt-ids", "1,-3"), "outside the vocabulary"),
+    "too long": (replace(replace(VALID, "--gen-length", "128"), "--steps", "128"), "exceeds max_sequence_length=128"),
+    "block does not divide": (replace(VALID, "--block-length", "5"), "not a multiple of block_length=5"),
+    "steps below blocks": (replace(VALID, "--steps", "1"), "fewer than the 2 blocks"),
+    "steps do not divide": (replace(VALID, "--steps", "3"), "not divisible by the number of blocks"),
+    "unknown policy": (replace(VALID, "--policy", "fastest"), "unknown policy 'fastest'"),
+    "threshold zero": (replace(VALID, "--threshold", "0"), "threshold must be in (0, 1]"),
+    "threshold above one": (replace(VALID, "--threshold", "1.5"), "threshold must be in (0, 1]"),
+    "negative temperature": (replace(VALID, "--temperature", "-1"), "temperature must be >= 0"),
+    "unknown remasking": (replace(VALID, "--remasking", "lowest"), "unknown remasking"),
+    "unknown dtype": (VALID + ["--dtype", "float8"], "unknown dtype"),
+    "bad id list": (replace(VALID, "--prompt-ids", "1,x"), "comma-separated integers"),
+    "text without tokenizer": (VALID[2:] + ["--prompt", "hi"], "no tokenizer.json"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_is_one_line_error(capsys, tiny_dir, case):
+    args, expected = BAD_INPUTS[case]
+    code, out, err = run(capsys, "--model", str(tiny_dir), *args)
+    assert code == 1 and out == ""
+    assert err.startswith("llada: error: ") and expected in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("model_dir", ["missing", "empty"])
+def test_missing_or_corrupt_model_dir(capsys, tmp_path, model_dir):
+    path = tmp_path / model_dir
+    if model_dir == "empty":
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps(TINY.to_hf_dict()))
+    code, _, err = run(capsys, "--model", str(path), *VALID)
+    assert code == 1 and err.count("\n") == 1
+    assert ("does not exist" if model_dir == "missing" else "no model.safetensors") in err
+
+
+def test_real_process_exits_nonzero_without_traceback(tiny_dir):
+    proc = subprocess.run([sys.executable, "-m", "llada_jax.cli", "generate", "--model", str(tiny_dir),
+                           *replace(VALID, "--prompt-ids", "999999")], capture_output=True, text=True)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().startswith("llada: error: prompt holds token id 999999")

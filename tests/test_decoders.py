@@ -1,0 +1,136 @@
+"""Decoder properties: schedules, immutability of commits, cache equivalence at block starts."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import llada_jax
+from llada_jax.backend import JaxBackend
+from llada_jax.steps import Readout, full_step
+from policies.cache import DualCache, PrefixCache
+from policies.canvas import Block, Canvas
+from tests.conftest import TINY
+
+POLICIES = ["vanilla", "prefix-cache", "dual-cache"]
+
+
+def prompt(seed: int, length: int = 6) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, TINY.mask_token_id, length)
+
+
+class Recorder:
+    """on_step callback keeping a copy of row 0 of the canvas after every step."""
+
+    def __init__(self):
+        self.canvases, self.records = [], []
+
+    def __call__(self, canvas, record):
+        self.canvases.append(canvas.tokens[0, : canvas.length].copy())
+        self.records.append(record)
+
+
+@settings(max_examples=12)
+@given(policy=st.sampled_from(POLICIES), threshold=st.sampled_from([None, 0.2]), blocks=st.integers(1, 3),
+       steps_per_block=st.sampled_from([1, 2, 4, 8]), seed=st.integers(0, 1000))
+def test_committed_tokens_never_change_and_commits_stay_in_their_block(tiny_model, policy, threshold, blocks,
+                                                                       steps_per_block, seed):
+    recorder = Recorder()
+    ids = prompt(seed)
+    result = llada_jax.generate(tiny_model, ids, gen_length=8 * blocks, block_length=8, steps=blocks * steps_per_block,
+                                policy=policy, threshold=threshold, on_step=recorder)
+    mask = TINY.mask_token_id
+    previous = np.concatenate([ids, np.full(8 * blocks, mask)])
+    for canvas, record in zip(recorder.canvases, recorder.records):
+        committed = previous != mask
+        assert (canvas[committed] == previous[committed]).all()
+        start = len(ids) + 8 * record.block
+        assert all(start <= p < start + 8 and previous[p] == mask for p in record.positions)
+        assert len(set(record.positions)) == len(record.positions)
+        previous = canvas
+    assert (result.output_ids != mask).all()
+    assert result.output_ids.tolist() == recorder.canvases[-1][len(ids):].tolist()
+
+
+@settings(max_examples=10)
+@given(policy=st.sampled_from(POLICIES), blocks=st.integers(1, 4), steps_per_block=st.sampled_from([1, 2, 4, 8]),
+       seed=st.integers(0, 1000))
+def test_fixed_schedule_commits_gen_length_tokens_in_steps_forwards(tiny_model, policy, blocks, steps_per_block,
+                                                                    seed):
+    result = llada_jax.generate(tiny_model, prompt(seed), gen_length=8 * blocks, block_length=8,
+                                steps=blocks * steps_per_block, policy=policy)
+    assert result.nfe == blocks * steps_per_block
+    assert sum(len(r.positions) for r in result.trace) == 8 * blocks
+    per_step = 8 // steps_per_block
+    assert all(len(r.positions) == per_step for r in result.trace)
+
+
+def test_vanilla_runs_every_scheduled_step_even_when_steps_exceed_block_length(tiny_model):
+    result = llada_jax.generate(tiny_model, prompt(1), gen_length=8, block_length=4, steps=12)
+    assert result.nfe == 12
+    assert [len(r.positions) for r in result.trace] == [1, 1, 1, 1, 0, 0] * 2
+
+
+@settings(max_examples=8)
+@given(policy=st.sampled_from([PrefixCache(), DualCache()]), block_index=st.integers(0, 2),
+       seed=st.integers(0, 1000))
+def test_cache_at_block_start_equals_full_forward(tiny_model, policy, block_index, seed):
+    """The K/V a cached decoder keeps at a block start are exactly the full forward's, slot for slot."""
+    rng = np.random.default_rng(seed)
+    ids = prompt(seed)
+    canvas = Canvas.start(ids, 24, TINY.mask_token_id, cfg=False, max_len=TINY.max_sequence_length)
+    start = len(ids) + 8 * block_index
+    canvas.tokens[0, len(ids): start] = rng.integers(0, TINY.mask_token_id, start - len(ids))
+    backend = JaxBackend(tiny_model.params, TINY, Readout())
+    state = backend.empty_state(1, canvas.slots)
+    _, _, state = policy.step(backend, canvas, state, Block(block_index, start, start + 8), 0, nfe=0)
+    _, keys, values = full_step(tiny_model.params, jnp.asarray(canvas.tokens), jnp.asarray(canvas.valid),
+                                jnp.float32(0), config=TINY, readout=Readout())
+    kept = np.flatnonzero(state.filled[0])
+    expected = np.arange(start) if isinstance(policy, PrefixCache) else np.arange(canvas.length)
+    assert kept.tolist() == expected.tolist()
+    np.testing.assert_array_equal(np.asarray(state.keys)[:, 0, kept], np.asarray(keys)[:, 0, kept])
+    np.testing.assert_array_equal(np.asarray(state.values)[:, 0, kept], np.asarray(values)[:, 0, kept])
+    assert (state.slot_token[0, kept] == canvas.tokens[0, kept]).all()
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_sampling_options_are_seeded_and_fill_the_canvas(tiny_model, policy):
+    kwargs = dict(gen_length=16, block_length=8, steps=8, temperature=0.8, cfg_scale=0.5, remasking="random",
+                  policy=policy)
+    first = llada_jax.generate(tiny_model, prompt(2), seed=3, **kwargs)
+    again = llada_jax.generate(tiny_model, prompt(2), seed=3, **kwargs)
+    other = llada_jax.generate(tiny_model, prompt(2), seed=4, **kwargs)
+    assert first.output_ids.tolist() == again.output_ids.tolist()
+    assert first.output_ids.tolist() != other.output_ids.tolist()
+    assert (first.output_ids != TINY.mask_token_id).all()
+
+
+def eos_loving(model, seed: int):
+    """The tiny model with its EOS head row made a scaled copy of its favourite token's row."""
+    output = llada_jax.generate(model, prompt(seed), gen_length=32, block_length=32, steps=32).output_ids
+    values, counts = np.unique(output, return_counts=True)
+    head = np.array(model.params["lm_head"])
+    head[TINY.eos_token_id] = 1.05 * head[values[counts.argmax()]]
+    return dataclasses.replace(model, params=dict(model.params, lm_head=jnp.asarray(head)))
+
+
+def test_forbidding_eos_keeps_it_out_and_zero_confidence_delays_it(tiny_model):
+    eos = TINY.eos_token_id
+    model = eos_loving(tiny_model, 5)
+    base = dict(gen_length=32, block_length=32, steps=32)
+    plain = llada_jax.generate(model, prompt(5), **base)
+    assert (plain.output_ids == eos).sum() >= 5
+    forbidden = llada_jax.generate(model, prompt(5), logits_eos_inf=True, **base)
+    assert eos not in forbidden.output_ids
+    late = llada_jax.generate(model, prompt(5), confidence_eos_eot_inf=True, **base)
+    eos_steps = [r.nfe for r in late.trace for t, c in zip(r.tokens, r.confidence) if t == eos and c == 0.0]
+    eos_commits = [r.nfe for r in late.trace for t in r.tokens if t == eos]
+    assert eos_steps == eos_commits and len(eos_commits) >= 1
+    plain_eos_commits = [r.nfe for r in plain.trace for t in r.tokens if t == eos]
+    assert min(eos_commits) > min(plain_eos_commits)  # zero confidence pushes EOS to the end

@@ -1,0 +1,113 @@
+"""The JAX forward against the float64 oracle, and the fixed-shape steps against each other."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import llada_jax
+from llada_jax import kv_state
+from llada_jax.steps import Readout, full_step, window_step
+from tests import reference
+from tests.conftest import TINY, read_all
+
+LOGITS = Readout(kind="logits")
+
+
+def random_ids(seed: int, shape, with_masks: bool = True) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, TINY.vocab_size, shape)
+    if with_masks:
+        ids[rng.random(shape) < 0.3] = TINY.mask_token_id
+    return ids
+
+
+@settings(max_examples=10)
+@given(batch=st.integers(1, 3), length=st.integers(1, 70), seed=st.integers(0, 10_000))
+def test_logits_match_float64_oracle(tiny_model, tiny_dir, batch, length, seed):
+    ids = random_ids(seed, (batch, length))
+    expected, _ = reference.forward(read_all(tiny_dir), TINY, ids)
+    got = llada_jax.logits(tiny_model, ids)
+    assert got.shape == (batch, length, TINY.embedding_size) and got.dtype == np.float32
+    np.testing.assert_allclose(got, expected, atol=2e-4, rtol=1e-4)
+
+
+def assert_close_to_scale(got: np.ndarray, want: np.ndarray, tol: float = 1e-5) -> None:
+    """Float32 agreement: max |got - want| <= tol x the largest magnitude (logits here reach ~10)."""
+    assert np.abs(got - want).max() <= tol * max(1.0, float(np.abs(want).max()))
+
+
+def full_outputs(model, ids: np.ndarray, slots: int):
+    padded = np.full((1, slots), TINY.mask_token_id, np.int32)
+    padded[0, : ids.size] = ids
+    valid = np.arange(slots)[None] < ids.size
+    return full_step(model.params, jnp.asarray(padded), jnp.asarray(valid), jnp.float32(0), config=TINY,
+                     readout=LOGITS)
+
+
+@settings(max_examples=15)
+@given(length=st.integers(2, 60), data=st.data(), seed=st.integers(0, 10_000))
+def test_window_with_fresh_cache_equals_full_forward(tiny_model, length, data, seed):
+    ids = random_ids(seed, (length,))
+    slots = 64
+    out, keys, values = full_outputs(tiny_model, ids, slots)
+    start = data.draw(st.integers(0, length - 1))
+    end = data.draw(st.integers(start + 1, length))
+    width = data.draw(st.sampled_from([w for w in (8, 16, 32, 64) if w >= end - start]))
+    everything = np.arange(slots)[None]
+    state = kv_state.commit(kv_state.empty_state(TINY, 1, slots), everything, everything < length, keys, values,
+                            np.pad(ids, (0, slots - length))[None], step=0)
+    visible = (everything < length) & ~((everything >= start) & (everything < end))
+    positions = np.zeros((1, width), np.int32)
+    positions[0, : end - start] = np.arange(start, end)
+    window_valid = np.arange(width)[None] < end - start
+    window_out, window_keys, _ = window_step(
+        tiny_model.params, kv_state.context(state, visible), jnp.asarray(np.where(window_valid, ids[positions], 0)),
+        jnp.asarray(positions), jnp.asarray(window_valid), jnp.float32(0), config=TINY, readout=LOGITS)
+    n = end - start
+    assert_close_to_scale(np.asarray(window_out["logits"])[0, :n], np.asarray(out["logits"])[0, start:end])
+    assert_close_to_scale(np.asarray(window_keys)[:, 0, :n], np.asarray(keys)[:, 0, start:end])
+
+
+@settings(max_examples=8)
+@given(length=st.integers(1, 32), seed=st.integers(0, 10_000))
+def test_padding_to_a_larger_bucket_changes_nothing(tiny_model, length, seed):
+    ids = random_ids(seed, (length,))
+    small = np.asarray(full_outputs(tiny_model, ids, 32)[0]["logits"])[0, :length]
+    large = np.asarray(full_outputs(tiny_model, ids, 128)[0]["logits"])[0, :length]
+    assert_close_to_scale(small, large)
+
+
+def test_argmax_readout_agrees_with_logits(tiny_model):
+    ids = random_ids(7, (40,))
+    logits = np.asarray(full_outputs(tiny_model, ids, 64)[0]["logits"], np.float64)[0, :40]
+    padded = np.full((1, 64), TINY.mask_token_id, np.int32)
+    padded[0, :40] = ids
+    out, _, _ = full_step(tiny_model.params, jnp.asarray(padded), jnp.asarray(np.arange(64)[None] < 40),
+                          jnp.float32(0), config=TINY, readout=Readout(unconfident_ids=(3,)))
+    x0 = np.asarray(out["x0"])[0, :40]
+    assert x0.tolist() == logits.argmax(-1).tolist()
+    scored = logits.copy()
+    scored[:, 3] = -np.inf
+    probs = np.exp(scored - scored.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    np.testing.assert_allclose(np.exp(np.asarray(out["logp"], np.float64)[0, :40]),
+                               probs[np.arange(40), x0], rtol=1e-5)
+
+
+def test_each_shape_compiles_once(tiny_model):
+    llada_jax.logits(tiny_model, random_ids(1, (1, 20)))
+    before = full_step._cache_size()
+    for length in (17, 25, 32):  # all in the 32 bucket
+        llada_jax.logits(tiny_model, random_ids(length, (1, length)))
+    assert full_step._cache_size() == before
+
+
+def test_bfloat16_compute_is_close_to_float32(tiny_dir, tiny_model):
+    model16 = llada_jax.load(tiny_dir, dtype="bfloat16")
+    ids = random_ids(3, (1, 30))
+    low, high = llada_jax.logits(model16, ids), llada_jax.logits(tiny_model, ids)
+    assert low.dtype == np.float32
+    assert np.abs(low - high).max() < 0.1 * np.abs(high).max()

@@ -1,0 +1,63 @@
+"""Tokenizer files: the real LLaDA-8B-Instruct chat template and special tokens, and a tokenizer.json."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from llada_jax.errors import LladaError
+from llada_jax.tokenizer import eot_id_from_files, load_tokenizer, read_special_tokens, render_chat_template
+from tests.conftest import LLADA_8B_DIR
+
+
+def test_real_instruct_chat_template_renders_one_user_turn():
+    special, template = read_special_tokens(LLADA_8B_DIR)
+    assert special["bos_token"] == "<|startoftext|>" and special["eos_token"] == "<|endoftext|>"
+    text = render_chat_template(template, [{"role": "user", "content": "  What is 2+2? "}], special)
+    assert text == ("<|startoftext|><|start_header_id|>user<|end_header_id|>\n\nWhat is 2+2?<|eot_id|>"
+                    "<|start_header_id|>assistant<|end_header_id|>\n\n")
+
+
+def test_real_instruct_eot_id_is_read_from_added_tokens():
+    assert eot_id_from_files(LLADA_8B_DIR) == 126348
+
+
+@pytest.fixture
+def char_model_dir(tmp_path):
+    vocab = {c: i for i, c in enumerate("abcdefghijklmnopqrstuvwxyz ?")}
+    for token in ("<|startoftext|>", "<|endoftext|>", "<|eot_id|>", "<|mdm_mask|>"):
+        vocab[token] = len(vocab)
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="?"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    backend.decoder = decoders.Fuse()
+    backend.add_special_tokens(["<|startoftext|>", "<|endoftext|>", "<|eot_id|>", "<|mdm_mask|>"])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copyfile(LLADA_8B_DIR / name, tmp_path / name)
+    return tmp_path
+
+
+def test_tokenizer_json_round_trips_text_and_knows_special_tokens(char_model_dir):
+    tokenizer = load_tokenizer(char_model_dir)
+    ids = tokenizer.encode("hello world")
+    assert len(ids) == 11 and tokenizer.decode(ids) == "hello world"
+    assert tokenizer.token_id("<|mdm_mask|>") == 31
+    prompt = tokenizer.encode(tokenizer.chat_prompt("hi"))
+    assert prompt[0] == tokenizer.token_id("<|startoftext|>")
+
+
+def test_missing_chat_template_is_a_clear_error(char_model_dir):
+    config = json.loads((char_model_dir / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (char_model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(LladaError, match="no chat_template"):
+        load_tokenizer(char_model_dir).chat_prompt("hi")
+
+
+def test_corrupt_tokenizer_json_is_a_clear_error(char_model_dir):
+    (char_model_dir / "tokenizer.json").write_text("{}")
+    with pytest.raises(LladaError, match="cannot load tokenizer"):
+        load_tokenizer(char_model_dir)
