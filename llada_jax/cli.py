@@ -13,7 +13,7 @@ from llada_jax.errors import LladaError
 
 def add_decoding_flags(parser: argparse.ArgumentParser) -> None:
     """Decoder flags shared by generate, eval and bench."""
-    parser.add_argument("--gen-length", type=int, default=64)
+    parser.add_argument("--gen-length", type=int, default=32)
     parser.add_argument("--block-length", type=int, default=8)
     parser.add_argument("--steps", type=int, default=None, help="total denoising steps (default: gen-length)")
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -75,6 +75,31 @@ def cmd_generate(args) -> None:
     print(f"[{result.nfe} forward passes, {result.wall_s:.2f} s, {result.tokens_per_s:.1f} tokens/s]", file=sys.stderr)
 
 
+def cmd_train(args) -> None:
+    from llada_jax.training import TrainSettings, embedded_model_config, train
+
+    settings = TrainSettings(steps=args.steps, batch=args.batch, learning_rate=args.lr, seed=args.seed,
+                             block_aware=args.block_aware, checkpoint_every=args.checkpoint_every)
+    config = embedded_model_config(d_model=args.d_model, n_layers=args.n_layers)
+    model_dir = train(args.out, settings, config, progress=not args.quiet)
+    print(f"trained model written to {model_dir}")
+
+
+def cmd_eval_tasks(args) -> None:
+    from eval.task_eval import DecoderSetting, evaluate
+
+    model = load_model(args)
+    settings = [DecoderSetting.parse(spec) for spec in (args.policy or ["vanilla"])]
+    rows = [evaluate(model, setting, args.limit, progress=not args.json) for setting in settings]
+    if args.json:
+        print(json.dumps(rows[0] if len(rows) == 1 else {"overall": rows[0]["overall"], "runs": rows}))
+        return
+    for row in rows:
+        families = "  ".join(f"{name} {value:.3f}" for name, value in row["families"].items())
+        print(f"{row['setting']:<22} overall {row['overall']:.3f}  {families}  NFE {row['mean_nfe']:.1f}  "
+              f"{row['tokens_per_s']:.0f} tok/s")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llada", description="Diffusion LLM (LLaDA) inference in JAX")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -89,6 +114,27 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-visual", action="store_true", help="no live canvas even on a terminal")
     add_decoding_flags(gen)
     gen.set_defaults(run=cmd_generate)
+    ev = commands.add_parser("eval", help="evaluate a model")
+    suites = ev.add_subparsers(dest="suite", required=True)
+    tasks = suites.add_parser("tasks", help="exact match on the embedded task suite's held-out split")
+    tasks.add_argument("--model", default=None)
+    tasks.add_argument("--dtype", default="float32")
+    tasks.add_argument("--policy", action="append", help="POLICY or POLICY@THRESHOLD; repeat for several")
+    tasks.add_argument("--limit", type=int, default=None, help="examples per family")
+    tasks.add_argument("--json", action="store_true")
+    tasks.set_defaults(run=cmd_eval_tasks)
+    tr = commands.add_parser("train", help="train the embedded tiny model on the task suite (resumable)")
+    tr.add_argument("--out", required=True, help="run directory (checkpoints; the model lands in OUT/model)")
+    tr.add_argument("--steps", type=int, default=40_000)
+    tr.add_argument("--batch", type=int, default=64)
+    tr.add_argument("--lr", type=float, default=1e-3)
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--d-model", type=int, default=128)
+    tr.add_argument("--n-layers", type=int, default=4)
+    tr.add_argument("--block-aware", type=float, default=0.5, help="fraction of block-aware masked examples")
+    tr.add_argument("--checkpoint-every", type=int, default=1000)
+    tr.add_argument("--quiet", action="store_true", help="no progress bar")
+    tr.set_defaults(run=cmd_train)
     return parser
 
 

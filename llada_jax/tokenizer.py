@@ -4,6 +4,7 @@ template from `tokenizer_config.json` / `special_tokens_map.json`."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 
@@ -40,8 +41,9 @@ class Tokenizer:
                                     self.special_tokens)
 
 
-def render_chat_template(template: str, messages: list[dict], special_tokens: dict) -> str:
-    """Render a jinja chat template in a sandbox, with the variables HF passes."""
+@functools.lru_cache(maxsize=8)
+def _compiled_template(template: str):
+    """Compile a chat template once, in a sandbox, with the helpers HF templates expect."""
     from jinja2 import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -51,7 +53,17 @@ def render_chat_template(template: str, messages: list[dict], special_tokens: di
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
     try:
-        return env.from_string(template).render(messages=messages, add_generation_prompt=True, **special_tokens)
+        return env.from_string(template)
+    except TemplateError as err:
+        raise LladaError(f"chat template does not parse: {err}") from None
+
+
+def render_chat_template(template: str, messages: list[dict], special_tokens: dict) -> str:
+    """Render a jinja chat template with the variables HF passes."""
+    from jinja2 import TemplateError
+
+    try:
+        return _compiled_template(template).render(messages=messages, add_generation_prompt=True, **special_tokens)
     except TemplateError as err:
         raise LladaError(f"chat template failed: {err}") from None
 

@@ -1,0 +1,73 @@
+"""`llada eval tasks`: exact-match accuracy of a model on the held-out task suite, per decoder setting.
+
+A decoder setting is a policy name with an optional threshold: `dual-cache` or `dual-cache@0.9`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from eval.tasks import exact_match, held_out
+from llada_jax.errors import LladaError
+
+GEN_LENGTH, BLOCK_LENGTH = 32, 8
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderSetting:
+    policy: str
+    threshold: float | None = None
+
+    @classmethod
+    def parse(cls, spec: str) -> "DecoderSetting":
+        name, _, threshold = spec.partition("@")
+        try:
+            return cls(name, float(threshold) if threshold else None)
+        except ValueError:
+            raise LladaError(f"bad decoder setting {spec!r}; use POLICY or POLICY@THRESHOLD") from None
+
+    def __str__(self) -> str:
+        return self.policy if self.threshold is None else f"{self.policy}@{self.threshold}"
+
+
+def answer_text(tokenizer, output_ids: np.ndarray, config) -> str:
+    """The decoded answer: everything before the first EoT/EOS."""
+    ids = output_ids.tolist()
+    for stop in (config.eot_token_id, config.eos_token_id):
+        if stop in ids:
+            ids = ids[: ids.index(stop)]
+    return tokenizer.decode(ids)
+
+
+def evaluate(model, setting: DecoderSetting, limit: int | None = None, steps: int = GEN_LENGTH,
+             progress: bool = False) -> dict:
+    """Accuracy per family and overall, mean NFE and tokens/s for one decoder setting."""
+    from llada_jax.api import generate
+
+    if model.tokenizer is None:
+        raise LladaError("the task suite needs a model with a tokenizer")
+    examples = held_out(limit) if limit else held_out()
+    correct: dict[str, list[bool]] = {}
+    nfes, tokens, seconds = [], 0, 0.0
+    for index, example in enumerate(examples):
+        ids = np.array(model.tokenizer.encode(model.tokenizer.chat_prompt(example.prompt)))
+        result = generate(model, ids, gen_length=GEN_LENGTH, block_length=BLOCK_LENGTH, steps=steps,
+                          policy=setting.policy, threshold=setting.threshold)
+        output = answer_text(model.tokenizer, result.output_ids, model.config)
+        correct.setdefault(example.family, []).append(exact_match(output, example.answer))
+        nfes.append(result.nfe)
+        tokens += GEN_LENGTH
+        seconds += result.wall_s
+        if progress:
+            done = sum(map(sum, correct.values()))
+            print(f"\r{setting}: {index + 1}/{len(examples)} accuracy {done / (index + 1):.3f}", end="", flush=True)
+    if progress:
+        print()
+    every = [c for family in correct.values() for c in family]
+    return {"setting": str(setting), "overall": float(np.mean(every)),
+            "families": {name: float(np.mean(v)) for name, v in sorted(correct.items())},
+            "mean_nfe": float(np.mean(nfes)), "tokens_per_s": tokens / seconds if seconds else 0.0,
+            "examples": len(every), "gen_length": GEN_LENGTH, "block_length": BLOCK_LENGTH, "steps": steps}

@@ -1,0 +1,33 @@
+"""The task suite: deterministic, long enough answers, and a held-out split training never sees."""
+
+from __future__ import annotations
+
+import itertools
+
+from eval.tasks import FAMILIES, MIN_ANSWER, held_out, training_stream
+
+
+def test_generators_are_deterministic_and_answers_span_three_blocks():
+    first, second = held_out(20), held_out(20)
+    assert first == second
+    assert {e.family for e in first} == set(FAMILIES) and len(first) == 20 * len(FAMILIES)
+    assert all(len(e.answer) >= MIN_ANSWER for e in first)
+
+
+def test_answers_depend_on_the_prompt():
+    examples = held_out(30)
+    for family in FAMILIES:
+        answers = {e.answer for e in examples if e.family == family}
+        assert len(answers) >= 25
+
+
+def test_training_stream_never_yields_a_held_out_prompt():
+    excluded = {e.prompt for e in held_out()}
+    assert not any(e.prompt in excluded for e in itertools.islice(training_stream(0), 5000))
+
+
+def test_word_problem_answers_end_with_the_number():
+    for e in held_out(30):
+        if e.family == "word":
+            steps = e.answer.split(". ")
+            assert steps[-1].startswith("#### ") and steps[1].split("=")[1] == steps[-1][5:]

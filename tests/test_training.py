@@ -1,0 +1,71 @@
+"""Training smoke test: a few steps, the masked-diffusion corruption, and exact resumption after a kill."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+import llada_jax
+from llada_jax import training
+from llada_jax.training import TrainSettings, corrupt, train
+
+SETTINGS = TrainSettings(steps=4, batch=4, seq_len=96, learning_rate=1e-3, warmup=1, checkpoint_every=2)
+CONFIG = dataclasses.replace(training.embedded_model_config(d_model=32, n_layers=1), max_sequence_length=128)
+
+
+@pytest.mark.parametrize("block_aware", [0.0, 1.0])
+def test_corruption_never_masks_the_prompt_and_weights_are_inverse_t(block_aware):
+    settings = dataclasses.replace(SETTINGS, block_aware=block_aware, batch=64)
+    tokens = jnp.full((64, 96), 7, jnp.int32)
+    prompt_len = jnp.asarray(np.random.default_rng(0).integers(5, 60, 64), jnp.int32)
+    noisy, weight = corrupt(jax.random.PRNGKey(1), tokens, prompt_len, settings, mask_id=99)
+    noisy, weight, prompt_len = np.asarray(noisy), np.asarray(weight), np.asarray(prompt_len)
+    pos = np.arange(96)[None]
+    response = (pos >= prompt_len[:, None]) & (pos < prompt_len[:, None] + 32)
+    masked = noisy == 99
+    assert not (masked & ~response).any()
+    assert ((weight > 0) == masked).all()
+    assert (weight[masked] >= 1.0).all()
+    assert masked.sum() > 0 and (~masked & response).sum() > 0
+    if block_aware:
+        for row in range(64):  # once a block is fully masked, every later block is too
+            blocks = masked[row, prompt_len[row]: prompt_len[row] + 32].reshape(4, 8)
+            full = blocks.all(axis=1)
+            first_full = np.argmax(full) if full.any() else 4
+            assert full[first_full:].all() and not blocks[: max(first_full - 1, 0)].any()
+
+
+def test_training_resumes_exactly_after_a_kill(tmp_path, monkeypatch):
+    straight = train(tmp_path / "straight", SETTINGS, CONFIG, progress=False)
+    real_step = training.train_step
+    calls = {"n": 0}
+
+    def dying_step(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > 2:
+            raise KeyboardInterrupt  # killed after the step-2 checkpoint
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(training, "train_step", dying_step)
+    with pytest.raises(KeyboardInterrupt):
+        train(tmp_path / "resumed", SETTINGS, CONFIG, progress=False)
+    monkeypatch.setattr(training, "train_step", real_step)
+    resumed = train(tmp_path / "resumed", SETTINGS, CONFIG, progress=False)
+    a, b = load_file(str(straight / "model.safetensors")), load_file(str(resumed / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for name in a:
+        np.testing.assert_allclose(a[name], b[name], rtol=1e-6, atol=1e-7)
+    model = llada_jax.load(resumed)
+    assert model.tokenizer.decode(model.tokenizer.encode("sort 1 2")) == "sort 1 2"
+    assert model.config.mask_token_id == model.tokenizer.token_id("<|mdm_mask|>")
+
+
+def test_resuming_with_other_settings_is_refused(tmp_path):
+    train(tmp_path / "run", dataclasses.replace(SETTINGS, steps=1), CONFIG, progress=False)
+    with pytest.raises(llada_jax.LladaError, match="other settings"):
+        train(tmp_path / "run", SETTINGS, CONFIG, progress=False)
