@@ -91,6 +91,8 @@ def generate(model: Model, prompt_ids, *, gen_length: int, block_length: int, st
 
     config = model.config
     prompt = check_token_ids(prompt_ids, config, "prompt", allow_mask=False)
+    if prompt.ndim == 2 and prompt.shape[0] == 1:  # the reference's [1, L] prompt shape
+        prompt = prompt[0]
     if prompt.ndim != 1:
         raise LladaError(f"prompt_ids must be one sequence [length], got shape {list(prompt.shape)}")
     schedule = Schedule(int(gen_length), int(block_length), int(steps))

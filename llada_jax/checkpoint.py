@@ -129,6 +129,7 @@ def save_hf(params: dict, config: LLaDAConfig, out_dir: Path, *, stored_dtype: s
         _write_weights(tensors, staging, shard_bytes)
         for name, source in (extra_files or {}).items():
             shutil.copyfile(source, staging / name)
+        _publish_permissions(staging)
         _replace_dir(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -156,6 +157,15 @@ def _write_weights(tensors: dict[str, np.ndarray], out_dir: Path, shard_bytes: i
         weight_map.update({name: file for name in shard})
     index = {"metadata": {"total_size": sum(v.nbytes for v in tensors.values())}, "weight_map": weight_map}
     (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _publish_permissions(directory: Path) -> None:
+    """mkdtemp makes a private directory; a model directory is readable like any other."""
+    umask = os.umask(0)
+    os.umask(umask)
+    directory.chmod(0o777 & ~umask)
+    for path in directory.iterdir():
+        path.chmod(0o666 & ~umask)
 
 
 def _replace_dir(staging: Path, out_dir: Path) -> None:

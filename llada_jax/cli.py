@@ -76,8 +76,12 @@ def cmd_generate(args) -> None:
 
 
 def cmd_train(args) -> None:
-    from llada_jax.training import TrainSettings, embedded_model_config, train
+    from llada_jax.training import TrainSettings, embedded_model_config, export_latest, train
 
+    if args.export_to:
+        out_dir, step = export_latest(args.out, args.export_to)
+        print(f"checkpoint of step {step} exported to {out_dir}")
+        return
     settings = TrainSettings(steps=args.steps, batch=args.batch, learning_rate=args.lr, seed=args.seed,
                              block_aware=args.block_aware, checkpoint_every=args.checkpoint_every)
     config = embedded_model_config(d_model=args.d_model, n_layers=args.n_layers)
@@ -134,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--block-aware", type=float, default=0.5, help="fraction of block-aware masked examples")
     tr.add_argument("--checkpoint-every", type=int, default=1000)
     tr.add_argument("--quiet", action="store_true", help="no progress bar")
+    tr.add_argument("--export-to", default=None, help="only export the run's newest checkpoint to this HF dir")
     tr.set_defaults(run=cmd_train)
     return parser
 

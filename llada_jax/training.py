@@ -197,6 +197,23 @@ def _train_loop(manager, params, opt_state, tokenizer, excluded, settings: Train
     return params, opt_state
 
 
+def export_latest(run_dir: Path, out_dir: Path) -> tuple[Path, int]:
+    """Export the newest complete checkpoint of a run (finished or still going) as an HF directory."""
+    import orbax.checkpoint as ocp
+
+    run_dir = Path(run_dir).absolute()
+    if not (run_dir / "run.json").is_file():
+        raise LladaError(f"{run_dir} is not a training run directory (no run.json)")
+    record = json.loads((run_dir / "run.json").read_text())
+    config = LLaDAConfig.from_hf_dict(record["config"])
+    with ocp.CheckpointManager(run_dir / "checkpoints") as manager:
+        step = manager.latest_step()
+        if step is None:
+            raise LladaError(f"{run_dir} has no checkpoint yet")
+        restored = manager.restore(step, args=ocp.args.StandardRestore())
+    return export_model(restored["params"], config, out_dir), step
+
+
 def _check_run_settings(run_dir: Path, settings: TrainSettings, config: LLaDAConfig) -> None:
     """A run directory belongs to one setting: resuming with different settings is refused."""
     record = {"settings": dataclasses.asdict(settings), "config": config.to_hf_dict()}

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 import llada_jax
 from tests import reference
-from tests.conftest import TINY, read_all
+from llada_jax.config import LLaDAConfig
+from tests.conftest import TINY, read_all, write_checkpoint
 
 POLICIES = ["vanilla", "prefix-cache", "dual-cache"]
 
@@ -34,3 +35,17 @@ def test_matches_reference(tiny_model, weights, policy, threshold, prompt_len, b
                                 steps=steps, policy=policy, threshold=threshold)
     assert result.output_ids.tolist() == expected.tolist()
     assert result.nfe == expected_nfe
+
+
+def test_full_vocabulary_sharded_bf16_checkpoint(tmp_path):
+    """LLaDA-8B's vocabulary and default special ids, stored as sharded bf16 and run in float32."""
+    config = LLaDAConfig(d_model=16, n_layers=1, n_heads=2, n_kv_heads=2, mlp_hidden_size=32, vocab_size=126464,
+                         embedding_size=126464, max_sequence_length=64)
+    model_dir = write_checkpoint(tmp_path / "full_vocab", config, stored_dtype="bfloat16", shard_bytes=2_000_000)
+    model = llada_jax.load(model_dir)
+    assert model.config.mask_token_id == 126336 and model.config.eos_token_id == 126081
+    prompt = np.random.default_rng(0).integers(0, 126000, (1, 7))
+    for policy in POLICIES:
+        expected, nfe = reference.generate(read_all(model_dir), config, prompt[0], 16, 8, 8, policy, None)
+        result = llada_jax.generate(model, prompt, gen_length=16, block_length=8, steps=8, policy=policy)
+        assert result.output_ids.tolist() == expected.tolist() and result.nfe == nfe
