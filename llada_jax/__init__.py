@@ -1,7 +1,23 @@
-"""LLaDA in pure-functional JAX: explicit KV state, fixed-shape steps, verifiable decoders."""
+"""LLaDA in pure-functional JAX: explicit KV state, fixed-shape steps, verifiable decoders.
 
-from llada_jax.api import Model, generate, load, logits
-from llada_jax.config import LLaDAConfig
-from llada_jax.errors import LladaError
+Attributes load lazily, so jax-free parts (config, tokenizer, decoding, the IREE runtime) can be
+imported without importing JAX.
+"""
 
-__all__ = ["LLaDAConfig", "LladaError", "Model", "generate", "load", "logits"]
+import importlib
+
+_EXPORTS = {
+    "Model": "llada_jax.api",
+    "generate": "llada_jax.api",
+    "load": "llada_jax.api",
+    "logits": "llada_jax.api",
+    "LLaDAConfig": "llada_jax.config",
+    "LladaError": "llada_jax.errors",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'llada_jax' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

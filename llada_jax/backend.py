@@ -1,7 +1,11 @@
-"""What runs a step. Decoders and policies call a backend and never know whether XLA or IREE is behind it.
+"""The XLA backend. Decoders and policies call a backend and never know whether XLA or IREE runs it.
 
-A backend is built for one model, one readout and one CFG scale. Readouts come back to the host as
-numpy (argmax + log-probability, or logits); proposed K/V stay on the device until committed.
+Backend interface (see also `lowering.runtime.IreeBackend`):
+    full(tokens [B,S], valid [B,S]) -> StepOutput
+    window(state, visible [B,S], ids [B,W], positions [B,W], valid [B,W]) -> StepOutput
+    commit(state, positions [B,W], write [B,W], out: StepOutput, tokens [B,W], step) -> KVState
+    empty_state(batch, slots) -> KVState
+Readouts come back to the host as numpy; proposed K/V stay on the device until committed.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ import numpy as np
 
 from llada_jax import kv_state
 from llada_jax.config import LLaDAConfig
-from llada_jax.steps import Readout, full_step, window_step
+from llada_jax.model import Context
+from llada_jax.readout import Readout, TokenBiases
+from llada_jax.steps import full_step, scatter_slots, window_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,29 +31,45 @@ class StepOutput:
 
 @dataclasses.dataclass(frozen=True)
 class JaxBackend:
-    """Runs the jitted steps with XLA. Params are already device arrays; nothing is re-uploaded per step."""
+    """Runs the jitted steps with XLA. Params are device arrays already; nothing is re-uploaded per step."""
 
     params: dict
     config: LLaDAConfig
     readout: Readout
+    biases: TokenBiases
     cfg_scale: float = 0.0
     dtype: object = jnp.float32
 
+    def _common(self):
+        return (jnp.float32(self.cfg_scale), jnp.asarray(self.biases.logit_bias),
+                jnp.asarray(self.biases.confidence_bias))
+
     def full(self, tokens: np.ndarray, valid: np.ndarray) -> StepOutput:
         out, keys, values = full_step(self.params, jnp.asarray(tokens, jnp.int32), jnp.asarray(valid),
-                                      jnp.float32(self.cfg_scale), config=self.config, readout=self.readout)
+                                      *self._common(), config=self.config, readout=self.readout)
         return StepOutput(_to_host(out), keys, values)
 
     def window(self, state: kv_state.KVState, visible: np.ndarray, window_ids: np.ndarray,
                window_pos: np.ndarray, window_valid: np.ndarray) -> StepOutput:
-        context = kv_state.context(state, visible)
+        context = Context(state.keys, state.values, jnp.asarray(kv_state.visible_bias(state, visible)))
         out, keys, values = window_step(
             self.params, context, jnp.asarray(window_ids, jnp.int32), jnp.asarray(window_pos, jnp.int32),
-            jnp.asarray(window_valid), jnp.float32(self.cfg_scale), config=self.config, readout=self.readout)
+            jnp.asarray(window_valid), *self._common(), config=self.config, readout=self.readout)
         return StepOutput(_to_host(out), keys, values)
 
+    def commit(self, state: kv_state.KVState, positions: np.ndarray, write: np.ndarray, out: StepOutput,
+               tokens: np.ndarray, step: int) -> kv_state.KVState:
+        targets = kv_state.write_targets(state, positions, write)
+        device_targets = jnp.asarray(targets)
+        keys = scatter_slots(state.keys, device_targets, out.keys)
+        values = scatter_slots(state.values, device_targets, out.values)
+        return kv_state.with_writes(state, keys, values, targets, tokens, step)
+
     def empty_state(self, batch: int, slots: int) -> kv_state.KVState:
-        return kv_state.empty_state(self.config, batch, slots, self.dtype)
+        c = self.config
+        shape = (c.n_layers, batch, slots, c.n_kv_heads, c.head_dim)
+        records = kv_state.empty_records(batch, slots)
+        return kv_state.KVState(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype), records, records.copy())
 
 
 def _to_host(out: dict) -> dict:

@@ -16,9 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from llada_jax.config import LLaDAConfig
-
-# Added to attention scores of hidden keys. Finite, so a row with every key hidden stays NaN-free.
-HIDDEN = -1e9
+from llada_jax.kv_state import HIDDEN  # finite: a row with every key hidden stays NaN-free
 
 
 class Context(NamedTuple):

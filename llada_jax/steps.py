@@ -7,7 +7,6 @@ log-probability per position.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -15,69 +14,62 @@ import jax.numpy as jnp
 
 from llada_jax.config import LLaDAConfig
 from llada_jax.model import HIDDEN, Context, forward, lm_logits
+from llada_jax.readout import Readout
 
 
-@dataclasses.dataclass(frozen=True)
-class Readout:
-    """What a step returns per position (a static jit argument).
-
-    kind: "argmax" (token + log-probability) or "logits".
-    cfg: batch rows are (conditional, unconditional); combine them into one row of guided logits.
-    forbid_ids: tokens whose logits are -inf before anything else (never predicted).
-    unconfident_ids: tokens removed from the confidence softmax; predicting one gives confidence 0.
-    """
-
-    kind: str = "argmax"
-    cfg: bool = False
-    forbid_ids: tuple[int, ...] = ()
-    unconfident_ids: tuple[int, ...] = ()
-
-
-def guided_logits(logits: jax.Array, cfg_scale: jax.Array, readout: Readout) -> jax.Array:
-    """Apply CFG and forbidden tokens to float32 logits `[B, W, E]`."""
+def guided_logits(logits: jax.Array, cfg_scale: jax.Array, logit_bias: jax.Array, readout: Readout) -> jax.Array:
+    """Apply CFG, then the per-token bias, to float32 logits `[B, W, E]`."""
     if readout.cfg:
         cond, uncond = logits[0:1], logits[1:2]
         logits = uncond + (cfg_scale + 1.0) * (cond - uncond)
-    if readout.forbid_ids:
-        logits = logits.at[..., list(readout.forbid_ids)].set(-jnp.inf)
-    return logits
+    return logits + logit_bias
 
 
-def argmax_logprob(logits: jax.Array, unconfident_ids: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
-    """x0 = argmax (first on ties) and log p(x0), accurate near p = 1 where float32 p would round."""
+def argmax_logprob(logits: jax.Array, confidence_bias: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x0 = argmax (first on ties) and log p(x0) under softmax(logits + confidence_bias), accurate
+    near p = 1 where a float32 probability would round to 1."""
     x0 = jnp.argmax(logits, axis=-1)
-    scored = logits.at[..., list(unconfident_ids)].set(-jnp.inf) if unconfident_ids else logits
+    scored = logits + confidence_bias
     top = jnp.take_along_axis(scored, x0[..., None], axis=-1)
     others = jnp.exp(scored - top)
     others = jnp.where(jnp.arange(scored.shape[-1]) == x0[..., None], 0.0, others)
     logp = -jnp.log1p(jnp.sum(others, axis=-1))
-    # x0 excluded from the confidence softmax: probability 0.
+    # x0 left out of the confidence softmax: probability 0.
     logp = jnp.where(jnp.isneginf(top[..., 0]), -jnp.inf, logp)
     return x0.astype(jnp.int32), logp
 
 
-def read_out(params: dict, hidden: jax.Array, cfg_scale: jax.Array, readout: Readout) -> dict:
-    logits = guided_logits(lm_logits(params, hidden), cfg_scale, readout)
+def read_out(params: dict, hidden: jax.Array, cfg_scale, logit_bias, confidence_bias, readout: Readout) -> dict:
+    logits = guided_logits(lm_logits(params, hidden), cfg_scale, logit_bias, readout)
     if readout.kind == "logits":
         return {"logits": logits}
-    x0, logp = argmax_logprob(logits, readout.unconfident_ids)
+    x0, logp = argmax_logprob(logits, confidence_bias)
     return {"x0": x0, "logp": logp}
 
 
 @functools.partial(jax.jit, static_argnames=("config", "readout"))
-def full_step(params: dict, tokens: jax.Array, valid: jax.Array, cfg_scale: jax.Array, *,
-              config: LLaDAConfig, readout: Readout):
+def full_step(params: dict, tokens: jax.Array, valid: jax.Array, cfg_scale: jax.Array, logit_bias: jax.Array,
+              confidence_bias: jax.Array, *, config: LLaDAConfig, readout: Readout):
     """Whole canvas `[B, L]`; `valid` marks real (non-padding) positions. Returns (readout, K, V)."""
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     bias = jnp.where(valid, 0.0, HIDDEN).astype(jnp.float32)
     out = forward(params, tokens, positions, bias, None, config)
-    return read_out(params, out.hidden, cfg_scale, readout), out.keys, out.values
+    return read_out(params, out.hidden, cfg_scale, logit_bias, confidence_bias, readout), out.keys, out.values
 
 
 @functools.partial(jax.jit, static_argnames=("config", "readout"))
 def window_step(params: dict, context: Context, window_ids: jax.Array, window_pos: jax.Array,
-                window_valid: jax.Array, cfg_scale: jax.Array, *, config: LLaDAConfig, readout: Readout):
+                window_valid: jax.Array, cfg_scale: jax.Array, logit_bias: jax.Array, confidence_bias: jax.Array,
+                *, config: LLaDAConfig, readout: Readout):
     """W positions `[B, W]` attending to the visible cached slots and to the valid window positions."""
     bias = jnp.where(window_valid, 0.0, HIDDEN).astype(jnp.float32)
     out = forward(params, window_ids, window_pos, bias, context, config)
-    return read_out(params, out.hidden, cfg_scale, readout), out.keys, out.values
+    return read_out(params, out.hidden, cfg_scale, logit_bias, confidence_bias, readout), out.keys, out.values
+
+
+@jax.jit
+def scatter_slots(cache: jax.Array, positions: jax.Array, proposed: jax.Array) -> jax.Array:
+    """cache `[N, B, S, K, hd]` with `proposed` `[N, B, W, K, hd]` written at slot `positions` `[B, W]`.
+    Positions equal to S mean "do not write" and are dropped, never clamped."""
+    rows = jnp.arange(cache.shape[1])[:, None]
+    return cache.at[:, rows, positions].set(proposed.astype(cache.dtype), mode="drop")

@@ -31,14 +31,13 @@ def run_window(backend, canvas: Canvas, state: kv_state.KVState, start: int, end
     return out, window
 
 
-def commit_window(state: kv_state.KVState, out, window: Window, canvas: Canvas, keep: np.ndarray,
+def commit_window(backend, state: kv_state.KVState, out, window: Window, canvas: Canvas, keep: np.ndarray,
                   step: int) -> kv_state.KVState:
     """Write the proposed K/V of the window positions where `keep` `[W]` holds."""
     rows = canvas.tokens.shape[0]
     positions = np.broadcast_to(window.positions, (rows, len(window.positions)))
     write = np.broadcast_to(window.valid & keep, positions.shape)
-    return kv_state.commit(state, positions, write, out.keys, out.values,
-                           canvas.tokens[:, window.positions], step)
+    return backend.commit(state, positions, write, out, canvas.tokens[:, window.positions], step)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +63,7 @@ class PrefixCache:
     def step(self, backend, canvas: Canvas, state, block: Block, step: int, nfe: int):
         if step == 0:
             out, window = run_full(backend, canvas)
-            return out, window, commit_window(state, out, window, canvas, window.positions < block.start, nfe)
+            return out, window, commit_window(backend, state, out, window, canvas, window.positions < block.start, nfe)
         out, window = run_window(backend, canvas, state, block.start, canvas.length)
         return out, window, state
 
@@ -80,7 +79,7 @@ class DualCache:
     def step(self, backend, canvas: Canvas, state, block: Block, step: int, nfe: int):
         if step == 0:
             out, window = run_full(backend, canvas)
-            return out, window, commit_window(state, out, window, canvas, np.ones(len(window.positions), bool), nfe)
+            return out, window, commit_window(backend, state, out, window, canvas, np.ones(len(window.positions), bool), nfe)
         out, window = run_window(backend, canvas, state, block.start, block.end)
         return out, window, state
 

@@ -59,3 +59,20 @@ def tiny_model(tiny_dir):
     import llada_jax
 
     return llada_jax.load(tiny_dir)
+
+
+def step_extras(config: LLaDAConfig = TINY, forbid=(), unconfident=()):
+    """The runtime arguments every jitted step takes after its inputs: cfg scale and token biases."""
+    import jax.numpy as jnp
+
+    from llada_jax.readout import TokenBiases
+
+    biases = TokenBiases.build(config.embedding_size, forbid, unconfident)
+    return jnp.float32(0), jnp.asarray(biases.logit_bias), jnp.asarray(biases.confidence_bias)
+
+
+def jax_backend(model, readout=None):
+    from llada_jax.backend import JaxBackend
+    from llada_jax.readout import Readout, TokenBiases
+
+    return JaxBackend(model.params, model.config, readout or Readout(), TokenBiases.build(model.config.embedding_size))

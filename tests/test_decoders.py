@@ -11,11 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import llada_jax
-from llada_jax.backend import JaxBackend
-from llada_jax.steps import Readout, full_step
+from llada_jax.steps import full_step
 from policies.cache import DualCache, PrefixCache
 from policies.canvas import Block, Canvas
-from tests.conftest import TINY
+from tests.conftest import TINY, jax_backend, step_extras
 
 POLICIES = ["vanilla", "prefix-cache", "dual-cache"]
 
@@ -86,11 +85,11 @@ def test_cache_at_block_start_equals_full_forward(tiny_model, policy, block_inde
     canvas = Canvas.start(ids, 24, TINY.mask_token_id, cfg=False, max_len=TINY.max_sequence_length)
     start = len(ids) + 8 * block_index
     canvas.tokens[0, len(ids): start] = rng.integers(0, TINY.mask_token_id, start - len(ids))
-    backend = JaxBackend(tiny_model.params, TINY, Readout())
+    backend = jax_backend(tiny_model)
     state = backend.empty_state(1, canvas.slots)
     _, _, state = policy.step(backend, canvas, state, Block(block_index, start, start + 8), 0, nfe=0)
     _, keys, values = full_step(tiny_model.params, jnp.asarray(canvas.tokens), jnp.asarray(canvas.valid),
-                                jnp.float32(0), config=TINY, readout=Readout())
+                                *step_extras(), config=TINY, readout=backend.readout)
     kept = np.flatnonzero(state.filled[0])
     expected = np.arange(start) if isinstance(policy, PrefixCache) else np.arange(canvas.length)
     assert kept.tolist() == expected.tolist()

@@ -9,8 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llada_jax import kv_state
+from llada_jax.backend import StepOutput
 from llada_jax.errors import LladaError
-from tests.conftest import TINY
+from tests.conftest import TINY, jax_backend
 
 SLOTS = 16
 
@@ -24,13 +25,14 @@ def proposal(width: int, seed: int):
 @settings(max_examples=25, deadline=None)
 @given(positions=st.lists(st.integers(0, SLOTS - 1), min_size=1, max_size=8, unique=True),
        write=st.data(), seed=st.integers(0, 1000))
-def test_commit_writes_only_flagged_slots_and_leaves_the_old_state_alone(positions, write, seed):
+def test_commit_writes_only_flagged_slots_and_leaves_the_old_state_alone(tiny_model, positions, write, seed):
     width = len(positions)
     flags = np.array(write.draw(st.lists(st.booleans(), min_size=width, max_size=width)))
     keys, values = proposal(width, seed)
     tokens = np.arange(100, 100 + width)[None]
-    before = kv_state.empty_state(TINY, 1, SLOTS)
-    after = kv_state.commit(before, np.array(positions)[None], flags[None], keys, values, tokens, step=5)
+    backend = jax_backend(tiny_model)
+    before = backend.empty_state(1, SLOTS)
+    after = backend.commit(before, np.array(positions)[None], flags[None], StepOutput({}, keys, values), tokens, step=5)
     assert not before.filled.any() and float(jnp.abs(before.keys).max()) == 0.0
     written = np.array(positions)[flags]
     assert sorted(np.flatnonzero(after.filled)) == sorted(written)
@@ -43,17 +45,17 @@ def test_commit_writes_only_flagged_slots_and_leaves_the_old_state_alone(positio
     assert float(jnp.abs(after.keys[:, 0, untouched]).max()) == 0.0
 
 
-def test_stale_slots_are_those_whose_token_changed():
-    keys, values = proposal(4, 0)
-    state = kv_state.commit(kv_state.empty_state(TINY, 1, SLOTS), np.arange(4)[None], np.ones((1, 4), bool),
-                            keys, values, np.array([[7, 8, 9, 10]]), step=0)
+def test_stale_slots_are_those_whose_token_changed(tiny_model):
+    backend = jax_backend(tiny_model)
+    state = backend.commit(backend.empty_state(1, SLOTS), np.arange(4)[None], np.ones((1, 4), bool),
+                           StepOutput({}, *proposal(4, 0)), np.array([[7, 8, 9, 10]]), step=0)
     canvas = np.zeros((1, SLOTS), np.int64)
     canvas[0, :4] = [7, 99, 9, 10]
     assert np.flatnonzero(kv_state.stale_slots(state, canvas)).tolist() == [1]
 
 
-def test_commit_outside_the_cache_is_refused():
-    keys, values = proposal(2, 0)
+def test_commit_outside_the_cache_is_refused(tiny_model):
+    backend = jax_backend(tiny_model)
     with pytest.raises(LladaError, match="outside the 16 cache slots"):
-        kv_state.commit(kv_state.empty_state(TINY, 1, SLOTS), np.array([[3, SLOTS]]), np.ones((1, 2), bool),
-                        keys, values, np.array([[1, 2]]), step=0)
+        backend.commit(backend.empty_state(1, SLOTS), np.array([[3, SLOTS]]), np.ones((1, 2), bool),
+                       StepOutput({}, *proposal(2, 0)), np.array([[1, 2]]), step=0)

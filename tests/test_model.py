@@ -9,9 +9,12 @@ from hypothesis import strategies as st
 
 import llada_jax
 from llada_jax import kv_state
-from llada_jax.steps import Readout, full_step, window_step
+from llada_jax.backend import StepOutput
+from llada_jax.model import Context
+from llada_jax.readout import Readout
+from llada_jax.steps import full_step, window_step
 from tests import reference
-from tests.conftest import TINY, read_all
+from tests.conftest import TINY, jax_backend, read_all, step_extras
 
 LOGITS = Readout(kind="logits")
 
@@ -43,7 +46,7 @@ def full_outputs(model, ids: np.ndarray, slots: int):
     padded = np.full((1, slots), TINY.mask_token_id, np.int32)
     padded[0, : ids.size] = ids
     valid = np.arange(slots)[None] < ids.size
-    return full_step(model.params, jnp.asarray(padded), jnp.asarray(valid), jnp.float32(0), config=TINY,
+    return full_step(model.params, jnp.asarray(padded), jnp.asarray(valid), *step_extras(), config=TINY,
                      readout=LOGITS)
 
 
@@ -57,15 +60,17 @@ def test_window_with_fresh_cache_equals_full_forward(tiny_model, length, data, s
     end = data.draw(st.integers(start + 1, length))
     width = data.draw(st.sampled_from([w for w in (8, 16, 32, 64) if w >= end - start]))
     everything = np.arange(slots)[None]
-    state = kv_state.commit(kv_state.empty_state(TINY, 1, slots), everything, everything < length, keys, values,
-                            np.pad(ids, (0, slots - length))[None], step=0)
+    backend = jax_backend(tiny_model)
+    state = backend.commit(backend.empty_state(1, slots), everything, everything < length,
+                           StepOutput({}, keys, values), np.pad(ids, (0, slots - length))[None], step=0)
     visible = (everything < length) & ~((everything >= start) & (everything < end))
     positions = np.zeros((1, width), np.int32)
     positions[0, : end - start] = np.arange(start, end)
     window_valid = np.arange(width)[None] < end - start
     window_out, window_keys, _ = window_step(
-        tiny_model.params, kv_state.context(state, visible), jnp.asarray(np.where(window_valid, ids[positions], 0)),
-        jnp.asarray(positions), jnp.asarray(window_valid), jnp.float32(0), config=TINY, readout=LOGITS)
+        tiny_model.params, Context(state.keys, state.values, jnp.asarray(kv_state.visible_bias(state, visible))),
+        jnp.asarray(np.where(window_valid, ids[positions], 0)), jnp.asarray(positions), jnp.asarray(window_valid),
+        *step_extras(), config=TINY, readout=LOGITS)
     n = end - start
     assert_close_to_scale(np.asarray(window_out["logits"])[0, :n], np.asarray(out["logits"])[0, start:end])
     assert_close_to_scale(np.asarray(window_keys)[:, 0, :n], np.asarray(keys)[:, 0, start:end])
@@ -86,7 +91,7 @@ def test_argmax_readout_agrees_with_logits(tiny_model):
     padded = np.full((1, 64), TINY.mask_token_id, np.int32)
     padded[0, :40] = ids
     out, _, _ = full_step(tiny_model.params, jnp.asarray(padded), jnp.asarray(np.arange(64)[None] < 40),
-                          jnp.float32(0), config=TINY, readout=Readout(unconfident_ids=(3,)))
+                          *step_extras(unconfident=(3,)), config=TINY, readout=Readout())
     x0 = np.asarray(out["x0"])[0, :40]
     assert x0.tolist() == logits.argmax(-1).tolist()
     scored = logits.copy()

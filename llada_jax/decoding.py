@@ -1,0 +1,60 @@
+"""Backend-independent generation entry: validate on the host, pick readout and rules, run the decoder.
+No JAX here: the IREE bundle runtime uses this module too."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from llada_jax.config import LLaDAConfig
+from llada_jax.errors import LladaError
+from llada_jax.readout import Readout, TokenBiases
+
+
+def check_token_ids(ids, config: LLaDAConfig, what: str, allow_mask: bool) -> np.ndarray:
+    """Integer ids inside the vocabulary (and, for prompts, not the mask token)."""
+    ids = np.asarray(ids)
+    if ids.size == 0:
+        raise LladaError(f"{what} is empty")
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise LladaError(f"{what} must be integer token ids, got dtype {ids.dtype}")
+    bad = (ids < 0) | (ids >= config.embedding_size)
+    if bad.any():
+        raise LladaError(f"{what} holds token id {int(ids[bad][0])} outside the vocabulary [0, {config.embedding_size})")
+    if not allow_mask and (ids == config.mask_token_id).any():
+        raise LladaError(f"{what} holds the mask token id {config.mask_token_id}")
+    return ids.astype(np.int32)
+
+
+def run_generation(make_backend: Callable, config: LLaDAConfig, prompt_ids, *, gen_length: int, block_length: int,
+                   steps: int, temperature: float = 0.0, cfg_scale: float = 0.0, remasking: str = "low_confidence",
+                   policy: str = "vanilla", threshold: float | None = None, seed: int = 0,
+                   logits_eos_inf: bool = False, confidence_eos_eot_inf: bool = False,
+                   on_step: Callable | None = None):
+    """Validate everything, then decode with `make_backend(readout, biases, cfg_scale)`."""
+    from policies.decode import Schedule, decode, make_rule
+    from policies.registry import make_cache_policy
+    from policies.sampling import Sampler
+
+    prompt = check_token_ids(prompt_ids, config, "prompt", allow_mask=False)
+    if prompt.ndim == 2 and prompt.shape[0] == 1:  # the reference's [1, L] prompt shape
+        prompt = prompt[0]
+    if prompt.ndim != 1:
+        raise LladaError(f"prompt_ids must be one sequence [length], got shape {list(prompt.shape)}")
+    schedule = Schedule(int(gen_length), int(block_length), int(steps))
+    total = len(prompt) + schedule.gen_length
+    if total > config.max_sequence_length:
+        raise LladaError(f"prompt ({len(prompt)}) + gen_length ({schedule.gen_length}) = {total} exceeds "
+                         f"max_sequence_length={config.max_sequence_length}")
+    if not cfg_scale >= 0.0:
+        raise LladaError(f"cfg_scale must be >= 0, got {cfg_scale}")
+    cache_policy = make_cache_policy(policy)
+    rule = make_rule(schedule, threshold)
+    unconfident = config.special_ids_in_vocab(config.eos_token_id, config.eot_token_id) if confidence_eos_eot_inf else ()
+    sampler = Sampler(float(temperature), remasking, unconfident)
+    readout = Readout(kind=sampler.readout_kind, cfg=cfg_scale > 0.0)
+    biases = TokenBiases.build(config.embedding_size, (config.eos_token_id,) if logits_eos_inf else (), unconfident)
+    backend = make_backend(readout, biases, float(cfg_scale))
+    return decode(backend, prompt, schedule, cache_policy, rule, sampler, mask_id=config.mask_token_id,
+                  max_len=config.max_sequence_length, cfg=cfg_scale > 0.0, seed=seed, on_step=on_step)
