@@ -41,7 +41,17 @@ def load_model(args):
     return load(args.model or default_model_dir(), dtype=args.dtype)
 
 
-def prompt_ids(args, model) -> np.ndarray:
+def cmd_compile(args) -> None:
+    from llada_jax.embedded import default_model_dir
+    from lowering.bundle import compile_bundle
+
+    out = compile_bundle(args.model or default_model_dir(), args.target, args.out, max_len=args.max_len,
+                         window=args.window, dtype=args.dtype, copy_weights=not args.link_weights,
+                         progress=lambda message: print(message, file=sys.stderr))
+    print(f"bundle written to {out}")
+
+
+def prompt_ids(args, tokenizer) -> np.ndarray:
     if (args.prompt is None) == (args.prompt_ids is None):
         raise LladaError("give exactly one of a prompt text (positional or --prompt) and --prompt-ids")
     if args.prompt_ids is not None:
@@ -49,21 +59,42 @@ def prompt_ids(args, model) -> np.ndarray:
             return np.array([int(part) for part in args.prompt_ids.split(",") if part.strip()], np.int64)
         except ValueError:
             raise LladaError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
-    if model.tokenizer is None:
+    if tokenizer is None:
         raise LladaError("this model has no tokenizer.json; pass --prompt-ids instead of text")
-    text = model.tokenizer.chat_prompt(args.prompt) if args.chat else args.prompt
-    return np.array(model.tokenizer.encode(text), np.int64)
+    text = tokenizer.chat_prompt(args.prompt) if args.chat else args.prompt
+    return np.array(tokenizer.encode(text), np.int64)
+
+
+def generation_runner(args):
+    """(config, tokenizer, generate(ids, **options)) for the chosen model and backend. With a bundle,
+    nothing imports JAX: the bundle runtime is numpy + iree.runtime only."""
+    if args.bundle is not None:
+        if args.model is not None:
+            raise LladaError("give either --model or --bundle, not both")
+        from lowering.runtime import open_bundle
+
+        return open_bundle(args.bundle, args.backend)
+    model = load_model(args)
+    if args.backend == "jax":
+        from llada_jax.api import generate
+
+        return model.config, model.tokenizer, lambda ids, **options: generate(model, ids, **options)
+    from lowering.cache import cached_bundle
+    from lowering.runtime import open_bundle
+
+    target = {"iree-host": "host", "iree-vulkan": "vulkan"}[args.backend]
+    bundle_dir = cached_bundle(model.path, target, dtype=args.dtype, progress=lambda m: print(m, file=sys.stderr))
+    return open_bundle(bundle_dir, args.backend)
 
 
 def cmd_generate(args) -> None:
-    from llada_jax.api import generate
     from llada_jax.display import LiveCanvas
 
-    model = load_model(args)
-    ids = prompt_ids(args, model)
+    config, tokenizer, run = generation_runner(args)
+    ids = prompt_ids(args, tokenizer)
     live = sys.stderr.isatty() and not args.json and not args.no_visual
-    result = generate(model, ids, **decoding_kwargs(args), on_step=LiveCanvas(model.tokenizer) if live else None)
-    text = model.tokenizer.decode(result.output_ids) if model.tokenizer is not None else None
+    result = run(ids, **decoding_kwargs(args), on_step=LiveCanvas(tokenizer) if live else None)
+    text = tokenizer.decode(result.output_ids) if tokenizer is not None else None
     if args.json:
         row = {"output_ids": result.output_ids.tolist(), "nfe": result.nfe, "wall_s": result.wall_s,
                "tokens_per_s": result.tokens_per_s}
@@ -116,8 +147,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.add_argument("--no-visual", action="store_true", help="no live canvas even on a terminal")
+    gen.add_argument("--bundle", default=None, help="run a compiled bundle (IREE) instead of a model directory")
+    gen.add_argument("--backend", default="jax", choices=["jax", "iree-host", "iree-vulkan"],
+                     help="what runs the steps (iree-*: compiled on first use and cached)")
     add_decoding_flags(gen)
     gen.set_defaults(run=cmd_generate)
+    comp = commands.add_parser("compile", help="compile a model's steps into an IREE bundle for a target")
+    comp.add_argument("--model", default=None, help="HF LLaDA directory (default: the embedded tiny model)")
+    comp.add_argument("--target", required=True, help="host, vulkan, android-arm64, android-adreno, android-mali")
+    comp.add_argument("--out", required=True, help="bundle directory to write (atomically)")
+    comp.add_argument("--max-len", type=int, default=128, help="longest canvas (prompt + gen-length)")
+    comp.add_argument("--window", type=int, default=128, help="widest window step")
+    comp.add_argument("--dtype", default="float32", help="compute dtype: float32 or bfloat16")
+    comp.add_argument("--link-weights", action="store_true", help="point at the model's weights instead of copying")
+    comp.set_defaults(run=cmd_compile)
     ev = commands.add_parser("eval", help="evaluate a model")
     suites = ev.add_subparsers(dest="suite", required=True)
     tasks = suites.add_parser("tasks", help="exact match on the embedded task suite's held-out split")

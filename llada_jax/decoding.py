@@ -3,6 +3,7 @@ No JAX here: the IREE bundle runtime uses this module too."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import numpy as np
@@ -31,8 +32,11 @@ def run_generation(make_backend: Callable, config: LLaDAConfig, prompt_ids, *, g
                    steps: int, temperature: float = 0.0, cfg_scale: float = 0.0, remasking: str = "low_confidence",
                    policy: str = "vanilla", threshold: float | None = None, seed: int = 0,
                    logits_eos_inf: bool = False, confidence_eos_eot_inf: bool = False,
-                   on_step: Callable | None = None):
-    """Validate everything, then decode with `make_backend(readout, biases, cfg_scale)`."""
+                   on_step: Callable | None = None, limit: int | None = None):
+    """Validate everything, then decode with `make_backend(readout, biases, cfg_scale)`.
+    `limit`: a compiled bundle's longest canvas, when lower than the model's own."""
+    if limit is not None:
+        config = dataclasses.replace(config, max_sequence_length=min(limit, config.max_sequence_length))
     from policies.decode import Schedule, decode, make_rule
     from policies.registry import make_cache_policy
     from policies.sampling import Sampler
@@ -46,7 +50,8 @@ def run_generation(make_backend: Callable, config: LLaDAConfig, prompt_ids, *, g
     total = len(prompt) + schedule.gen_length
     if total > config.max_sequence_length:
         raise LladaError(f"prompt ({len(prompt)}) + gen_length ({schedule.gen_length}) = {total} exceeds "
-                         f"max_sequence_length={config.max_sequence_length}")
+                         f"max_sequence_length={config.max_sequence_length}"
+                         f"{' (the bundle was compiled with --max-len ' + str(limit) + ')' if limit else ''}")
     if not cfg_scale >= 0.0:
         raise LladaError(f"cfg_scale must be >= 0, got {cfg_scale}")
     cache_policy = make_cache_policy(policy)

@@ -70,6 +70,12 @@ def window_step(params: dict, context: Context, window_ids: jax.Array, window_po
 @jax.jit
 def scatter_slots(cache: jax.Array, positions: jax.Array, proposed: jax.Array) -> jax.Array:
     """cache `[N, B, S, K, hd]` with `proposed` `[N, B, W, K, hd]` written at slot `positions` `[B, W]`.
-    Positions equal to S mean "do not write" and are dropped, never clamped."""
-    rows = jnp.arange(cache.shape[1])[:, None]
-    return cache.at[:, rows, positions].set(proposed.astype(cache.dtype), mode="drop")
+
+    Written as gather + select, not scatter: positions equal to S ("do not write") never index memory
+    (IREE's scatter does not bounds-check), and every slot is either copied or replaced exactly.
+    """
+    targeted = positions[:, :, None] == jnp.arange(cache.shape[2])   # [B, W, S]
+    written = targeted.any(axis=1)                                      # [B, S]
+    source = jnp.argmax(targeted, axis=1)                               # [B, S]: first window entry per slot
+    gathered = jnp.take_along_axis(proposed, source[None, :, :, None, None], axis=2)
+    return jnp.where(written[None, :, :, None, None], gathered.astype(cache.dtype), cache)

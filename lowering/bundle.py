@@ -1,0 +1,140 @@
+"""`llada compile`: export a model's steps, compile them for a target with IREE, write a bundle.
+
+A bundle directory holds `manifest.json` (model config, every step's name/shapes/argument order,
+target and flags, IREE version, sha256 of each file), `steps.vmfb`, the tokenizer files, and the
+weights (a copy, or a pointer to the model's own safetensors files). It is written to a temporary
+directory and renamed into place, so a half-written bundle never exists.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from llada_jax.checkpoint import INDEX_FILE, compute_dtype, weight_files
+from llada_jax.config import read_config
+from llada_jax.errors import LladaError
+from llada_jax.tokenizer import eot_id_from_files
+from lowering.bundle_format import FORMAT_VERSION, MANIFEST, TOKENIZER_FILES, VMFB, sha256
+from lowering.export import bundle_module, signature_manifest, step_specs
+from lowering.targets import target
+
+COMPILE_TIMEOUT_S = 900
+
+
+def iree_version() -> str:
+    from importlib.metadata import version
+
+    return version("iree-base-compiler")
+
+
+def stored_dtype(model_dir: Path) -> str:
+    """The dtype the checkpoint stores (one for all tensors); weights are bound to the vmfb as stored."""
+    from safetensors import safe_open
+
+    dtypes = set()
+    for file in sorted(set(weight_files(model_dir).values())):
+        with safe_open(str(model_dir / file), framework="np") as handle:
+            dtypes |= {handle.get_slice(name).get_dtype() for name in handle.keys()}
+    names = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+    if len(dtypes) != 1 or next(iter(dtypes)) not in names:
+        raise LladaError(f"{model_dir}: weights must all have one of {sorted(names)} dtypes, found {sorted(dtypes)}")
+    return names[dtypes.pop()]
+
+
+def compile_module(text: str, flags: tuple[str, ...], out: Path) -> float:
+    """Run iree-compile in its own process group with a timeout that kills the whole group."""
+    from iree.compiler.tools.binaries import find_tool
+
+    source = out.with_suffix(".mlir")
+    source.write_text(text)
+    command = [find_tool("iree-compile"), str(source), "--iree-input-type=stablehlo", *flags, "-o", str(out)]
+    started = time.perf_counter()
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=COMPILE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise LladaError(f"iree-compile took longer than {COMPILE_TIMEOUT_S} s and was stopped") from None
+    finally:
+        source.unlink(missing_ok=True)
+    if proc.returncode != 0:
+        first = next((line for line in err.splitlines() if "error" in line), err.strip().splitlines()[-1:])
+        raise LladaError(f"iree-compile failed: {first}")
+    return time.perf_counter() - started
+
+
+def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, window: int = 64,
+                   dtype: str = "float32", copy_weights: bool = True, progress=None) -> Path:
+    """Compile every step for canvases up to `max_len` and windows up to `window` into a bundle."""
+    tgt = target(target_name)
+    model_dir, out_dir = Path(model_dir).absolute(), Path(out_dir).absolute()
+    if not model_dir.is_dir():
+        raise LladaError(f"model directory {model_dir} does not exist")
+    config = read_config(model_dir, eot_token_id=eot_id_from_files(model_dir))
+    compute = compute_dtype(dtype)
+    if not 0 < max_len <= config.max_sequence_length:
+        raise LladaError(f"--max-len must be in [1, {config.max_sequence_length}], got {max_len}")
+    if window <= 0:
+        raise LladaError(f"--window must be positive, got {window}")
+    stored = stored_dtype(model_dir)
+    specs = step_specs(max_len, window)
+    say = progress or (lambda message: None)
+    say(f"exporting {len(specs)} steps to StableHLO")
+    module = bundle_module(specs, config, stored, compute)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        say(f"compiling for {tgt.name} ({tgt.note or tgt.driver})")
+        seconds = compile_module(module, tgt.flags, staging / VMFB)
+        weights = _place_weights(model_dir, staging, copy_weights)
+        for name in TOKENIZER_FILES:
+            if (model_dir / name).is_file():
+                shutil.copyfile(model_dir / name, staging / name)
+        manifest = {
+            "format": FORMAT_VERSION, "model_config": config.to_hf_dict(), "eot_token_id": config.eot_token_id,
+            "target": tgt.name, "driver": tgt.driver, "flags": list(tgt.flags), "iree_version": iree_version(),
+            "compute_dtype": dtype, "stored_dtype": stored, "max_len": max_len, "window": window,
+            "compile_seconds": round(seconds, 2), "weights": weights,
+            "steps": [signature_manifest(spec, config, compute) for spec in specs],
+            "files": {p.name: sha256(p) for p in sorted(staging.iterdir()) if p.is_file()},
+        }
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        staging.chmod(0o755)
+        _swap_into_place(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _place_weights(model_dir: Path, staging: Path, copy: bool) -> dict:
+    """Copy the safetensors files into the bundle, or record absolute paths to them."""
+    files = sorted(set(weight_files(model_dir).values()))
+    if not copy:
+        return {"files": [str(model_dir / f) for f in files], "copied": False}
+    for name in files + ([INDEX_FILE] if (model_dir / INDEX_FILE).is_file() else []):
+        shutil.copyfile(model_dir / name, staging / name)
+    return {"files": files, "copied": True}
+
+
+def _swap_into_place(staging: Path, out_dir: Path) -> None:
+    if out_dir.exists():
+        if not (out_dir / MANIFEST).is_file():
+            raise LladaError(f"{out_dir} exists and is not a bundle; refusing to replace it")
+        old = out_dir.with_name(f".{out_dir.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(out_dir, old)
+        os.replace(staging, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(staging, out_dir)
+

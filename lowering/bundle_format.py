@@ -1,0 +1,33 @@
+"""What a bundle directory holds and how its integrity is checked (no JAX, no compiler)."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from llada_jax.errors import LladaError
+
+MANIFEST = "manifest.json"
+VMFB = "steps.vmfb"
+FORMAT_VERSION = 1
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def check_files(bundle_dir: Path, manifest: dict) -> None:
+    """Every file the manifest lists exists with its recorded sha256."""
+    if manifest.get("format") != FORMAT_VERSION:
+        raise LladaError(f"{bundle_dir}: bundle format {manifest.get('format')} is not {FORMAT_VERSION}; recompile it")
+    for name, digest in manifest.get("files", {}).items():
+        path = bundle_dir / name
+        if not path.is_file():
+            raise LladaError(f"{bundle_dir}: bundle file {name} is missing")
+        if sha256(path) != digest:
+            raise LladaError(f"{bundle_dir}: bundle file {name} does not match its checksum (corrupt or edited)")

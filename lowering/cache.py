@@ -1,0 +1,36 @@
+"""Bundles compiled on the fly for `--backend iree-*`, cached by what determines their content."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from lowering.bundle import compile_bundle, iree_version
+from lowering.bundle_format import MANIFEST, sha256
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("LLADA_CACHE", Path.home() / ".cache" / "llada-jax")) / "bundles"
+
+
+def cached_bundle(model_dir, target: str, *, dtype: str = "float32", max_len: int | None = None,
+                  window: int | None = None, progress=None) -> Path:
+    """A bundle for this model (by content), target, dtype, shapes and IREE version; compiled if absent."""
+    from llada_jax.config import read_config
+
+    model_dir = Path(model_dir).absolute()
+    config = read_config(model_dir)
+    max_len = max_len or config.max_sequence_length
+    window = window or max_len
+    weights = sorted(p for p in model_dir.iterdir() if p.suffix == ".safetensors")
+    key = json.dumps({"config": sha256(model_dir / "config.json"),
+                      "weights": [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in weights],
+                      "target": target, "dtype": dtype, "max_len": max_len, "window": window,
+                      "iree": iree_version()}, sort_keys=True)
+    out = cache_root() / hashlib.sha256(key.encode()).hexdigest()[:20]
+    if not (out / MANIFEST).is_file():
+        compile_bundle(model_dir, target, out, max_len=max_len, window=window, dtype=dtype, copy_weights=False,
+                       progress=progress)
+    return out

@@ -1,0 +1,187 @@
+"""Export the fixed-shape steps with `jax.export` and merge them into one StableHLO module whose
+weights are IREE named parameters (`#flow.parameter.named<"model"::"<HF tensor name>">`), never constants.
+
+Each step is exported as a flat function `(weights..., inputs...) -> outputs`; a public wrapper named
+after the step loads every weight from its global and calls it. The runtime binds scope "model" to
+the checkpoint's own safetensors file(s), so one weights file serves every target.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import export
+
+from llada_jax.buckets import LENGTH_BUCKETS
+from llada_jax.config import LLaDAConfig
+from llada_jax.model import Context
+from llada_jax.params import hf_shapes, hf_to_params
+from llada_jax.readout import Readout
+from llada_jax.steps import full_step, scatter_slots, window_step
+
+PARAMETER_SCOPE = "model"
+MLIR_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int32": "i32", "bool": "i1"}
+ARGMAX = Readout(kind="argmax")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+    """One compiled function: `full` (canvas S), `window` (W positions against S slots) or `commit`."""
+
+    kind: str
+    batch: int
+    slots: int
+    width: int = 0
+
+    @property
+    def name(self) -> str:
+        base = f"{self.kind}_b{self.batch}_s{self.slots}"
+        return base if self.kind == "full" else f"{base}_w{self.width}"
+
+
+def step_specs(max_len: int, max_window: int, batch: int = 1) -> list[StepSpec]:
+    """Every shape the decoders can ask for with canvases up to `max_len` and windows up to `max_window`."""
+    slot_sizes = sorted({min(b, max_len) for b in LENGTH_BUCKETS if b < max_len} | {max_len})
+    specs = []
+    for slots in slot_sizes:
+        specs.append(StepSpec("full", batch, slots))
+        specs.append(StepSpec("commit", batch, slots, slots))
+        for width in sorted({min(b, slots) for b in LENGTH_BUCKETS if b < slots} | {slots}):
+            if width <= max_window:
+                specs.append(StepSpec("window", batch, slots, width))
+                if width < slots:
+                    specs.append(StepSpec("commit", batch, slots, width))
+    return specs
+
+
+def _sds(shape, dtype) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype))
+
+
+def io_signature(spec: StepSpec, config: LLaDAConfig, compute_dtype) -> tuple[list, list]:
+    """(inputs, outputs) of a step as [(name, ShapeDtypeStruct)], weights excluded, in call order."""
+    b, s, w = spec.batch, spec.slots, spec.width
+    cache = (config.n_layers, b, s, config.n_kv_heads, config.head_dim)
+    e = config.embedding_size
+    extras = [("cfg_scale", _sds((), jnp.float32)), ("logit_bias", _sds((e,), jnp.float32)),
+              ("confidence_bias", _sds((e,), jnp.float32))]
+    if spec.kind == "full":
+        inputs = [("tokens", _sds((b, s), jnp.int32)), ("valid", _sds((b, s), jnp.int32)), *extras]
+        width = s
+    elif spec.kind == "window":
+        inputs = [("keys", _sds(cache, compute_dtype)), ("values", _sds(cache, compute_dtype)),
+                  ("context_bias", _sds((b, s), jnp.float32)), ("window_ids", _sds((b, w), jnp.int32)),
+                  ("window_pos", _sds((b, w), jnp.int32)), ("window_valid", _sds((b, w), jnp.int32)), *extras]
+        width = w
+    else:
+        proposed = (config.n_layers, b, w, config.n_kv_heads, config.head_dim)
+        inputs = [("keys", _sds(cache, compute_dtype)), ("values", _sds(cache, compute_dtype)),
+                  ("targets", _sds((b, w), jnp.int32)), ("new_keys", _sds(proposed, compute_dtype)),
+                  ("new_values", _sds(proposed, compute_dtype))]
+        return inputs, [("keys", _sds(cache, compute_dtype)), ("values", _sds(cache, compute_dtype))]
+    proposed = (config.n_layers, b, width, config.n_kv_heads, config.head_dim)
+    outputs = [("x0", _sds((b, width), jnp.int32)), ("logp", _sds((b, width), jnp.float32)),
+               ("new_keys", _sds(proposed, compute_dtype)), ("new_values", _sds(proposed, compute_dtype))]
+    return inputs, outputs
+
+
+def step_function(spec: StepSpec, config: LLaDAConfig, weight_names: list[str], compute_dtype):
+    """The flat function to export: weights (stored dtype, cast to compute dtype here), then inputs.
+    `commit` only scatters K/V and takes no weights."""
+
+    def params_from(weights):
+        return hf_to_params({n: w.astype(compute_dtype) for n, w in zip(weight_names, weights)}, config)
+
+    if spec.kind == "full":
+        def run(weights, tokens, valid, cfg_scale, logit_bias, confidence_bias):
+            out, keys, values = full_step(params_from(weights), tokens, valid > 0, cfg_scale, logit_bias,
+                                          confidence_bias, config=config, readout=ARGMAX)
+            return out["x0"], out["logp"], keys, values
+    elif spec.kind == "window":
+        def run(weights, keys, values, context_bias, ids, pos, valid, cfg_scale, logit_bias, confidence_bias):
+            out, new_keys, new_values = window_step(
+                params_from(weights), Context(keys, values, context_bias), ids, pos, valid > 0, cfg_scale,
+                logit_bias, confidence_bias, config=config, readout=ARGMAX)
+            return out["x0"], out["logp"], new_keys, new_values
+    else:
+        def run(keys, values, targets, new_keys, new_values):
+            return scatter_slots(keys, targets, new_keys), scatter_slots(values, targets, new_values)
+    return run
+
+
+def mlir_type(sds: jax.ShapeDtypeStruct) -> str:
+    dims = "".join(f"{d}x" for d in sds.shape)
+    return f"tensor<{dims}{MLIR_TYPES[str(sds.dtype)]}>"
+
+
+def export_step(spec: StepSpec, config: LLaDAConfig, stored_dtype, compute_dtype) -> str:
+    """StableHLO text of one step without debug locations; its entry is `@main`."""
+    from iree.compiler import ir
+
+    names = list(hf_shapes(config))
+    weights = [_sds(shape, stored_dtype) for shape in hf_shapes(config).values()]
+    inputs = [sds for _, sds in io_signature(spec, config, compute_dtype)[0]]
+    run = step_function(spec, config, names, compute_dtype)
+    exported = export.export(jax.jit(run, keep_unused=True))(*([weights] if spec.kind != "commit" else []), *inputs)
+    with ir.Context():
+        return ir.Module.parse(exported.mlir_module()).operation.get_asm(enable_debug_info=False)
+
+
+def _body_with_prefix(module_text: str, prefix: str) -> str:
+    """The functions inside an exported module, every symbol renamed `prefix + name` so modules merge."""
+    symbols = re.findall(r"func\.func (?:public |private )?@([\w$.]+)", module_text)
+    text = re.sub(r"@([\w$.]+)", lambda m: f"@{prefix}{m.group(1)}" if m.group(1) in symbols else m.group(0),
+                  module_text)
+    text = text.replace(f"func.func public @{prefix}main", f"func.func private @{prefix}main", 1)
+    lines = text.strip().splitlines()
+    assert lines[0].startswith("module") and lines[-1] == "}", "unexpected exported module layout"
+    return "\n".join(lines[1:-1])
+
+
+def _wrapper(spec: StepSpec, config: LLaDAConfig, stored_dtype, compute_dtype, weight_globals: list[str]) -> str:
+    inputs, outputs = io_signature(spec, config, compute_dtype)
+    weight_types = [mlir_type(_sds(shape, stored_dtype)) for shape in hf_shapes(config).values()]
+    in_types = [mlir_type(sds) for _, sds in inputs]
+    out_types = [mlir_type(sds) for _, sds in outputs]
+    if spec.kind == "commit":
+        weight_types = []
+    lines = [f"  func.func @{spec.name}({', '.join(f'%a{i}: {t}' for i, t in enumerate(in_types))})"
+             f" -> ({', '.join(out_types)}) {{"]
+    lines += [f"    %w{i} = util.global.load @{g} : {t}" for i, (g, t) in enumerate(zip(weight_globals, weight_types))]
+    call_args = [f"%w{i}" for i in range(len(weight_types))] + [f"%a{i}" for i in range(len(in_types))]
+    call_types = weight_types + in_types
+    lines.append(f"    %r:{len(out_types)} = func.call @{spec.name}__main({', '.join(call_args)}) : "
+                 f"({', '.join(call_types)}) -> ({', '.join(out_types)})")
+    lines.append(f"    return {', '.join(f'%r#{i}' for i in range(len(out_types)))} : {', '.join(out_types)}")
+    lines.append("  }")
+    return "\n".join(lines)
+
+
+def bundle_module(specs: list[StepSpec], config: LLaDAConfig, stored_dtype, compute_dtype) -> str:
+    """One module holding every step, the weights declared once as named parameters."""
+    names = list(hf_shapes(config))
+    globals_ = [f"weight_{i}" for i in range(len(names))]
+    parts = ["module @llada_steps {"]
+    for g, name, shape in zip(globals_, names, hf_shapes(config).values()):
+        parts.append(f'  util.global private @{g} = #flow.parameter.named<"{PARAMETER_SCOPE}"::"{name}"> : '
+                     f"{mlir_type(_sds(shape, stored_dtype))}")
+    for spec in specs:
+        parts.append(_body_with_prefix(export_step(spec, config, stored_dtype, compute_dtype), f"{spec.name}__"))
+        parts.append(_wrapper(spec, config, stored_dtype, compute_dtype, globals_))
+    parts.append("}")
+    return "\n".join(parts)
+
+
+def signature_manifest(spec: StepSpec, config: LLaDAConfig, compute_dtype) -> dict:
+    """The manifest entry of a step: name, shapes and argument order."""
+    inputs, outputs = io_signature(spec, config, compute_dtype)
+
+    def describe(items):
+        return [{"name": n, "shape": list(s.shape), "dtype": str(np.dtype(s.dtype))} for n, s in items]
+
+    return {"name": spec.name, "kind": spec.kind, "batch": spec.batch, "slots": spec.slots, "width": spec.width,
+            "inputs": describe(inputs), "outputs": describe(outputs)}

@@ -1,0 +1,183 @@
+"""Run a compiled bundle with IREE: numpy + iree.runtime only (no JAX, no compiler), as on a phone.
+
+Weights are bound once from the bundle's safetensors file(s) as named parameters; the KV state lives
+in device buffers that steps read and `commit` writes; only argmax + log-probability come back to
+the host each step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+
+from llada_jax import kv_state
+from llada_jax.config import LLaDAConfig
+from llada_jax.errors import LladaError
+from llada_jax.readout import Readout, TokenBiases
+from lowering.bundle_format import MANIFEST, VMFB, check_files
+
+PARAMETER_SCOPE = "model"
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOutput:
+    readout: dict    # numpy {"x0", "logp"} rows [B, W]
+    keys: object     # proposed K [N, B, W, K, hd] device array
+    values: object
+
+
+class Session:
+    """An IREE context with the bundle's functions and weights loaded, on one device."""
+
+    def __init__(self, bundle_dir: Path, manifest: dict, driver: str):
+        import iree.runtime as rt
+
+        try:
+            config = rt.Config(driver)
+        except Exception as err:  # IREE raises plain RuntimeErrors for missing drivers
+            raise LladaError(f"IREE driver {driver!r} is not available here ({str(err).splitlines()[0]})") from None
+        self.device = config.device
+        index = rt.ParameterIndex()
+        for file in manifest["weights"]["files"]:
+            path = Path(file) if Path(file).is_absolute() else bundle_dir / file
+            if not path.is_file():
+                raise LladaError(f"bundle weights file {path} is missing")
+            index.load(str(path))
+        instance = config.vm_instance
+        params = rt.create_io_parameters_module(instance, index.create_provider(scope=PARAMETER_SCOPE))
+        hal = rt.create_hal_module(instance, self.device)
+        self.module = rt.VmModule.mmap(instance, str(bundle_dir / VMFB))
+        self.context = rt.VmContext(instance, modules=[hal, params, self.module])
+        self._invokers: dict[str, object] = {}
+        self._rt = rt
+
+    def invoker(self, name: str):
+        if name not in self._invokers:
+            function = self.module.lookup_function(name)
+            if function is None:
+                raise LladaError(f"the bundle has no step {name}")
+            self._invokers[name] = self._rt.FunctionInvoker(self.context, self.device, function)
+        return self._invokers[name]
+
+    def upload(self, array: np.ndarray):
+        return self._rt.asdevicearray(self.device, np.ascontiguousarray(array))
+
+
+def to_numpy(device_array) -> np.ndarray:
+    """Read a device array back (into a page-aligned buffer, which Vulkan's host import requires)."""
+    try:
+        return np.asarray(device_array.to_host())
+    except RuntimeError:
+        view = device_array._buffer_view
+        mapping = view.map()
+        return np.array(mapping.asarray(device_array.shape, device_array.dtype))
+
+
+@dataclasses.dataclass(frozen=True)
+class Bundle:
+    path: Path
+    manifest: dict
+    config: LLaDAConfig
+
+    @property
+    def steps(self) -> set[str]:
+        return {step["name"] for step in self.manifest["steps"]}
+
+
+def load_bundle(path, expected_target: str | None = None) -> Bundle:
+    """Read and check a bundle: format, IREE runtime version, target, file checksums."""
+    from importlib.metadata import version
+
+    bundle_dir = Path(path)
+    manifest_path = bundle_dir / MANIFEST
+    if not manifest_path.is_file():
+        raise LladaError(f"{bundle_dir} is not a bundle (no {MANIFEST})")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise LladaError(f"{manifest_path} is not valid JSON") from None
+    runtime_version = version("iree-base-runtime")
+    if manifest.get("iree_version") != runtime_version:
+        raise LladaError(f"bundle was compiled with IREE {manifest.get('iree_version')} but this runtime is "
+                         f"{runtime_version}; recompile it")
+    if expected_target is not None and manifest.get("target") != expected_target:
+        raise LladaError(f"bundle targets {manifest.get('target')!r}, not {expected_target!r}")
+    check_files(bundle_dir, manifest)
+    config = LLaDAConfig.from_hf_dict(manifest["model_config"], eot_token_id=manifest.get("eot_token_id"))
+    return Bundle(bundle_dir, manifest, config)
+
+
+class IreeBackend:
+    """The backend interface (see llada_jax.backend) over a bundle's compiled steps."""
+
+    def __init__(self, bundle: Bundle, session: Session, readout: Readout, biases: TokenBiases,
+                 cfg_scale: float = 0.0):
+        if readout != Readout(kind="argmax") or cfg_scale != 0.0:
+            raise LladaError("IREE bundles run argmax readouts without CFG: use temperature 0 and cfg-scale 0")
+        self.bundle, self.session, self.config = bundle, session, bundle.config
+        self.readout, self.biases = readout, biases
+        self._extras = (np.float32(cfg_scale), biases.logit_bias, biases.confidence_bias)
+
+    def _call(self, name: str, *args):
+        return self.session.invoker(name)(*args)
+
+    def full(self, tokens: np.ndarray, valid: np.ndarray) -> StepOutput:
+        batch, slots = tokens.shape
+        out = self._call(f"full_b{batch}_s{slots}", tokens.astype(np.int32), valid.astype(np.int32), *self._extras)
+        return StepOutput({"x0": to_numpy(out[0]), "logp": to_numpy(out[1])}, out[2], out[3])
+
+    def window(self, state: kv_state.KVState, visible, window_ids, window_pos, window_valid) -> StepOutput:
+        batch, width = window_ids.shape
+        out = self._call(f"window_b{batch}_s{state.slots}_w{width}", state.keys, state.values,
+                         kv_state.visible_bias(state, visible), np.asarray(window_ids, np.int32),
+                         np.asarray(window_pos, np.int32), np.asarray(window_valid, np.int32), *self._extras)
+        return StepOutput({"x0": to_numpy(out[0]), "logp": to_numpy(out[1])}, out[2], out[3])
+
+    def commit(self, state: kv_state.KVState, positions, write, out: StepOutput, tokens, step: int):
+        targets = kv_state.write_targets(state, positions, write)
+        batch, width = targets.shape
+        # The compiled commit is a gather + select into fresh buffers: the old state's arrays stay intact
+        # (tests/test_lowering.py checks it, since IREE may otherwise update a device-array input in place).
+        keys, values = self._call(f"commit_b{batch}_s{state.slots}_w{width}", state.keys, state.values,
+                                  targets, out.keys, out.values)
+        return kv_state.with_writes(state, keys, values, targets, tokens, step)
+
+    def empty_state(self, batch: int, slots: int) -> kv_state.KVState:
+        c = self.config
+        dtype = np.float32 if self.bundle.manifest["compute_dtype"] == "float32" else _bfloat16()
+        zeros = np.zeros((c.n_layers, batch, slots, c.n_kv_heads, c.head_dim), dtype)
+        records = kv_state.empty_records(batch, slots)
+        return kv_state.KVState(self.session.upload(zeros), self.session.upload(zeros), records, records.copy())
+
+
+def _bfloat16():
+    import ml_dtypes
+
+    return ml_dtypes.bfloat16
+
+
+def generate_with_bundle(bundle: Bundle, session: Session, prompt_ids, **options):
+    """`llada_jax.generate` through a bundle (same options, same validation)."""
+    from llada_jax.decoding import run_generation
+
+    def make_backend(readout, biases, cfg_scale):
+        return IreeBackend(bundle, session, readout, biases, cfg_scale)
+
+    return run_generation(make_backend, bundle.config, prompt_ids, limit=bundle.manifest["max_len"], **options)
+
+
+def open_bundle(path, backend: str = "iree-host"):
+    """(config, tokenizer, generate(ids, **options)) for a bundle, on the driver its target needs."""
+    from llada_jax.tokenizer import load_tokenizer
+
+    bundle = load_bundle(path)
+    wanted = {"iree-host": "local-task", "iree-vulkan": "vulkan"}.get(backend, bundle.manifest["driver"])
+    if bundle.manifest["driver"] != wanted:
+        raise LladaError(f"bundle {path} targets {bundle.manifest['target']} ({bundle.manifest['driver']}), "
+                         f"which --backend {backend} cannot run")
+    session = Session(bundle.path, bundle.manifest, bundle.manifest["driver"])
+    return (bundle.config, load_tokenizer(bundle.path),
+            lambda ids, **options: generate_with_bundle(bundle, session, ids, **options))

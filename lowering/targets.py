@@ -1,0 +1,46 @@
+"""Named compile targets and the IREE flags that worked on these machines (see the toolchain notes).
+Names are validated here, before iree-compile ever sees them (an unknown Vulkan target crashes it)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from llada_jax.errors import LladaError
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    name: str
+    driver: str                 # IREE runtime driver that runs it
+    flags: tuple[str, ...]
+    runs_here: bool             # False: compile-only on this x86 machine
+    note: str = ""
+
+
+def _cpu(*flags: str) -> tuple[str, ...]:
+    return ("--iree-hal-target-device=local", "--iree-hal-local-target-device-backends=llvm-cpu", *flags)
+
+
+def _vulkan(target: str) -> tuple[str, ...]:
+    return ("--iree-hal-target-device=vulkan", f"--iree-vulkan-target={target}")
+
+
+ANDROID_ARM64 = ("--iree-llvmcpu-target-triple=aarch64-none-linux-android34",
+                 "--iree-llvmcpu-target-cpu-features=+dotprod,+i8mm")
+
+TARGETS = {
+    "host": Target("host", "local-task", _cpu("--iree-llvmcpu-target-cpu=host"), True),
+    "vulkan": Target("vulkan", "vulkan", _vulkan("llvmpipe"), True, "Mesa llvmpipe/lavapipe software Vulkan"),
+    "android-arm64": Target("android-arm64", "local-task", _cpu(*ANDROID_ARM64), False,
+                            "aarch64 Android CPU with dotprod/i8mm"),
+    "android-adreno": Target("android-adreno", "vulkan", _vulkan("adreno"), False,
+                             "Qualcomm Adreno GPU; gives wrong results on lavapipe"),
+    "android-mali": Target("android-mali", "vulkan", _vulkan("valhall"), False,
+                           "Arm Mali (Valhall) GPU; gives wrong results on lavapipe"),
+}
+
+
+def target(name: str) -> Target:
+    if name not in TARGETS:
+        raise LladaError(f"unknown target {name!r}; choose one of {', '.join(TARGETS)}")
+    return TARGETS[name]
