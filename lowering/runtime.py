@@ -40,6 +40,7 @@ class Session:
         except Exception as err:  # IREE raises plain RuntimeErrors for missing drivers
             raise LladaError(f"IREE driver {driver!r} is not available here ({str(err).splitlines()[0]})") from None
         self.device = config.device
+        self.vulkan = driver == "vulkan"
         index = rt.ParameterIndex()
         for file in manifest["weights"]["files"]:
             path = Path(file) if Path(file).is_absolute() else bundle_dir / file
@@ -65,15 +66,27 @@ class Session:
     def upload(self, array: np.ndarray):
         return self._rt.asdevicearray(self.device, np.ascontiguousarray(array))
 
-
-def to_numpy(device_array) -> np.ndarray:
-    """Read a device array back (into a page-aligned buffer, which Vulkan's host import requires)."""
-    try:
-        return np.asarray(device_array.to_host())
-    except RuntimeError:
+    def read(self, device_array) -> np.ndarray:
+        """Copy a device array to host memory. On Vulkan through a mapped staging buffer: IREE's own
+        read-back imports a numpy allocation, which Vulkan refuses unless page-aligned in address and size."""
+        if not self.vulkan:
+            return np.asarray(device_array.to_host())
+        rt = self._rt
         view = device_array._buffer_view
-        mapping = view.map()
-        return np.array(mapping.asarray(device_array.shape, device_array.dtype))
+        source = view.get_buffer()
+        staging = self.device.allocator.allocate_buffer(
+            memory_type=int(rt.MemoryType.HOST_LOCAL | rt.MemoryType.DEVICE_VISIBLE),
+            allowed_usage=int(rt.BufferUsage.TRANSFER_TARGET | rt.BufferUsage.MAPPING_SCOPED),
+            allocation_size=source.byte_length())
+        semaphore = self.device.create_semaphore(0)
+        self.device.queue_copy(source, staging, wait_semaphores=rt.HalFence.create_at(semaphore, 0),
+                               signal_semaphores=rt.HalFence.create_at(semaphore, 1))
+        rt.HalFence.create_at(semaphore, 1).wait()
+        dtype = rt.HalElementType.map_to_dtype(view.element_type)
+        return np.array(staging.map().asarray(tuple(view.shape), dtype))
+
+    def call(self, name: str, *args):
+        return self.invoker(name)(*args)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,22 +132,22 @@ class IreeBackend:
             raise LladaError("IREE bundles run argmax readouts without CFG: use temperature 0 and cfg-scale 0")
         self.bundle, self.session, self.config = bundle, session, bundle.config
         self.readout, self.biases = readout, biases
-        self._extras = (np.float32(cfg_scale), biases.logit_bias, biases.confidence_bias)
+        self._extras = (np.asarray(cfg_scale, np.float32), biases.logit_bias, biases.confidence_bias)
 
     def _call(self, name: str, *args):
-        return self.session.invoker(name)(*args)
+        return self.session.call(name, *args)
 
     def full(self, tokens: np.ndarray, valid: np.ndarray) -> StepOutput:
         batch, slots = tokens.shape
         out = self._call(f"full_b{batch}_s{slots}", tokens.astype(np.int32), valid.astype(np.int32), *self._extras)
-        return StepOutput({"x0": to_numpy(out[0]), "logp": to_numpy(out[1])}, out[2], out[3])
+        return StepOutput({"x0": self.session.read(out[0]), "logp": self.session.read(out[1])}, out[2], out[3])
 
     def window(self, state: kv_state.KVState, visible, window_ids, window_pos, window_valid) -> StepOutput:
         batch, width = window_ids.shape
         out = self._call(f"window_b{batch}_s{state.slots}_w{width}", state.keys, state.values,
                          kv_state.visible_bias(state, visible), np.asarray(window_ids, np.int32),
                          np.asarray(window_pos, np.int32), np.asarray(window_valid, np.int32), *self._extras)
-        return StepOutput({"x0": to_numpy(out[0]), "logp": to_numpy(out[1])}, out[2], out[3])
+        return StepOutput({"x0": self.session.read(out[0]), "logp": self.session.read(out[1])}, out[2], out[3])
 
     def commit(self, state: kv_state.KVState, positions, write, out: StepOutput, tokens, step: int):
         targets = kv_state.write_targets(state, positions, write)

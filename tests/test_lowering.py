@@ -1,0 +1,199 @@
+"""IREE bundles: same numbers as JAX (host and Vulkan), same tokens for every decoder, phone targets
+compile, bad bundles are refused, and the runtime never imports JAX."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import llada_jax
+from llada_jax.errors import LladaError
+from llada_jax.readout import Readout, TokenBiases
+from lowering import bundle as bundle_mod
+from lowering.bundle import compile_bundle
+from lowering.runtime import IreeBackend, Session, generate_with_bundle, load_bundle
+from tests.conftest import TINY, jax_backend
+
+MAX_LEN, WINDOW = 32, 32
+POLICIES = ["vanilla", "prefix-cache", "dual-cache"]
+
+
+@pytest.fixture(scope="session")
+def host_bundle(tiny_dir, tmp_path_factory):
+    return compile_bundle(tiny_dir, "host", tmp_path_factory.mktemp("bundles") / "host", max_len=MAX_LEN,
+                          window=WINDOW)
+
+
+@pytest.fixture(scope="session")
+def host_session(host_bundle):
+    bundle = load_bundle(host_bundle, "host")
+    return bundle, Session(bundle.path, bundle.manifest, "local-task")
+
+
+def iree_backend(host_session):
+    bundle, session = host_session
+    return IreeBackend(bundle, session, Readout(), TokenBiases.build(TINY.embedding_size))
+
+
+def random_canvas(seed: int, slots: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, TINY.vocab_size, (1, slots)).astype(np.int32)
+    tokens[rng.random((1, slots)) < 0.4] = TINY.mask_token_id
+    return tokens, np.arange(slots)[None] < length
+
+
+def assert_close(got, want, tol=1e-4):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert np.abs(got - want).max() <= tol * max(1.0, np.abs(want).max())
+
+
+def test_unknown_target_is_refused_before_iree_runs(tiny_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(bundle_mod, "compile_module", lambda *a: pytest.fail("iree-compile was called"))
+    with pytest.raises(LladaError, match="unknown target 'mali-g99'"):
+        compile_bundle(tiny_dir, "mali-g99", tmp_path / "b")
+
+
+def test_manifest_describes_every_step_and_file(host_bundle):
+    manifest = json.loads((host_bundle / "manifest.json").read_text())
+    assert manifest["target"] == "host" and manifest["iree_version"] and manifest["max_len"] == MAX_LEN
+    names = {step["name"] for step in manifest["steps"]}
+    assert {"full_b1_s8", "full_b1_s32", "window_b1_s32_w8", "commit_b1_s32_w32"} <= names
+    window = next(s for s in manifest["steps"] if s["name"] == "window_b1_s32_w8")
+    assert [i["name"] for i in window["inputs"]][:6] == ["keys", "values", "context_bias", "window_ids",
+                                                         "window_pos", "window_valid"]
+    assert {"steps.vmfb", "model.safetensors", "manifest.json"} - set(manifest["files"]) == {"manifest.json"}
+
+
+@settings(max_examples=10)
+@given(slots=st.sampled_from([8, 16, 32]), data=st.data(), seed=st.integers(0, 10_000))
+def test_iree_steps_match_jax(tiny_model, host_session, slots, data, seed):
+    length = data.draw(st.integers(1, slots))
+    tokens, valid = random_canvas(seed, slots, length)
+    jax_b, iree_b = jax_backend(tiny_model), iree_backend(host_session)
+    want, got = jax_b.full(tokens, valid), iree_b.full(tokens, valid)
+    n = length
+    assert got.readout["x0"][:, :n].tolist() == want.readout["x0"][:, :n].tolist()
+    assert_close(got.readout["logp"][:, :n], want.readout["logp"][:, :n])
+    assert_close(host_session[1].read(got.keys)[:, :, :n], np.asarray(want.keys)[:, :, :n])
+    # A window placed anywhere in the canvas, against everything else committed from that full step.
+    start = data.draw(st.integers(0, length - 1))
+    end = data.draw(st.integers(start + 1, length))
+    width = data.draw(st.sampled_from([w for w in (8, 16, 32) if end - start <= w <= slots]))
+    everything = np.arange(slots)[None]
+    states = [b.commit(b.empty_state(1, slots), everything, valid, out, tokens, 0)
+              for b, out in ((jax_b, want), (iree_b, got))]
+    positions = np.zeros((1, width), np.int64)
+    positions[0, : end - start] = np.arange(start, end)
+    window_valid = np.arange(width)[None] < end - start
+    visible = valid & ~((everything >= start) & (everything < end))
+    ids = np.where(window_valid, tokens[0, positions], 0)
+    want_w = jax_b.window(states[0], visible, ids, positions, window_valid)
+    got_w = iree_b.window(states[1], visible, ids, positions, window_valid)
+    k = end - start
+    assert got_w.readout["x0"][:, :k].tolist() == want_w.readout["x0"][:, :k].tolist()
+    assert_close(got_w.readout["logp"][:, :k], want_w.readout["logp"][:, :k])
+
+
+def test_iree_commit_leaves_the_old_state_intact(host_session):
+    backend = iree_backend(host_session)
+    tokens, valid = random_canvas(0, 16, 16)
+    before = backend.empty_state(1, 16)
+    after = backend.commit(before, np.arange(16)[None], valid, backend.full(tokens, valid), tokens, 0)
+    session = host_session[1]
+    assert np.abs(session.read(before.keys)).max() == 0.0
+    assert np.abs(session.read(after.keys)).max() > 0.0 and after.filled.all() and not before.filled.any()
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("threshold", [None, 0.2])
+def test_decoders_give_identical_tokens_through_iree_and_jax(tiny_model, host_session, policy, threshold):
+    bundle, session = host_session
+    for seed in range(3):
+        prompt = np.random.default_rng(seed).integers(0, TINY.mask_token_id, 5 + seed)
+        options = dict(gen_length=16, block_length=8, steps=8, policy=policy, threshold=threshold)
+        want = llada_jax.generate(tiny_model, prompt, **options)
+        got = generate_with_bundle(bundle, session, prompt, **options)
+        assert got.output_ids.tolist() == want.output_ids.tolist() and got.nfe == want.nfe
+
+
+def test_bundle_canvas_limit_is_a_clear_error(host_session):
+    bundle, session = host_session
+    with pytest.raises(LladaError, match="compiled with --max-len 32"):
+        generate_with_bundle(bundle, session, np.arange(20), gen_length=16, block_length=8, steps=8)
+
+
+def test_vulkan_matches_jax(tiny_dir, tiny_model, tmp_path):
+    path = compile_bundle(tiny_dir, "vulkan", tmp_path / "vk", max_len=16, window=16)
+    bundle = load_bundle(path, "vulkan")
+    session = Session(bundle.path, bundle.manifest, "vulkan")
+    for policy in POLICIES:
+        prompt = np.arange(3, 9)
+        options = dict(gen_length=8, block_length=4, steps=4, policy=policy)
+        got = generate_with_bundle(bundle, session, prompt, **options)
+        assert got.output_ids.tolist() == llada_jax.generate(tiny_model, prompt, **options).output_ids.tolist()
+    tokens, valid = random_canvas(3, 16, 12)
+    got = IreeBackend(bundle, session, Readout(), TokenBiases.build(TINY.embedding_size)).full(tokens, valid)
+    want = jax_backend(tiny_model).full(tokens, valid)
+    assert_close(got.readout["logp"][:, :12], want.readout["logp"][:, :12])
+
+
+@pytest.mark.parametrize("target", ["android-arm64", "android-adreno", "android-mali"])
+def test_phone_targets_compile(tiny_dir, tmp_path, target):
+    path = compile_bundle(tiny_dir, target, tmp_path / target, max_len=8, window=8)
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["target"] == target and (path / "steps.vmfb").stat().st_size > 10_000
+
+
+def corrupt_vmfb(path):
+    data = bytearray((path / "steps.vmfb").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (path / "steps.vmfb").write_bytes(bytes(data))
+
+
+def other_iree(path):
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["iree_version"] = "1.0.0"
+    (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("fault, message", [
+    (corrupt_vmfb, "steps.vmfb does not match its checksum"),
+    (other_iree, "compiled with IREE 1.0.0"),
+    (lambda p: (p / "model.safetensors").unlink(), "model.safetensors is missing"),
+    (lambda p: (p / "manifest.json").unlink(), "is not a bundle"),
+])
+def test_bad_bundles_are_refused(host_bundle, tmp_path, fault, message):
+    copy = tmp_path / "copy"
+    shutil.copytree(host_bundle, copy)
+    fault(copy)
+    with pytest.raises(LladaError, match=message):
+        load_bundle(copy)
+
+
+def test_bundle_for_another_target_is_refused(host_bundle):
+    with pytest.raises(LladaError, match="bundle targets 'host', not 'vulkan'"):
+        load_bundle(host_bundle, "vulkan")
+
+
+def test_bundle_runtime_imports_neither_jax_nor_the_compiler(host_bundle):
+    script = (f"import sys, numpy as np\nfrom lowering.runtime import open_bundle\n"
+              f"config, tok, run = open_bundle({str(host_bundle)!r})\n"
+              f"r = run(np.arange(3, 9), gen_length=8, block_length=8, steps=8, policy='dual-cache')\n"
+              f"assert len(r.output_ids) == 8\n"
+              f"print(sorted(m for m in sys.modules if m.startswith(('jax', 'iree.compiler'))))")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert proc.stdout.strip() == "[]"
+
+
+def test_iree_backend_refuses_sampling_it_cannot_run(host_session):
+    bundle, session = host_session
+    with pytest.raises(LladaError, match="temperature 0 and cfg-scale 0"):
+        generate_with_bundle(bundle, session, np.arange(3, 6), gen_length=8, block_length=8, steps=8,
+                             temperature=0.5)
