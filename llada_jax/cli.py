@@ -170,6 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
     tasks.add_argument("--limit", type=int, default=None, help="examples per family")
     tasks.add_argument("--json", action="store_true")
     tasks.set_defaults(run=cmd_eval_tasks)
+    from eval import gsm8k, humaneval
+
+    gsm8k.add_cli(suites)
+    humaneval.add_cli(suites)
     tr = commands.add_parser("train", help="train the embedded tiny model on the task suite (resumable)")
     tr.add_argument("--out", required=True, help="run directory (checkpoints; the model lands in OUT/model)")
     tr.add_argument("--steps", type=int, default=40_000)

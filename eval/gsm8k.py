@@ -1,0 +1,151 @@
+"""`llada eval gsm8k`: accuracy on GSM8K, answers extracted as the common harnesses do it (`#### N`, else the
+last number; `$` and commas dropped; compared as numbers). Each problem's row is appended to `--out` as it
+finishes; a rerun with the same file skips the problems already there."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+
+import numpy as np
+
+from eval.jsonl import RowWriter, finished_rows, read_jsonl
+from eval.task_eval import answer_text
+from llada_jax.errors import LladaError
+
+# A number as written in GSM8K text: optional sign and dollar, thousands groups, optional decimals.
+NUMBER = re.compile(r"-?\$?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
+FINAL = re.compile(rf"\s*({NUMBER.pattern})")
+STOP_TEXT = "Question:"  # a few-shot continuation starts the next problem here
+
+
+def extract_answer(text: str) -> str | None:
+    """The number right after the last `####`, else the last number in `text`, without `$` and commas."""
+    _, marker, after = text.rpartition("####")
+    found = FINAL.match(after) if marker else None
+    numbers = [found.group(1)] if found else NUMBER.findall(text)
+    return numbers[-1].replace("$", "").replace(",", "") if numbers else None
+
+
+def same_number(answer: str | None, gold: str | None) -> bool:
+    """Numeric equality of two answers: "1,000" == "1000.0"."""
+    if answer is None or gold is None:
+        return False
+    try:
+        return Decimal(answer.replace(",", "").replace("$", "")) == Decimal(gold.replace(",", "").replace("$", ""))
+    except InvalidOperation:
+        return False
+
+
+def load_problems(path, limit: int | None = None) -> list[dict]:
+    """GSM8K rows (`question`, `answer` ending in `#### N`), each with its extracted `gold` number."""
+    if limit is not None and limit <= 0:
+        raise LladaError(f"--limit must be > 0, got {limit}")
+    rows = read_jsonl(path, ("question", "answer"))[:limit]
+    if not rows:
+        raise LladaError(f"{path} holds no problems")
+    for number, row in enumerate(rows, start=1):
+        if "####" not in row["answer"] or extract_answer(row["answer"]) is None:
+            raise LladaError(f"{path}: problem {number} has no final '#### N' answer")
+    return [dict(row, gold=extract_answer(row["answer"])) for row in rows]
+
+
+def load_shots(path, shots: int) -> list[dict]:
+    """The first `shots` solved problems of the training file (none when shots == 0)."""
+    if shots < 0:
+        raise LladaError(f"--shots must be >= 0, got {shots}")
+    if shots == 0:
+        return []
+    if path is None:
+        raise LladaError(f"--shots {shots} needs --train-data FILE to take the solved examples from")
+    examples = load_problems(path)
+    if len(examples) < shots:
+        raise LladaError(f"--shots {shots} but {path} holds only {len(examples)} problems")
+    return examples[:shots]
+
+
+def prompt_text(question: str, shots: list[dict], tokenizer=None) -> str:
+    """lm-eval's format: solved `Question:/Answer:` pairs, then the open question; in the chat template
+    when a tokenizer is given."""
+    solved = "".join(f"Question: {shot['question']}\nAnswer: {shot['answer']}\n\n" for shot in shots)
+    text = f"{solved}Question: {question}\nAnswer:"
+    return tokenizer.chat_prompt(text) if tokenizer is not None else text
+
+
+def solve(model, index: int, prompt: str, gold: str, decoding: dict) -> dict:
+    """Generate for one prompt and score it: one result row."""
+    from llada_jax.api import generate
+
+    result = generate(model, np.array(model.tokenizer.encode(prompt)), **decoding)
+    output = answer_text(model.tokenizer, result.output_ids, model.config).split(STOP_TEXT)[0]
+    extracted = extract_answer(output)
+    return {"index": index, "prompt": prompt, "output": output, "extracted": extracted, "gold": gold,
+            "correct": same_number(extracted, gold), "nfe": result.nfe, "latency_s": result.wall_s}
+
+
+def evaluate(model, problems: list[dict], shots: list[dict], decoding: dict, *, chat: bool = False,
+             out: Path | None = None, progress: bool = True) -> dict:
+    """Solve every problem not already in `out` (appending its row), then summarize all of them."""
+    from tqdm import tqdm
+
+    if model.tokenizer is None:
+        raise LladaError("GSM8K needs a model with a tokenizer (tokenizer.json)")
+    prompts = {index: prompt_text(p["question"], shots, model.tokenizer if chat else None)
+               for index, p in enumerate(problems)}
+    rows = finished_rows(out, "prompt", prompts)
+    with RowWriter(out) as writer, tqdm(total=len(problems), initial=len(rows), desc="gsm8k", file=sys.stderr,
+                                        disable=not progress, dynamic_ncols=True) as bar:
+        for index, problem in enumerate(problems):
+            if index in rows:
+                continue
+            rows[index] = solve(model, index, prompts[index], problem["gold"], decoding)
+            writer.write(rows[index])
+            bar.update()
+            bar.set_postfix(accuracy=f"{np.mean([row['correct'] for row in rows.values()]):.3f}")
+    return summarize([rows[index] for index in sorted(rows)], decoding, len(shots), chat)
+
+
+def summarize(rows: list[dict], decoding: dict, shots: int, chat: bool) -> dict:
+    correct, seconds = sum(row["correct"] for row in rows), sum(row["latency_s"] for row in rows)
+    return {"accuracy": correct / len(rows), "correct": correct, "problems": len(rows),
+            "mean_nfe": float(np.mean([row["nfe"] for row in rows])),
+            "tokens_per_s": len(rows) * decoding["gen_length"] / seconds if seconds else 0.0,
+            "shots": shots, "chat": chat, **{key: decoding[key] for key in
+                                             ("gen_length", "block_length", "steps", "policy", "threshold")}}
+
+
+def run(args) -> None:
+    """The `llada eval gsm8k` command."""
+    from llada_jax.cli import decoding_kwargs, load_model
+
+    problems = load_problems(args.data, args.limit)
+    shots = load_shots(args.train_data, args.shots)
+    model = load_model(args)
+    summary = evaluate(model, problems, shots, decoding_kwargs(args), chat=args.chat,
+                       out=Path(args.out) if args.out else None)
+    if args.json:
+        print(json.dumps(summary))
+        return
+    print(f"accuracy {summary['accuracy']:.3f} ({summary['correct']}/{summary['problems']})  "
+          f"mean NFE {summary['mean_nfe']:.1f}  {summary['tokens_per_s']:.1f} tok/s")
+
+
+def add_cli(suites) -> None:
+    """Register `gsm8k` on the `llada eval` sub-parsers."""
+    from llada_jax.cli import add_decoding_flags
+
+    parser = suites.add_parser("gsm8k", help="GSM8K accuracy (resumable with --out)")
+    parser.add_argument("--model", default=None, help="HF LLaDA directory (default: the embedded tiny model)")
+    parser.add_argument("--dtype", default="float32", help="float32 or bfloat16")
+    parser.add_argument("--data", required=True, help="GSM8K JSONL: question, answer ending in '#### N'")
+    parser.add_argument("--train-data", default=None, help="GSM8K JSONL the few-shot examples come from")
+    parser.add_argument("--shots", type=int, default=0, help="solved examples before each question")
+    parser.add_argument("--limit", type=int, default=None, help="only the first N problems")
+    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template (Instruct models)")
+    parser.add_argument("--out", default=None, help="results JSONL, appended per problem; reruns resume from it")
+    parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    add_decoding_flags(parser)
+    parser.set_defaults(run=run)

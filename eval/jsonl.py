@@ -1,0 +1,106 @@
+"""Resumable JSONL results: every row is flushed and fsynced as it is written, so a run killed at any
+moment leaves complete rows plus at most one truncated last line, which the next run drops."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from pathlib import Path
+
+from llada_jax.errors import LladaError
+
+
+def read_rows(path: Path | None) -> list[dict]:
+    """The complete rows of `path` (none if it does not exist); a truncated last line is cut off the file."""
+    if path is None or not Path(path).exists():
+        return []
+    try:
+        data = Path(path).read_bytes()
+    except OSError as err:
+        raise LladaError(f"cannot read {path}: {err.strerror}") from None
+    # Invariant: a row is complete iff its "\n" is on disk (it is the last byte each write adds).
+    complete = data[: data.rfind(b"\n") + 1]
+    rows = []
+    for number, line in enumerate(complete.split(b"\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            row = None
+        if not isinstance(row, dict):
+            raise LladaError(f"{path}:{number}: not a JSON object; use a new --out file")
+        rows.append(row)
+    if len(complete) < len(data):
+        with open(path, "r+b") as handle:
+            handle.truncate(len(complete))
+    return rows
+
+
+def read_jsonl(path, required: tuple[str, ...]) -> list[dict]:
+    """A data file (JSONL, or JSONL.gz): one object per non-blank line, each holding the `required` keys."""
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as handle:
+            lines = handle.read().split("\n")
+    except (OSError, EOFError, UnicodeDecodeError) as err:
+        raise LladaError(f"cannot read {path}: {getattr(err, 'strerror', None) or err}") from None
+    rows = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise LladaError(f"{path}:{number}: not valid JSON ({err.msg})") from None
+        missing = [key for key in required if not isinstance(row, dict) or key not in row]
+        if missing:
+            raise LladaError(f"{path}:{number}: missing {', '.join(missing)}")
+        rows.append(row)
+    return rows
+
+
+class RowWriter:
+    """Appends one JSON row per line; each row is on disk (flush + fsync) before `write` returns."""
+
+    def __init__(self, path: Path | None):
+        self.handle = None
+        if path is not None:
+            try:
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+                self.handle = open(path, "a", encoding="utf-8")
+            except OSError as err:
+                raise LladaError(f"cannot write {path}: {err.strerror}") from None
+
+    def write(self, row: dict) -> None:
+        if self.handle is None:
+            return
+        self.handle.write(json.dumps(row) + "\n")
+        self.handle.flush()
+        os.fsync(self.handle.fileno())
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.handle.close()
+
+    def __enter__(self) -> "RowWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def finished_rows(path: Path | None, key: str, expected: dict) -> dict:
+    """Rows already in `path` by their `index`; a row whose `key` differs from `expected[index]` means
+    the file belongs to another run, which is an error (mixing them would corrupt the results)."""
+    done = {}
+    for row in read_rows(path):
+        index = row.get("index")
+        if index not in expected:
+            continue
+        if row.get(key) != expected[index]:
+            raise LladaError(f"{path}: row {index} was written for a different {key}; use a new --out file")
+        done[index] = row
+    return done

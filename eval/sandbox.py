@@ -1,0 +1,270 @@
+"""Run untrusted Python (model-written code) in a fresh `python -I` process, never in the harness.
+
+A trusted supervisor (`python -I -c SUPERVISOR`, its own session) starts the program in a fresh temp dir,
+in a session and process group of its own, with resource limits set by a preexec function; at the
+wall-clock timeout, and after any exit, it SIGKILLs the program's process group. Layers, each named in the
+level string only when a probe at startup showed it works here:
+- netns: `unshare --net`, a network namespace whose interfaces are all down (no connection leaves it);
+- pidns: `unshare --pid`; the supervisor is the namespace's init, so after the program it kills every
+  process left in the namespace (`kill(-1)` reaches nothing outside it) and reaps them all;
+- uid (root harness only): the program runs as uid/gid UID_BASE + slot via `setpriv` (no groups, no new
+  privileges). Linux exempts uid 0 from RLIMIT_NPROC, so only this makes the process limit bite for a root
+  harness; it also keeps the program from signalling its root parent or writing root-owned files.
+  `uid-readall`: that uid could not reach the interpreter (a venv under a 0700 /root), so it keeps
+  CAP_DAC_READ_SEARCH: it may read any file, and still writes only where its uid may (its work dir and
+  world-writable places such as /tmp, each file within RLIMIT_FSIZE);
+- rlimits: address space, CPU seconds (a backstop behind the wall clock), processes, file size, open
+  files, no core files;
+- pgroup: the program's own process group, killed as a whole; the harness likewise kills the supervisor's
+  group should the supervisor itself overrun.
+Without pidns, processes that left the program's group survive it; without uid, RLIMIT_NPROC counts all of
+the harness user's processes (its current count + the limit is allowed) and does nothing for root.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from llada_jax.errors import LladaError
+
+UID_BASE = 61_000        # slot s runs as uid UID_BASE + s (unallocated ids below systemd's dynamic range)
+BACKSTOP_S = 20.0        # the harness kills a supervisor this long past the program's own timeout
+TAIL_BYTES = 4096        # how much of the program's stdout/stderr is read back
+SANDBOX_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LC_ALL": "C.UTF-8"}
+
+# Runs first in every sandbox (the namespace's init when there is a pid namespace). Single-threaded, so its
+# preexec function (the resource limits) is safe. Invariant: the program's group leader is reaped only
+# after its group was killed, so `killpg(pid)` can never reach a group that reused the id.
+SUPERVISOR = r"""
+import json, os, resource, signal, subprocess, sys, time
+spec = json.loads(sys.argv[1])
+
+def apply_limits():
+    for name, value in spec["rlimits"]:
+        limit = getattr(resource, name)
+        hard = resource.getrlimit(limit)[1]
+        value = value if hard == resource.RLIM_INFINITY else min(value, hard)
+        resource.setrlimit(limit, (value, value))
+
+with open(spec["stdout"], "wb") as out, open(spec["stderr"], "wb") as err:
+    program = subprocess.Popen(spec["command"], cwd=spec["cwd"], stdin=subprocess.DEVNULL, stdout=out,
+                               stderr=err, start_new_session=True, preexec_fn=apply_limits)
+deadline, pause, timed_out = time.monotonic() + spec["timeout"], 0.001, False
+while os.waitid(os.P_PID, program.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+    if time.monotonic() > deadline:
+        timed_out = True
+        break
+    time.sleep(pause)
+    pause = min(2 * pause, 0.05)
+try:
+    os.killpg(program.pid, signal.SIGKILL)
+except ProcessLookupError:
+    pass
+if os.getpid() == 1:
+    try:
+        os.kill(-1, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+returncode = program.wait()
+while os.getpid() == 1:
+    try:
+        os.waitpid(-1, 0)
+    except ChildProcessError:
+        break
+print(json.dumps({"returncode": returncode, "timed_out": timed_out}))
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    timeout_s: float = 10.0
+    memory_bytes: int = 1 << 30
+    processes: int = 32
+    file_bytes: int = 16 << 20
+    open_files: int = 64
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            if not getattr(self, field.name) > 0:
+                raise LladaError(f"sandbox limit {field.name} must be > 0, got {getattr(self, field.name)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sandbox:
+    namespaces: tuple[str, ...] = ()   # e.g. ("netns", "pidns")
+    drop_uid: bool = False
+    read_all: bool = False             # the dropped uid keeps CAP_DAC_READ_SEARCH
+
+    @property
+    def level(self) -> str:
+        uid = ("uid-readall" if self.read_all else "uid",) if self.drop_uid else ()
+        return "+".join((*self.namespaces, *uid, "rlimits", "pgroup"))
+
+    def supervisor_command(self, spec: dict) -> list[str]:
+        wrapper = []
+        if self.namespaces:
+            wrapper = [shutil.which("unshare") or "unshare", "--net"]
+            if "pidns" in self.namespaces:
+                wrapper += ["--pid", "--fork", "--kill-child"]
+            if os.geteuid() != 0:
+                wrapper.append("--map-root-user")
+            wrapper.append("--")
+        return wrapper + [sys.executable, "-I", "-c", SUPERVISOR, json.dumps(spec)]
+
+    def program_command(self, slot: int, script: str) -> list[str]:
+        prefix = []
+        if self.drop_uid:
+            uid = UID_BASE + slot
+            caps = ",+dac_read_search" if self.read_all else ""
+            prefix = [shutil.which("setpriv") or "setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
+                      "--no-new-privs", f"--inh-caps=-all{caps}", f"--bounding-set=-all{caps}"]
+            if self.read_all:
+                prefix.append("--ambient-caps=+dac_read_search")
+            prefix.append("--")
+        return prefix + [sys.executable, "-I", script]
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    passed: bool
+    result: str     # "passed", "failed: <last stderr line>", "timed out" or "killed: <signal>"
+
+
+@functools.cache
+def detect_sandbox() -> Sandbox:
+    """The strongest sandbox whose probe passes here (probed once per process, strongest first)."""
+    for candidate in candidates():
+        if run_program(probe_source(candidate), candidate, Limits(timeout_s=30.0)).passed:
+            return candidate
+    raise LladaError("cannot run a sandboxed python subprocess here (even without namespaces)")
+
+
+def candidates() -> list[Sandbox]:
+    spaces = [("netns", "pidns"), ("netns",), ()] if shutil.which("unshare") else [()]
+    uid_modes = [(False, False)]
+    if os.geteuid() == 0 and shutil.which("setpriv"):
+        uid_modes = [(True, False), (True, True), (False, False)]
+    return [Sandbox(space, drop, read_all) for space in spaces for drop, read_all in uid_modes]
+
+
+def probe_source(sandbox: Sandbox) -> str:
+    """A program that passes only if every layer `sandbox` claims is really in place."""
+    lines = ["import errno, os, socket, sys", f"assert sys.version == {sys.version!r}"]  # the harness's interpreter
+    if "netns" in sandbox.namespaces:  # loopback is down too in a fresh network namespace
+        lines.append("assert socket.socket().connect_ex(('127.0.0.1', 9)) == errno.ENETUNREACH")
+    if "pidns" in sandbox.namespaces:  # the parent is the supervisor, the namespace's init
+        lines.append("assert os.getppid() == 1")
+    if sandbox.drop_uid:
+        lines.append(f"assert os.getuid() == {UID_BASE} and os.getgroups() == []")
+    return "\n".join(lines)
+
+
+def run_program(source: str, sandbox: Sandbox, limits: Limits = Limits(), slot: int = 0) -> Outcome:
+    """Run `source` as a script in a fresh temp dir; it passes iff it exits 0 after its last line ran."""
+    marker = secrets.token_hex(16)
+    base = Path(tempfile.mkdtemp(prefix="llada-sandbox-"))
+    try:
+        base.chmod(0o711)  # the program's uid must pass through to its work dir
+        work = base / "work"
+        work.mkdir()
+        (work / "program.py").write_text(f"{source}\nprint({marker!r})\n")
+        if sandbox.drop_uid:
+            os.chown(work, UID_BASE + slot, UID_BASE + slot)
+        spec = {"command": sandbox.program_command(slot, "program.py"), "cwd": str(work), "timeout": limits.timeout_s,
+                "stdout": str(base / "stdout"), "stderr": str(base / "stderr"),
+                "rlimits": rlimits(limits, _process_limit(sandbox, limits))}
+        status, supervisor_err = _supervise(sandbox.supervisor_command(spec), limits)
+        return judge(status, supervisor_err, _tail(base / "stdout"), _tail(base / "stderr"), marker)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _supervise(command: list[str], limits: Limits) -> tuple[dict | None, str]:
+    """Run the supervisor; its status line (None if it died) and its own stderr."""
+    supervisor = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  start_new_session=True, env=SANDBOX_ENV)
+    try:
+        out, err = supervisor.communicate(timeout=limits.timeout_s + BACKSTOP_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(supervisor.pid, signal.SIGKILL)  # not reaped yet: the group id is still ours
+        supervisor.communicate()
+        return {"returncode": None, "timed_out": True}, ""
+    try:
+        return json.loads(out.decode().strip().splitlines()[-1]), err.decode(errors="replace")
+    except (IndexError, ValueError):
+        return None, err.decode(errors="replace") or f"exit status {supervisor.returncode}"
+
+
+def rlimits(limits: Limits, processes: int) -> list[tuple[str, int]]:
+    """The resource limits the supervisor sets on the program (lowered to any existing hard limit)."""
+    return [("RLIMIT_AS", limits.memory_bytes), ("RLIMIT_CPU", math.ceil(limits.timeout_s) + 1),
+            ("RLIMIT_NPROC", processes), ("RLIMIT_FSIZE", limits.file_bytes),
+            ("RLIMIT_NOFILE", limits.open_files), ("RLIMIT_CORE", 0)]
+
+
+def _process_limit(sandbox: Sandbox, limits: Limits) -> int:
+    """RLIMIT_NPROC counts every process of the uid: a dedicated uid starts at 0, a shared one does not."""
+    if sandbox.drop_uid:
+        return limits.processes
+    return len(_pids_of_uid(os.getuid())) + limits.processes
+
+
+def _pids_of_uid(uid: int) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            status = Path("/proc", entry, "status").read_text() if entry.isdigit() else ""
+        except OSError:
+            continue
+        uids = next((line.split()[1:2] for line in status.splitlines() if line.startswith("Uid:")), [])
+        if uids == [str(uid)]:
+            pids.append(int(entry))
+    return pids
+
+
+def _tail(path: Path) -> str:
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(max(0, os.fstat(handle.fileno()).st_size - TAIL_BYTES))
+            return handle.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def judge(status: dict | None, supervisor_err: str, stdout: str, stderr: str, marker: str) -> Outcome:
+    """The outcome from the supervisor's status and the tails of the program's output."""
+    if status is None:
+        return Outcome(False, f"killed: the sandbox supervisor died ({last_line(supervisor_err)})")
+    if status["timed_out"]:
+        return Outcome(False, "timed out")
+    code = status["returncode"]
+    if code < 0:
+        return Outcome(False, f"killed: {signal_name(-code)}")
+    if code == 0 and stdout.rstrip().endswith(marker):
+        return Outcome(True, "passed")
+    if code == 0:
+        return Outcome(False, "failed: exited before its last line ran")
+    return Outcome(False, f"failed: {last_line(stderr) or f'exit status {code}'}")
+
+
+def last_line(text: str, limit: int = 300) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1][:limit] if lines else ""
+
+
+def signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"

@@ -1,0 +1,145 @@
+"""GSM8K: answer extraction against every gold answer, the resumable results file, and `llada eval gsm8k`
+end to end on a tiny random model with the character tokenizer."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from eval.gsm8k import add_cli, extract_answer, load_problems, prompt_text, same_number
+from eval.jsonl import RowWriter, finished_rows, read_rows
+from llada_jax.errors import LladaError
+
+GSM8K_TEST = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "gsm8k" / "test.jsonl"
+TINY_RUN = ["--gen-length", "16", "--block-length", "8", "--steps", "8"]
+
+
+def write_char_model(out_dir: Path) -> Path:
+    """A random 1-layer model with the character tokenizer and a 1024-token context (prompts are long)."""
+    from llada_jax import char_tokenizer
+    from llada_jax.checkpoint import save_hf
+    from llada_jax.params import init_params
+    from llada_jax.training import embedded_model_config
+
+    config = dataclasses.replace(embedded_model_config(d_model=32, n_layers=1), max_sequence_length=1024)
+    tokenizer_dir = out_dir.parent / "tokenizer-files"
+    tokenizer_dir.mkdir(parents=True, exist_ok=True)
+    char_tokenizer.write_tokenizer_files(tokenizer_dir)
+    names = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+    files = {name: tokenizer_dir / name for name in names}
+    return save_hf(init_params(config, std=0.5), config, out_dir, extra_files=files)
+
+
+@pytest.fixture(scope="module")
+def char_model_dir(tmp_path_factory) -> Path:
+    return write_char_model(tmp_path_factory.mktemp("char-model") / "model")
+
+
+def run_cli(*argv: str):
+    parser = argparse.ArgumentParser()
+    add_cli(parser.add_subparsers())
+    args = parser.parse_args(["gsm8k", *argv])
+    return args.run(args)
+
+
+def test_every_gold_answer_scores_as_correct():
+    problems = load_problems(GSM8K_TEST)
+    golds = [problem["answer"].rsplit("####", 1)[1].strip() for problem in problems]
+    by_marker = sum(same_number(extract_answer(p["answer"]), gold) for p, gold in zip(problems, golds))
+    # Without the "#### N" line the last number decides; "$" and thousands commas must not matter.
+    reasoning = [p["answer"].rsplit("####", 1)[0] for p in problems]
+    by_last_number = sum(same_number(extract_answer(f"{text}So the answer is ${int(gold.replace(',', '')):,}."), gold)
+                         for text, gold in zip(reasoning, golds))
+    assert len(problems) == 1319 and by_marker == 1319 and by_last_number == 1319
+    assert "2,125" in golds  # golds written with thousands commas are among them
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("She pays 3 + 4 = 7 dollars.\n#### 1,000", "1000"),
+    ("#### 42\nThen 7 more people came.", "42"),
+    ("It costs $18.", "18"),
+    ("The 3 boxes hold 1,250 apples", "1250"),
+    ("It fell to -3 degrees", "-3"),
+    ("He saves 2.50 a day.", "2.50"),
+    ("#### none given, but 12 then 5", "5"),
+    ("no digits at all", None),
+])
+def test_extract_answer(text, expected):
+    assert extract_answer(text) == expected
+
+
+def test_numbers_compare_by_value():
+    assert same_number("1,000", "1000.0") and same_number("$18", "18") and same_number("-3.50", "-3.5")
+    assert not same_number("18", "18.5") and not same_number(None, "1") and not same_number("1.2.3", "1")
+
+
+def test_few_shot_prompt_holds_solved_examples_then_the_question():
+    shots = load_problems(GSM8K_TEST, limit=2)
+    text = prompt_text("How many?", shots)
+    assert text.startswith(f"Question: {shots[0]['question']}\nAnswer: {shots[0]['answer']}\n\n")
+    assert f"Answer: {shots[1]['answer']}\n\n" in text and text.endswith("Question: How many?\nAnswer:")
+
+
+def test_shots_without_train_data_is_an_error():
+    with pytest.raises(LladaError, match="--shots 2 needs --train-data"):
+        run_cli("--data", str(GSM8K_TEST), "--shots", "2")
+
+
+def test_data_without_final_answer_is_an_error(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"question": "q", "answer": "just 5"}) + "\n")
+    with pytest.raises(LladaError, match="problem 1 has no final '#### N' answer"):
+        load_problems(bad)
+
+
+def test_truncated_last_row_is_dropped_and_cut_from_the_file(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    with RowWriter(path) as writer:
+        writer.write({"index": 0, "key": "a"})
+        writer.write({"index": 1, "key": "b"})
+    whole = path.read_bytes()
+    path.write_bytes(whole + b'{"index": 2, "ke')
+    assert read_rows(path) == [{"index": 0, "key": "a"}, {"index": 1, "key": "b"}]
+    assert path.read_bytes() == whole
+    done = finished_rows(path, "key", {0: "a", 1: "b", 2: "c"})
+    assert done == {0: {"index": 0, "key": "a"}, 1: {"index": 1, "key": "b"}}
+    with pytest.raises(LladaError, match="row 1 was written for a different key"):
+        finished_rows(path, "key", {0: "a", 1: "other"})
+
+
+def test_corrupt_complete_row_is_an_error(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"index": 0}\nnot json\n{"index": 2}\n')
+    with pytest.raises(LladaError, match="rows.jsonl:2: not a JSON object"):
+        read_rows(path)
+
+
+def test_run_appends_rows_and_a_killed_run_resumes(char_model_dir, tmp_path, capsys):
+    out = tmp_path / "gsm8k.jsonl"
+    common = ["--model", str(char_model_dir), "--data", str(GSM8K_TEST), "--chat", "--out", str(out), *TINY_RUN]
+    run_cli(*common, "--limit", "2", "--json")
+    summary = json.loads(capsys.readouterr().out)
+    first = read_rows(out)
+    assert summary["problems"] == 2 and summary["mean_nfe"] == 8.0 and summary["tokens_per_s"] > 0
+    assert [row["index"] for row in first] == [0, 1] and [row["gold"] for row in first] == ["18", "3"]
+    assert first[0]["prompt"].startswith("<|startoftext|><|start_header_id|>user")
+    assert first[0]["prompt"].endswith("Answer:<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
+    for row in first:
+        assert row["nfe"] == 8 and row["latency_s"] > 0 and isinstance(row["output"], str)
+        assert row["correct"] == same_number(row["extracted"], row["gold"])
+
+    # Killed while writing row 1: the rerun keeps row 0 as it was and redoes rows 1 and 2, once each.
+    lines = out.read_text().splitlines(keepends=True)
+    out.write_text(lines[0] + lines[1][:40])
+    run_cli(*common, "--limit", "3", "--json")
+    summary = json.loads(capsys.readouterr().out)
+    again = read_rows(out)
+    assert [row["index"] for row in again] == [0, 1, 2] and again[0] == first[0]
+    assert summary["problems"] == 3 and summary["correct"] == sum(row["correct"] for row in again)
+
+    with pytest.raises(LladaError, match="written for a different prompt"):
+        run_cli(*common, "--limit", "1", "--shots", "1", "--train-data", str(GSM8K_TEST))
