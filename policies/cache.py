@@ -1,7 +1,8 @@
 """What each step computes: the whole canvas (vanilla), or a window against cached K/V.
 
 A cache policy runs one step for step `step` of `block`, returns the step output, the window it
-computed and the (possibly new) KV state. K/V are committed only at block starts, explicitly.
+computed and its new state (the KV state here). K/V are committed only at block starts, explicitly.
+Hooks with defaults in `CachePolicy` let later policies add draft commits and post-step work.
 """
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ def run_full(backend, canvas: Canvas):
     return backend.full(canvas.tokens, canvas.valid), canvas.full_window()
 
 
-def run_window(backend, canvas: Canvas, state: kv_state.KVState, start: int, end: int):
-    """Compute positions [start, end) against every other filled slot of the canvas."""
-    window = canvas.window(start, end)
+def run_window(backend, canvas: Canvas, state: kv_state.KVState, positions, width: int | None = None):
+    """Compute `positions` (padded to `width`) against every other filled slot of the canvas."""
+    window = canvas.window(positions, width)
     visible = canvas.valid.copy()
-    visible[:, start:end] = False
+    visible[:, window.positions[window.valid]] = False
     rows = canvas.tokens.shape[0]
     ids = canvas.tokens[:, window.positions]
     out = backend.window(state, visible, ids, np.broadcast_to(window.positions, (rows, len(window.positions))),
@@ -40,8 +41,33 @@ def commit_window(backend, state: kv_state.KVState, out, window: Window, canvas:
     return backend.commit(state, positions, write, out, canvas.tokens[:, window.positions], step)
 
 
+class CachePolicy:
+    """Defaults of the hooks the decode loop calls around `step`."""
+
+    @property
+    def stops_when_filled(self) -> bool:
+        """A block ends once it has no mask (else: after exactly steps_per_block steps, as LLaDA's reference)."""
+        return self.uses_cache
+
+    def initial_state(self, backend, canvas: Canvas):
+        return backend.empty_state(canvas.tokens.shape[0], canvas.slots) if self.uses_cache else None
+
+    def drafts(self, x0: np.ndarray, confidence: np.ndarray, canvas: Canvas, block: Block) -> np.ndarray:
+        """Masked positions beyond the current block to commit early (none by default)."""
+        return np.zeros(0, np.int64)
+
+    def after_commit(self, backend, canvas: Canvas, state, block: Block, window: Window, x0, confidence, nfe: int):
+        """Work after the step's commits (the revision policy's side path). Returns (state, revisions)."""
+        return state, ()
+
+    def useful(self, window: Window, canvas: Canvas, block: Block) -> int:
+        """Window positions whose prediction this step can use: masked positions of the current block."""
+        real = window.positions[window.valid]
+        return int(np.sum(canvas.masked[real] & (real >= block.start) & (real < block.end)))
+
+
 @dataclasses.dataclass(frozen=True)
-class Vanilla:
+class Vanilla(CachePolicy):
     """LLaDA's reference: every step runs the whole canvas; nothing is cached."""
 
     name: ClassVar[str] = "vanilla"
@@ -53,7 +79,7 @@ class Vanilla:
 
 
 @dataclasses.dataclass(frozen=True)
-class PrefixCache:
+class PrefixCache(CachePolicy):
     """Fast-dLLM's prefix cache: a full step at each block start caches K/V of everything before the
     block; later steps run the block and everything after it against that prefix."""
 
@@ -64,12 +90,12 @@ class PrefixCache:
         if step == 0:
             out, window = run_full(backend, canvas)
             return out, window, commit_window(backend, state, out, window, canvas, window.positions < block.start, nfe)
-        out, window = run_window(backend, canvas, state, block.start, canvas.length)
+        out, window = run_window(backend, canvas, state, np.arange(block.start, canvas.length))
         return out, window, state
 
 
 @dataclasses.dataclass(frozen=True)
-class DualCache:
+class DualCache(CachePolicy):
     """Fast-dLLM's dual cache: the block-start step caches K/V of the whole canvas (the part after the
     block goes stale); later steps run only the block."""
 
@@ -80,7 +106,7 @@ class DualCache:
         if step == 0:
             out, window = run_full(backend, canvas)
             return out, window, commit_window(backend, state, out, window, canvas, np.ones(len(window.positions), bool), nfe)
-        out, window = run_window(backend, canvas, state, block.start, block.end)
+        out, window = run_window(backend, canvas, state, np.arange(block.start, block.end))
         return out, window, state
 
 

@@ -67,12 +67,13 @@ class Canvas:
     def generated(self) -> np.ndarray:
         return self.tokens[0, self.prompt_len: self.length].astype(np.int64)
 
-    def window(self, start: int, end: int) -> Window:
-        """Positions [start, end), padded to a shape bucket no wider than the canvas."""
-        width = bucket(end - start, self.slots)
-        positions = np.zeros(width, np.int64)
-        positions[: end - start] = np.arange(start, end)
-        return Window(positions, np.arange(width) < end - start)
+    def window(self, positions, width: int | None = None) -> Window:
+        """These positions, padded to `width` (default: a shape bucket no wider than the canvas)."""
+        positions = np.asarray(positions, np.int64)
+        width = width or bucket(len(positions), self.slots)
+        padded = np.zeros(width, np.int64)
+        padded[: len(positions)] = positions
+        return Window(padded, np.arange(width) < len(positions))
 
     def full_window(self) -> Window:
         return Window(np.arange(self.slots), np.arange(self.slots) < self.length)

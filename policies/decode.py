@@ -53,15 +53,23 @@ class Schedule:
 
 @dataclasses.dataclass(frozen=True)
 class StepRecord:
-    """One forward pass: what it computed and what it committed (canvas positions)."""
+    """One forward pass of the dense path: what it computed and what it committed (canvas positions)."""
 
     nfe: int
     block: int
     kind: str                 # "full" or "window"
     width: int                # real positions computed
+    slots: int                # positions of the fixed shape, padding included
+    useful: int               # computed positions whose prediction the policy could use
     positions: tuple[int, ...]
     tokens: tuple[int, ...]
     confidence: tuple[float, ...]
+    drafts: int = 0           # of `positions`, committed early in a later block
+    revisions: tuple = ()     # (position, old token, new token) changed after this step
+
+    @property
+    def utilisation(self) -> float:
+        return self.useful / self.slots
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,22 +92,14 @@ def decode(backend, prompt_ids: np.ndarray, schedule: Schedule, cache_policy, ru
     started = time.perf_counter()
     rng = np.random.default_rng(seed)
     canvas = Canvas.start(prompt_ids, schedule.gen_length, mask_id, cfg, max_len)
-    state = backend.empty_state(canvas.tokens.shape[0], canvas.slots) if cache_policy.uses_cache else None
+    state = cache_policy.initial_state(backend, canvas)
     trace: list[StepRecord] = []
     for block in schedule.blocks(canvas.prompt_len):
         counts = transfer_counts(int(canvas.masked[block.start:block.end].sum()), schedule.steps_per_block)
         step = 0
         while not _block_done(canvas, block, step, schedule, cache_policy, rule):
-            out, window, state = cache_policy.step(backend, canvas, state, block, step, len(trace))
-            x0, confidence = _canvas_wide(canvas, window, *sampler.choose(out.readout, rng))
-            candidates = canvas.masked.copy()
-            candidates[: block.start] = False
-            candidates[block.end:] = False
-            chosen = rule.select(confidence, candidates, step, counts)
-            canvas.write(chosen, x0[chosen])
-            record = StepRecord(len(trace), block.index, "full" if window.valid.size == canvas.slots else "window",
-                                int(window.valid.sum()), tuple(int(p) for p in chosen),
-                                tuple(int(t) for t in x0[chosen]), tuple(float(c) for c in confidence[chosen]))
+            state, record = _step(backend, canvas, state, block, step, counts, cache_policy, rule, sampler, rng,
+                                  len(trace))
             trace.append(record)
             if on_step is not None:
                 on_step(canvas, record)
@@ -107,12 +107,35 @@ def decode(backend, prompt_ids: np.ndarray, schedule: Schedule, cache_policy, ru
     return Result(canvas.generated(), len(trace), time.perf_counter() - started, tuple(trace), canvas.prompt_len)
 
 
+def _step(backend, canvas: Canvas, state, block: Block, step: int, counts, cache_policy, rule, sampler, rng,
+          nfe: int):
+    """One dense step: compute, commit in the current block (and drafts), then the policy's after-work."""
+    out, window, state = cache_policy.step(backend, canvas, state, block, step, nfe)
+    x0, confidence = _canvas_wide(canvas, window, *sampler.choose(out.readout, rng))
+    useful = cache_policy.useful(window, canvas, block)
+    candidates = canvas.masked.copy()
+    candidates[: block.start] = False
+    candidates[block.end:] = False
+    chosen = rule.select(confidence, candidates, step, counts)
+    drafts = cache_policy.drafts(x0, confidence, canvas, block)
+    committed = np.concatenate([chosen, drafts]).astype(np.int64)
+    canvas.write(committed, x0[committed])
+    state, revisions = cache_policy.after_commit(backend, canvas, state, block, window, x0, confidence, nfe)
+    record = StepRecord(nfe, block.index, "full" if window.valid.size == canvas.slots else "window",
+                        int(window.valid.sum()), int(window.valid.size), useful,
+                        tuple(int(p) for p in committed), tuple(int(t) for t in x0[committed]),
+                        tuple(float(c) for c in confidence[committed]), len(drafts), tuple(revisions))
+    return state, record
+
+
 def _block_done(canvas: Canvas, block: Block, step: int, schedule: Schedule, cache_policy, rule) -> bool:
     """Vanilla's fixed schedule runs exactly steps_per_block steps (as LLaDA's reference does); cached
-    decoders and the threshold rule stop as soon as the block has no mask left (as Fast-dLLM does)."""
-    if isinstance(rule, FixedSchedule) and not cache_policy.uses_cache:
+    decoders, speculation and the threshold rule stop as soon as the block has no mask left (as
+    Fast-dLLM does; a block whose masks were all drafted early takes no step at all)."""
+    filled = not canvas.masked[block.start:block.end].any()
+    if isinstance(rule, FixedSchedule) and not cache_policy.stops_when_filled:
         return step >= schedule.steps_per_block
-    return not canvas.masked[block.start:block.end].any()
+    return filled
 
 
 def _canvas_wide(canvas: Canvas, window, x0: np.ndarray, confidence: np.ndarray):
