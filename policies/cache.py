@@ -60,6 +60,10 @@ class CachePolicy:
         """Work after the step's commits (the revision policy's side path). Returns (state, revisions)."""
         return state, ()
 
+    def stats(self, state) -> dict:
+        """Per-generation counters of the policy (the revision policy's side path)."""
+        return {}
+
     def useful(self, window: Window, canvas: Canvas, block: Block) -> int:
         """Window positions whose prediction this step can use: masked positions of the current block."""
         real = window.positions[window.valid]
@@ -90,8 +94,12 @@ class PrefixCache(CachePolicy):
         if step == 0:
             out, window = run_full(backend, canvas)
             return out, window, commit_window(backend, state, out, window, canvas, window.positions < block.start, nfe)
-        out, window = run_window(backend, canvas, state, np.arange(block.start, canvas.length))
+        out, window = run_window(backend, canvas, state, *self.window_plan(canvas, block))
         return out, window, state
+
+    def window_plan(self, canvas: Canvas, block: Block):
+        """(positions, width) of a window step: the block and everything after it."""
+        return np.arange(block.start, canvas.length), None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,8 +114,12 @@ class DualCache(CachePolicy):
         if step == 0:
             out, window = run_full(backend, canvas)
             return out, window, commit_window(backend, state, out, window, canvas, np.ones(len(window.positions), bool), nfe)
-        out, window = run_window(backend, canvas, state, np.arange(block.start, block.end))
+        out, window = run_window(backend, canvas, state, *self.window_plan(canvas, block))
         return out, window, state
+
+    def window_plan(self, canvas: Canvas, block: Block):
+        """(positions, width) of a window step: the block only."""
+        return np.arange(block.start, block.end), None
 
 
 CACHE_POLICIES = {policy.name: policy for policy in (Vanilla, PrefixCache, DualCache)}

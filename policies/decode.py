@@ -79,6 +79,15 @@ class Result:
     wall_s: float
     trace: tuple[StepRecord, ...]
     prompt_len: int
+    stats: dict = dataclasses.field(default_factory=dict)  # policy counters (side path refreshes, ...)
+
+    @property
+    def revisions(self) -> int:
+        return sum(len(record.revisions) for record in self.trace)
+
+    @property
+    def mean_utilisation(self) -> float:
+        return float(np.mean([record.utilisation for record in self.trace])) if self.trace else 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -104,7 +113,8 @@ def decode(backend, prompt_ids: np.ndarray, schedule: Schedule, cache_policy, ru
             if on_step is not None:
                 on_step(canvas, record)
             step += 1
-    return Result(canvas.generated(), len(trace), time.perf_counter() - started, tuple(trace), canvas.prompt_len)
+    return Result(canvas.generated(), len(trace), time.perf_counter() - started, tuple(trace), canvas.prompt_len,
+                  cache_policy.stats(state))
 
 
 def _step(backend, canvas: Canvas, state, block: Block, step: int, counts, cache_policy, rule, sampler, rng,

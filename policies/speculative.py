@@ -60,13 +60,18 @@ class Speculative(CachePolicy):
     def step(self, backend, canvas: Canvas, state, block: Block, step: int, nfe: int):
         if step == 0 or self.lookahead == 0 or not isinstance(self.base, DualCache):
             return self.base.step(backend, canvas, state, block, step, nfe)
+        out, window = run_window(backend, canvas, state, *self.window_plan(canvas, block))
+        return out, window, state
+
+    def window_plan(self, canvas: Canvas, block: Block):
+        """Over dual-cache: the block, then masked positions of the draft region, in `width` slots."""
+        if self.lookahead == 0 or not isinstance(self.base, DualCache):
+            return self.base.window_plan(canvas, block)
         length = block.end - block.start
         width = bucket(self.width or 2 * length, canvas.slots)
         start, end = self.draft_region(canvas, block)
         drafts = start + np.flatnonzero(canvas.masked[start:end])
-        positions = np.concatenate([np.arange(block.start, block.end), drafts[: max(0, width - length)]])
-        out, window = run_window(backend, canvas, state, positions, width)
-        return out, window, state
+        return np.concatenate([np.arange(block.start, block.end), drafts[: max(0, width - length)]]), width
 
     def drafts(self, x0: np.ndarray, confidence: np.ndarray, canvas: Canvas, block: Block) -> np.ndarray:
         start, end = self.draft_region(canvas, block)
@@ -83,3 +88,6 @@ class Speculative(CachePolicy):
 
     def after_commit(self, backend, canvas, state, block, window, x0, confidence, nfe):
         return self.base.after_commit(backend, canvas, state, block, window, x0, confidence, nfe)
+
+    def stats(self, state) -> dict:
+        return self.base.stats(state)

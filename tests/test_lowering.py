@@ -111,7 +111,7 @@ def test_iree_commit_leaves_the_old_state_intact(host_session):
     assert np.abs(session.read(after.keys)).max() > 0.0 and after.filled.all() and not before.filled.any()
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", POLICIES + ["dual-cache+speculative:1:0.3", "dual-cache+speculative+revision:0.4"])
 @pytest.mark.parametrize("threshold", [None, 0.2])
 def test_decoders_give_identical_tokens_through_iree_and_jax(tiny_model, host_session, policy, threshold):
     bundle, session = host_session
@@ -121,6 +121,7 @@ def test_decoders_give_identical_tokens_through_iree_and_jax(tiny_model, host_se
         want = llada_jax.generate(tiny_model, prompt, **options)
         got = generate_with_bundle(bundle, session, prompt, **options)
         assert got.output_ids.tolist() == want.output_ids.tolist() and got.nfe == want.nfe
+        assert [r.revisions for r in got.trace] == [r.revisions for r in want.trace]
 
 
 def test_bundle_canvas_limit_is_a_clear_error(host_session):

@@ -1,0 +1,173 @@
+"""Dual-path progressive revision: committed tokens stay revisable until confirmed, and the K/V of
+tokens that changed is refreshed on a side path instead of by full-canvas forwards.
+
+Dense path: one full prefill, then only the base policy's window steps (dual-cache, prefix-cache, or
+speculative over either); each step's window K/V is committed to the KV state. No block-start full
+forward: the side path keeps the cache current.
+
+Revision: a committed, still *unstable* token is re-scored whenever a step computes it (dense window
+or side path). If the model's argmax agrees, that is a confirmation; after `confirmations` of them,
+or when committed at confidence >= `stable_confidence`, the token is *stable*: final, and so is its
+K/V. If the argmax disagrees at confidence >= `revise_threshold` (so the current token has p <= 1 - that),
+the token is revised: replaced by the new argmax. (Replaced, not re-masked: a mask left in a finished
+block would never be decoded again, since the loop only fills the current block.)
+
+Side path: after the commits of a step, committed slots whose cached K/V was computed from another
+token (`slot_token != canvas`: just committed, drafted, or revised) are recomputed by a fixed-shape
+refresh step of `refresh_width` slots against the rest of the cache, most recent changes first.
+Invariant: a dense step never attends to a stale slot; slots the side path has not reached yet are
+hidden from it. Here the side path runs through the same backend, after the dense step; its time is
+measured separately.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import ClassVar, NamedTuple
+
+import numpy as np
+
+from llada_jax import kv_state
+from llada_jax.errors import LladaError
+from policies.cache import CachePolicy, DualCache, PrefixCache, commit_window, run_full
+from policies.canvas import Block, Canvas, Window
+
+NEVER = -1
+
+
+class RevisionState(NamedTuple):
+    kv: kv_state.KVState
+    stable: np.ndarray          # [S] bool: final tokens
+    confirmations: np.ndarray   # [S] int: agreeing re-scorings since commit or revision
+    committed_at: np.ndarray    # [S] int: dense step of the last commit/revision, NEVER if masked
+    refreshes: int = 0          # slots recomputed by the side path
+    side_seconds: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Revision(CachePolicy):
+    base: CachePolicy = DualCache()
+    revise_threshold: float = 0.9
+    confirmations: int = 2
+    stable_confidence: float = 0.99
+    refresh_width: int = 8
+
+    name: ClassVar[str] = "revision"
+    uses_cache: ClassVar[bool] = True
+    stops_when_filled: ClassVar[bool] = True
+
+    def __post_init__(self):
+        if not hasattr(self.base, "window_plan") or not isinstance(_innermost(self.base), (DualCache, PrefixCache)):
+            raise LladaError("revision needs a cached base policy (prefix-cache or dual-cache)")
+        if not 0.0 < self.revise_threshold <= 1.0 or not 0.0 < self.stable_confidence <= 1.0:
+            raise LladaError("revision thresholds must be in (0, 1]")
+        if self.confirmations < 1 or self.refresh_width < 1:
+            raise LladaError("revision confirmations and refresh width must be >= 1")
+
+    def initial_state(self, backend, canvas: Canvas) -> RevisionState:
+        slots = canvas.slots
+        return RevisionState(backend.empty_state(canvas.tokens.shape[0], slots), np.zeros(slots, bool),
+                             np.zeros(slots, np.int64), np.full(slots, NEVER, np.int64))
+
+    def step(self, backend, canvas: Canvas, state: RevisionState, block: Block, step: int, nfe: int):
+        kv = state.kv
+        if not kv.filled.any():  # prefill: the only full-canvas step
+            out, window = run_full(backend, canvas)
+        else:
+            positions, width = self.base.window_plan(canvas, block)
+            window = canvas.window(positions, width)
+            out = _window_step(backend, canvas, kv, window)
+        kv = commit_window(backend, kv, out, window, canvas, np.ones(len(window.positions), bool), nfe)
+        return out, window, state._replace(kv=kv)
+
+    def drafts(self, x0, confidence, canvas, block):
+        return self.base.drafts(x0, confidence, canvas, block)
+
+    def useful(self, window, canvas, block):
+        return self.base.useful(window, canvas, block)
+
+    def after_commit(self, backend, canvas: Canvas, state: RevisionState, block: Block, window: Window,
+                     x0: np.ndarray, confidence: np.ndarray, nfe: int):
+        state = _mark_new_commits(state, canvas, confidence, nfe, self.stable_confidence)
+        computed = window.positions[window.valid]
+        state, revisions = self._rescore(canvas, state, computed, x0, confidence, nfe)
+        started = time.perf_counter()
+        state, side_revisions = self._refresh(backend, canvas, state, nfe)
+        state = state._replace(side_seconds=state.side_seconds + time.perf_counter() - started)
+        return state, revisions + side_revisions
+
+    def _rescore(self, canvas: Canvas, state: RevisionState, positions, x0, confidence, nfe: int):
+        """Confirm or revise committed, unstable tokens among `positions` (not those committed just now)."""
+        stable, confirmations, committed_at = state.stable.copy(), state.confirmations.copy(), state.committed_at.copy()
+        revisions = []
+        for p in positions:
+            if stable[p] or committed_at[p] in (NEVER, nfe):
+                continue
+            current = int(canvas.tokens[0, p])
+            if x0[p] == current:
+                confirmations[p] += 1
+                stable[p] = confirmations[p] >= self.confirmations
+            elif confidence[p] >= self.revise_threshold:
+                new = int(x0[p])
+                canvas.write(np.array([p]), np.array([new]))
+                revisions.append((int(p), current, new))
+                confirmations[p] = 0
+                committed_at[p] = nfe
+        return state._replace(stable=stable, confirmations=confirmations, committed_at=committed_at), tuple(revisions)
+
+    def _refresh(self, backend, canvas: Canvas, state: RevisionState, nfe: int):
+        """Side path: recompute K/V of committed slots whose token changed, newest changes first."""
+        kv = state.kv
+        stale = np.flatnonzero(kv_state.stale_slots(kv, canvas.tokens)[0] & ~canvas.masked)
+        if stale.size == 0:
+            return state, ()
+        order = np.argsort(-state.committed_at[stale], kind="stable")
+        chosen = np.sort(stale[order][: self.refresh_width])
+        window = canvas.window(chosen, self.refresh_width)
+        out = _window_step(backend, canvas, kv, window)
+        kv = commit_window(backend, kv, out, window, canvas, np.ones(self.refresh_width, bool), nfe)
+        x0, logp = _side_readout(out, window, canvas)
+        state = state._replace(kv=kv, refreshes=state.refreshes + len(chosen))
+        return self._rescore(canvas, state, chosen, x0, np.exp(logp), nfe)
+
+    def stats(self, state: RevisionState) -> dict:
+        return {"refreshes": state.refreshes, "side_seconds": state.side_seconds}
+
+
+def _innermost(policy):
+    while hasattr(policy, "base"):
+        policy = policy.base
+    return policy
+
+
+def _window_step(backend, canvas: Canvas, kv: kv_state.KVState, window: Window):
+    """A window step that never attends to a stale slot (nor to the window's own cached slots)."""
+    rows = canvas.tokens.shape[0]
+    visible = canvas.valid & ~kv_state.stale_slots(kv, canvas.tokens)
+    visible[:, window.positions[window.valid]] = False
+    positions = np.broadcast_to(window.positions, (rows, len(window.positions)))
+    valid = np.broadcast_to(window.valid, positions.shape)
+    return backend.window(kv, visible, canvas.tokens[:, window.positions], positions, valid)
+
+
+def _side_readout(out, window: Window, canvas: Canvas):
+    """Canvas-wide argmax and log-probability from a refresh step (argmax readouts only)."""
+    if "x0" not in out.readout:
+        raise LladaError("revision re-scores with argmax readouts: use temperature 0")
+    x0 = np.full(canvas.slots, canvas.mask_id, np.int64)
+    logp = np.full(canvas.slots, -np.inf)
+    real = window.positions[window.valid]
+    x0[real] = out.readout["x0"][0][window.valid]
+    logp[real] = out.readout["logp"][0][window.valid]
+    return x0, logp
+
+
+def _mark_new_commits(state: RevisionState, canvas: Canvas, confidence: np.ndarray, nfe: int, stable_bar: float):
+    """Record this step's new commits; very confident ones are stable at once."""
+    new = (state.committed_at == NEVER) & ~canvas.masked
+    new[: canvas.prompt_len] = False
+    new[canvas.length:] = False
+    committed_at = np.where(new, nfe, state.committed_at)
+    stable = state.stable | (new & (confidence >= stable_bar))
+    return state._replace(committed_at=committed_at, stable=stable)
