@@ -135,6 +135,59 @@ def cmd_eval_tasks(args) -> None:
               f"{row['tokens_per_s']:.0f} tok/s")
 
 
+DEFAULT_BENCH = ["vanilla", "prefix-cache", "dual-cache", "dual-cache@0.9", "dual-cache+speculative@0.9",
+                 "dual-cache+speculative+revision@0.7"]
+
+
+def bench_prompts(args, tokenizer, config):
+    """The held-out tasks, GSM8K problems (--data), or random ids (a model without tokenizer)."""
+    from eval.bench import Prompt
+    from eval.tasks import exact_match, held_out
+
+    if tokenizer is None:
+        rng = np.random.default_rng(0)
+        return [Prompt(rng.integers(0, config.mask_token_id, 32)) for _ in range(args.limit or 4)]
+    if args.data is not None:
+        from eval.gsm8k import extract_answer, load_problems, prompt_text, same_number
+
+        return [Prompt(np.array(tokenizer.encode(prompt_text(p["question"], [], tokenizer))), p["gold"],
+                       lambda text, gold: same_number(extract_answer(text), gold))
+                for p in load_problems(args.data, args.limit)]
+    return [Prompt(np.array(tokenizer.encode(tokenizer.chat_prompt(e.prompt))), e.answer, exact_match)
+            for e in held_out(args.limit or 25)]
+
+
+def cmd_bench(args) -> None:
+    from eval.bench import bench, format_table, plot
+    from eval.task_eval import DecoderSetting
+
+    if args.bench_size:
+        from eval.bench_lowering import bench_model_dir
+        import tempfile
+        from pathlib import Path
+
+        args.model = str(bench_model_dir(Path(tempfile.gettempdir()) / "llada-bench"))
+    args.bundle = None
+    config, tokenizer, run = generation_runner(args)
+    settings = [DecoderSetting.parse(spec) for spec in (args.policy or DEFAULT_BENCH)]
+    report = bench(run, config, tokenizer, settings, bench_prompts(args, tokenizer, config), args.steps,
+                   progress=None if args.json else (lambda m: print(m, file=sys.stderr)))
+    if args.plot:
+        plot(report, args.plot)
+    print(json.dumps(report["rows"]) if args.json else format_table(report))
+
+
+def cmd_trace(args) -> None:
+    from eval.trace_plot import plot_trace
+
+    config, tokenizer, run = generation_runner(args)
+    ids = prompt_ids(args, tokenizer)
+    result = run(ids, **decoding_kwargs(args))
+    pieces = [(tokenizer.decode([int(t)]) or "\u00b7") if tokenizer else str(int(t)) for t in result.output_ids]
+    plot_trace(result, pieces, args.out, title=f"{args.policy}: {result.nfe} steps, {result.revisions} revisions")
+    print(f"trace of {result.nfe} steps written to {args.out}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llada", description="Diffusion LLM (LLaDA) inference in JAX")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -174,6 +227,30 @@ def build_parser() -> argparse.ArgumentParser:
 
     gsm8k.add_cli(suites)
     humaneval.add_cli(suites)
+    be = commands.add_parser("bench", help="several decoders over the same prompts, in one run")
+    be.add_argument("--model", default=None)
+    be.add_argument("--bench-size", action="store_true", help="random weights, d_model 1024, 126464 vocab")
+    be.add_argument("--dtype", default="float32")
+    be.add_argument("--backend", default="jax", choices=["jax", "iree-host", "iree-vulkan"])
+    be.add_argument("--policy", action="append", help="POLICY or POLICY@THRESHOLD; repeat (default: a standard set)")
+    be.add_argument("--data", default=None, help="GSM8K JSONL instead of the held-out tasks")
+    be.add_argument("--limit", type=int, default=None, help="prompts (per family for the tasks)")
+    be.add_argument("--steps", type=int, default=32)
+    be.add_argument("--plot", default=None, help="PNG: latency vs accuracy")
+    be.add_argument("--json", action="store_true")
+    be.set_defaults(run=cmd_bench)
+    trace = commands.add_parser("trace", help="PNG of one generation's trajectory (commits, drafts, revisions)")
+    trace.add_argument("prompt_text", nargs="?", default=None, metavar="PROMPT")
+    trace.add_argument("--prompt", default=None)
+    trace.add_argument("--prompt-ids", default=None)
+    trace.add_argument("--chat", action="store_true")
+    trace.add_argument("--model", default=None)
+    trace.add_argument("--bundle", default=None)
+    trace.add_argument("--backend", default="jax", choices=["jax", "iree-host", "iree-vulkan"])
+    trace.add_argument("--dtype", default="float32")
+    trace.add_argument("--out", required=True, help="PNG file")
+    add_decoding_flags(trace)
+    trace.set_defaults(run=cmd_trace)
     tr = commands.add_parser("train", help="train the embedded tiny model on the task suite (resumable)")
     tr.add_argument("--out", required=True, help="run directory (checkpoints; the model lands in OUT/model)")
     tr.add_argument("--steps", type=int, default=40_000)

@@ -1,0 +1,140 @@
+"""`llada bench`: several decoders over the same prompts in one process and one run.
+
+Per decoder setting: median latency per answer, tokens/s, mean NFE, mean window utilisation,
+accuracy (when the prompts have answers), latency ratios against `vanilla` and `prefix-cache` (if in
+the run), revisions per answer, and step efficiency against this machine's matmul peak measured in
+the same run (roofline: model FLOPs the steps executed / time / peak).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import numpy as np
+
+from eval.task_eval import BLOCK_LENGTH, GEN_LENGTH, DecoderSetting, answer_text
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    ids: np.ndarray
+    answer: str | None = None  # None: no accuracy (random-weights speed runs)
+    score: object = None       # callable(output_text, answer) -> bool
+
+
+def matmul_peak_gflops(size: int = 1024, repeats: int = 10) -> float:
+    """This machine's float32 matmul throughput through XLA (the roofline's peak)."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.asarray(np.random.default_rng(0).normal(size=(size, size)), jnp.float32)
+    product = jax.jit(lambda x: x @ x)
+    product(a).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        product(a).block_until_ready()
+        times.append(time.perf_counter() - started)
+    return 2 * size ** 3 / min(times) / 1e9
+
+
+def step_flops(config, width: int, context: int) -> float:
+    """Model FLOPs of one step computing `width` positions that attend to `context` keys in all."""
+    d, h = config.d_model, config.mlp_hidden_size
+    kv = config.n_kv_heads * config.head_dim
+    per_token = 2 * (2 * d * d + 2 * d * kv + 3 * d * h)
+    attention = 4 * context * d
+    return config.n_layers * width * (per_token + attention) + 2 * width * d * config.embedding_size
+
+
+def run_setting(generate, config, setting: DecoderSetting, prompts: list[Prompt], tokenizer, steps: int) -> dict:
+    latencies, nfes, utilisation, correct, revisions, flops = [], [], [], [], [], 0.0
+    for prompt in prompts:
+        result = generate(prompt.ids, gen_length=GEN_LENGTH, block_length=BLOCK_LENGTH, steps=steps,
+                          policy=setting.policy, threshold=setting.threshold)
+        latencies.append(result.wall_s)
+        nfes.append(result.nfe)
+        utilisation.append(result.mean_utilisation)
+        revisions.append(result.revisions)
+        canvas = len(prompt.ids) + GEN_LENGTH
+        flops += sum(step_flops(config, r.slots, canvas if r.kind == "full" else canvas + r.slots)
+                     for r in result.trace)
+        if prompt.answer is not None:
+            text = answer_text(tokenizer, result.output_ids, config)
+            correct.append(prompt.score(text, prompt.answer))
+    total = sum(latencies)
+    return {"setting": str(setting), "median_latency_s": statistics.median(latencies),
+            "tokens_per_s": GEN_LENGTH * len(prompts) / total, "mean_nfe": float(np.mean(nfes)),
+            "window_utilisation": float(np.mean(utilisation)), "revisions_per_answer": float(np.mean(revisions)),
+            "accuracy": float(np.mean(correct)) if correct else None, "achieved_gflops": flops / total / 1e9}
+
+
+def add_ratios(rows: list[dict], peak: float) -> None:
+    by_name = {row["setting"]: row for row in rows}
+    for row in rows:
+        row["step_efficiency"] = row["achieved_gflops"] / peak
+        for base in ("vanilla", "prefix-cache"):
+            if base in by_name:
+                row[f"speedup_vs_{base}"] = by_name[base]["median_latency_s"] / row["median_latency_s"]
+
+
+def bench(generate, config, tokenizer, settings: list[DecoderSetting], prompts: list[Prompt], steps: int,
+          progress=None) -> dict:
+    """Warm every setting once (compilation), then measure them all on the same prompts."""
+    for setting in settings:
+        generate(prompts[0].ids, gen_length=GEN_LENGTH, block_length=BLOCK_LENGTH, steps=steps,
+                 policy=setting.policy, threshold=setting.threshold)
+    rows = []
+    for setting in settings:
+        if progress:
+            progress(f"bench {setting} over {len(prompts)} prompts")
+        rows.append(run_setting(generate, config, setting, prompts, tokenizer, steps))
+    peak = matmul_peak_gflops()
+    add_ratios(rows, peak)
+    return {"peak_gflops": peak, "prompts": len(prompts), "gen_length": GEN_LENGTH, "block_length": BLOCK_LENGTH,
+            "steps": steps, "rows": rows}
+
+
+TABLE = [  # (field, header, width, decimals)
+    ("setting", "setting", 40, None), ("median_latency_s", "lat(s)", 8, 4), ("tokens_per_s", "tok/s", 7, 0),
+    ("mean_nfe", "NFE", 6, 1), ("window_utilisation", "util", 5, 2), ("accuracy", "acc", 6, 3),
+    ("revisions_per_answer", "rev", 5, 2), ("speedup_vs_vanilla", "x/van", 6, 2),
+    ("speedup_vs_prefix-cache", "x/pfx", 6, 2), ("step_efficiency", "eff", 6, 3),
+]
+
+
+def format_table(report: dict) -> str:
+    def cell(value, width, decimals):
+        if decimals is None:
+            return str(value).ljust(width)
+        return (" " * width) if value is None else f"{value:>{width}.{decimals}f}"
+
+    lines = [" ".join(header.ljust(w) if d is None else header.rjust(w) for _, header, w, d in TABLE)]
+    lines += [" ".join(cell(row.get(field), w, d) for field, _, w, d in TABLE) for row in report["rows"]]
+    lines.append(f"matmul peak {report['peak_gflops']:.1f} GFLOP/s; {report['prompts']} prompts; "
+                 f"gen {report['gen_length']}, block {report['block_length']}, steps {report['steps']}")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path) -> None:
+    """Latency against accuracy, one point per decoder setting."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    for row in report["rows"]:
+        accuracy = row["accuracy"] if row["accuracy"] is not None else 0.0
+        axes.scatter(row["median_latency_s"] * 1e3, accuracy)
+        axes.annotate(row["setting"], (row["median_latency_s"] * 1e3, accuracy), fontsize=7,
+                      xytext=(4, 2), textcoords="offset points")
+    axes.set_xscale("log")
+    axes.set_xlabel("median latency per answer (ms, log)")
+    axes.set_ylabel("exact-match accuracy")
+    axes.set_title("decoders: latency vs accuracy")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
