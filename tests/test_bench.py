@@ -1,0 +1,36 @@
+"""`llada bench` and `llada trace` produce their table, JSON rows, ratios and pictures."""
+
+from __future__ import annotations
+
+import json
+
+from eval.bench import step_flops
+from llada_jax.cli import main
+from tests.conftest import TINY
+
+
+def test_bench_rows_ratios_and_plot(capsys, tiny_dir, tmp_path):
+    plot = tmp_path / "bench.png"
+    code = main(["bench", "--model", str(tiny_dir), "--limit", "2", "--policy", "vanilla", "--policy",
+                 "prefix-cache", "--policy", "dual-cache+speculative@0.5", "--json", "--plot", str(plot)])
+    rows = json.loads(capsys.readouterr().out)
+    assert code == 0 and [r["setting"] for r in rows] == ["vanilla", "prefix-cache", "dual-cache+speculative@0.5"]
+    assert rows[0]["speedup_vs_vanilla"] == 1.0 and rows[1]["speedup_vs_prefix-cache"] == 1.0
+    assert rows[0]["mean_nfe"] == 32.0 and rows[2]["mean_nfe"] < 32.0
+    assert rows[0]["accuracy"] is None  # no tokenizer: a speed run
+    assert all(0 < r["window_utilisation"] <= 1 and 0 < r["step_efficiency"] for r in rows)
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_step_flops_counts_matmuls_and_attention():
+    one = step_flops(TINY, width=1, context=1)
+    assert step_flops(TINY, width=8, context=1) == 8 * one
+    assert step_flops(TINY, width=1, context=11) - one == TINY.n_layers * 4 * 10 * TINY.d_model
+
+
+def test_trace_picture(capsys, tiny_dir, tmp_path):
+    out = tmp_path / "trace.png"
+    code = main(["trace", "--model", str(tiny_dir), "--prompt-ids", "1,2,3", "--gen-length", "16", "--steps", "8",
+                 "--policy", "dual-cache+speculative+revision:0.3", "--out", str(out)])
+    assert code == 0 and out.read_bytes()[:4] == b"\x89PNG"
+    assert "trace of" in capsys.readouterr().out
