@@ -59,17 +59,25 @@ class JaxBackend:
 
     def commit(self, state: kv_state.KVState, positions: np.ndarray, write: np.ndarray, out: StepOutput,
                tokens: np.ndarray, step: int) -> kv_state.KVState:
-        targets = kv_state.write_targets(state, positions, write)
-        device_targets = jnp.asarray(targets)
-        keys = scatter_slots(state.keys, device_targets, out.keys)
-        values = scatter_slots(state.values, device_targets, out.values)
-        return kv_state.with_writes(state, keys, values, targets, tokens, step)
+        return commit_on_device(state, positions, write, out, tokens, step)
 
     def empty_state(self, batch: int, slots: int) -> kv_state.KVState:
-        c = self.config
-        shape = (c.n_layers, batch, slots, c.n_kv_heads, c.head_dim)
-        records = kv_state.empty_records(batch, slots)
-        return kv_state.KVState(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype), records, records.copy())
+        return empty_on_device(self.config, batch, slots, self.dtype)
+
+
+def commit_on_device(state: kv_state.KVState, positions, write, out: StepOutput, tokens, step: int):
+    """The KV state with `out`'s proposed K/V written where `write` holds (XLA device arrays)."""
+    targets = kv_state.write_targets(state, positions, write)
+    device_targets = jnp.asarray(targets)
+    keys = scatter_slots(state.keys, device_targets, out.keys)
+    values = scatter_slots(state.values, device_targets, out.values)
+    return kv_state.with_writes(state, keys, values, targets, tokens, step)
+
+
+def empty_on_device(config: LLaDAConfig, batch: int, slots: int, dtype) -> kv_state.KVState:
+    shape = (config.n_layers, batch, slots, config.n_kv_heads, config.head_dim)
+    records = kv_state.empty_records(batch, slots)
+    return kv_state.KVState(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), records, records.copy())
 
 
 def _to_host(out: dict) -> dict:

@@ -76,13 +76,17 @@ def check_names(weight_map: dict[str, str], config: LLaDAConfig, where: Path) ->
 
 def read_tensors(model_dir: Path, config: LLaDAConfig, dtype) -> dict[str, jax.Array]:
     """Load and validate every tensor, converting each to the compute dtype on the device."""
+    return {name: jnp.asarray(array, dtype=dtype) for name, array in iter_tensors(model_dir, config)}
+
+
+def iter_tensors(model_dir: Path, config: LLaDAConfig):
+    """(name, host array) for every tensor, validated, one at a time from the memory-mapped files."""
     weight_map = weight_files(model_dir)
     check_names(weight_map, config, model_dir)
     expected = hf_shapes(config)
     by_file: dict[str, list[str]] = {}
     for name, file in weight_map.items():
         by_file.setdefault(file, []).append(name)
-    tensors = {}
     for file, names in sorted(by_file.items()):
         path = model_dir / file
         with _open(path) as handle:
@@ -90,11 +94,10 @@ def read_tensors(model_dir: Path, config: LLaDAConfig, dtype) -> dict[str, jax.A
             for name in names:
                 if name not in present:
                     raise LladaError(f"{path}: tensor {name} is listed in the index but not in this shard")
-                tensors[name] = _read_one(handle, name, expected[name], path, dtype)
-    return tensors
+                yield name, _read_one(handle, name, expected[name], path)
 
 
-def _read_one(handle, name: str, shape: tuple[int, ...], path: Path, dtype) -> jax.Array:
+def _read_one(handle, name: str, shape: tuple[int, ...], path: Path) -> np.ndarray:
     view = handle.get_slice(name)
     stored_dtype, stored_shape = view.get_dtype(), tuple(view.get_shape())
     if stored_dtype not in STORED_DTYPES:
@@ -105,7 +108,7 @@ def _read_one(handle, name: str, shape: tuple[int, ...], path: Path, dtype) -> j
         array = handle.get_tensor(name)
     except (SafetensorError, OSError) as err:
         raise LladaError(f"{path}: tensor {name} cannot be read ({err})") from None
-    return jnp.asarray(array, dtype=dtype)
+    return array
 
 
 def load_params(model_dir: Path, config: LLaDAConfig, dtype="float32") -> dict:

@@ -38,7 +38,8 @@ def load_model(args):
     from llada_jax.api import load
     from llada_jax.embedded import default_model_dir
 
-    return load(args.model or default_model_dir(), dtype=args.dtype)
+    return load(args.model or default_model_dir(), dtype=args.dtype,
+                device_memory_budget=getattr(args, "device_memory_budget", None))
 
 
 def cmd_compile(args) -> None:
@@ -68,6 +69,8 @@ def prompt_ids(args, tokenizer) -> np.ndarray:
 def generation_runner(args):
     """(config, tokenizer, generate(ids, **options)) for the chosen model and backend. With a bundle,
     nothing imports JAX: the bundle runtime is numpy + iree.runtime only."""
+    if getattr(args, "device_memory_budget", None) is not None and (args.bundle or args.backend != "jax"):
+        raise LladaError("--device-memory-budget runs with the jax backend only so far (IREE staging is not built yet)")
     if args.bundle is not None:
         if args.model is not None:
             raise LladaError("give either --model or --bundle, not both")
@@ -97,7 +100,7 @@ def cmd_generate(args) -> None:
     text = tokenizer.decode(result.output_ids) if tokenizer is not None else None
     if args.json:
         row = {"output_ids": result.output_ids.tolist(), "nfe": result.nfe, "wall_s": result.wall_s,
-               "tokens_per_s": result.tokens_per_s}
+               "tokens_per_s": result.tokens_per_s, **({"stats": result.stats} if result.stats else {})}
         if text is not None:
             row["text"] = text
         print(json.dumps(row))
@@ -203,6 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--bundle", default=None, help="run a compiled bundle (IREE) instead of a model directory")
     gen.add_argument("--backend", default="jax", choices=["jax", "iree-host", "iree-vulkan"],
                      help="what runs the steps (iree-*: compiled on first use and cached)")
+    gen.add_argument("--device-memory-budget", type=int, default=None, metavar="BYTES",
+                     help="device memory for weights + KV state; smaller than the weights: stage them per layer")
     add_decoding_flags(gen)
     gen.set_defaults(run=cmd_generate)
     comp = commands.add_parser("compile", help="compile a model's steps into an IREE bundle for a target")
@@ -232,6 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--bench-size", action="store_true", help="random weights, d_model 1024, 126464 vocab")
     be.add_argument("--dtype", default="float32")
     be.add_argument("--backend", default="jax", choices=["jax", "iree-host", "iree-vulkan"])
+    be.add_argument("--device-memory-budget", type=int, default=None, metavar="BYTES")
     be.add_argument("--policy", action="append", help="POLICY or POLICY@THRESHOLD; repeat (default: a standard set)")
     be.add_argument("--data", default=None, help="GSM8K JSONL instead of the held-out tasks")
     be.add_argument("--limit", type=int, default=None, help="prompts (per family for the tasks)")

@@ -8,6 +8,7 @@ from typing import Callable
 
 import numpy as np
 
+from llada_jax.buckets import bucket
 from llada_jax.config import LLaDAConfig
 from llada_jax.errors import LladaError
 from llada_jax.readout import Readout, TokenBiases
@@ -33,7 +34,8 @@ def run_generation(make_backend: Callable, config: LLaDAConfig, prompt_ids, *, g
                    policy: str = "vanilla", threshold: float | None = None, seed: int = 0,
                    logits_eos_inf: bool = False, confidence_eos_eot_inf: bool = False,
                    on_step: Callable | None = None, limit: int | None = None):
-    """Validate everything, then decode with `make_backend(readout, biases, cfg_scale)`.
+    """Validate everything, then decode with `make_backend(readout, biases, cfg_scale, batch, slots)`
+    (batch rows and canvas slots let a backend size its device memory before any step runs).
     `limit`: a compiled bundle's longest canvas, when lower than the model's own."""
     if limit is not None:
         config = dataclasses.replace(config, max_sequence_length=min(limit, config.max_sequence_length))
@@ -60,6 +62,9 @@ def run_generation(make_backend: Callable, config: LLaDAConfig, prompt_ids, *, g
     sampler = Sampler(float(temperature), remasking, unconfident)
     readout = Readout(kind=sampler.readout_kind, cfg=cfg_scale > 0.0)
     biases = TokenBiases.build(config.embedding_size, (config.eos_token_id,) if logits_eos_inf else (), unconfident)
-    backend = make_backend(readout, biases, float(cfg_scale))
-    return decode(backend, prompt, schedule, cache_policy, rule, sampler, mask_id=config.mask_token_id,
-                  max_len=config.max_sequence_length, cfg=cfg_scale > 0.0, seed=seed, on_step=on_step)
+    batch, slots = (2 if cfg_scale > 0.0 else 1), bucket(total, config.max_sequence_length)
+    backend = make_backend(readout, biases, float(cfg_scale), batch, slots)
+    result = decode(backend, prompt, schedule, cache_policy, rule, sampler, mask_id=config.mask_token_id,
+                    max_len=config.max_sequence_length, cfg=cfg_scale > 0.0, seed=seed, on_step=on_step)
+    staging = getattr(backend, "stats", None)
+    return result if staging is None else dataclasses.replace(result, stats={**result.stats, **staging.as_dict()})

@@ -176,7 +176,7 @@ def generate_with_bundle(bundle: Bundle, session: Session, prompt_ids, **options
     """`llada_jax.generate` through a bundle (same options, same validation)."""
     from llada_jax.decoding import run_generation
 
-    def make_backend(readout, biases, cfg_scale):
+    def make_backend(readout, biases, cfg_scale, batch, slots):
         return IreeBackend(bundle, session, readout, biases, cfg_scale)
 
     return run_generation(make_backend, bundle.config, prompt_ids, limit=bundle.manifest["max_len"], **options)

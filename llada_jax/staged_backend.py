@@ -1,0 +1,65 @@
+"""The XLA backend in staged form: per-layer jitted steps whose weights stream through a StagingRing.
+Same backend interface and same numbers as `JaxBackend` (tests/test_staging.py checks both)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from llada_jax import kv_state
+from llada_jax.backend import StepOutput, _to_host, commit_on_device, empty_on_device
+from llada_jax.config import LLaDAConfig
+from llada_jax.layered import head_step, key_bias, layer_step
+from llada_jax.readout import Readout, TokenBiases
+from llada_jax.staging import StagedWeights, StagingRing, StagingStats
+
+
+@dataclasses.dataclass(frozen=True)
+class StagedJaxBackend:
+    weights: StagedWeights
+    config: LLaDAConfig
+    readout: Readout
+    biases: TokenBiases
+    cfg_scale: float
+    slots: int                 # staging slots in device memory
+    stats: StagingStats
+    dtype: object = jnp.float32
+
+    def _forward(self, ids: np.ndarray, positions: np.ndarray, bias: np.ndarray, state) -> StepOutput:
+        x = jnp.asarray(self.weights.embedding[np.asarray(ids)])
+        positions, bias = jnp.asarray(positions, jnp.int32), jnp.asarray(bias)
+        keys, values, out = [], [], {}
+
+        def compute(stage: int, packed) -> None:
+            nonlocal x
+            if stage < self.config.n_layers:
+                cached = (None, None) if state is None else (state.keys[stage], state.values[stage])
+                x, k, v = layer_step(packed, x, positions, bias, *cached, config=self.config)
+                x.block_until_ready()
+                keys.append(k)
+                values.append(v)
+            else:
+                out.update(_to_host(head_step(packed, x, jnp.float32(self.cfg_scale),
+                                              jnp.asarray(self.biases.logit_bias),
+                                              jnp.asarray(self.biases.confidence_bias),
+                                              config=self.config, readout=self.readout)))
+
+        StagingRing(self.weights.stages, self.slots, lambda slot, host: jax.device_put(host), self.stats).run(compute)
+        return StepOutput(out, jnp.stack(keys), jnp.stack(values))
+
+    def full(self, tokens: np.ndarray, valid: np.ndarray) -> StepOutput:
+        positions = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)
+        return self._forward(tokens, positions, key_bias(valid), None)
+
+    def window(self, state: kv_state.KVState, visible, window_ids, window_pos, window_valid) -> StepOutput:
+        bias = np.concatenate([kv_state.visible_bias(state, visible), key_bias(window_valid)], axis=1)
+        return self._forward(window_ids, window_pos, bias, state)
+
+    def commit(self, state, positions, write, out: StepOutput, tokens, step: int):
+        return commit_on_device(state, positions, write, out, tokens, step)
+
+    def empty_state(self, batch: int, slots: int):
+        return empty_on_device(self.config, batch, slots, self.dtype)

@@ -1,0 +1,78 @@
+"""Swap-optimized staging: staged execution equals resident execution; the ring reuses its slots,
+overlaps copies with compute, and a budget too small is refused with the minimum."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import llada_jax
+from llada_jax.errors import LladaError
+from llada_jax.layered import head_layout, layer_layout
+from llada_jax.staging import StagingRing, StagingStats, kv_bytes
+from tests.conftest import TINY
+
+POLICIES = ["vanilla", "prefix-cache", "dual-cache", "dual-cache+speculative:1:0.3+revision:0.5"]
+
+
+@settings(max_examples=10)
+@given(fraction=st.floats(0.0, 0.6), policy=st.sampled_from(POLICIES), seed=st.integers(0, 500),
+       threshold=st.sampled_from([None, 0.3]))
+def test_staged_equals_resident(tiny_dir, tiny_model, fraction, policy, seed, threshold):
+    slot = 4 * max(layer_layout(TINY).size, head_layout(TINY).size)
+    budget = slot + kv_bytes(TINY, 2, 32, 4) + int(fraction * (tiny_model.weight_bytes - slot))
+    staged = llada_jax.load(tiny_dir, device_memory_budget=budget)
+    assert staged.staged is not None and staged.params is None
+    prompt = np.random.default_rng(seed).integers(0, TINY.mask_token_id, 6)
+    options = dict(gen_length=16, block_length=8, steps=8, policy=policy, threshold=threshold)
+    want = llada_jax.generate(tiny_model, prompt, **options)
+    got = llada_jax.generate(staged, prompt, **options)
+    assert got.output_ids.tolist() == want.output_ids.tolist()
+    layers_and_head = sum(p.nbytes for p in staged.staged.stages)
+    assert got.stats["bytes_staged"] >= layers_and_head * got.nfe  # every stage, every dense step
+    assert got.stats["bytes_staged"] % layers_and_head == 0
+    ids = np.random.default_rng(seed).integers(0, TINY.vocab_size, (2, 20))
+    np.testing.assert_allclose(llada_jax.logits(staged, ids), llada_jax.logits(tiny_model, ids), atol=1e-6, rtol=0)
+
+
+def test_budget_too_small_names_the_minimum(tiny_dir):
+    staged = llada_jax.load(tiny_dir, device_memory_budget=20_000)
+    with pytest.raises(LladaError, match=r"too small: one staged layer \(\d+ bytes\) plus the KV state "
+                                         r"\(\d+ bytes\) need at least \d+ bytes"):
+        llada_jax.generate(staged, np.arange(3, 9), gen_length=8, block_length=8, steps=8)
+
+
+def test_budget_that_fits_keeps_weights_resident(tiny_dir, tiny_model):
+    model = llada_jax.load(tiny_dir, device_memory_budget=10 * tiny_model.weight_bytes)
+    assert model.staged is None and model.params is not None
+
+
+def test_ring_reuses_slots_and_overlaps_copies_with_compute():
+    stages = tuple(np.full(1000, i, np.float32) for i in range(7))
+    in_slot, log, lock = {}, [], threading.Lock()
+
+    def upload(slot, host):
+        time.sleep(0.01)
+        with lock:
+            assert slot not in in_slot, "a slot was overwritten while its stage was still in use"
+            in_slot[slot] = int(host[0])
+            log.append(("copy", int(host[0]), slot))
+        return slot
+
+    def compute(stage, slot):
+        with lock:
+            assert in_slot.pop(slot) == stage
+            log.append(("compute", stage, slot))
+        time.sleep(0.02)
+
+    stats = StagingStats()
+    StagingRing(stages, 3, upload, stats).run(compute)
+    assert [entry[1] for entry in log if entry[0] == "compute"] == list(range(7))
+    assert {slot for kind, _, slot in log} == {0, 1, 2}
+    assert stats.bytes_staged == 7 * 4000
+    assert stats.hidden_fraction > 0.5  # copies of later stages ran while earlier ones computed
