@@ -198,3 +198,19 @@ def test_iree_backend_refuses_sampling_it_cannot_run(host_session):
     with pytest.raises(LladaError, match="temperature 0 and cfg-scale 0"):
         generate_with_bundle(bundle, session, np.arange(3, 6), gen_length=8, block_length=8, steps=8,
                              temperature=0.5)
+
+
+def test_embedded_model_decoders_identical_through_iree_and_jax(tmp_path):
+    from eval.tasks import held_out
+    from llada_jax.embedded import default_model_dir
+
+    model = llada_jax.load(default_model_dir())
+    bundle = load_bundle(compile_bundle(default_model_dir(), "host", tmp_path / "embedded", max_len=128, window=16))
+    session = Session(bundle.path, bundle.manifest, "local-task")
+    for example in held_out(1):
+        ids = np.array(model.tokenizer.encode(model.tokenizer.chat_prompt(example.prompt)))
+        for policy, threshold in (("vanilla", None), ("dual-cache", 0.9), ("dual-cache+speculative+revision", 0.7)):
+            options = dict(gen_length=32, block_length=8, steps=32, policy=policy, threshold=threshold)
+            want = llada_jax.generate(model, ids, **options)
+            got = generate_with_bundle(bundle, session, ids, **options)
+            assert got.output_ids.tolist() == want.output_ids.tolist(), (example.prompt, policy)
