@@ -11,7 +11,7 @@ import numpy as np
 
 from llada_jax.backend import JaxBackend
 from llada_jax.buckets import bucket
-from llada_jax.checkpoint import compute_dtype, iter_tensors, load_params
+from llada_jax.checkpoint import compute_dtype, load_params
 from llada_jax.config import LLaDAConfig, read_config
 from llada_jax.decoding import check_token_ids, run_generation
 from llada_jax.errors import LladaError
@@ -20,6 +20,7 @@ from llada_jax.params import hf_shapes
 from llada_jax.staged_backend import StagedJaxBackend
 from llada_jax.staging import StagedWeights, StagingStats, kv_bytes, pack_weights, ring_slots
 from llada_jax.tokenizer import Tokenizer, eot_id_from_files, load_tokenizer
+from llada_jax.weights_io import iter_tensors
 
 
 @dataclasses.dataclass(frozen=True)

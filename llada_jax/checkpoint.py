@@ -17,16 +17,13 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy so safetensors can return it)
 import numpy as np
-from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from llada_jax.config import LLaDAConfig
 from llada_jax.errors import LladaError
-from llada_jax.params import hf_shapes, hf_to_params, params_to_hf
+from llada_jax.params import hf_to_params, params_to_hf
+from llada_jax.weights_io import INDEX_FILE, SINGLE_FILE, iter_tensors
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-STORED_DTYPES = {"F32": np.float32, "BF16": ml_dtypes.bfloat16, "F16": np.float16}
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
@@ -36,79 +33,9 @@ def compute_dtype(name: str):
     return COMPUTE_DTYPES[name]
 
 
-def weight_files(model_dir: Path) -> dict[str, str]:
-    """Tensor name -> file name, from the index if sharded, else from the single file's header."""
-    index_path = model_dir / INDEX_FILE
-    if index_path.is_file():
-        try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
-            raise LladaError(f"{index_path}: not a valid safetensors index (needs a 'weight_map' object)") from None
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise LladaError(f"{index_path}: 'weight_map' must map tensor names to file names")
-        for shard in sorted(set(weight_map.values())):
-            if "/" in shard or not (model_dir / shard).is_file():
-                raise LladaError(f"{index_path}: shard {shard} is missing")
-        return weight_map
-    single = model_dir / SINGLE_FILE
-    if not single.is_file():
-        raise LladaError(f"{model_dir}: no {SINGLE_FILE} and no {INDEX_FILE}")
-    with _open(single) as handle:
-        return {name: SINGLE_FILE for name in handle.keys()}
-
-
-def _open(path: Path):
-    try:
-        return safe_open(str(path), framework="np")
-    except (SafetensorError, OSError) as err:
-        raise LladaError(f"{path}: unreadable safetensors file ({str(err).splitlines()[0]})") from None
-
-
-def check_names(weight_map: dict[str, str], config: LLaDAConfig, where: Path) -> None:
-    expected = hf_shapes(config)
-    missing = [name for name in expected if name not in weight_map]
-    if missing:
-        raise LladaError(f"{where}: missing tensor {missing[0]} ({len(missing)} missing in all)")
-    unexpected = sorted(set(weight_map) - set(expected))
-    if unexpected:
-        raise LladaError(f"{where}: unexpected tensor {unexpected[0]} (config.json has n_layers={config.n_layers})")
-
-
-def read_tensors(model_dir: Path, config: LLaDAConfig, dtype) -> dict[str, jax.Array]:
+def read_tensors(model_dir: Path, config: LLaDAConfig, dtype) -> dict:
     """Load and validate every tensor, converting each to the compute dtype on the device."""
     return {name: jnp.asarray(array, dtype=dtype) for name, array in iter_tensors(model_dir, config)}
-
-
-def iter_tensors(model_dir: Path, config: LLaDAConfig):
-    """(name, host array) for every tensor, validated, one at a time from the memory-mapped files."""
-    weight_map = weight_files(model_dir)
-    check_names(weight_map, config, model_dir)
-    expected = hf_shapes(config)
-    by_file: dict[str, list[str]] = {}
-    for name, file in weight_map.items():
-        by_file.setdefault(file, []).append(name)
-    for file, names in sorted(by_file.items()):
-        path = model_dir / file
-        with _open(path) as handle:
-            present = set(handle.keys())
-            for name in names:
-                if name not in present:
-                    raise LladaError(f"{path}: tensor {name} is listed in the index but not in this shard")
-                yield name, _read_one(handle, name, expected[name], path)
-
-
-def _read_one(handle, name: str, shape: tuple[int, ...], path: Path) -> np.ndarray:
-    view = handle.get_slice(name)
-    stored_dtype, stored_shape = view.get_dtype(), tuple(view.get_shape())
-    if stored_dtype not in STORED_DTYPES:
-        raise LladaError(f"{path}: tensor {name} has unsupported dtype {stored_dtype}")
-    if stored_shape != shape:
-        raise LladaError(f"{path}: tensor {name} has shape {list(stored_shape)} but config.json implies {list(shape)}")
-    try:
-        array = handle.get_tensor(name)
-    except (SafetensorError, OSError) as err:
-        raise LladaError(f"{path}: tensor {name} cannot be read ({err})") from None
-    return array
 
 
 def load_params(model_dir: Path, config: LLaDAConfig, dtype="float32") -> dict:

@@ -48,6 +48,7 @@ def cmd_compile(args) -> None:
 
     out = compile_bundle(args.model or default_model_dir(), args.target, args.out, max_len=args.max_len,
                          window=args.window, dtype=args.dtype, copy_weights=not args.link_weights,
+                         device_memory_budget=args.device_memory_budget,
                          progress=lambda message: print(message, file=sys.stderr))
     print(f"bundle written to {out}")
 
@@ -69,24 +70,28 @@ def prompt_ids(args, tokenizer) -> np.ndarray:
 def generation_runner(args):
     """(config, tokenizer, generate(ids, **options)) for the chosen model and backend. With a bundle,
     nothing imports JAX: the bundle runtime is numpy + iree.runtime only."""
-    if getattr(args, "device_memory_budget", None) is not None and (args.bundle or args.backend != "jax"):
-        raise LladaError("--device-memory-budget runs with the jax backend only so far (IREE staging is not built yet)")
+    budget = getattr(args, "device_memory_budget", None)
+    if budget is not None and args.bundle is not None:
+        raise LladaError("a bundle's device memory budget is fixed when it is compiled (llada compile "
+                         "--device-memory-budget); drop --device-memory-budget")
     if args.bundle is not None:
         if args.model is not None:
             raise LladaError("give either --model or --bundle, not both")
         from lowering.runtime import open_bundle
 
         return open_bundle(args.bundle, args.backend)
-    model = load_model(args)
     if args.backend == "jax":
+        model = load_model(args)
         from llada_jax.api import generate
 
         return model.config, model.tokenizer, lambda ids, **options: generate(model, ids, **options)
+    from llada_jax.embedded import default_model_dir
     from lowering.cache import cached_bundle
     from lowering.runtime import open_bundle
 
     target = {"iree-host": "host", "iree-vulkan": "vulkan"}[args.backend]
-    bundle_dir = cached_bundle(model.path, target, dtype=args.dtype, progress=lambda m: print(m, file=sys.stderr))
+    bundle_dir = cached_bundle(args.model or default_model_dir(), target, dtype=args.dtype,
+                               device_memory_budget=budget, progress=lambda m: print(m, file=sys.stderr))
     return open_bundle(bundle_dir, args.backend)
 
 
@@ -218,6 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--window", type=int, default=128, help="widest window step")
     comp.add_argument("--dtype", default="float32", help="compute dtype: float32 or bfloat16")
     comp.add_argument("--link-weights", action="store_true", help="point at the model's weights instead of copying")
+    comp.add_argument("--device-memory-budget", type=int, default=None, metavar="BYTES",
+                      help="add per-layer pieces and stream weights through this much device memory")
     comp.set_defaults(run=cmd_compile)
     ev = commands.add_parser("eval", help="evaluate a model")
     suites = ev.add_subparsers(dest="suite", required=True)

@@ -1,14 +1,12 @@
 """The params pytree and its shape-only twin, named exactly as the HF LLaDA checkpoint names tensors.
 
-Matrices keep the checkpoint's torch layout `[out_features, in_features]`, so loading is a plain copy
+No JAX at import time (the bundle runtime uses the shapes). Matrices keep the checkpoint's torch layout `[out_features, in_features]`, so loading is a plain copy
 and export back to HF is bit-exact. Pytree:
     {"wte": [E, D], "blocks": [{name: array} per layer], "ln_f": [D], "lm_head": [E, D]}
 """
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from llada_jax.config import LLaDAConfig
@@ -73,14 +71,18 @@ def params_to_hf(params: dict) -> dict[str, object]:
     return tensors
 
 
-def abstract_params(config: LLaDAConfig, dtype=jnp.float32) -> dict:
+def abstract_params(config: LLaDAConfig, dtype="float32") -> dict:
     """The shape-only twin: a params pytree of `jax.ShapeDtypeStruct` (for export and compilation)."""
+    import jax
+
     specs = {name: jax.ShapeDtypeStruct(shape, dtype) for name, shape in hf_shapes(config).items()}
     return hf_to_params(specs, config)
 
 
-def init_params(config: LLaDAConfig, seed: int = 0, dtype=jnp.float32, std: float = 0.02) -> dict:
+def init_params(config: LLaDAConfig, seed: int = 0, dtype="float32", std: float = 0.02) -> dict:
     """Random weights: N(0, std) matrices, unit norm gains (a test or training starting point)."""
+    import jax.numpy as jnp
+
     rng = np.random.default_rng(seed)
     tensors = {}
     for name, shape in hf_shapes(config).items():
@@ -90,8 +92,3 @@ def init_params(config: LLaDAConfig, seed: int = 0, dtype=jnp.float32, std: floa
             value = rng.normal(0.0, std, size=shape).astype(np.float32)
         tensors[name] = jnp.asarray(value, dtype=dtype)
     return hf_to_params(tensors, config)
-
-
-def param_bytes(params: dict) -> int:
-    """Total bytes of all tensors in a params pytree."""
-    return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(params))

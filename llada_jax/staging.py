@@ -20,7 +20,7 @@ import numpy as np
 
 from llada_jax.config import LLaDAConfig
 from llada_jax.errors import LladaError
-from llada_jax.layered import head_layout, layer_layout
+from llada_jax.packing import head_layout, layer_layout
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,12 +17,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from llada_jax.checkpoint import INDEX_FILE, compute_dtype, weight_files
+from llada_jax.checkpoint import compute_dtype
+from llada_jax.weights_io import INDEX_FILE, weight_files
 from llada_jax.config import read_config
 from llada_jax.errors import LladaError
 from llada_jax.tokenizer import eot_id_from_files
 from lowering.bundle_format import FORMAT_VERSION, MANIFEST, TOKENIZER_FILES, VMFB, sha256
-from lowering.export import bundle_module, signature_manifest, step_specs
+from lowering.export import bundle_module, signature_manifest, staged_specs, step_specs
 from lowering.targets import target
 
 COMPILE_TIMEOUT_S = 900
@@ -73,8 +74,10 @@ def compile_module(text: str, flags: tuple[str, ...], out: Path) -> float:
 
 
 def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, window: int = 64,
-                   dtype: str = "float32", copy_weights: bool = True, progress=None) -> Path:
-    """Compile every step for canvases up to `max_len` and windows up to `window` into a bundle."""
+                   dtype: str = "float32", copy_weights: bool = True, device_memory_budget: int | None = None,
+                   progress=None) -> Path:
+    """Compile every step for canvases up to `max_len` and windows up to `window` into a bundle; with a
+    device memory budget, also the per-layer pieces that staged execution streams weights through."""
     tgt = target(target_name)
     model_dir, out_dir = Path(model_dir).absolute(), Path(out_dir).absolute()
     if not model_dir.is_dir():
@@ -87,6 +90,10 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
         raise LladaError(f"--window must be positive, got {window}")
     stored = stored_dtype(model_dir)
     specs = step_specs(max_len, window)
+    if device_memory_budget is not None:
+        if device_memory_budget <= 0:
+            raise LladaError(f"device memory budget must be a positive number of bytes, got {device_memory_budget}")
+        specs += staged_specs(specs)
     say = progress or (lambda message: None)
     say(f"exporting {len(specs)} steps to StableHLO")
     module = bundle_module(specs, config, stored, compute)
@@ -103,6 +110,7 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
             "format": FORMAT_VERSION, "model_config": config.to_hf_dict(), "eot_token_id": config.eot_token_id,
             "target": tgt.name, "driver": tgt.driver, "flags": list(tgt.flags), "iree_version": iree_version(),
             "compute_dtype": dtype, "stored_dtype": stored, "max_len": max_len, "window": window,
+            "device_memory_budget": device_memory_budget,
             "compile_seconds": round(seconds, 2), "weights": weights,
             "steps": [signature_manifest(spec, config, compute) for spec in specs],
             "files": {p.name: sha256(p) for p in sorted(staging.iterdir()) if p.is_file()},

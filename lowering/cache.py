@@ -16,7 +16,7 @@ def cache_root() -> Path:
 
 
 def cached_bundle(model_dir, target: str, *, dtype: str = "float32", max_len: int | None = None,
-                  window: int | None = None, progress=None) -> Path:
+                  window: int | None = None, device_memory_budget: int | None = None, progress=None) -> Path:
     """A bundle for this model (by content), target, dtype, shapes and IREE version; compiled if absent."""
     from llada_jax.config import read_config
 
@@ -28,9 +28,10 @@ def cached_bundle(model_dir, target: str, *, dtype: str = "float32", max_len: in
     key = json.dumps({"config": sha256(model_dir / "config.json"),
                       "weights": [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in weights],
                       "target": target, "dtype": dtype, "max_len": max_len, "window": window,
+                      "budget": device_memory_budget,
                       "iree": iree_version()}, sort_keys=True)
     out = cache_root() / hashlib.sha256(key.encode()).hexdigest()[:20]
     if not (out / MANIFEST).is_file():
         compile_bundle(model_dir, target, out, max_len=max_len, window=window, dtype=dtype, copy_weights=False,
-                       progress=progress)
+                       device_memory_budget=device_memory_budget, progress=progress)
     return out

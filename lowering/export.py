@@ -18,7 +18,9 @@ from jax import export
 
 from llada_jax.buckets import LENGTH_BUCKETS
 from llada_jax.config import LLaDAConfig
+from llada_jax.layered import head_step, layer_step
 from llada_jax.model import Context
+from llada_jax.packing import head_layout, layer_layout
 from llada_jax.params import hf_shapes, hf_to_params
 from llada_jax.readout import Readout
 from llada_jax.steps import full_step, scatter_slots, window_step
@@ -28,9 +30,14 @@ MLIR_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int32": "
 ARGMAX = Readout(kind="argmax")
 
 
+NAMED_WEIGHTS = ("full", "window")  # kinds that read the weights as named parameters
+STAGED = ("layer_full", "layer_window", "head", "stack")  # kinds that take packed weights as arguments
+
+
 @dataclasses.dataclass(frozen=True)
 class StepSpec:
-    """One compiled function: `full` (canvas S), `window` (W positions against S slots) or `commit`."""
+    """One compiled function: `full` (canvas S), `window` (W positions against S slots), `commit`, or
+    the staged pieces `layer_full`, `layer_window`, `head` (W positions) and `stack` (per-layer K/V)."""
 
     kind: str
     batch: int
@@ -39,8 +46,23 @@ class StepSpec:
 
     @property
     def name(self) -> str:
+        if self.kind in ("head", "stack"):
+            return f"{self.kind}_b{self.batch}_w{self.width}"
         base = f"{self.kind}_b{self.batch}_s{self.slots}"
-        return base if self.kind == "full" else f"{base}_w{self.width}"
+        return base if self.kind in ("full", "layer_full") else f"{base}_w{self.width}"
+
+
+def staged_specs(specs: list[StepSpec]) -> list[StepSpec]:
+    """The per-layer pieces matching every full/window step in `specs`."""
+    out = []
+    for spec in specs:
+        if spec.kind == "full":
+            out += [StepSpec("layer_full", spec.batch, spec.slots), StepSpec("head", spec.batch, 0, spec.slots),
+                    StepSpec("stack", spec.batch, 0, spec.slots)]
+        elif spec.kind == "window":
+            out += [StepSpec("layer_window", spec.batch, spec.slots, spec.width),
+                    StepSpec("head", spec.batch, 0, spec.width), StepSpec("stack", spec.batch, 0, spec.width)]
+    return list(dict.fromkeys(out))
 
 
 def step_specs(max_len: int, max_window: int, batch: int = 1) -> list[StepSpec]:
@@ -69,6 +91,8 @@ def io_signature(spec: StepSpec, config: LLaDAConfig, compute_dtype) -> tuple[li
     e = config.embedding_size
     extras = [("cfg_scale", _sds((), jnp.float32)), ("logit_bias", _sds((e,), jnp.float32)),
               ("confidence_bias", _sds((e,), jnp.float32))]
+    if spec.kind in STAGED:
+        return _staged_signature(spec, config, compute_dtype, extras)
     if spec.kind == "full":
         inputs = [("tokens", _sds((b, s), jnp.int32)), ("valid", _sds((b, s), jnp.int32)), *extras]
         width = s
@@ -89,9 +113,53 @@ def io_signature(spec: StepSpec, config: LLaDAConfig, compute_dtype) -> tuple[li
     return inputs, outputs
 
 
+def _staged_signature(spec: StepSpec, config: LLaDAConfig, compute_dtype, extras) -> tuple[list, list]:
+    b, s, w, d = spec.batch, spec.slots, spec.width, config.d_model
+    kv = (b, w or s, config.n_kv_heads, config.head_dim)
+    if spec.kind == "stack":
+        layers = [(f"keys_{i}", _sds(kv, compute_dtype)) for i in range(config.n_layers)]
+        return layers, [("stacked", _sds((config.n_layers, *kv), compute_dtype))]
+    if spec.kind == "head":
+        inputs = [("packed", _sds((head_layout(config).size,), compute_dtype)), ("x", _sds((b, w, d), compute_dtype)),
+                  *extras]
+        return inputs, [("x0", _sds((b, w), jnp.int32)), ("logp", _sds((b, w), jnp.float32))]
+    width = w or s
+    inputs = [("packed", _sds((layer_layout(config).size,), compute_dtype)), ("x", _sds((b, width, d), compute_dtype)),
+              ("positions", _sds((b, width), jnp.int32))]
+    if spec.kind == "layer_full":
+        inputs.append(("key_bias", _sds((b, s), jnp.float32)))
+    else:
+        cache = (config.n_layers, b, s, config.n_kv_heads, config.head_dim)
+        inputs += [("key_bias", _sds((b, s + w), jnp.float32)), ("keys", _sds(cache, compute_dtype)),
+                   ("values", _sds(cache, compute_dtype)), ("layer", _sds((), jnp.int32))]
+    outputs = [("x", _sds((b, width, d), compute_dtype)), ("new_keys", _sds(kv, compute_dtype)),
+               ("new_values", _sds(kv, compute_dtype))]
+    return inputs, outputs
+
+
+def _staged_function(spec: StepSpec, config: LLaDAConfig):
+    if spec.kind == "stack":
+        return lambda *per_layer: jnp.stack(per_layer)
+    if spec.kind == "head":
+        def run(packed, x, cfg_scale, logit_bias, confidence_bias):
+            out = head_step(packed, x, cfg_scale, logit_bias, confidence_bias, config=config, readout=ARGMAX)
+            return out["x0"], out["logp"]
+    elif spec.kind == "layer_full":
+        def run(packed, x, positions, key_bias):
+            return layer_step(packed, x, positions, key_bias, None, None, config=config)
+    else:
+        def run(packed, x, positions, key_bias, keys, values, layer):
+            cached_k = jax.lax.dynamic_index_in_dim(keys, layer, axis=0, keepdims=False)
+            cached_v = jax.lax.dynamic_index_in_dim(values, layer, axis=0, keepdims=False)
+            return layer_step(packed, x, positions, key_bias, cached_k, cached_v, config=config)
+    return run
+
+
 def step_function(spec: StepSpec, config: LLaDAConfig, weight_names: list[str], compute_dtype):
     """The flat function to export: weights (stored dtype, cast to compute dtype here), then inputs.
-    `commit` only scatters K/V and takes no weights."""
+    `commit` only scatters K/V and takes no weights; staged pieces take theirs packed, as inputs."""
+    if spec.kind in STAGED:
+        return _staged_function(spec, config)
 
     def params_from(weights):
         return hf_to_params({n: w.astype(compute_dtype) for n, w in zip(weight_names, weights)}, config)
@@ -126,7 +194,8 @@ def export_step(spec: StepSpec, config: LLaDAConfig, stored_dtype, compute_dtype
     weights = [_sds(shape, stored_dtype) for shape in hf_shapes(config).values()]
     inputs = [sds for _, sds in io_signature(spec, config, compute_dtype)[0]]
     run = step_function(spec, config, names, compute_dtype)
-    exported = export.export(jax.jit(run, keep_unused=True))(*([weights] if spec.kind != "commit" else []), *inputs)
+    named = [weights] if spec.kind in NAMED_WEIGHTS else []
+    exported = export.export(jax.jit(run, keep_unused=True))(*named, *inputs)
     with ir.Context():
         return ir.Module.parse(exported.mlir_module()).operation.get_asm(enable_debug_info=False)
 
@@ -147,7 +216,7 @@ def _wrapper(spec: StepSpec, config: LLaDAConfig, stored_dtype, compute_dtype, w
     weight_types = [mlir_type(_sds(shape, stored_dtype)) for shape in hf_shapes(config).values()]
     in_types = [mlir_type(sds) for _, sds in inputs]
     out_types = [mlir_type(sds) for _, sds in outputs]
-    if spec.kind == "commit":
+    if spec.kind not in NAMED_WEIGHTS:
         weight_types = []
     lines = [f"  func.func @{spec.name}({', '.join(f'%a{i}: {t}' for i, t in enumerate(in_types))})"
              f" -> ({', '.join(out_types)}) {{"]

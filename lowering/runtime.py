@@ -172,12 +172,18 @@ def _bfloat16():
     return ml_dtypes.bfloat16
 
 
-def generate_with_bundle(bundle: Bundle, session: Session, prompt_ids, **options):
-    """`llada_jax.generate` through a bundle (same options, same validation)."""
+def generate_with_bundle(bundle: Bundle, session: Session, prompt_ids, staged=None, **options):
+    """`llada_jax.generate` through a bundle (same options, same validation). With `staged` weights
+    (see `staged_runtime.staged_weights`) the steps stream them within the bundle's memory budget."""
     from llada_jax.decoding import run_generation
 
     def make_backend(readout, biases, cfg_scale, batch, slots):
-        return IreeBackend(bundle, session, readout, biases, cfg_scale)
+        if staged is None:
+            return IreeBackend(bundle, session, readout, biases, cfg_scale)
+        from lowering.staged_runtime import IreeStagedBackend
+
+        return IreeStagedBackend(bundle, session, staged, bundle.manifest["device_memory_budget"], readout, biases,
+                                 cfg_scale, batch, slots)
 
     return run_generation(make_backend, bundle.config, prompt_ids, limit=bundle.manifest["max_len"], **options)
 
@@ -192,5 +198,18 @@ def open_bundle(path, backend: str = "iree-host"):
         raise LladaError(f"bundle {path} targets {bundle.manifest['target']} ({bundle.manifest['driver']}), "
                          f"which --backend {backend} cannot run")
     session = Session(bundle.path, bundle.manifest, bundle.manifest["driver"])
+    staged = None
+    budget = bundle.manifest.get("device_memory_budget")
+    if budget is not None and budget < bundle_weight_bytes(bundle):
+        from lowering.staged_runtime import staged_weights
+
+        staged = staged_weights(bundle)
     return (bundle.config, load_tokenizer(bundle.path),
-            lambda ids, **options: generate_with_bundle(bundle, session, ids, **options))
+            lambda ids, **options: generate_with_bundle(bundle, session, ids, staged=staged, **options))
+
+
+def bundle_weight_bytes(bundle: Bundle) -> int:
+    """Device bytes of all weights in the bundle's compute dtype (float32)."""
+    from llada_jax.params import hf_shapes
+
+    return sum(int(np.prod(shape)) for shape in hf_shapes(bundle.config).values()) * 4

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import llada_jax
 from llada_jax.errors import LladaError
-from llada_jax.layered import head_layout, layer_layout
+from llada_jax.packing import head_layout, layer_layout
 from llada_jax.staging import StagingRing, StagingStats, kv_bytes
 from tests.conftest import TINY
 
@@ -76,3 +76,33 @@ def test_ring_reuses_slots_and_overlaps_copies_with_compute():
     assert {slot for kind, _, slot in log} == {0, 1, 2}
     assert stats.bytes_staged == 7 * 4000
     assert stats.hidden_fraction > 0.5  # copies of later stages ran while earlier ones computed
+
+
+def test_iree_staged_equals_iree_resident_and_jax(tiny_dir, tiny_model, tmp_path):
+    from llada_jax.readout import Readout, TokenBiases
+    from lowering.bundle import compile_bundle
+    from lowering.runtime import IreeBackend, Session, generate_with_bundle, load_bundle
+    from lowering.staged_runtime import IreeStagedBackend, staged_weights
+
+    slot = 4 * max(layer_layout(TINY).size, head_layout(TINY).size)
+    budget = 2 * slot + kv_bytes(TINY, 1, 32, 4)  # two ring slots: copies overlap compute
+    bundle = load_bundle(compile_bundle(tiny_dir, "host", tmp_path / "staged", max_len=32, window=16,
+                                        device_memory_budget=budget))
+    session = Session(bundle.path, bundle.manifest, "local-task")
+    weights = staged_weights(bundle)
+    for policy in POLICIES:
+        prompt = np.arange(10, 17)
+        options = dict(gen_length=16, block_length=8, steps=8, policy=policy)
+        want = llada_jax.generate(tiny_model, prompt, **options)
+        got = generate_with_bundle(bundle, session, prompt, staged=weights, **options)
+        assert got.output_ids.tolist() == want.output_ids.tolist()
+        assert got.stats["bytes_staged"] >= got.nfe * sum(p.nbytes for p in weights.stages)
+    biases = TokenBiases.build(TINY.embedding_size)
+    staged = IreeStagedBackend(bundle, session, weights, budget, Readout(), biases, 0.0, 1, 32)
+    assert len(staged.slots.buffers) == 2
+    tokens = np.random.default_rng(0).integers(0, TINY.vocab_size, (1, 32)).astype(np.int32)
+    valid = np.arange(32)[None] < 27
+    a, b = staged.full(tokens, valid), IreeBackend(bundle, session, Readout(), biases).full(tokens, valid)
+    assert a.readout["x0"][:, :27].tolist() == b.readout["x0"][:, :27].tolist()
+    np.testing.assert_allclose(a.readout["logp"][:, :27], b.readout["logp"][:, :27], atol=1e-6, rtol=0)
+    np.testing.assert_allclose(session.read(a.keys), session.read(b.keys), atol=1e-6, rtol=0)

@@ -1,0 +1,53 @@
+"""Packed stage layout (no JAX): a stage's tensors (one layer's nine, or ln_f + lm_head) flattened one
+after another, each starting at a multiple of ALIGN elements, in one contiguous aligned buffer.
+`unpack` slices it back with static offsets (inside a jitted or exported function)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from llada_jax.config import LLaDAConfig
+from llada_jax.params import BLOCK_TENSORS, block_shapes
+
+ALIGN = 16  # elements: every tensor of a packed stage starts on a 64-byte boundary (float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedLayout:
+    """Where each tensor of a stage sits in its packed buffer (hashable: a static jit argument)."""
+
+    entries: tuple[tuple[str, tuple[int, ...], int], ...]  # (name, shape, offset in elements)
+    size: int                                               # elements, padded to ALIGN
+
+    @classmethod
+    def of(cls, shapes: dict[str, tuple[int, ...]]) -> "PackedLayout":
+        entries, offset = [], 0
+        for name, shape in shapes.items():
+            entries.append((name, tuple(shape), offset))
+            offset += -(-int(np.prod(shape)) // ALIGN) * ALIGN
+        return cls(tuple(entries), offset)
+
+    def pack(self, tensors: dict[str, np.ndarray], dtype) -> np.ndarray:
+        """One contiguous, 64-byte aligned host buffer holding every tensor of the stage."""
+        raw = np.zeros(self.size * np.dtype(dtype).itemsize + 64, np.uint8)
+        start = (-raw.ctypes.data) % 64
+        packed = raw[start: start + self.size * np.dtype(dtype).itemsize].view(dtype)
+        for name, shape, offset in self.entries:
+            packed[offset: offset + int(np.prod(shape))] = np.asarray(tensors[name], dtype).reshape(-1)
+        return packed
+
+    def unpack(self, packed) -> dict:
+        return {name: packed[offset: offset + int(np.prod(shape))].reshape(shape)
+                for name, shape, offset in self.entries}
+
+
+def layer_layout(config: LLaDAConfig) -> PackedLayout:
+    return PackedLayout.of({name: block_shapes(config)[name] for name in BLOCK_TENSORS})
+
+
+def head_layout(config: LLaDAConfig) -> PackedLayout:
+    return PackedLayout.of({"ln_f": (config.d_model,), "lm_head": (config.embedding_size, config.d_model)})
+
+

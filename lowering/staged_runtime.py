@@ -1,0 +1,93 @@
+"""Staged execution of a bundle: weights streamed layer by layer through a ring of device buffers
+allocated once, sized to the device memory budget (numpy + iree.runtime only).
+
+Each slot is one mapped device buffer (DEVICE_LOCAL | HOST_VISIBLE) reused for the whole run: filling
+it is a copy into its mapping, done on the staging ring's copy thread while the previous layer runs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from llada_jax import kv_state
+from llada_jax.weights_io import iter_tensors
+from llada_jax.staging import StagedWeights, StagingRing, StagingStats, kv_bytes, pack_weights, ring_slots
+from lowering.runtime import Bundle, IreeBackend, Session, StepOutput
+
+
+class DeviceSlots:
+    """`count` reusable device buffers of `elements` float32 each, mapped once."""
+
+    def __init__(self, session: Session, count: int, elements: int):
+        rt = session._rt
+        memory = int(rt.MemoryType.DEVICE_LOCAL | rt.MemoryType.HOST_VISIBLE)
+        usage = int(rt.BufferUsage.DEFAULT | rt.BufferUsage.MAPPING_PERSISTENT)
+        self.session = session
+        self.buffers = [session.device.allocator.allocate_buffer(memory_type=memory, allowed_usage=usage,
+                                                                 allocation_size=elements * 4) for _ in range(count)]
+        self.mappings = [buffer.map() for buffer in self.buffers]
+        self.views = [m.asarray((elements,), np.dtype(np.float32)) for m in self.mappings]
+
+    def upload(self, slot: int, host: np.ndarray):
+        rt = self.session._rt
+        np.copyto(self.views[slot][: host.size], host)
+        view = rt.HalBufferView(self.buffers[slot], (host.size,), rt.HalElementType.FLOAT_32)
+        return rt.DeviceArray(self.session.device, view)
+
+
+class IreeStagedBackend(IreeBackend):
+    """IreeBackend whose full and window steps run layer by layer with streamed weights."""
+
+    def __init__(self, bundle: Bundle, session: Session, weights: StagedWeights, budget: int, readout, biases,
+                 cfg_scale: float, batch: int, canvas_slots: int):
+        super().__init__(bundle, session, readout, biases, cfg_scale)
+        self.weights = weights
+        ring = ring_slots(budget, weights, kv_bytes(self.config, batch, canvas_slots, 4))
+        self.slots = DeviceSlots(session, ring, max(p.size for p in weights.stages))
+        self.stats = StagingStats()
+
+    def _staged(self, ids, positions, bias, layer_name: str, state, width: int) -> StepOutput:
+        batch = ids.shape[0]
+        x = self.session.upload(self.weights.embedding[np.asarray(ids)])
+        keys, values, out = [], [], {}
+        n_layers = self.config.n_layers
+
+        def compute(stage: int, packed) -> None:
+            nonlocal x
+            if stage < n_layers:
+                extra = () if state is None else (state.keys, state.values, np.asarray(stage, np.int32))
+                x, k, v = self._call(layer_name, packed, x, positions, bias, *extra)
+                keys.append(k)
+                values.append(v)
+            else:
+                x0, logp = self._call(f"head_b{batch}_w{width}", packed, x, *self._extras)
+                out.update(x0=self.session.read(x0), logp=self.session.read(logp))
+
+        StagingRing(self.weights.stages, len(self.slots.buffers), self.slots.upload, self.stats).run(compute)
+        stack = f"stack_b{batch}_w{width}"
+        return StepOutput(out, self._call(stack, *keys), self._call(stack, *values))
+
+    def full(self, tokens: np.ndarray, valid: np.ndarray) -> StepOutput:
+        batch, slots = tokens.shape
+        positions = np.broadcast_to(np.arange(slots, dtype=np.int32), tokens.shape).copy()
+        bias = np.where(valid, 0.0, kv_state.HIDDEN).astype(np.float32)
+        return self._staged(tokens, positions, bias, f"layer_full_b{batch}_s{slots}", None, slots)
+
+    def window(self, state, visible, window_ids, window_pos, window_valid) -> StepOutput:
+        batch, width = window_ids.shape
+        bias = np.concatenate([kv_state.visible_bias(state, visible),
+                               np.where(window_valid, 0.0, kv_state.HIDDEN).astype(np.float32)], axis=1)
+        return self._staged(np.asarray(window_ids), np.asarray(window_pos, np.int32), bias,
+                            f"layer_window_b{batch}_s{state.slots}_w{width}", state, width)
+
+
+def staged_weights(bundle: Bundle) -> StagedWeights:
+    """Pack the bundle's weights per stage on the host (float32), from its memory-mapped safetensors."""
+    from safetensors import safe_open
+
+    weight_map = {}
+    for file in bundle.manifest["weights"]["files"]:
+        path = bundle.path / file  # absolute paths (linked weights) stay absolute
+        with safe_open(str(path), framework="np") as handle:
+            weight_map.update({name: str(path) for name in handle.keys()})
+    return pack_weights(iter_tensors(bundle.path, bundle.config, weight_map), bundle.config, np.dtype(np.float32))
