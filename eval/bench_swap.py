@@ -1,0 +1,103 @@
+"""Benchmark: staged (swap) execution against resident execution, at device memory budgets of 100%,
+50% and 25% of the weight bytes, on a random-weights config big enough that staging matters. Each
+budget runs in its own process so its peak RSS is its own. Medians; nothing is asserted.
+
+    python -m eval.bench_swap [--backend jax|iree-host] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from llada_jax.config import LLaDAConfig
+
+SWAP_CONFIG = LLaDAConfig(d_model=1024, n_layers=16, n_heads=16, n_kv_heads=16, mlp_hidden_size=2816,
+                          vocab_size=32000, embedding_size=32000, max_sequence_length=256)
+FRACTIONS = (None, 1.0, 0.5, 0.25)  # None: resident, no budget
+
+
+def model_dir() -> Path:
+    from llada_jax.checkpoint import save_hf
+    from llada_jax.params import init_params
+
+    out = Path(tempfile.gettempdir()) / "llada-bench" / "swap-d1024-l16"
+    if not (out / "config.json").is_file():
+        save_hf(init_params(SWAP_CONFIG, seed=0), SWAP_CONFIG, out)
+    return out
+
+
+def weight_bytes() -> int:
+    from llada_jax.params import hf_shapes
+
+    return sum(int(np.prod(s)) for s in hf_shapes(SWAP_CONFIG).values()) * 4
+
+
+def measure(fraction: float | None, backend: str, repeats: int) -> dict:
+    """One budget, in this process: median latency of a dual-cache generation and staging counters."""
+    budget = None if fraction is None else int(fraction * weight_bytes())
+    prompt = np.random.default_rng(0).integers(0, 30000, 32)
+    options = dict(gen_length=32, block_length=8, steps=32, policy="dual-cache")
+    if backend == "jax":
+        import llada_jax
+
+        model = llada_jax.load(model_dir(), device_memory_budget=budget)
+
+        def run():
+            return llada_jax.generate(model, prompt, **options)
+    else:
+        from lowering.cache import cached_bundle
+        from lowering.runtime import open_bundle
+
+        _, _, generate = open_bundle(cached_bundle(model_dir(), "host", max_len=64, window=8,
+                                                   device_memory_budget=budget))
+
+        def run():
+            return generate(prompt, **options)
+
+    run()
+    times, stats = [], {}
+    for _ in range(repeats):
+        started = time.perf_counter()
+        stats = run().stats
+        times.append(time.perf_counter() - started)
+    return {"budget_fraction": fraction, "budget_bytes": budget, "median_s": statistics.median(times),
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, **stats}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", default="jax", choices=["jax", "iree-host"])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child process: one budget
+    args = parser.parse_args(argv)
+    if args.one is not None:
+        print(json.dumps(measure(None if args.one == "resident" else float(args.one), args.backend, args.repeats)))
+        return
+    model_dir()
+    rows = []
+    for fraction in FRACTIONS:
+        child = [sys.executable, "-m", "eval.bench_swap", "--backend", args.backend, "--repeats", str(args.repeats),
+                 "--one", "resident" if fraction is None else str(fraction)]
+        rows.append(json.loads(subprocess.run(child, capture_output=True, text=True, check=True).stdout))
+    resident = rows[0]["median_s"]
+    print(f"weights {weight_bytes() / 2**20:.0f} MiB, backend {args.backend}, dual-cache, 32 tokens")
+    print(f"{'budget':<12}{'median s':>10}{'vs resident':>13}{'staged MiB':>12}{'copy s':>9}{'hidden':>8}{'RSS MiB':>9}")
+    for row in rows:
+        name = "resident" if row["budget_fraction"] is None else f"{row['budget_fraction']:.0%}"
+        print(f"{name:<12}{row['median_s']:>10.3f}{row['median_s'] / resident:>13.2f}"
+              f"{row.get('bytes_staged', 0) / 2**20:>12.0f}{row.get('copy_seconds', 0):>9.3f}"
+              f"{row.get('hidden_fraction', 1.0):>8.2f}{row['peak_rss_mb']:>9.0f}")
+
+
+if __name__ == "__main__":
+    main()
