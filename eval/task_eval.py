@@ -6,7 +6,6 @@ A decoder setting is a policy name with an optional threshold: `dual-cache` or `
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import numpy as np
 

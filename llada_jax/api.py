@@ -15,8 +15,8 @@ from llada_jax.checkpoint import compute_dtype, load_params
 from llada_jax.config import LLaDAConfig, read_config
 from llada_jax.decoding import check_token_ids, run_generation
 from llada_jax.errors import LladaError
-from llada_jax.readout import Readout, TokenBiases
 from llada_jax.params import hf_shapes
+from llada_jax.readout import Readout, TokenBiases
 from llada_jax.staged_backend import StagedJaxBackend
 from llada_jax.staging import StagedWeights, StagingStats, kv_bytes, pack_weights, ring_slots
 from llada_jax.tokenizer import Tokenizer, eot_id_from_files, load_tokenizer

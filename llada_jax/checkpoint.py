@@ -13,12 +13,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy so safetensors can return it)
 import numpy as np
 from safetensors.numpy import save_file
 
+from llada_jax.atomic import replace_dir
 from llada_jax.config import LLaDAConfig
 from llada_jax.errors import LladaError
 from llada_jax.params import hf_to_params, params_to_hf
@@ -60,7 +60,7 @@ def save_hf(params: dict, config: LLaDAConfig, out_dir: Path, *, stored_dtype: s
         for name, source in (extra_files or {}).items():
             shutil.copyfile(source, staging / name)
         _publish_permissions(staging)
-        _replace_dir(staging, out_dir)
+        replace_dir(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -96,18 +96,6 @@ def _publish_permissions(directory: Path) -> None:
     directory.chmod(0o777 & ~umask)
     for path in directory.iterdir():
         path.chmod(0o666 & ~umask)
-
-
-def _replace_dir(staging: Path, out_dir: Path) -> None:
-    """Move `staging` to `out_dir`; an existing `out_dir` is swapped out only once the new one is complete."""
-    if out_dir.exists():
-        old = out_dir.with_name(f".{out_dir.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(out_dir, old)
-        os.replace(staging, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(staging, out_dir)
 
 
 def save_orbax(params: dict, path: Path) -> None:

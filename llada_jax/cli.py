@@ -170,9 +170,10 @@ def cmd_bench(args) -> None:
     from eval.task_eval import DecoderSetting
 
     if args.bench_size:
-        from eval.bench_lowering import bench_model_dir
         import tempfile
         from pathlib import Path
+
+        from eval.bench_lowering import bench_model_dir
 
         args.model = str(bench_model_dir(Path(tempfile.gettempdir()) / "llada-bench"))
     args.bundle = None

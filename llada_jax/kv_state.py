@@ -16,7 +16,7 @@ import numpy as np
 from llada_jax.errors import LladaError
 
 EMPTY = -1
-HIDDEN = -1e9  # attention bias of a hidden slot (same value the model uses)
+HIDDEN = -1e9  # attention bias of a hidden key; finite, so a row with every key hidden stays NaN-free
 
 
 class KVState(NamedTuple):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from llada_jax.config import LLaDAConfig
@@ -16,6 +15,7 @@ from llada_jax.model import decoder_layer, rms_norm, rotary_tables
 from llada_jax.packing import head_layout, layer_layout
 from llada_jax.readout import Readout
 from llada_jax.steps import read_out
+
 
 @functools.partial(jax.jit, static_argnames=("config",))
 def layer_step(packed: jax.Array, x: jax.Array, positions: jax.Array, key_bias: jax.Array,

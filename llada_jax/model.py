@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 
 from llada_jax.config import LLaDAConfig
-from llada_jax.kv_state import HIDDEN  # finite: a row with every key hidden stays NaN-free
 
 
 class Context(NamedTuple):

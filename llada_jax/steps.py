@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 
 from llada_jax.config import LLaDAConfig
-from llada_jax.model import HIDDEN, Context, forward, lm_logits
+from llada_jax.kv_state import HIDDEN
+from llada_jax.model import Context, forward, lm_logits
 from llada_jax.readout import Readout
 
 

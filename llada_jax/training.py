@@ -25,7 +25,8 @@ from llada_jax import char_tokenizer
 from llada_jax.checkpoint import save_hf
 from llada_jax.config import LLaDAConfig
 from llada_jax.errors import LladaError
-from llada_jax.model import HIDDEN, forward, lm_logits
+from llada_jax.kv_state import HIDDEN
+from llada_jax.model import forward, lm_logits
 from llada_jax.params import init_params
 
 MIN_T = 1e-3

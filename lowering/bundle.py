@@ -17,11 +17,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from llada_jax.atomic import replace_dir
 from llada_jax.checkpoint import compute_dtype
-from llada_jax.weights_io import INDEX_FILE, weight_files
 from llada_jax.config import read_config
 from llada_jax.errors import LladaError
 from llada_jax.tokenizer import eot_id_from_files
+from llada_jax.weights_io import INDEX_FILE, weight_files
 from lowering.bundle_format import FORMAT_VERSION, MANIFEST, TOKENIZER_FILES, VMFB, sha256
 from lowering.export import bundle_module, signature_manifest, staged_specs, step_specs
 from lowering.targets import target
@@ -135,14 +136,7 @@ def _place_weights(model_dir: Path, staging: Path, copy: bool) -> dict:
 
 
 def _swap_into_place(staging: Path, out_dir: Path) -> None:
-    if out_dir.exists():
-        if not (out_dir / MANIFEST).is_file():
-            raise LladaError(f"{out_dir} exists and is not a bundle; refusing to replace it")
-        old = out_dir.with_name(f".{out_dir.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(out_dir, old)
-        os.replace(staging, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(staging, out_dir)
+    if out_dir.exists() and not (out_dir / MANIFEST).is_file():
+        raise LladaError(f"{out_dir} exists and is not a bundle; refusing to replace it")
+    replace_dir(staging, out_dir)
 

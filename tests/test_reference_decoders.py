@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import llada_jax
-from tests import reference
 from llada_jax.config import LLaDAConfig
+from tests import reference
 from tests.conftest import TINY, read_all, write_checkpoint
 
 POLICIES = ["vanilla", "prefix-cache", "dual-cache"]

@@ -43,8 +43,11 @@ def test_refreshed_kv_equals_a_fresh_recomputation(tiny_model, seed, changed):
     assert kv_state.stale_slots(kv, canvas.tokens)[0].sum() == moved.size
     policy = Revision(refresh_width=8)
     state = policy.initial_state(backend, canvas)._replace(kv=kv)
-    state = state._replace(committed_at=np.where(np.isin(np.arange(canvas.slots), gen), 0, NEVER))
-    state, _ = policy._refresh(backend, canvas, state, nfe=1)
+    # Stable tokens are only refreshed, never revised: the K/V is the one thing under test here.
+    state = state._replace(committed_at=np.where(np.isin(np.arange(canvas.slots), gen), 0, NEVER),
+                           stable=np.ones(canvas.slots, bool))
+    state, revisions = policy._refresh(backend, canvas, state, nfe=1)
+    assert revisions == () and state.refreshes == moved.size
     assert not kv_state.stale_slots(state.kv, canvas.tokens).any()
     got, want = np.asarray(state.kv.keys)[:, 0, moved], np.asarray(fresh.keys)[:, 0, moved]
     assert np.abs(got - want).max() <= 1e-5 * max(1.0, np.abs(want).max())
