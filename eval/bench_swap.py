@@ -22,7 +22,8 @@ import numpy as np
 from llada_jax.config import LLaDAConfig
 
 SWAP_CONFIG = LLaDAConfig(d_model=1024, n_layers=16, n_heads=16, n_kv_heads=16, mlp_hidden_size=2816,
-                          vocab_size=32000, embedding_size=32000, max_sequence_length=256)
+                          vocab_size=32000, embedding_size=32000, max_sequence_length=256, mask_token_id=31999,
+                          eos_token_id=31998, eot_token_id=31997)
 FRACTIONS = (None, 1.0, 0.5, 0.25)  # None: resident, no budget
 
 
@@ -45,7 +46,7 @@ def weight_bytes() -> int:
 def measure(fraction: float | None, backend: str, repeats: int) -> dict:
     """One budget, in this process: median latency of a dual-cache generation and staging counters."""
     budget = None if fraction is None else int(fraction * weight_bytes())
-    prompt = np.random.default_rng(0).integers(0, 30000, 32)
+    prompt = np.random.default_rng(0).integers(0, 31000, 32)
     options = dict(gen_length=32, block_length=8, steps=32, policy="dual-cache")
     if backend == "jax":
         import llada_jax
