@@ -1,5 +1,5 @@
 """Benchmark: staged (swap) execution against resident execution, at device memory budgets of 100%,
-50% and 25% of the weight bytes, on a random-weights config big enough that staging matters. Each
+50% and 25% of the weight bytes (plus the KV state), on a random-weights config big enough that staging matters. Each
 budget runs in its own process so its peak RSS is its own. Medians; nothing is asserted.
 
     python -m eval.bench_swap [--backend jax|iree-host] [--repeats 5]
@@ -45,7 +45,10 @@ def weight_bytes() -> int:
 
 def measure(fraction: float | None, backend: str, repeats: int) -> dict:
     """One budget, in this process: median latency of a dual-cache generation and staging counters."""
-    budget = None if fraction is None else int(fraction * weight_bytes())
+    from llada_jax.staging import kv_bytes
+
+    # A budget is a fraction of the weight bytes plus room for this workload's KV state (64 slots).
+    budget = None if fraction is None else int(fraction * weight_bytes()) + kv_bytes(SWAP_CONFIG, 1, 64, 4)
     prompt = np.random.default_rng(0).integers(0, 31000, 32)
     options = dict(gen_length=32, block_length=8, steps=32, policy="dual-cache")
     if backend == "jax":
