@@ -82,10 +82,8 @@ def held_out(per_family: int = HELD_OUT_PER_FAMILY) -> list[Example]:
     return examples
 
 
-def training_stream(seed: int) -> Iterator[Example]:
-    """An endless, seeded stream over all families that never yields a held-out prompt."""
-    excluded = {example.prompt for example in held_out()}
-    rng = random.Random(seed)
+def training_examples(rng: random.Random, excluded: set[str]) -> Iterator[Example]:
+    """An endless stream over all families, drawn from `rng`, that never yields an `excluded` prompt."""
     makers = [FAMILIES[name] for name in sorted(FAMILIES)]
     while True:
         example = rng.choice(makers)(rng)

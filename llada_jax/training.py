@@ -68,22 +68,17 @@ def encode(tokenizer, prompt: str, answer: str, config: LLaDAConfig, gen_length:
 
 def make_batch(tokenizer, config: LLaDAConfig, settings: TrainSettings, step: int, excluded: set[str]):
     """The batch of `step`, a pure function of (seed, step): resuming needs no data-loader state."""
-    from eval.tasks import FAMILIES
+    from eval.tasks import training_examples
 
-    rng = random.Random(settings.seed * 1_000_003 + step)
-    makers = [FAMILIES[name] for name in sorted(FAMILIES)]
+    examples = training_examples(random.Random(settings.seed * 1_000_003 + step), excluded)
     tokens = np.full((settings.batch, settings.seq_len), config.eos_token_id, np.int32)
     prompt_len = np.zeros(settings.batch, np.int32)
-    row = 0
-    while row < settings.batch:
-        example = rng.choice(makers)(rng)
-        if example.prompt in excluded:
-            continue
+    for row in range(settings.batch):
+        example = next(examples)
         ids, prompt_len[row] = encode(tokenizer, example.prompt, example.answer, config, settings.gen_length)
         if len(ids) > settings.seq_len:
             raise LladaError(f"example of {len(ids)} tokens exceeds seq_len={settings.seq_len}")
         tokens[row, : len(ids)] = ids
-        row += 1
     return tokens, prompt_len
 
 

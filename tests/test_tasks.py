@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import itertools
 
-from eval.tasks import FAMILIES, MIN_ANSWER, held_out, training_stream
+import random
+
+from eval.tasks import FAMILIES, MIN_ANSWER, held_out, training_examples
 
 
 def test_generators_are_deterministic_and_answers_span_three_blocks():
@@ -23,7 +25,12 @@ def test_answers_depend_on_the_prompt():
 
 def test_training_stream_never_yields_a_held_out_prompt():
     excluded = {e.prompt for e in held_out()}
-    assert not any(e.prompt in excluded for e in itertools.islice(training_stream(0), 5000))
+    drawn = list(itertools.islice(training_examples(random.Random(0), excluded), 5000))
+    assert not any(e.prompt in excluded for e in drawn)
+    # the filter itself: excluding the first draws of a seed removes exactly those from that seed's stream
+    first = [e.prompt for e in itertools.islice(training_examples(random.Random(1), set()), 50)]
+    refiltered = [e.prompt for e in itertools.islice(training_examples(random.Random(1), set(first[:10])), 40)]
+    assert refiltered == first[10:50]
 
 
 def test_word_problem_answers_end_with_the_number():
