@@ -38,6 +38,10 @@ class PackedLayout:
             packed[offset: offset + int(np.prod(shape))] = np.asarray(tensors[name], dtype).reshape(-1)
         return packed
 
+    def views(self, packed: np.ndarray) -> dict[str, np.ndarray]:
+        """The stage's tensors as views into its packed host buffer (no copies)."""
+        return self.unpack(packed)
+
     def unpack(self, packed) -> dict:
         return {name: packed[offset: offset + int(np.prod(shape))].reshape(shape)
                 for name, shape, offset in self.entries}

@@ -13,6 +13,7 @@ from llada_jax import kv_state
 from llada_jax.backend import StepOutput, _to_host, commit_on_device, empty_on_device
 from llada_jax.config import LLaDAConfig
 from llada_jax.layered import head_step, key_bias, layer_step
+from llada_jax.packing import head_layout, layer_layout
 from llada_jax.readout import Readout, TokenBiases
 from llada_jax.staging import StagedWeights, StagingRing, StagingStats
 
@@ -47,8 +48,14 @@ class StagedJaxBackend:
                                               jnp.asarray(self.biases.confidence_bias),
                                               config=self.config, readout=self.readout)))
 
-        StagingRing(self.weights.stages, self.slots, lambda slot, host: jax.device_put(host), self.stats).run(compute)
+        StagingRing(self.weights.stages, self.slots, self._upload, self.stats).run(compute)
         return StepOutput(out, jnp.stack(keys), jnp.stack(values))
+
+    def _upload(self, slot: int, packed: np.ndarray) -> dict:
+        """One stage to the device, tensor by tensor from its packed host buffer (XLA owns the device
+        buffers; on a CPU device this is a copy into fresh memory, not into a reused slot)."""
+        layout = head_layout(self.config) if packed is self.weights.head else layer_layout(self.config)
+        return {name: jax.device_put(view) for name, view in layout.views(packed).items()}
 
     def full(self, tokens: np.ndarray, valid: np.ndarray) -> StepOutput:
         positions = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)
