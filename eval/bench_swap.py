@@ -43,14 +43,14 @@ def weight_bytes() -> int:
     return sum(int(np.prod(s)) for s in hf_shapes(SWAP_CONFIG).values()) * 4
 
 
-def measure(fraction: float | None, backend: str, repeats: int) -> dict:
-    """One budget, in this process: median latency of a dual-cache generation and staging counters."""
+def measure(fraction: float | None, backend: str, repeats: int, policy: str) -> dict:
+    """One budget, in this process: median latency of one generation and its staging counters."""
     from llada_jax.staging import kv_bytes
 
     # A budget is a fraction of the weight bytes plus room for this workload's KV state (64 slots).
     budget = None if fraction is None else int(fraction * weight_bytes()) + kv_bytes(SWAP_CONFIG, 1, 64, 4)
     prompt = np.random.default_rng(0).integers(0, 31000, 32)
-    options = dict(gen_length=32, block_length=8, steps=32, policy="dual-cache")
+    options = dict(gen_length=32, block_length=8, steps=32, policy=policy)
     if backend == "jax":
         import llada_jax
 
@@ -82,19 +82,22 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", default="jax", choices=["jax", "iree-host"])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--policy", default="dual-cache", help="decoder (vanilla: full-canvas steps, more compute "
+                                                                 "per streamed byte)")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child process: one budget
     args = parser.parse_args(argv)
     if args.one is not None:
-        print(json.dumps(measure(None if args.one == "resident" else float(args.one), args.backend, args.repeats)))
+        fraction = None if args.one == "resident" else float(args.one)
+        print(json.dumps(measure(fraction, args.backend, args.repeats, args.policy)))
         return
     model_dir()
     rows = []
     for fraction in FRACTIONS:
         child = [sys.executable, "-m", "eval.bench_swap", "--backend", args.backend, "--repeats", str(args.repeats),
-                 "--one", "resident" if fraction is None else str(fraction)]
+                 "--policy", args.policy, "--one", "resident" if fraction is None else str(fraction)]
         rows.append(json.loads(subprocess.run(child, capture_output=True, text=True, check=True).stdout))
     resident = rows[0]["median_s"]
-    print(f"weights {weight_bytes() / 2**20:.0f} MiB, backend {args.backend}, dual-cache, 32 tokens")
+    print(f"weights {weight_bytes() / 2**20:.0f} MiB, backend {args.backend}, {args.policy}, 32 tokens")
     print(f"{'budget':<12}{'median s':>10}{'vs resident':>13}{'staged MiB':>12}{'copy s':>9}{'hidden':>8}{'RSS MiB':>9}")
     for row in rows:
         name = "resident" if row["budget_fraction"] is None else f"{row['budget_fraction']:.0%}"
