@@ -71,7 +71,7 @@ FAMILIES: dict[str, Callable[[random.Random], Example]] = {
 def held_out(per_family: int = HELD_OUT_PER_FAMILY) -> list[Example]:
     """The fixed evaluation split: the first distinct examples of each family from a reserved seed."""
     examples = []
-    for offset, (family, make) in enumerate(sorted(FAMILIES.items())):
+    for offset, (_, make) in enumerate(sorted(FAMILIES.items())):
         rng = random.Random(HELD_OUT_SEED + offset)
         seen: set[str] = set()
         while len(seen) < per_family:
