@@ -5,18 +5,19 @@ Dense path: one full prefill, then only the base policy's window steps (dual-cac
 speculative over either); each step's window K/V is committed to the KV state. No block-start full
 forward: the side path keeps the cache current.
 
-Revision: a committed, still *unstable* token is re-scored whenever a step computes it (dense window
-or side path). If the model's argmax agrees, that is a confirmation; after `confirmations` of them,
+Revision: a committed, still *unstable* token is re-scored whenever the dense window covers it, by a
+side-path probe that masks it in the input (LLaDA is trained to predict masked positions only; its
+output at a visible token is not a prediction). If the model's argmax agrees, that is a confirmation; after `confirmations` of them,
 or when committed at confidence >= `stable_confidence`, the token is *stable*: final, and so is its
 K/V. If the argmax disagrees at confidence >= `revise_threshold` (so the current token has p <= 1 - that),
 the token is revised: replaced by the new argmax. (Replaced, not re-masked: a mask left in a finished
 block would never be decoded again, since the loop only fills the current block.)
 
 Side path: after the commits of a step, committed slots whose cached K/V was computed from another
-token (`slot_token != canvas`: just committed, drafted, or revised) are recomputed by a fixed-shape
-refresh step of `refresh_width` slots against the rest of the cache, most recent changes first.
-Invariant: a dense step never attends to a stale slot; slots the side path has not reached yet are
-hidden from it. Here the side path runs through the same backend, after the dense step; its time is
+token (`slot_token != canvas`: just committed, drafted, or revised) are recomputed by fixed-shape
+refresh steps of `refresh_width` slots against the rest of the cache, most recent changes first,
+until none is left. Invariant: a dense step never attends to a stale slot (a slot still stale would
+be hidden from it). Here the side path runs through the same backend, after the dense step; its time is
 measured separately.
 """
 
@@ -90,12 +91,31 @@ class Revision(CachePolicy):
     def after_commit(self, backend, canvas: Canvas, state: RevisionState, block: Block, window: Window,
                      x0: np.ndarray, confidence: np.ndarray, nfe: int):
         state = _mark_new_commits(state, canvas, confidence, nfe, self.stable_confidence)
-        computed = window.positions[window.valid]
-        state, revisions = self._rescore(canvas, state, computed, x0, confidence, nfe)
         started = time.perf_counter()
-        state, side_revisions = self._refresh(backend, canvas, state, nfe)
+        state, _ = self._refresh(backend, canvas, state, nfe)
+        computed = window.positions[window.valid]
+        unstable = computed[~state.stable[computed] & (state.committed_at[computed] != NEVER)
+                            & (state.committed_at[computed] != nfe)]
+        revisions: tuple = ()
+        for start in range(0, unstable.size, self.refresh_width):
+            chunk = unstable[start: start + self.refresh_width]
+            probe_x0, probe_confidence = self._probe(backend, canvas, state, chunk)
+            state, found = self._rescore(canvas, state, chunk, probe_x0, probe_confidence, nfe)
+            revisions += found
+        if revisions:
+            state, _ = self._refresh(backend, canvas, state, nfe)
         state = state._replace(side_seconds=state.side_seconds + time.perf_counter() - started)
-        return state, revisions + side_revisions
+        return state, revisions
+
+    def _probe(self, backend, canvas: Canvas, state: RevisionState, positions: np.ndarray):
+        """Re-score committed tokens the way the model was trained to predict: each masked in the input,
+        everything else (current, non-stale) visible. The probe's K/V are discarded."""
+        window = canvas.window(positions, self.refresh_width)
+        probe = dataclasses.replace(canvas, tokens=canvas.tokens.copy())
+        probe.tokens[:, positions] = canvas.mask_id
+        out = _window_step(backend, probe, state.kv, window, hide=kv_state.stale_slots(state.kv, canvas.tokens))
+        x0, logp = _side_readout(out, window, canvas)
+        return x0, np.exp(logp)
 
     def _rescore(self, canvas: Canvas, state: RevisionState, positions, x0, confidence, nfe: int):
         """Confirm or revise committed, unstable tokens among `positions` (not those committed just now)."""
@@ -117,19 +137,27 @@ class Revision(CachePolicy):
         return state._replace(stable=stable, confirmations=confirmations, committed_at=committed_at), tuple(revisions)
 
     def _refresh(self, backend, canvas: Canvas, state: RevisionState, nfe: int):
-        """Side path: recompute K/V of committed slots whose token changed, newest changes first."""
+        """Side path: recompute K/V of every committed slot whose token changed, `refresh_width` slots
+        per refresh step, newest changes first (a slot left stale would be hidden from the dense path)."""
+        revisions: tuple = ()
+        for _ in range(canvas.length):  # bounded: each pass refreshes at least one stale slot
+            state, found = self._refresh_once(backend, canvas, state, nfe)
+            if found is None:
+                return state, revisions
+            revisions += found
+        raise AssertionError("side path did not converge")
+
+    def _refresh_once(self, backend, canvas: Canvas, state: RevisionState, nfe: int):
         kv = state.kv
         stale = np.flatnonzero(kv_state.stale_slots(kv, canvas.tokens)[0] & ~canvas.masked)
         if stale.size == 0:
-            return state, ()
+            return state, None
         order = np.argsort(-state.committed_at[stale], kind="stable")
         chosen = np.sort(stale[order][: self.refresh_width])
         window = canvas.window(chosen, self.refresh_width)
         out = _window_step(backend, canvas, kv, window)
         kv = commit_window(backend, kv, out, window, canvas, np.ones(self.refresh_width, bool), nfe)
-        x0, logp = _side_readout(out, window, canvas)
-        state = state._replace(kv=kv, refreshes=state.refreshes + len(chosen))
-        return self._rescore(canvas, state, chosen, x0, np.exp(logp), nfe)
+        return state._replace(kv=kv, refreshes=state.refreshes + len(chosen)), ()
 
     def stats(self, state: RevisionState) -> dict:
         return {"refreshes": state.refreshes, "side_seconds": state.side_seconds}
@@ -141,10 +169,12 @@ def _innermost(policy):
     return policy
 
 
-def _window_step(backend, canvas: Canvas, kv: kv_state.KVState, window: Window):
-    """A window step that never attends to a stale slot (nor to the window's own cached slots)."""
+def _window_step(backend, canvas: Canvas, kv: kv_state.KVState, window: Window, hide=None):
+    """A window step that never attends to a stale slot (nor to the window's own cached slots).
+    `hide`: slots to treat as stale (a probe's canvas differs from the one the cache tracks)."""
     rows = canvas.tokens.shape[0]
-    visible = canvas.valid & ~kv_state.stale_slots(kv, canvas.tokens)
+    stale = kv_state.stale_slots(kv, canvas.tokens) if hide is None else hide
+    visible = canvas.valid & ~stale
     visible[:, window.positions[window.valid]] = False
     positions = np.broadcast_to(window.positions, (rows, len(window.positions)))
     valid = np.broadcast_to(window.valid, positions.shape)

@@ -108,31 +108,27 @@ def test_dense_steps_never_see_stale_kv_and_commits_stay_in_bounds(tiny_model, s
 
 
 def test_revision_replaces_a_token_the_model_now_rejects(tiny_model):
-    """A token committed against the model's view is revised as soon as a step re-scores it."""
+    """A committed token the model rejects, when re-scored with that position masked, is replaced and its
+    K/V refreshed before the next dense step."""
+    from policies.canvas import Block
+
     backend = jax_backend(tiny_model)
     canvas = Canvas.start(prompt(3), 16, TINY.mask_token_id, cfg=False, max_len=TINY.max_sequence_length)
     policy = Revision(revise_threshold=0.01)
     state = policy.initial_state(backend, canvas)
-    from policies.canvas import Block
-
     block = Block(0, canvas.prompt_len, canvas.prompt_len + 8)
     out, window, state = policy.step(backend, canvas, state, block, 0, 0)
-    x0 = np.asarray(out.readout["x0"][0])
-    wrong = (x0[block.start] + 7) % TINY.mask_token_id
+    wrong = (int(out.readout["x0"][0][block.start]) + 7) % TINY.mask_token_id
     canvas.write(np.array([block.start]), np.array([wrong]))
     state = state._replace(committed_at=np.where(np.arange(canvas.slots) == block.start, 0, NEVER))
     out, window, state = policy.step(backend, canvas, state, block, 1, 1)
-    full_x0 = np.full(canvas.slots, TINY.mask_token_id)
-    full_x0[window.positions[window.valid]] = out.readout["x0"][0][window.valid]
-    confidence = np.zeros(canvas.slots)
-    confidence[window.positions[window.valid]] = np.exp(out.readout["logp"][0][window.valid])
-    state, revisions = policy.after_commit(backend, canvas, state, block, window, full_x0, confidence, 1)
-    if full_x0[block.start] != wrong:
-        assert revisions[0][:2] == (block.start, wrong)
-        assert canvas.tokens[0, block.start] == full_x0[block.start]
-        assert state.kv.slot_token[0, block.start] == full_x0[block.start]  # refreshed on the side path
-    else:
-        pytest.fail("the model agreed with a deliberately changed token; pick another seed")
+    probe_x0, probe_confidence = policy._probe(backend, canvas, state, np.array([block.start]))
+    assert probe_x0[block.start] != wrong and probe_confidence[block.start] >= 0.01
+    none = np.full(canvas.slots, -np.inf)
+    state, revisions = policy.after_commit(backend, canvas, state, block, window, np.zeros(canvas.slots, int), none, 1)
+    assert revisions == ((block.start, wrong, int(probe_x0[block.start])),)
+    assert canvas.tokens[0, block.start] == probe_x0[block.start]
+    assert state.kv.slot_token[0, block.start] == probe_x0[block.start]  # refreshed on the side path
 
 
 def test_revision_needs_a_cached_base():
