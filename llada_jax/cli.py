@@ -124,7 +124,7 @@ def cmd_train(args) -> None:
     settings = TrainSettings(steps=args.steps, batch=args.batch, learning_rate=args.lr, seed=args.seed,
                              block_aware=args.block_aware, checkpoint_every=args.checkpoint_every)
     config = embedded_model_config(d_model=args.d_model, n_layers=args.n_layers)
-    model_dir = train(args.out, settings, config, progress=not args.quiet)
+    model_dir = train(args.out, settings, config, progress=not args.quiet, stop_at=args.stop_at)
     print(f"trained model written to {model_dir}")
 
 
@@ -275,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--n-layers", type=int, default=4)
     tr.add_argument("--block-aware", type=float, default=0.5, help="fraction of block-aware masked examples")
     tr.add_argument("--checkpoint-every", type=int, default=1000)
+    tr.add_argument("--stop-at", type=int, default=None, help="stop (and export) at this step of the schedule")
     tr.add_argument("--quiet", action="store_true", help="no progress bar")
     tr.add_argument("--export-to", default=None, help="only export the run's newest checkpoint to this HF dir")
     tr.set_defaults(run=cmd_train)

@@ -140,8 +140,14 @@ def export_model(params, config: LLaDAConfig, out_dir: Path) -> Path:
     return Path(out_dir)
 
 
-def train(run_dir: Path, settings: TrainSettings, config: LLaDAConfig, progress: bool = True) -> Path:
-    """Train (resuming from `run_dir` if it holds checkpoints); export the final model to run_dir/model."""
+def train(run_dir: Path, settings: TrainSettings, config: LLaDAConfig, progress: bool = True,
+          stop_at: int | None = None) -> Path:
+    """Train (resuming from `run_dir` if it holds checkpoints) up to `stop_at` (default: the end of the
+    schedule); export the model to run_dir/model. Stopping early keeps the schedule of `settings.steps`,
+    so a later call without `stop_at` continues the same run."""
+    stop = settings.steps if stop_at is None else stop_at
+    if not 0 < stop <= settings.steps:
+        raise LladaError(f"--stop-at must be in [1, {settings.steps}], got {stop_at}")
     import orbax.checkpoint as ocp
 
     from eval.tasks import held_out
@@ -161,12 +167,13 @@ def train(run_dir: Path, settings: TrainSettings, config: LLaDAConfig, progress:
     # Synchronous saves: a run killed at any moment leaves only complete checkpoints behind.
     options = ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=False)
     with ocp.CheckpointManager(run_dir / "checkpoints", options=options) as manager:
-        params, opt_state = _train_loop(manager, params, opt_state, tokenizer, excluded, settings, config, progress)
+        params, opt_state = _train_loop(manager, params, opt_state, tokenizer, excluded, settings, config, progress,
+                                        stop)
     return export_model(params, config, run_dir / "model")
 
 
 def _train_loop(manager, params, opt_state, tokenizer, excluded, settings: TrainSettings, config: LLaDAConfig,
-                progress: bool):
+                progress: bool, stop: int):
     import orbax.checkpoint as ocp
     from tqdm import tqdm
 
@@ -175,20 +182,19 @@ def _train_loop(manager, params, opt_state, tokenizer, excluded, settings: Train
         start = manager.latest_step()
         restored = manager.restore(start, args=ocp.args.StandardRestore({"params": params, "opt": opt_state}))
         params, opt_state = restored["params"], restored["opt"]
-    bar = tqdm(range(start, settings.steps), initial=start, total=settings.steps, disable=not progress,
-               desc="train", unit="step")
+    bar = tqdm(range(start, stop), initial=start, total=stop, disable=not progress, desc="train", unit="step")
     smoothed, began = None, time.perf_counter()
     for step in bar:
         tokens, prompt_len = make_batch(tokenizer, config, settings, step, excluded)
         key = jax.random.fold_in(jax.random.PRNGKey(settings.seed), step)
         params, opt_state, loss = train_step(params, opt_state, key, jnp.asarray(tokens), jnp.asarray(prompt_len),
                                              config=config, settings=settings)
-        if step % 50 == 0 or step == settings.steps - 1:
+        if step % 50 == 0 or step == stop - 1:
             value = float(loss)
             smoothed = value if smoothed is None else 0.9 * smoothed + 0.1 * value
             rate = (step + 1 - start) * settings.batch * settings.seq_len / (time.perf_counter() - began)
             bar.set_postfix(loss=f"{smoothed:.4f}", tok_s=f"{rate:,.0f}")
-        if (step + 1) % settings.checkpoint_every == 0 or step == settings.steps - 1:
+        if (step + 1) % settings.checkpoint_every == 0 or step == stop - 1:
             manager.save(step + 1, args=ocp.args.StandardSave({"params": params, "opt": opt_state}))
     return params, opt_state
 

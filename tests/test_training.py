@@ -69,3 +69,12 @@ def test_resuming_with_other_settings_is_refused(tmp_path):
     train(tmp_path / "run", dataclasses.replace(SETTINGS, steps=1), CONFIG, progress=False)
     with pytest.raises(llada_jax.LladaError, match="other settings"):
         train(tmp_path / "run", SETTINGS, CONFIG, progress=False)
+
+
+def test_stopping_early_then_continuing_equals_one_run(tmp_path):
+    straight = train(tmp_path / "straight", SETTINGS, CONFIG, progress=False)
+    train(tmp_path / "staged", SETTINGS, CONFIG, progress=False, stop_at=3)
+    continued = train(tmp_path / "staged", SETTINGS, CONFIG, progress=False)
+    a, b = load_file(str(straight / "model.safetensors")), load_file(str(continued / "model.safetensors"))
+    for name in a:
+        np.testing.assert_allclose(a[name], b[name], rtol=1e-6, atol=1e-7)
