@@ -11,6 +11,7 @@ Readouts come back to the host as numpy; proposed K/V stay on the device until c
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax.numpy as jnp
 import numpy as np
@@ -40,13 +41,15 @@ class JaxBackend:
     cfg_scale: float = 0.0
     dtype: object = jnp.float32
 
-    def _common(self):
+    @functools.cached_property
+    def _common(self) -> tuple:
+        """The per-generation step arguments, uploaded once (not on every step)."""
         return (jnp.float32(self.cfg_scale), jnp.asarray(self.biases.logit_bias),
                 jnp.asarray(self.biases.confidence_bias))
 
     def full(self, tokens: np.ndarray, valid: np.ndarray) -> StepOutput:
         out, keys, values = full_step(self.params, jnp.asarray(tokens, jnp.int32), jnp.asarray(valid),
-                                      *self._common(), config=self.config, readout=self.readout)
+                                      *self._common, config=self.config, readout=self.readout)
         return StepOutput(_to_host(out), keys, values)
 
     def window(self, state: kv_state.KVState, visible: np.ndarray, window_ids: np.ndarray,
@@ -54,7 +57,7 @@ class JaxBackend:
         context = Context(state.keys, state.values, jnp.asarray(kv_state.visible_bias(state, visible)))
         out, keys, values = window_step(
             self.params, context, jnp.asarray(window_ids, jnp.int32), jnp.asarray(window_pos, jnp.int32),
-            jnp.asarray(window_valid), *self._common(), config=self.config, readout=self.readout)
+            jnp.asarray(window_valid), *self._common, config=self.config, readout=self.readout)
         return StepOutput(_to_host(out), keys, values)
 
     def commit(self, state: kv_state.KVState, positions: np.ndarray, write: np.ndarray, out: StepOutput,
