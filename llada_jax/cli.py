@@ -19,18 +19,38 @@ def add_decoding_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--cfg-scale", type=float, default=0.0)
     parser.add_argument("--remasking", default="low_confidence", help="low_confidence or random")
-    parser.add_argument("--policy", default="vanilla", help="vanilla, prefix-cache or dual-cache")
+    parser.add_argument("--policy", default="vanilla",
+                        help="BASE[+speculative[:L[:T]]][+revision[:R[:K]]], BASE = vanilla, prefix-cache, dual-cache")
+    parser.add_argument("--lookahead", type=int, default=None, help="speculation: blocks ahead to draft (adds +speculative)")
+    parser.add_argument("--draft-threshold", type=float, default=None, help="speculation: commit a draft at this confidence")
+    parser.add_argument("--revise-threshold", type=float, default=None, help="revision: replace at this confidence (adds +revision)")
+    parser.add_argument("--confirmations", type=int, default=None, help="revision: agreeing re-scorings to become stable")
     parser.add_argument("--threshold", type=float, default=None, help="commit all tokens with confidence >= this")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--forbid-eos", action="store_true", help="never predict EOS (logits set to -inf)")
     parser.add_argument("--no-eos-confidence", action="store_true", help="EOS/EoT predictions get confidence 0")
 
 
+def policy_spec(args) -> str:
+    """--policy, with the speculation / revision flags folded into its spec."""
+    base, *parts = args.policy.split("+")
+    modifiers = {part.split(":")[0]: part.split(":")[1:] for part in parts}
+    for name, flags in (("speculative", (args.lookahead, args.draft_threshold)),
+                        ("revision", (args.revise_threshold, args.confirmations))):
+        if any(flag is not None for flag in flags):
+            given = modifiers.get(name, [])
+            defaults = {"speculative": ("1", "0.9"), "revision": ("0.9", "2")}[name]
+            values = [str(flag) if flag is not None else (given[i] if i < len(given) else defaults[i])
+                      for i, flag in enumerate(flags)]
+            modifiers[name] = values
+    return "+".join([base] + [":".join([name, *values]) for name, values in modifiers.items()])
+
+
 def decoding_kwargs(args) -> dict:
     return dict(gen_length=args.gen_length, block_length=args.block_length,
                 steps=args.steps if args.steps is not None else args.gen_length,
                 temperature=args.temperature, cfg_scale=args.cfg_scale, remasking=args.remasking,
-                policy=args.policy, threshold=args.threshold, seed=args.seed,
+                policy=policy_spec(args), threshold=args.threshold, seed=args.seed,
                 logits_eos_inf=args.forbid_eos, confidence_eos_eot_inf=args.no_eos_confidence)
 
 

@@ -79,3 +79,23 @@ def test_real_process_exits_nonzero_without_traceback(tiny_dir):
                            *replace(VALID, "--prompt-ids", "999999")], capture_output=True, text=True)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().startswith("llada: error: prompt holds token id 999999")
+
+
+@pytest.mark.parametrize("flags, spec", [
+    ([], "vanilla"),
+    (["--policy", "dual-cache", "--lookahead", "2"], "dual-cache+speculative:2:0.9"),
+    (["--policy", "dual-cache+speculative:1:0.8", "--lookahead", "3"], "dual-cache+speculative:3:0.8"),
+    (["--policy", "prefix-cache", "--revise-threshold", "0.95", "--confirmations", "3"],
+     "prefix-cache+revision:0.95:3"),
+])
+def test_policy_flags_fold_into_the_spec(flags, spec):
+    from llada_jax.cli import build_parser, policy_spec
+
+    args = build_parser().parse_args(["generate", "--prompt-ids", "1", *flags])
+    assert policy_spec(args) == spec
+
+
+def test_policy_flags_reach_the_decoder(capsys, tiny_dir):
+    code, out, _ = run(capsys, "--model", str(tiny_dir), *VALID, "--json", "--policy", "dual-cache",
+                       "--lookahead", "1", "--draft-threshold", "0.01")
+    assert code == 0 and json.loads(out)["nfe"] < 8  # drafts filled the second block early
