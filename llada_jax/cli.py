@@ -39,7 +39,7 @@ def policy_spec(args) -> str:
                         ("revision", (args.revise_threshold, args.confirmations))):
         if any(flag is not None for flag in flags):
             given = modifiers.get(name, [])
-            defaults = {"speculative": ("1", "0.9"), "revision": ("0.9", "2")}[name]
+            defaults = {"speculative": ("3", "0.9"), "revision": ("0.9", "2")}[name]
             values = [str(flag) if flag is not None else (given[i] if i < len(given) else defaults[i])
                       for i, flag in enumerate(flags)]
             modifiers[name] = values

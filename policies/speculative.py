@@ -28,7 +28,7 @@ from policies.canvas import Block, Canvas, Window
 @dataclasses.dataclass(frozen=True)
 class Speculative(CachePolicy):
     base: CachePolicy = DualCache()
-    lookahead: int = 1             # following blocks whose masked positions may be drafted
+    lookahead: int = 3             # following blocks whose masked positions may be drafted
     draft_threshold: float = 0.9   # a draft is committed early only at this confidence or above
     width: int = 0                 # window slots over dual-cache; 0 = a bucket of twice the block length
 

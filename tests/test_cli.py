@@ -84,6 +84,7 @@ def test_real_process_exits_nonzero_without_traceback(tiny_dir):
 @pytest.mark.parametrize("flags, spec", [
     ([], "vanilla"),
     (["--policy", "dual-cache", "--lookahead", "2"], "dual-cache+speculative:2:0.9"),
+    (["--policy", "dual-cache", "--draft-threshold", "0.8"], "dual-cache+speculative:3:0.8"),
     (["--policy", "dual-cache+speculative:1:0.8", "--lookahead", "3"], "dual-cache+speculative:3:0.8"),
     (["--policy", "prefix-cache", "--revise-threshold", "0.95", "--confirmations", "3"],
      "prefix-cache+revision:0.95:3"),
