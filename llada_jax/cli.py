@@ -217,9 +217,8 @@ def cmd_trace(args) -> None:
     print(f"trace of {result.nfe} steps written to {args.out}")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="llada", description="Diffusion LLM (LLaDA) inference in JAX")
-    commands = parser.add_subparsers(dest="command", required=True)
+def _add_generate(commands) -> None:
+    """`llada generate`."""
     gen = commands.add_parser("generate", help="generate text with a decoder policy")
     gen.add_argument("prompt_text", nargs="?", default=None, metavar="PROMPT")
     gen.add_argument("--prompt", default=None, help="prompt text")
@@ -236,6 +235,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="device memory for weights + KV state; smaller than the weights: stage them per layer")
     add_decoding_flags(gen)
     gen.set_defaults(run=cmd_generate)
+
+
+def _add_compile(commands) -> None:
+    """`llada compile`."""
     comp = commands.add_parser("compile", help="compile a model's steps into an IREE bundle for a target")
     comp.add_argument("--model", default=None, help="HF LLaDA directory (default: the embedded tiny model)")
     comp.add_argument("--target", required=True, help="host, vulkan, android-arm64, android-adreno, android-mali")
@@ -247,6 +250,10 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--device-memory-budget", type=int, default=None, metavar="BYTES",
                       help="add per-layer pieces and stream weights through this much device memory")
     comp.set_defaults(run=cmd_compile)
+
+
+def _add_eval(commands) -> None:
+    """`llada eval tasks|gsm8k|humaneval`."""
     ev = commands.add_parser("eval", help="evaluate a model")
     suites = ev.add_subparsers(dest="suite", required=True)
     tasks = suites.add_parser("tasks", help="exact match on the embedded task suite's held-out split")
@@ -260,6 +267,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     gsm8k.add_cli(suites)
     humaneval.add_cli(suites)
+
+
+def _add_bench(commands) -> None:
+    """`llada bench`."""
     be = commands.add_parser("bench", help="several decoders over the same prompts, in one run")
     be.add_argument("--model", default=None)
     be.add_argument("--bench-size", action="store_true", help="random weights, d_model 1024, 126464 vocab")
@@ -273,6 +284,10 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--plot", default=None, help="PNG: latency vs accuracy")
     be.add_argument("--json", action="store_true")
     be.set_defaults(run=cmd_bench)
+
+
+def _add_trace(commands) -> None:
+    """`llada trace`."""
     trace = commands.add_parser("trace", help="PNG of one generation's trajectory (commits, drafts, revisions)")
     trace.add_argument("prompt_text", nargs="?", default=None, metavar="PROMPT")
     trace.add_argument("--prompt", default=None)
@@ -285,9 +300,13 @@ def build_parser() -> argparse.ArgumentParser:
     trace.add_argument("--out", required=True, help="PNG file")
     add_decoding_flags(trace)
     trace.set_defaults(run=cmd_trace)
+
+
+def _add_train(commands) -> None:
+    """`llada train`."""
     tr = commands.add_parser("train", help="train the embedded tiny model on the task suite (resumable)")
     tr.add_argument("--out", required=True, help="run directory (checkpoints; the model lands in OUT/model)")
-    tr.add_argument("--steps", type=int, default=40_000)
+    tr.add_argument("--steps", type=int, default=24_000, help="length of the LR schedule")
     tr.add_argument("--batch", type=int, default=64)
     tr.add_argument("--lr", type=float, default=1e-3)
     tr.add_argument("--seed", type=int, default=0)
@@ -299,6 +318,13 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--quiet", action="store_true", help="no progress bar")
     tr.add_argument("--export-to", default=None, help="only export the run's newest checkpoint to this HF dir")
     tr.set_defaults(run=cmd_train)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llada", description="Diffusion LLM (LLaDA) inference in JAX")
+    commands = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_generate, _add_compile, _add_eval, _add_bench, _add_trace, _add_train):
+        add(commands)
     return parser
 
 

@@ -34,7 +34,7 @@ MIN_T = 1e-3
 
 @dataclasses.dataclass(frozen=True)
 class TrainSettings:
-    steps: int = 40_000
+    steps: int = 24_000
     batch: int = 64
     seq_len: int = 96            # prompt + gen_length, padded
     gen_length: int = 32
