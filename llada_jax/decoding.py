@@ -61,7 +61,8 @@ def run_generation(make_backend: Callable, config: LLaDAConfig, prompt_ids, *, g
     unconfident = config.special_ids_in_vocab(config.eos_token_id, config.eot_token_id) if confidence_eos_eot_inf else ()
     sampler = Sampler(float(temperature), remasking, unconfident)
     readout = Readout(kind=sampler.readout_kind, cfg=cfg_scale > 0.0)
-    biases = TokenBiases.build(config.embedding_size, (config.eos_token_id,) if logits_eos_inf else (), unconfident)
+    forbid = config.special_ids_in_vocab(config.eos_token_id) if logits_eos_inf else ()
+    biases = TokenBiases.build(config.embedding_size, forbid, unconfident)
     batch, slots = (2 if cfg_scale > 0.0 else 1), bucket(total, config.max_sequence_length)
     backend = make_backend(readout, biases, float(cfg_scale), batch, slots)
     result = decode(backend, prompt, schedule, cache_policy, rule, sampler, mask_id=config.mask_token_id,

@@ -157,3 +157,16 @@ def test_weights_equal_what_was_saved(tiny_dir, tiny_model):
     stored = read_all(tiny_dir)
     for name, value in params_to_hf(tiny_model.params).items():
         np.testing.assert_array_equal(np.asarray(value, np.float64), stored[name])
+
+
+def test_small_vocabulary_without_special_ids_in_config_loads(tmp_path):
+    """A vocab-512 checkpoint whose config names only its mask id: EOS/EoT default to the 8B ids, which
+    lie outside this vocabulary, so the EOS options simply have nothing to act on."""
+    model_dir = write_checkpoint(tmp_path / "small")
+    edit_json(model_dir / "config.json", lambda c: (c.pop("eos_token_id"), c.pop("pad_token_id")))
+    model = llada_jax.load(model_dir)
+    assert model.config.mask_token_id == 500 and model.config.eos_token_id == 126081
+    plain = llada_jax.generate(model, np.arange(3, 9), gen_length=8, block_length=8, steps=8)
+    guarded = llada_jax.generate(model, np.arange(3, 9), gen_length=8, block_length=8, steps=8,
+                                 logits_eos_inf=True, confidence_eos_eot_inf=True)
+    assert plain.output_ids.tolist() == guarded.output_ids.tolist()
