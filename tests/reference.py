@@ -87,8 +87,8 @@ def pick(logits, candidates, k, threshold):
     return np.array(chosen, int), x0
 
 
-def generate(w, cfg, prompt, gen_length, block_length, steps, policy="vanilla", threshold=None):
-    """Token ids of the generated part, and the number of forward passes."""
+def generate(w, cfg, prompt, gen_length, block_length, steps, policy="vanilla", threshold=None, cfg_scale=0.0):
+    """Token ids of the generated part, and the number of forward passes (CFG: vanilla only)."""
     mask = cfg.mask_token_id
     x = np.concatenate([prompt, np.full(gen_length, mask)])[None]
     lp = len(prompt)
@@ -108,7 +108,13 @@ def generate(w, cfg, prompt, gen_length, block_length, steps, policy="vanilla", 
                     break
             cand = np.zeros(x.shape[1], bool)
             cand[s:e] = x[0, s:e] == mask
-            if policy == "vanilla" or i == 0:
+            if policy == "vanilla" and cfg_scale > 0:
+                unconditional = x.copy()
+                unconditional[0, :lp] = mask
+                both = forward(w, cfg, np.concatenate([x, unconditional]))[0]
+                logits = both[1] + (cfg_scale + 1) * (both[0] - both[1])
+                offset = 0
+            elif policy == "vanilla" or i == 0:
                 logits, presents = forward(w, cfg, x)
                 logits = logits[0]
                 if policy == "prefix-cache":

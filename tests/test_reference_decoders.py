@@ -49,3 +49,12 @@ def test_full_vocabulary_sharded_bf16_checkpoint(tmp_path):
         expected, nfe = reference.generate(read_all(model_dir), config, prompt[0], 16, 8, 8, policy, None)
         result = llada_jax.generate(model, prompt, gen_length=16, block_length=8, steps=8, policy=policy)
         assert result.output_ids.tolist() == expected.tolist() and result.nfe == nfe
+
+
+@settings(max_examples=6)
+@given(scale=st.sampled_from([0.5, 1.0, 2.0]), prompt_len=st.integers(2, 12), seed=st.integers(0, 10_000))
+def test_classifier_free_guidance_matches_reference(tiny_model, weights, scale, prompt_len, seed):
+    prompt = np.random.default_rng(seed).integers(0, TINY.mask_token_id, prompt_len)
+    expected, _ = reference.generate(weights, TINY, prompt, 16, 8, 8, cfg_scale=scale)
+    result = llada_jax.generate(tiny_model, prompt, gen_length=16, block_length=8, steps=8, cfg_scale=scale)
+    assert result.output_ids.tolist() == expected.tolist()
