@@ -4,6 +4,7 @@ Same backend interface and same numbers as `JaxBackend` (tests/test_staging.py c
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -43,13 +44,17 @@ class StagedJaxBackend:
                 keys.append(k)
                 values.append(v)
             else:
-                out.update(_to_host(head_step(packed, x, jnp.float32(self.cfg_scale),
-                                              jnp.asarray(self.biases.logit_bias),
-                                              jnp.asarray(self.biases.confidence_bias),
-                                              config=self.config, readout=self.readout)))
+                out.update(_to_host(head_step(packed, x, *self._common, config=self.config,
+                                              readout=self.readout)))
 
         StagingRing(self.weights.stages, self.slots, self._upload, self.stats).run(compute)
         return StepOutput(out, jnp.stack(keys), jnp.stack(values))
+
+    @functools.cached_property
+    def _common(self) -> tuple:
+        """The per-generation head arguments, uploaded once."""
+        return (jnp.float32(self.cfg_scale), jnp.asarray(self.biases.logit_bias),
+                jnp.asarray(self.biases.confidence_bias))
 
     def _upload(self, slot: int, packed: np.ndarray) -> dict:
         """One stage to the device, tensor by tensor from its packed host buffer (XLA owns the device

@@ -132,7 +132,9 @@ class IreeBackend:
             raise LladaError("IREE bundles run argmax readouts without CFG: use temperature 0 and cfg-scale 0")
         self.bundle, self.session, self.config = bundle, session, bundle.config
         self.readout, self.biases = readout, biases
-        self._extras = (np.asarray(cfg_scale, np.float32), biases.logit_bias, biases.confidence_bias)
+        # Uploaded once per generation; every step passes the same device buffers.
+        self._extras = (np.asarray(cfg_scale, np.float32), session.upload(biases.logit_bias),
+                        session.upload(biases.confidence_bias))
 
     def _call(self, name: str, *args):
         return self.session.call(name, *args)
