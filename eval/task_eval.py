@@ -48,7 +48,7 @@ def evaluate(model, setting: DecoderSetting, limit: int | None = None, steps: in
 
     if model.tokenizer is None:
         raise LladaError("the task suite needs a model with a tokenizer")
-    examples = held_out(limit) if limit else held_out()
+    examples = held_out() if limit is None else held_out(limit)
     correct: dict[str, list[bool]] = {}
     nfes, tokens, seconds = [], 0, 0.0
     for index, example in enumerate(examples):

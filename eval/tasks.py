@@ -11,6 +11,8 @@ import random
 import string
 from typing import Callable, Iterator
 
+from llada_jax.errors import LladaError
+
 MIN_ANSWER = 17
 HELD_OUT_SEED = 2_000_003
 HELD_OUT_PER_FAMILY = 100
@@ -70,6 +72,8 @@ FAMILIES: dict[str, Callable[[random.Random], Example]] = {
 
 def held_out(per_family: int = HELD_OUT_PER_FAMILY) -> list[Example]:
     """The fixed evaluation split: the first distinct examples of each family from a reserved seed."""
+    if per_family <= 0:
+        raise LladaError(f"--limit must be a positive number of examples per family, got {per_family}")
     examples = []
     for offset, (_, make) in enumerate(sorted(FAMILIES.items())):
         rng = random.Random(HELD_OUT_SEED + offset)

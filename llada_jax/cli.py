@@ -172,6 +172,8 @@ def bench_prompts(args, tokenizer, config):
     from eval.bench import Prompt
     from eval.tasks import exact_match, held_out
 
+    if args.limit is not None and args.limit <= 0:
+        raise LladaError(f"--limit must be positive, got {args.limit}")
     if tokenizer is None:
         rng = np.random.default_rng(0)
         return [Prompt(rng.integers(0, config.mask_token_id, 32)) for _ in range(args.limit or 4)]

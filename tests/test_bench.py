@@ -34,3 +34,10 @@ def test_trace_picture(capsys, tiny_dir, tmp_path):
                  "--policy", "dual-cache+speculative+revision:0.3", "--out", str(out)])
     assert code == 0 and out.read_bytes()[:4] == b"\x89PNG"
     assert "trace of" in capsys.readouterr().out
+
+
+def test_non_positive_limits_are_one_line_errors(capsys, tiny_dir):
+    for command in (["bench", "--model", str(tiny_dir), "--limit", "-1"], ["eval", "tasks", "--limit", "0"]):
+        assert main(command) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("llada: error: --limit must be") and err.count("\n") == 1
