@@ -135,11 +135,10 @@ def run(args) -> None:
 
 def add_cli(suites) -> None:
     """Register `gsm8k` on the `llada eval` sub-parsers."""
-    from llada_jax.cli import add_decoding_flags
+    from llada_jax.cli import add_decoding_flags, add_model_flags
 
     parser = suites.add_parser("gsm8k", help="GSM8K accuracy (resumable with --out)")
-    parser.add_argument("--model", default=None, help="HF LLaDA directory (default: the embedded tiny model)")
-    parser.add_argument("--dtype", default="float32", help="float32 or bfloat16")
+    add_model_flags(parser)
     parser.add_argument("--data", required=True, help="GSM8K JSONL: question, answer ending in '#### N'")
     parser.add_argument("--train-data", default=None, help="GSM8K JSONL the few-shot examples come from")
     parser.add_argument("--shots", type=int, default=0, help="solved examples before each question")

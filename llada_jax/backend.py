@@ -19,15 +19,8 @@ import numpy as np
 from llada_jax import kv_state
 from llada_jax.config import LLaDAConfig
 from llada_jax.model import Context
-from llada_jax.readout import Readout, TokenBiases
+from llada_jax.readout import Readout, StepOutput, TokenBiases
 from llada_jax.steps import full_step, scatter_slots, window_step
-
-
-@dataclasses.dataclass(frozen=True)
-class StepOutput:
-    readout: dict        # numpy: {"x0", "logp"} or {"logits"}, rows [B', W]
-    keys: object         # proposed K [N, B, W, K, hd] (device)
-    values: object       # proposed V [N, B, W, K, hd] (device)
 
 
 @dataclasses.dataclass(frozen=True)

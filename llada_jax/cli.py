@@ -46,6 +46,27 @@ def policy_spec(args) -> str:
     return "+".join([base] + [":".join([name, *values]) for name, values in modifiers.items()])
 
 
+def add_model_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="HF LLaDA directory (default: the embedded tiny model)")
+    parser.add_argument("--dtype", default="float32", help="compute dtype: float32 or bfloat16")
+
+
+def add_prompt_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt_text", nargs="?", default=None, metavar="PROMPT")
+    parser.add_argument("--prompt", default=None, help="prompt text")
+    parser.add_argument("--prompt-ids", default=None, help="comma-separated prompt token ids")
+    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+
+
+def add_runner_flags(parser: argparse.ArgumentParser) -> None:
+    """What runs the steps: see `generation_runner`."""
+    parser.add_argument("--bundle", default=None, help="run a compiled bundle (IREE) instead of a model directory")
+    parser.add_argument("--backend", default="jax", choices=["jax", "iree-host", "iree-vulkan"],
+                        help="what runs the steps (iree-*: compiled on first use and cached)")
+    parser.add_argument("--device-memory-budget", type=int, default=None, metavar="BYTES",
+                        help="device memory for weights + KV state; smaller than the weights: stage them per layer")
+
+
 def decoding_kwargs(args) -> dict:
     return dict(gen_length=args.gen_length, block_length=args.block_length,
                 steps=args.steps if args.steps is not None else args.gen_length,
@@ -198,7 +219,6 @@ def cmd_bench(args) -> None:
         from eval.bench_lowering import bench_model_dir
 
         args.model = str(bench_model_dir(Path(tempfile.gettempdir()) / "llada-bench"))
-    args.bundle = None
     config, tokenizer, run = generation_runner(args)
     settings = [DecoderSetting.parse(spec) for spec in (args.policy or DEFAULT_BENCH)]
     report = bench(run, config, tokenizer, settings, bench_prompts(args, tokenizer, config), args.steps,
@@ -222,19 +242,11 @@ def cmd_trace(args) -> None:
 def _add_generate(commands) -> None:
     """`llada generate`."""
     gen = commands.add_parser("generate", help="generate text with a decoder policy")
-    gen.add_argument("prompt_text", nargs="?", default=None, metavar="PROMPT")
-    gen.add_argument("--prompt", default=None, help="prompt text")
-    gen.add_argument("--prompt-ids", default=None, help="comma-separated prompt token ids")
-    gen.add_argument("--model", default=None, help="HF LLaDA directory (default: the embedded tiny model)")
-    gen.add_argument("--dtype", default="float32", help="float32 or bfloat16")
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    add_prompt_flags(gen)
+    add_model_flags(gen)
+    add_runner_flags(gen)
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.add_argument("--no-visual", action="store_true", help="no live canvas even on a terminal")
-    gen.add_argument("--bundle", default=None, help="run a compiled bundle (IREE) instead of a model directory")
-    gen.add_argument("--backend", default="jax", choices=["jax", "iree-host", "iree-vulkan"],
-                     help="what runs the steps (iree-*: compiled on first use and cached)")
-    gen.add_argument("--device-memory-budget", type=int, default=None, metavar="BYTES",
-                     help="device memory for weights + KV state; smaller than the weights: stage them per layer")
     add_decoding_flags(gen)
     gen.set_defaults(run=cmd_generate)
 
@@ -242,12 +254,11 @@ def _add_generate(commands) -> None:
 def _add_compile(commands) -> None:
     """`llada compile`."""
     comp = commands.add_parser("compile", help="compile a model's steps into an IREE bundle for a target")
-    comp.add_argument("--model", default=None, help="HF LLaDA directory (default: the embedded tiny model)")
+    add_model_flags(comp)
     comp.add_argument("--target", required=True, help="host, vulkan, android-arm64, android-adreno, android-mali")
     comp.add_argument("--out", required=True, help="bundle directory to write (atomically)")
     comp.add_argument("--max-len", type=int, default=128, help="longest canvas (prompt + gen-length)")
     comp.add_argument("--window", type=int, default=128, help="widest window step")
-    comp.add_argument("--dtype", default="float32", help="compute dtype: float32 or bfloat16")
     comp.add_argument("--link-weights", action="store_true", help="point at the model's weights instead of copying")
     comp.add_argument("--device-memory-budget", type=int, default=None, metavar="BYTES",
                       help="add per-layer pieces and stream weights through this much device memory")
@@ -259,8 +270,7 @@ def _add_eval(commands) -> None:
     ev = commands.add_parser("eval", help="evaluate a model")
     suites = ev.add_subparsers(dest="suite", required=True)
     tasks = suites.add_parser("tasks", help="exact match on the embedded task suite's held-out split")
-    tasks.add_argument("--model", default=None)
-    tasks.add_argument("--dtype", default="float32")
+    add_model_flags(tasks)
     tasks.add_argument("--policy", action="append", help="POLICY or POLICY@THRESHOLD; repeat for several")
     tasks.add_argument("--limit", type=int, default=None, help="examples per family")
     tasks.add_argument("--json", action="store_true")
@@ -274,11 +284,9 @@ def _add_eval(commands) -> None:
 def _add_bench(commands) -> None:
     """`llada bench`."""
     be = commands.add_parser("bench", help="several decoders over the same prompts, in one run")
-    be.add_argument("--model", default=None)
+    add_model_flags(be)
+    add_runner_flags(be)
     be.add_argument("--bench-size", action="store_true", help="random weights, d_model 1024, 126464 vocab")
-    be.add_argument("--dtype", default="float32")
-    be.add_argument("--backend", default="jax", choices=["jax", "iree-host", "iree-vulkan"])
-    be.add_argument("--device-memory-budget", type=int, default=None, metavar="BYTES")
     be.add_argument("--policy", action="append", help="POLICY or POLICY@THRESHOLD; repeat (default: a standard set)")
     be.add_argument("--data", default=None, help="GSM8K JSONL instead of the held-out tasks")
     be.add_argument("--limit", type=int, default=None, help="prompts (per family for the tasks)")
@@ -291,14 +299,9 @@ def _add_bench(commands) -> None:
 def _add_trace(commands) -> None:
     """`llada trace`."""
     trace = commands.add_parser("trace", help="PNG of one generation's trajectory (commits, drafts, revisions)")
-    trace.add_argument("prompt_text", nargs="?", default=None, metavar="PROMPT")
-    trace.add_argument("--prompt", default=None)
-    trace.add_argument("--prompt-ids", default=None)
-    trace.add_argument("--chat", action="store_true")
-    trace.add_argument("--model", default=None)
-    trace.add_argument("--bundle", default=None)
-    trace.add_argument("--backend", default="jax", choices=["jax", "iree-host", "iree-vulkan"])
-    trace.add_argument("--dtype", default="float32")
+    add_prompt_flags(trace)
+    add_model_flags(trace)
+    add_runner_flags(trace)
     trace.add_argument("--out", required=True, help="PNG file")
     add_decoding_flags(trace)
     trace.set_defaults(run=cmd_trace)
@@ -341,6 +344,9 @@ def main(argv: list[str] | None = None) -> int:
         args.run(args)
     except LladaError as err:
         print(f"llada: error: {err}", file=sys.stderr)
+        return 1
+    except OSError as err:  # an unwritable --out, a full disk, ...: the system's one-line reason
+        print(f"llada: error: {err.strerror or err}: {err.filename or ''}".rstrip(": "), file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("llada: interrupted", file=sys.stderr)

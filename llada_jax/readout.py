@@ -6,8 +6,6 @@ import dataclasses
 
 import numpy as np
 
-KINDS = ("argmax", "logits")
-
 
 @dataclasses.dataclass(frozen=True)
 class Readout:
@@ -16,6 +14,15 @@ class Readout:
 
     kind: str = "argmax"
     cfg: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOutput:
+    """What every backend's step returns: the readout on the host, proposed K/V on the device."""
+
+    readout: dict    # numpy: {"x0", "logp"} or {"logits"}, rows [B', W]
+    keys: object     # proposed K [N, B, W, K, hd]
+    values: object   # proposed V [N, B, W, K, hd]
 
 
 @dataclasses.dataclass(frozen=True)

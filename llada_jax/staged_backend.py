@@ -11,11 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from llada_jax import kv_state
-from llada_jax.backend import StepOutput, _to_host, commit_on_device, empty_on_device
+from llada_jax.backend import _to_host, commit_on_device, empty_on_device
 from llada_jax.config import LLaDAConfig
 from llada_jax.layered import head_step, key_bias, layer_step
 from llada_jax.packing import head_layout, layer_layout
-from llada_jax.readout import Readout, TokenBiases
+from llada_jax.readout import Readout, StepOutput, TokenBiases
 from llada_jax.staging import StagedWeights, StagingRing, StagingStats
 
 

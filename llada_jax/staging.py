@@ -38,11 +38,6 @@ class StagedWeights:
     def stages(self) -> tuple[np.ndarray, ...]:
         return (*self.layers, self.head)
 
-    @property
-    def device_bytes(self) -> int:
-        """What the stages would occupy if all were resident."""
-        return sum(p.nbytes for p in self.stages)
-
 
 def pack_weights(tensors, config: LLaDAConfig, dtype) -> StagedWeights:
     """Pack every stage from (HF name, host array) pairs read one at a time; a stage is packed as soon

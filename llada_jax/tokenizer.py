@@ -10,7 +10,6 @@ from pathlib import Path
 
 from llada_jax.errors import LladaError
 
-MASK_TOKEN = "<|mdm_mask|>"
 EOT_TOKEN = "<|eot_id|>"
 
 

@@ -46,6 +46,15 @@ class TrainSettings:
     seed: int = 0
     checkpoint_every: int = 1000
 
+    def __post_init__(self):
+        for name in ("steps", "batch", "seq_len", "gen_length", "block_length", "checkpoint_every"):
+            if getattr(self, name) <= 0:
+                raise LladaError(f"training {name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.gen_length % self.block_length or self.gen_length > self.seq_len:
+            raise LladaError("training gen-length must be a multiple of block-length and fit seq-len")
+        if not self.learning_rate > 0 or not 0.0 <= self.block_aware <= 1.0 or self.warmup < 0:
+            raise LladaError("training needs lr > 0, warmup >= 0 and block-aware in [0, 1]")
+
 
 def embedded_model_config(d_model: int = 128, n_layers: int = 4) -> LLaDAConfig:
     ids = char_tokenizer.vocabulary()

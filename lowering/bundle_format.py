@@ -7,6 +7,7 @@ from pathlib import Path
 
 from llada_jax.errors import LladaError
 
+PARAMETER_SCOPE = "model"  # IREE parameter scope the weights are bound under
 MANIFEST = "manifest.json"
 VMFB = "steps.vmfb"
 FORMAT_VERSION = 1

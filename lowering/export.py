@@ -24,8 +24,8 @@ from llada_jax.packing import head_layout, layer_layout
 from llada_jax.params import hf_shapes, hf_to_params
 from llada_jax.readout import Readout
 from llada_jax.steps import full_step, scatter_slots, window_step
+from lowering.bundle_format import PARAMETER_SCOPE
 
-PARAMETER_SCOPE = "model"
 MLIR_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int32": "i32", "bool": "i1"}
 ARGMAX = Readout(kind="argmax")
 

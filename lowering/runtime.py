@@ -16,17 +16,8 @@ import numpy as np
 from llada_jax import kv_state
 from llada_jax.config import LLaDAConfig
 from llada_jax.errors import LladaError
-from llada_jax.readout import Readout, TokenBiases
-from lowering.bundle_format import MANIFEST, VMFB, check_files
-
-PARAMETER_SCOPE = "model"
-
-
-@dataclasses.dataclass(frozen=True)
-class StepOutput:
-    readout: dict    # numpy {"x0", "logp"} rows [B, W]
-    keys: object     # proposed K [N, B, W, K, hd] device array
-    values: object
+from llada_jax.readout import Readout, StepOutput, TokenBiases
+from lowering.bundle_format import MANIFEST, PARAMETER_SCOPE, VMFB, check_files
 
 
 class Session:

@@ -10,9 +10,10 @@ from __future__ import annotations
 import numpy as np
 
 from llada_jax import kv_state
+from llada_jax.readout import StepOutput
 from llada_jax.staging import StagedWeights, StagingRing, StagingStats, kv_bytes, pack_weights, ring_slots
 from llada_jax.weights_io import iter_tensors
-from lowering.runtime import Bundle, IreeBackend, Session, StepOutput
+from lowering.runtime import Bundle, IreeBackend, Session
 
 
 class DeviceSlots:

@@ -13,7 +13,6 @@ class Target:
     name: str
     driver: str                 # IREE runtime driver that runs it
     flags: tuple[str, ...]
-    runs_here: bool             # False: compile-only on this x86 machine
     note: str = ""
 
 
@@ -29,18 +28,17 @@ ANDROID_ARM64 = ("--iree-llvmcpu-target-triple=aarch64-none-linux-android34",
                  "--iree-llvmcpu-target-cpu-features=+dotprod,+i8mm")
 
 TARGETS = {
-    "host": Target("host", "local-task", _cpu("--iree-llvmcpu-target-cpu=host"), True),
-    "vulkan": Target("vulkan", "vulkan", _vulkan("llvmpipe"), True, "Mesa llvmpipe/lavapipe software Vulkan"),
-    "android-arm64": Target("android-arm64", "local-task", _cpu(*ANDROID_ARM64), False,
-                            "aarch64 Android CPU with dotprod/i8mm"),
+    "host": Target("host", "local-task", _cpu("--iree-llvmcpu-target-cpu=host")),
+    "vulkan": Target("vulkan", "vulkan", _vulkan("llvmpipe"), "Mesa llvmpipe/lavapipe software Vulkan"),
+    "android-arm64": Target("android-arm64", "local-task", _cpu(*ANDROID_ARM64), "aarch64 Android CPU with dotprod/i8mm"),
     "linux-arm64": Target("linux-arm64", "local-task",
                           _cpu("--iree-llvmcpu-target-triple=aarch64-unknown-linux-gnu",
-                               "--iree-llvmcpu-target-cpu-features=+dotprod,+i8mm"), False,
+                               "--iree-llvmcpu-target-cpu-features=+dotprod,+i8mm"),
                           "aarch64 Linux CPU with the Android target's features (runs under qemu-aarch64)"),
-    "android-adreno": Target("android-adreno", "vulkan", _vulkan("adreno"), False,
-                             "Qualcomm Adreno GPU; gives wrong results on lavapipe"),
-    "android-mali": Target("android-mali", "vulkan", _vulkan("valhall"), False,
-                           "Arm Mali (Valhall) GPU; gives wrong results on lavapipe"),
+    "android-adreno": Target("android-adreno", "vulkan", _vulkan("adreno"),
+                             "Qualcomm Adreno GPU; compile-only here (wrong results on lavapipe)"),
+    "android-mali": Target("android-mali", "vulkan", _vulkan("valhall"),
+                           "Arm Mali (Valhall) GPU; compile-only here (wrong results on lavapipe)"),
 }
 
 

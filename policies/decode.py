@@ -121,7 +121,7 @@ def _step(backend, canvas: Canvas, state, block: Block, step: int, counts, cache
           nfe: int):
     """One dense step: compute, commit in the current block (and drafts), then the policy's after-work."""
     out, window, state = cache_policy.step(backend, canvas, state, block, step, nfe)
-    x0, confidence = _canvas_wide(canvas, window, *sampler.choose(out.readout, rng))
+    x0, confidence = canvas_wide(canvas, window, *sampler.choose(out.readout, rng))
     useful = cache_policy.useful(window, canvas, block)
     candidates = canvas.masked.copy()
     candidates[: block.start] = False
@@ -148,7 +148,7 @@ def _block_done(canvas: Canvas, block: Block, step: int, schedule: Schedule, cac
     return filled
 
 
-def _canvas_wide(canvas: Canvas, window, x0: np.ndarray, confidence: np.ndarray):
+def canvas_wide(canvas: Canvas, window, x0: np.ndarray, confidence: np.ndarray):
     """Spread per-window predictions over canvas positions (confidence -inf where not computed)."""
     x0_all = np.full(canvas.slots, canvas.mask_id, np.int64)
     confidence_all = np.full(canvas.slots, -np.inf)

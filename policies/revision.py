@@ -33,6 +33,7 @@ from llada_jax import kv_state
 from llada_jax.errors import LladaError
 from policies.cache import CachePolicy, DualCache, PrefixCache, commit_window, run_full
 from policies.canvas import Block, Canvas, Window
+from policies.decode import canvas_wide
 
 NEVER = -1
 
@@ -114,8 +115,9 @@ class Revision(CachePolicy):
         probe = dataclasses.replace(canvas, tokens=canvas.tokens.copy())
         probe.tokens[:, positions] = canvas.mask_id
         out = _window_step(backend, probe, state.kv, window, hide=kv_state.stale_slots(state.kv, canvas.tokens))
-        x0, logp = _side_readout(out, window, canvas)
-        return x0, np.exp(logp)
+        if "x0" not in out.readout:
+            raise LladaError("revision re-scores with argmax readouts: use temperature 0")
+        return canvas_wide(canvas, window, out.readout["x0"][0], np.exp(out.readout["logp"][0].astype(np.float64)))
 
     def _rescore(self, canvas: Canvas, state: RevisionState, positions, x0, confidence, nfe: int):
         """Confirm or revise committed, unstable tokens among `positions` (not those committed just now)."""
@@ -179,18 +181,6 @@ def _window_step(backend, canvas: Canvas, kv: kv_state.KVState, window: Window, 
     positions = np.broadcast_to(window.positions, (rows, len(window.positions)))
     valid = np.broadcast_to(window.valid, positions.shape)
     return backend.window(kv, visible, canvas.tokens[:, window.positions], positions, valid)
-
-
-def _side_readout(out, window: Window, canvas: Canvas):
-    """Canvas-wide argmax and log-probability from a refresh step (argmax readouts only)."""
-    if "x0" not in out.readout:
-        raise LladaError("revision re-scores with argmax readouts: use temperature 0")
-    x0 = np.full(canvas.slots, canvas.mask_id, np.int64)
-    logp = np.full(canvas.slots, -np.inf)
-    real = window.positions[window.valid]
-    x0[real] = out.readout["x0"][0][window.valid]
-    logp[real] = out.readout["logp"][0][window.valid]
-    return x0, logp
 
 
 def _mark_new_commits(state: RevisionState, canvas: Canvas, confidence: np.ndarray, nfe: int, stable_bar: float):

@@ -100,3 +100,19 @@ def test_policy_flags_reach_the_decoder(capsys, tiny_dir):
     code, out, _ = run(capsys, "--model", str(tiny_dir), *VALID, "--json", "--policy", "dual-cache",
                        "--lookahead", "1", "--draft-threshold", "0.01")
     assert code == 0 and json.loads(out)["nfe"] < 8  # drafts filled the second block early
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["train", "--out", "{tmp}/run", "--steps", "0"], "training steps must be positive"),
+    (["train", "--out", "{tmp}/run", "--block-aware", "2"], "block-aware in [0, 1]"),
+    (["trace", "--prompt-ids", "1,2", "--gen-length", "8", "--steps", "8", "--out", "/proc/llada/x.png"],
+     "llada: error:"),
+])
+def test_bad_training_settings_and_unwritable_outputs_are_one_line_errors(capsys, tmp_path, tiny_dir, args,
+                                                                          expected):
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    if argv[0] == "trace":
+        argv += ["--model", str(tiny_dir)]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert expected in err and err.count("\n") == 1 and "Traceback" not in err

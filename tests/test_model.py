@@ -9,9 +9,8 @@ from hypothesis import strategies as st
 
 import llada_jax
 from llada_jax import kv_state
-from llada_jax.backend import StepOutput
 from llada_jax.model import Context
-from llada_jax.readout import Readout
+from llada_jax.readout import Readout, StepOutput
 from llada_jax.steps import full_step, window_step
 from tests import reference
 from tests.conftest import TINY, jax_backend, read_all, step_extras

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-
 import random
 
 from eval.tasks import FAMILIES, MIN_ANSWER, held_out, training_examples
