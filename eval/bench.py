@@ -2,7 +2,8 @@
 
 Per decoder setting: median latency per answer, tokens/s, mean NFE, mean window utilisation,
 accuracy (when the prompts have answers), latency ratios against `vanilla` and `prefix-cache` (if in
-the run), revisions per answer, and step efficiency against this machine's matmul peak measured in
+the run), revisions per answer, the revision side path's time per answer and the fraction of it
+hidden behind the dense path (0 when it runs inline), and step efficiency against this machine's matmul peak measured in
 the same run (roofline: model FLOPs the steps executed / time / peak).
 """
 
@@ -49,11 +50,16 @@ def step_flops(config, width: int, context: int) -> float:
     return config.n_layers * width * (per_token + attention) + 2 * width * d * config.embedding_size
 
 
-def run_setting(generate, config, setting: DecoderSetting, prompts: list[Prompt], tokenizer, steps: int) -> dict:
+def run_setting(generate, config, setting: DecoderSetting, prompts: list[Prompt], tokenizer, steps: int,
+                block_length: int = BLOCK_LENGTH) -> dict:
     latencies, nfes, utilisation, correct, revisions, flops = [], [], [], [], [], 0.0
+    side_seconds, side_waited = [], []
     for prompt in prompts:
-        result = generate(prompt.ids, gen_length=GEN_LENGTH, block_length=BLOCK_LENGTH, steps=steps,
+        result = generate(prompt.ids, gen_length=GEN_LENGTH, block_length=block_length, steps=steps,
                           policy=setting.policy, threshold=setting.threshold)
+        side_seconds.append(result.stats.get("side_seconds", 0.0))
+        side_waited.append(result.stats.get("side_wait_seconds", 0.0) if result.stats.get("side_concurrent")
+                           else side_seconds[-1])
         latencies.append(result.wall_s)
         nfes.append(result.nfe)
         utilisation.append(result.mean_utilisation)
@@ -68,7 +74,9 @@ def run_setting(generate, config, setting: DecoderSetting, prompts: list[Prompt]
     return {"setting": str(setting), "median_latency_s": statistics.median(latencies),
             "tokens_per_s": GEN_LENGTH * len(prompts) / total, "mean_nfe": float(np.mean(nfes)),
             "window_utilisation": float(np.mean(utilisation)), "revisions_per_answer": float(np.mean(revisions)),
-            "accuracy": float(np.mean(correct)) if correct else None, "achieved_gflops": flops / total / 1e9}
+            "accuracy": float(np.mean(correct)) if correct else None, "achieved_gflops": flops / total / 1e9,
+            "side_seconds_per_answer": float(np.mean(side_seconds)),
+            "side_hidden_fraction": 1.0 - sum(side_waited) / sum(side_seconds) if sum(side_seconds) else None}
 
 
 def add_ratios(rows: list[dict], peak: float) -> None:
@@ -81,26 +89,27 @@ def add_ratios(rows: list[dict], peak: float) -> None:
 
 
 def bench(generate, config, tokenizer, settings: list[DecoderSetting], prompts: list[Prompt], steps: int,
-          progress=None) -> dict:
+          progress=None, block_length: int = BLOCK_LENGTH) -> dict:
     """Warm every setting once (compilation), then measure them all on the same prompts."""
     for setting in settings:
-        generate(prompts[0].ids, gen_length=GEN_LENGTH, block_length=BLOCK_LENGTH, steps=steps,
+        generate(prompts[0].ids, gen_length=GEN_LENGTH, block_length=block_length, steps=steps,
                  policy=setting.policy, threshold=setting.threshold)
     rows = []
     for setting in settings:
         if progress:
             progress(f"bench {setting} over {len(prompts)} prompts")
-        rows.append(run_setting(generate, config, setting, prompts, tokenizer, steps))
+        rows.append(run_setting(generate, config, setting, prompts, tokenizer, steps, block_length))
     peak = matmul_peak_gflops()
     add_ratios(rows, peak)
-    return {"peak_gflops": peak, "prompts": len(prompts), "gen_length": GEN_LENGTH, "block_length": BLOCK_LENGTH,
+    return {"peak_gflops": peak, "prompts": len(prompts), "gen_length": GEN_LENGTH, "block_length": block_length,
             "steps": steps, "rows": rows}
 
 
 TABLE = [  # (field, header, width, decimals)
     ("setting", "setting", 40, None), ("median_latency_s", "lat(s)", 8, 4), ("tokens_per_s", "tok/s", 7, 0),
     ("mean_nfe", "NFE", 6, 1), ("window_utilisation", "util", 5, 2), ("accuracy", "acc", 6, 3),
-    ("revisions_per_answer", "rev", 5, 2), ("speedup_vs_vanilla", "x/van", 6, 2),
+    ("revisions_per_answer", "rev", 5, 2), ("side_seconds_per_answer", "side(s)", 8, 4),
+    ("side_hidden_fraction", "hidden", 6, 2), ("speedup_vs_vanilla", "x/van", 6, 2),
     ("speedup_vs_prefix-cache", "x/pfx", 6, 2), ("step_efficiency", "eff", 6, 3),
 ]
 

@@ -42,22 +42,24 @@ def answer_text(tokenizer, output_ids: np.ndarray, config) -> str:
 
 
 def evaluate(model, setting: DecoderSetting, limit: int | None = None, steps: int = GEN_LENGTH,
-             progress: bool = False) -> dict:
-    """Accuracy per family and overall, mean NFE and tokens/s for one decoder setting."""
+             progress: bool = False, block_length: int = BLOCK_LENGTH) -> dict:
+    """Accuracy per family and overall, mean NFE, revisions per answer and tokens/s for one decoder
+    setting (answers of GEN_LENGTH tokens in blocks of `block_length`)."""
     from llada_jax.api import generate
 
     if model.tokenizer is None:
         raise LladaError("the task suite needs a model with a tokenizer")
     examples = held_out() if limit is None else held_out(limit)
     correct: dict[str, list[bool]] = {}
-    nfes, tokens, seconds = [], 0, 0.0
+    nfes, revisions, tokens, seconds = [], [], 0, 0.0
     for index, example in enumerate(examples):
         ids = np.array(model.tokenizer.encode(model.tokenizer.chat_prompt(example.prompt)))
-        result = generate(model, ids, gen_length=GEN_LENGTH, block_length=BLOCK_LENGTH, steps=steps,
+        result = generate(model, ids, gen_length=GEN_LENGTH, block_length=block_length, steps=steps,
                           policy=setting.policy, threshold=setting.threshold)
         output = answer_text(model.tokenizer, result.output_ids, model.config)
         correct.setdefault(example.family, []).append(exact_match(output, example.answer))
         nfes.append(result.nfe)
+        revisions.append(result.revisions)
         tokens += GEN_LENGTH
         seconds += result.wall_s
         if progress:
@@ -68,5 +70,5 @@ def evaluate(model, setting: DecoderSetting, limit: int | None = None, steps: in
     every = [c for family in correct.values() for c in family]
     return {"setting": str(setting), "overall": float(np.mean(every)),
             "families": {name: float(np.mean(v)) for name, v in sorted(correct.items())},
-            "mean_nfe": float(np.mean(nfes)), "tokens_per_s": tokens / seconds if seconds else 0.0,
-            "examples": len(every), "gen_length": GEN_LENGTH, "block_length": BLOCK_LENGTH, "steps": steps}
+            "mean_nfe": float(np.mean(nfes)), "revisions_per_answer": float(np.mean(revisions)), "tokens_per_s": tokens / seconds if seconds else 0.0,
+            "examples": len(every), "gen_length": GEN_LENGTH, "block_length": block_length, "steps": steps}

@@ -170,18 +170,21 @@ def cmd_train(args) -> None:
 
 
 def cmd_eval_tasks(args) -> None:
-    from eval.task_eval import DecoderSetting, evaluate
+    from eval.task_eval import GEN_LENGTH, DecoderSetting, evaluate
 
     model = load_model(args)
     settings = [DecoderSetting.parse(spec) for spec in (args.policy or ["vanilla"])]
-    rows = [evaluate(model, setting, args.limit, progress=not args.json) for setting in settings]
+    if args.block_length < 1 or GEN_LENGTH % args.block_length:
+        raise LladaError(f"--block-length must divide the answer length {GEN_LENGTH}, got {args.block_length}")
+    rows = [evaluate(model, setting, args.limit, progress=not args.json, block_length=args.block_length)
+            for setting in settings]
     if args.json:
         print(json.dumps(rows[0] if len(rows) == 1 else {"overall": rows[0]["overall"], "runs": rows}))
         return
     for row in rows:
         families = "  ".join(f"{name} {value:.3f}" for name, value in row["families"].items())
-        print(f"{row['setting']:<22} overall {row['overall']:.3f}  {families}  NFE {row['mean_nfe']:.1f}  "
-              f"{row['tokens_per_s']:.0f} tok/s")
+        print(f"{row['setting']:<22} overall {row['overall']:.3f}  {families}  NFE {row['mean_nfe']:.2f}  "
+              f"rev/answer {row['revisions_per_answer']:.2f}  {row['tokens_per_s']:.0f} tok/s")
 
 
 DEFAULT_BENCH = ["vanilla", "prefix-cache", "dual-cache", "dual-cache@0.9", "dual-cache+speculative@0.9",
@@ -222,7 +225,8 @@ def cmd_bench(args) -> None:
     config, tokenizer, run = generation_runner(args)
     settings = [DecoderSetting.parse(spec) for spec in (args.policy or DEFAULT_BENCH)]
     report = bench(run, config, tokenizer, settings, bench_prompts(args, tokenizer, config), args.steps,
-                   progress=None if args.json else (lambda m: print(m, file=sys.stderr)))
+                   progress=None if args.json else (lambda m: print(m, file=sys.stderr)),
+                   block_length=args.block_length)
     if args.plot:
         plot(report, args.plot)
     print(json.dumps(report["rows"]) if args.json else format_table(report))
@@ -273,6 +277,7 @@ def _add_eval(commands) -> None:
     add_model_flags(tasks)
     tasks.add_argument("--policy", action="append", help="POLICY or POLICY@THRESHOLD; repeat for several")
     tasks.add_argument("--limit", type=int, default=None, help="examples per family")
+    tasks.add_argument("--block-length", type=int, default=8, help="block length of the 32-token answers")
     tasks.add_argument("--json", action="store_true")
     tasks.set_defaults(run=cmd_eval_tasks)
     from eval import gsm8k, humaneval
@@ -291,6 +296,7 @@ def _add_bench(commands) -> None:
     be.add_argument("--data", default=None, help="GSM8K JSONL instead of the held-out tasks")
     be.add_argument("--limit", type=int, default=None, help="prompts (per family for the tasks)")
     be.add_argument("--steps", type=int, default=32)
+    be.add_argument("--block-length", type=int, default=8, help="block length of the 32-token answers")
     be.add_argument("--plot", default=None, help="PNG: latency vs accuracy")
     be.add_argument("--json", action="store_true")
     be.set_defaults(run=cmd_bench)

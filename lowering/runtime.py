@@ -32,6 +32,7 @@ class Session:
             raise LladaError(f"IREE driver {driver!r} is not available here ({str(err).splitlines()[0]})") from None
         self.device = config.device
         self.vulkan = driver == "vulkan"
+        self.host_params = None  # XLA copy of the weights for the revision side path, loaded on first use
         index = rt.ParameterIndex()
         for file in manifest["weights"]["files"]:
             path = Path(file) if Path(file).is_absolute() else bundle_dir / file
@@ -150,6 +151,12 @@ class IreeBackend:
         keys, values = self._call(f"commit_b{batch}_s{state.slots}_w{width}", state.keys, state.values,
                                   targets, out.keys, out.values)
         return kv_state.with_writes(state, keys, values, targets, tokens, step)
+
+    def side_path(self):
+        """Where the revision policy's side path runs: XLA on the host, concurrently (see host_side_path)."""
+        from lowering.host_side_path import host_side_path
+
+        return host_side_path(self)
 
     def empty_state(self, batch: int, slots: int) -> kv_state.KVState:
         c = self.config

@@ -60,6 +60,10 @@ class CachePolicy:
         """Work after the step's commits (the revision policy's side path). Returns (state, revisions)."""
         return state, ()
 
+    def finish(self, backend, canvas: Canvas, state):
+        """Work after the last step (the revision policy merges its last side job). Returns (state, revisions)."""
+        return state, ()
+
     def stats(self, state) -> dict:
         """Per-generation counters of the policy (the revision policy's side path)."""
         return {}

@@ -65,7 +65,7 @@ class StepRecord:
     tokens: tuple[int, ...]
     confidence: tuple[float, ...]
     drafts: int = 0           # of `positions`, committed early in a later block
-    revisions: tuple = ()     # (position, old token, new token) changed after this step
+    revisions: tuple = ()     # (position, old token, new token) changed during this step
 
     @property
     def utilisation(self) -> float:
@@ -113,6 +113,9 @@ def decode(backend, prompt_ids: np.ndarray, schedule: Schedule, cache_policy, ru
             if on_step is not None:
                 on_step(canvas, record)
             step += 1
+    state, revisions = cache_policy.finish(backend, canvas, state)
+    if revisions:
+        trace[-1] = dataclasses.replace(trace[-1], revisions=trace[-1].revisions + tuple(revisions))
     return Result(canvas.generated(), len(trace), time.perf_counter() - started, tuple(trace), canvas.prompt_len,
                   cache_policy.stats(state))
 

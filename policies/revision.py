@@ -2,40 +2,56 @@
 tokens that changed is refreshed on a side path instead of by full-canvas forwards.
 
 Dense path: one full prefill, then only the base policy's window steps (dual-cache, prefix-cache, or
-speculative over either); each step's window K/V is committed to the KV state. No block-start full
-forward: the side path keeps the cache current.
+speculative over either), each led by the *carry*: the slots of the block just finished whose K/V is
+stale (its last commits, or a revision). They are the next block's nearest context, so the dense step
+recomputes them exactly in its window instead of waiting for the side path. Every dense step's window
+K/V is committed to the KV state.
 
-Revision: a committed, still *unstable* token is re-scored whenever the dense window covers it, by a
-side-path probe that masks it in the input (LLaDA is trained to predict masked positions only; its
-output at a visible token is not a prediction). If the model's argmax agrees, that is a confirmation; after `confirmations` of them,
-or when committed at confidence >= `stable_confidence`, the token is *stable*: final, and so is its
-K/V. If the argmax disagrees at confidence >= `revise_threshold` (so the current token has p <= 1 - that),
-the token is revised: replaced by the new argmax. (Replaced, not re-masked: a mask left in a finished
-block would never be decoded again, since the loop only fills the current block.)
+Side path: after step t's commits, a job is submitted with a snapshot of the canvas and KV state. It
+(1) recomputes the K/V of every committed slot whose cached K/V came from another token
+(`slot_token != canvas`: just committed, drafted, or revised); (2) re-scores each unstable committed
+token of step t's window the way LLaDA predicts, with that token masked and everything else visible.
+Every side step is `side_width` slots wide (a fixed shape): stale slots are refreshed in chunks,
+later chunks seeing earlier ones refreshed; tokens to re-score are split into interleaved groups, so
+each keeps most neighbours visible. The job runs while dense step t+1 computes (on the host with XLA under an IREE
+dense path; inline otherwise) and is merged right after that dense step: refreshed K/V go into slots
+that are still stale, and re-scores confirm or revise tokens. Invariant: a dense step attends to a stale
+slot only if it went stale after the previous dense step (a draft or revision then sees its previous
+K/V for one step); the merge makes it current before the next dense step.
 
-Side path: after the commits of a step, committed slots whose cached K/V was computed from another
-token (`slot_token != canvas`: just committed, drafted, or revised) are recomputed by fixed-shape
-refresh steps of `refresh_width` slots against the rest of the cache, most recent changes first,
-until none is left. Invariant: a dense step never attends to a stale slot (a slot still stale would
-be hidden from it). Here the side path runs through the same backend, after the dense step; its time is
-measured separately.
+Revision: if the re-score's argmax agrees, that is a confirmation; after `confirmations` of them, or
+when committed at confidence >= `stable_confidence`, the token is *stable*: final, and so is its K/V.
+If the argmax disagrees at confidence >= `revise_threshold`, the token is revised: replaced by the new
+argmax. (Replaced, not re-masked: a mask left in a finished block would never be decoded again.)
+The job of the last dense step is merged when the generation ends.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import ClassVar, NamedTuple
 
 import numpy as np
 
 from llada_jax import kv_state
+from llada_jax.buckets import bucket
 from llada_jax.errors import LladaError
-from policies.cache import CachePolicy, DualCache, PrefixCache, commit_window, run_full
+from policies.cache import CachePolicy, DualCache, PrefixCache, run_full
 from policies.canvas import Block, Canvas, Window
 from policies.decode import canvas_wide
+from policies.side_path import SidePath, side_path_for
 
 NEVER = -1
+
+
+class SideResult(NamedTuple):
+    """What a side job found, against the snapshot it was given."""
+
+    refreshed: tuple              # (window, [B, W] tokens, StepOutput) per refresh step
+    probed: np.ndarray            # positions re-scored
+    probed_tokens: np.ndarray     # the tokens they held
+    x0: np.ndarray                # the model's choice at each, with it masked
+    confidence: np.ndarray
 
 
 class RevisionState(NamedTuple):
@@ -43,8 +59,12 @@ class RevisionState(NamedTuple):
     stable: np.ndarray          # [S] bool: final tokens
     confirmations: np.ndarray   # [S] int: agreeing re-scorings since commit or revision
     committed_at: np.ndarray    # [S] int: dense step of the last commit/revision, NEVER if masked
+    side: SidePath
+    pending: object = None      # Future[SideResult] of the job submitted after the last dense step
+    merged: tuple = ()          # revisions merged during the current step: (position, old, new)
     refreshes: int = 0          # slots recomputed by the side path
-    side_seconds: float = 0.0
+    probes: int = 0             # tokens re-scored by the side path
+    last_nfe: int = 0           # the last dense step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +73,7 @@ class Revision(CachePolicy):
     revise_threshold: float = 0.9
     confirmations: int = 2
     stable_confidence: float = 0.99
-    refresh_width: int = 8
+    side_width: int = 8
 
     name: ClassVar[str] = "revision"
     uses_cache: ClassVar[bool] = True
@@ -64,23 +84,24 @@ class Revision(CachePolicy):
             raise LladaError("revision needs a cached base policy (prefix-cache or dual-cache)")
         if not 0.0 < self.revise_threshold <= 1.0 or not 0.0 < self.stable_confidence <= 1.0:
             raise LladaError("revision thresholds must be in (0, 1]")
-        if self.confirmations < 1 or self.refresh_width < 1:
-            raise LladaError("revision confirmations and refresh width must be >= 1")
+        if self.confirmations < 1 or self.side_width < 1:
+            raise LladaError("revision confirmations and probe width must be >= 1")
 
     def initial_state(self, backend, canvas: Canvas) -> RevisionState:
         slots = canvas.slots
         return RevisionState(backend.empty_state(canvas.tokens.shape[0], slots), np.zeros(slots, bool),
-                             np.zeros(slots, np.int64), np.full(slots, NEVER, np.int64))
+                             np.zeros(slots, np.int64), np.full(slots, NEVER, np.int64), side_path_for(backend))
 
     def step(self, backend, canvas: Canvas, state: RevisionState, block: Block, step: int, nfe: int):
-        kv = state.kv
-        if not kv.filled.any():  # prefill: the only full-canvas step
+        """Dense step, then merge of the side job that ran meanwhile, then commit of the window's K/V."""
+        if not state.kv.filled.any():  # prefill: the only full-canvas step
             out, window = run_full(backend, canvas)
         else:
-            positions, width = self.base.window_plan(canvas, block)
-            window = canvas.window(positions, width)
-            out = _window_step(backend, canvas, kv, window)
-        kv = commit_window(backend, kv, out, window, canvas, np.ones(len(window.positions), bool), nfe)
+            window = canvas.window(*self._dense_plan(canvas, state.kv, block))
+            out = _window_step(backend, canvas, state.kv, window)
+        input_tokens = canvas.tokens[:, window.positions].copy()
+        state = self._merge(backend, canvas, state, nfe)
+        kv = _commit(backend, state.kv, window, window.valid, out, input_tokens, nfe)
         return out, window, state._replace(kv=kv)
 
     def drafts(self, x0, confidence, canvas, block):
@@ -91,78 +112,103 @@ class Revision(CachePolicy):
 
     def after_commit(self, backend, canvas: Canvas, state: RevisionState, block: Block, window: Window,
                      x0: np.ndarray, confidence: np.ndarray, nfe: int):
+        """Record new commits and hand the side path its job; report the revisions merged this step."""
         state = _mark_new_commits(state, canvas, confidence, nfe, self.stable_confidence)
-        started = time.perf_counter()
-        state, _ = self._refresh(backend, canvas, state, nfe)
+        return self._submit(canvas, state._replace(merged=()), window, nfe), state.merged
+
+    def _submit(self, canvas: Canvas, state: RevisionState, window: Window, nfe: int) -> RevisionState:
+        """Hand the side path a job over a snapshot: refresh stale slots, re-score the window's unstable tokens."""
         computed = window.positions[window.valid]
-        unstable = computed[~state.stable[computed] & (state.committed_at[computed] != NEVER)
-                            & (state.committed_at[computed] != nfe)]
-        revisions: tuple = ()
-        for start in range(0, unstable.size, self.refresh_width):
-            chunk = unstable[start: start + self.refresh_width]
-            probe_x0, probe_confidence = self._probe(backend, canvas, state, chunk)
-            state, found = self._rescore(canvas, state, chunk, probe_x0, probe_confidence, nfe)
-            revisions += found
-        if revisions:
-            state, _ = self._refresh(backend, canvas, state, nfe)
-        state = state._replace(side_seconds=state.side_seconds + time.perf_counter() - started)
-        return state, revisions
+        unstable = computed[~state.stable[computed] & (state.committed_at[computed] != NEVER)]
+        snapshot = dataclasses.replace(canvas, tokens=canvas.tokens.copy())
+        future = state.side.submit(self._side_job, state.kv, snapshot, np.sort(unstable), nfe)
+        return state._replace(pending=future, last_nfe=nfe)
 
-    def _probe(self, backend, canvas: Canvas, state: RevisionState, positions: np.ndarray):
-        """Re-score committed tokens the way the model was trained to predict: each masked in the input,
-        everything else (current, non-stale) visible. The probe's K/V are discarded."""
-        window = canvas.window(positions, self.refresh_width)
-        probe = dataclasses.replace(canvas, tokens=canvas.tokens.copy())
-        probe.tokens[:, positions] = canvas.mask_id
-        out = _window_step(backend, probe, state.kv, window, hide=kv_state.stale_slots(state.kv, canvas.tokens))
-        if "x0" not in out.readout:
-            raise LladaError("revision re-scores with argmax readouts: use temperature 0")
-        return canvas_wide(canvas, window, out.readout["x0"][0], np.exp(out.readout["logp"][0].astype(np.float64)))
-
-    def _rescore(self, canvas: Canvas, state: RevisionState, positions, x0, confidence, nfe: int):
-        """Confirm or revise committed, unstable tokens among `positions` (not those committed just now)."""
-        stable, confirmations, committed_at = state.stable.copy(), state.confirmations.copy(), state.committed_at.copy()
-        revisions = []
-        for p in positions:
-            if stable[p] or committed_at[p] in (NEVER, nfe):
-                continue
-            current = int(canvas.tokens[0, p])
-            if x0[p] == current:
-                confirmations[p] += 1
-                stable[p] = confirmations[p] >= self.confirmations
-            elif confidence[p] >= self.revise_threshold:
-                new = int(x0[p])
-                canvas.write(np.array([p]), np.array([new]))
-                revisions.append((int(p), current, new))
-                confirmations[p] = 0
-                committed_at[p] = nfe
-        return state._replace(stable=stable, confirmations=confirmations, committed_at=committed_at), tuple(revisions)
-
-    def _refresh(self, backend, canvas: Canvas, state: RevisionState, nfe: int):
-        """Side path: recompute K/V of every committed slot whose token changed, `refresh_width` slots
-        per refresh step, newest changes first (a slot left stale would be hidden from the dense path)."""
-        revisions: tuple = ()
-        for _ in range(canvas.length):  # bounded: each pass refreshes at least one stale slot
-            state, found = self._refresh_once(backend, canvas, state, nfe)
-            if found is None:
-                return state, revisions
-            revisions += found
-        raise AssertionError("side path did not converge")
-
-    def _refresh_once(self, backend, canvas: Canvas, state: RevisionState, nfe: int):
-        kv = state.kv
-        stale = np.flatnonzero(kv_state.stale_slots(kv, canvas.tokens)[0] & ~canvas.masked)
-        if stale.size == 0:
-            return state, None
-        order = np.argsort(-state.committed_at[stale], kind="stable")
-        chosen = np.sort(stale[order][: self.refresh_width])
-        window = canvas.window(chosen, self.refresh_width)
-        out = _window_step(backend, canvas, kv, window)
-        kv = commit_window(backend, kv, out, window, canvas, np.ones(self.refresh_width, bool), nfe)
-        return state._replace(kv=kv, refreshes=state.refreshes + len(chosen)), ()
+    def finish(self, backend, canvas: Canvas, state: RevisionState):
+        """Merge the last job (its re-scores still count; no dense step follows to do them)."""
+        state = self._merge(backend, canvas, state, state.last_nfe)
+        state.side.close()
+        return state._replace(merged=()), state.merged
 
     def stats(self, state: RevisionState) -> dict:
-        return {"refreshes": state.refreshes, "side_seconds": state.side_seconds}
+        return {"refreshes": state.refreshes, "probes": state.probes, **state.side.stats()}
+
+    def _dense_plan(self, canvas: Canvas, kv: kv_state.KVState, block: Block):
+        """(positions, width): the carry (stale committed slots of the previous block), then the base
+        policy's window; speculative drafts give way to the carry when the width is fixed."""
+        length = block.end - block.start
+        start = max(canvas.prompt_len, block.start - length)
+        stale = kv_state.stale_slots(kv, canvas.tokens)[0] & ~canvas.masked
+        carry = start + np.flatnonzero(stale[start: block.start])
+        positions, width = self.base.window_plan(canvas, block)
+        positions = np.concatenate([carry, positions])
+        if width is None:
+            return positions, None
+        keep = len(carry) + length
+        return positions[: max(width, keep)], max(width, bucket(keep, canvas.slots))
+
+    def _side_job(self, side_backend, kv: kv_state.KVState, canvas: Canvas, to_probe: np.ndarray,
+                  nfe: int) -> SideResult:
+        """Refresh every stale committed slot, then re-score `to_probe` against the refreshed cache."""
+        width = bucket(min(self.side_width, canvas.slots), canvas.slots)  # a declared shape
+        stale = np.flatnonzero(kv_state.stale_slots(kv, canvas.tokens)[0] & ~canvas.masked)
+        refreshed = []
+        for start in range(0, stale.size, width):  # later chunks see earlier ones refreshed
+            window = canvas.window(stale[start: start + width], width)
+            tokens = canvas.tokens[:, window.positions].copy()
+            out = _window_step(side_backend, canvas, kv, window)
+            kv = _commit(side_backend, kv, window, window.valid, out, tokens, nfe)
+            refreshed.append((window, tokens, out))
+        x0 = np.zeros(to_probe.size, np.int64)
+        confidence = np.zeros(to_probe.size)
+        groups = max(min(2, to_probe.size), -(-to_probe.size // width))
+        for group in range(groups):
+            chosen = np.arange(group, to_probe.size, groups)
+            x0[chosen], confidence[chosen] = self._probe(side_backend, canvas, kv, to_probe[chosen], width)
+        return SideResult(tuple(refreshed), to_probe, canvas.tokens[0, to_probe].copy(), x0, confidence)
+
+    def _probe(self, backend, canvas: Canvas, kv: kv_state.KVState, positions: np.ndarray, width: int):
+        """Predictions at `positions` with each of them masked and everything else visible."""
+        window = canvas.window(positions, width)
+        probe = dataclasses.replace(canvas, tokens=canvas.tokens.copy())
+        probe.tokens[:, positions] = canvas.mask_id
+        out = _window_step(backend, probe, kv, window)
+        if "x0" not in out.readout:
+            raise LladaError("revision re-scores with argmax readouts: use temperature 0")
+        x0, confidence = canvas_wide(canvas, window, out.readout["x0"][0],
+                                     np.exp(out.readout["logp"][0].astype(np.float64)))
+        return x0[positions], confidence[positions]
+
+    def _merge(self, backend, canvas: Canvas, state: RevisionState, nfe: int) -> RevisionState:
+        """Apply the pending side job: its K/V where the slot is still stale, then its re-scores."""
+        if state.pending is None:
+            return state._replace(merged=())
+        found: SideResult = state.side.join(state.pending)
+        kv = state.kv
+        for window, tokens, out in found.refreshed:
+            still = (kv.slot_token[:, window.positions] != tokens) & (canvas.tokens[:, window.positions] == tokens)
+            kv = _commit(backend, kv, window, window.valid & still.all(axis=0), state.side.to_dense(out), tokens, nfe)
+        refreshed = sum(int(window.valid.sum()) for window, _, _ in found.refreshed)
+        state = state._replace(kv=kv, pending=None, refreshes=state.refreshes + refreshed,
+                               probes=state.probes + len(found.probed))
+        return self._rescore(canvas, state, found, nfe)
+
+    def _rescore(self, canvas: Canvas, state: RevisionState, found: SideResult, nfe: int) -> RevisionState:
+        stable, confirmations, committed_at = state.stable.copy(), state.confirmations.copy(), state.committed_at.copy()
+        revisions = []
+        for p, token, choice, confidence in zip(found.probed, found.probed_tokens, found.x0, found.confidence):
+            if stable[p] or canvas.tokens[0, p] != token:
+                continue
+            if choice == token:
+                confirmations[p] += 1
+                stable[p] = confirmations[p] >= self.confirmations
+            elif confidence >= self.revise_threshold:
+                canvas.write(np.array([p]), np.array([choice]))
+                revisions.append((int(p), int(token), int(choice)))
+                confirmations[p] = 0
+                committed_at[p] = nfe
+        return state._replace(stable=stable, confirmations=confirmations, committed_at=committed_at,
+                              merged=tuple(revisions))
 
 
 def _innermost(policy):
@@ -171,16 +217,21 @@ def _innermost(policy):
     return policy
 
 
-def _window_step(backend, canvas: Canvas, kv: kv_state.KVState, window: Window, hide=None):
-    """A window step that never attends to a stale slot (nor to the window's own cached slots).
-    `hide`: slots to treat as stale (a probe's canvas differs from the one the cache tracks)."""
+def _window_step(backend, canvas: Canvas, kv: kv_state.KVState, window: Window):
+    """A window step against every other filled slot (the window's own slots are computed in it)."""
     rows = canvas.tokens.shape[0]
-    stale = kv_state.stale_slots(kv, canvas.tokens) if hide is None else hide
-    visible = canvas.valid & ~stale
+    visible = canvas.valid.copy()
     visible[:, window.positions[window.valid]] = False
     positions = np.broadcast_to(window.positions, (rows, len(window.positions)))
     valid = np.broadcast_to(window.valid, positions.shape)
     return backend.window(kv, visible, canvas.tokens[:, window.positions], positions, valid)
+
+
+def _commit(backend, kv: kv_state.KVState, window: Window, keep: np.ndarray, out, tokens: np.ndarray, nfe: int):
+    """Write `out`'s K/V at the window's positions where `keep`, recorded as computed from `tokens`."""
+    rows = tokens.shape[0]
+    positions = np.broadcast_to(window.positions, (rows, len(window.positions)))
+    return backend.commit(kv, positions, np.broadcast_to(window.valid & keep, positions.shape), out, tokens, nfe)
 
 
 def _mark_new_commits(state: RevisionState, canvas: Canvas, confidence: np.ndarray, nfe: int, stable_bar: float):

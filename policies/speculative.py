@@ -89,5 +89,8 @@ class Speculative(CachePolicy):
     def after_commit(self, backend, canvas, state, block, window, x0, confidence, nfe):
         return self.base.after_commit(backend, canvas, state, block, window, x0, confidence, nfe)
 
+    def finish(self, backend, canvas, state):
+        return self.base.finish(backend, canvas, state)
+
     def stats(self, state) -> dict:
         return self.base.stats(state)
