@@ -21,8 +21,9 @@ K/V for one step); the merge makes it current before the next dense step.
 
 Revision: if the re-score's argmax agrees, that is a confirmation; after `confirmations` of them, or
 when committed at confidence >= `stable_confidence`, the token is *stable*: final, and so is its K/V.
-If the argmax disagrees at confidence >= `revise_threshold`, the token is revised: replaced by the new
-argmax. (Replaced, not re-masked: a mask left in a finished block would never be decoded again.)
+If the argmax disagrees at confidence >= `revise_threshold` and above the confidence the current token
+had when it was committed, the token is revised: replaced by the new argmax. (Replaced, not re-masked:
+a mask left in a finished block would never be decoded again.)
 The job of the last dense step is merged when the generation ends.
 """
 
@@ -59,6 +60,7 @@ class RevisionState(NamedTuple):
     stable: np.ndarray          # [S] bool: final tokens
     confirmations: np.ndarray   # [S] int: agreeing re-scorings since commit or revision
     committed_at: np.ndarray    # [S] int: dense step of the last commit/revision, NEVER if masked
+    belief: np.ndarray          # [S] float: confidence of the current token when committed or revised to
     side: SidePath
     pending: object = None      # Future[SideResult] of the job submitted after the last dense step
     merged: tuple = ()          # revisions merged during the current step: (position, old, new)
@@ -70,7 +72,7 @@ class RevisionState(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class Revision(CachePolicy):
     base: CachePolicy = DualCache()
-    revise_threshold: float = 0.9
+    revise_threshold: float = 0.5
     confirmations: int = 2
     stable_confidence: float = 0.99
     side_width: int = 8
@@ -90,7 +92,8 @@ class Revision(CachePolicy):
     def initial_state(self, backend, canvas: Canvas) -> RevisionState:
         slots = canvas.slots
         return RevisionState(backend.empty_state(canvas.tokens.shape[0], slots), np.zeros(slots, bool),
-                             np.zeros(slots, np.int64), np.full(slots, NEVER, np.int64), side_path_for(backend))
+                             np.zeros(slots, np.int64), np.full(slots, NEVER, np.int64), np.zeros(slots),
+                             side_path_for(backend))
 
     def step(self, backend, canvas: Canvas, state: RevisionState, block: Block, step: int, nfe: int):
         """Dense step, then merge of the side job that ran meanwhile, then commit of the window's K/V."""
@@ -195,6 +198,7 @@ class Revision(CachePolicy):
 
     def _rescore(self, canvas: Canvas, state: RevisionState, found: SideResult, nfe: int) -> RevisionState:
         stable, confirmations, committed_at = state.stable.copy(), state.confirmations.copy(), state.committed_at.copy()
+        belief = state.belief.copy()
         revisions = []
         for p, token, choice, confidence in zip(found.probed, found.probed_tokens, found.x0, found.confidence):
             if stable[p] or canvas.tokens[0, p] != token:
@@ -202,12 +206,13 @@ class Revision(CachePolicy):
             if choice == token:
                 confirmations[p] += 1
                 stable[p] = confirmations[p] >= self.confirmations
-            elif confidence >= self.revise_threshold:
+            elif confidence >= self.revise_threshold and confidence > belief[p]:
                 canvas.write(np.array([p]), np.array([choice]))
                 revisions.append((int(p), int(token), int(choice)))
                 confirmations[p] = 0
                 committed_at[p] = nfe
-        return state._replace(stable=stable, confirmations=confirmations, committed_at=committed_at,
+                belief[p] = confidence
+        return state._replace(stable=stable, confirmations=confirmations, committed_at=committed_at, belief=belief,
                               merged=tuple(revisions))
 
 
@@ -241,4 +246,5 @@ def _mark_new_commits(state: RevisionState, canvas: Canvas, confidence: np.ndarr
     new[canvas.length:] = False
     committed_at = np.where(new, nfe, state.committed_at)
     stable = state.stable | (new & (confidence >= stable_bar))
-    return state._replace(committed_at=committed_at, stable=stable)
+    belief = np.where(new, confidence, state.belief)
+    return state._replace(committed_at=committed_at, stable=stable, belief=belief)
