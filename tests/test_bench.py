@@ -41,3 +41,13 @@ def test_non_positive_limits_are_one_line_errors(capsys, tiny_dir):
         assert main(command) == 1
         err = capsys.readouterr().err
         assert err.startswith("llada: error: --limit must be") and err.count("\n") == 1
+
+
+def test_block_length_that_does_not_divide_the_answer_is_a_one_line_error(capsys, tiny_dir):
+    for command, message in ((["bench", "--model", str(tiny_dir), "--limit", "1", "--block-length", "5"],
+                              "llada: error: gen_length=32 is not a multiple of block_length=5"),
+                             (["eval", "tasks", "--limit", "1", "--block-length", "5"],
+                              "llada: error: --block-length must divide the answer length 32")):
+        assert main(command) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(message) and err.count("\n") == 1
