@@ -1,6 +1,6 @@
 """Packed stage layout (no JAX): a stage's tensors (one layer's nine, or ln_f + lm_head) flattened one
 after another, each starting at a multiple of ALIGN elements, in one contiguous aligned buffer.
-`unpack` slices it back with static offsets (inside a jitted or exported function)."""
+`views` slices it back, without copies, into the tensors a staged piece takes as arguments."""
 
 from __future__ import annotations
 
@@ -39,10 +39,7 @@ class PackedLayout:
         return packed
 
     def views(self, packed: np.ndarray) -> dict[str, np.ndarray]:
-        """The stage's tensors as views into its packed host buffer (no copies)."""
-        return self.unpack(packed)
-
-    def unpack(self, packed) -> dict:
+        """The stage's tensors as views into its packed buffer (no copies), in layout order."""
         return {name: packed[offset: offset + int(np.prod(shape))].reshape(shape)
                 for name, shape, offset in self.entries}
 

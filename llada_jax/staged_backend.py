@@ -35,16 +35,16 @@ class StagedJaxBackend:
         positions, bias = jnp.asarray(positions, jnp.int32), jnp.asarray(bias)
         keys, values, out = [], [], {}
 
-        def compute(stage: int, packed) -> None:
+        def compute(stage: int, weights: dict) -> None:
             nonlocal x
             if stage < self.config.n_layers:
                 cached = (None, None) if state is None else (state.keys[stage], state.values[stage])
-                x, k, v = layer_step(packed, x, positions, bias, *cached, config=self.config)
+                x, k, v = layer_step(weights, x, positions, bias, *cached, config=self.config)
                 x.block_until_ready()
                 keys.append(k)
                 values.append(v)
             else:
-                out.update(_to_host(head_step(packed, x, *self._common, config=self.config,
+                out.update(_to_host(head_step(weights, x, *self._common, config=self.config,
                                               readout=self.readout)))
 
         StagingRing(self.weights.stages, self.slots, self._upload, self.stats).run(compute)

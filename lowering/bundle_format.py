@@ -10,7 +10,7 @@ from llada_jax.errors import LladaError
 PARAMETER_SCOPE = "model"  # IREE parameter scope the weights are bound under
 MANIFEST = "manifest.json"
 VMFB = "steps.vmfb"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: staged pieces take one argument per weight tensor
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from lowering.bundle import compile_bundle, iree_version
-from lowering.bundle_format import MANIFEST, sha256
+from lowering.bundle_format import FORMAT_VERSION, MANIFEST, sha256
 
 
 def cache_root() -> Path:
@@ -28,7 +28,7 @@ def cached_bundle(model_dir, target: str, *, dtype: str = "float32", max_len: in
     key = json.dumps({"config": sha256(model_dir / "config.json"),
                       "weights": [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in weights],
                       "target": target, "dtype": dtype, "max_len": max_len, "window": window,
-                      "budget": device_memory_budget,
+                      "budget": device_memory_budget, "format": FORMAT_VERSION,
                       "iree": iree_version()}, sort_keys=True)
     out = cache_root() / hashlib.sha256(key.encode()).hexdigest()[:20]
     if not (out / MANIFEST).is_file():

@@ -20,7 +20,7 @@ from llada_jax.buckets import LENGTH_BUCKETS
 from llada_jax.config import LLaDAConfig
 from llada_jax.layered import head_step, layer_step
 from llada_jax.model import Context
-from llada_jax.packing import head_layout, layer_layout
+from llada_jax.packing import PackedLayout, head_layout, layer_layout
 from llada_jax.params import hf_shapes, hf_to_params
 from llada_jax.readout import Readout
 from llada_jax.steps import full_step, scatter_slots, window_step
@@ -31,7 +31,7 @@ ARGMAX = Readout(kind="argmax")
 
 
 NAMED_WEIGHTS = ("full", "window")  # kinds that read the weights as named parameters
-STAGED = ("layer_full", "layer_window", "head", "stack")  # kinds that take packed weights as arguments
+STAGED = ("layer_full", "layer_window", "head", "stack")  # kinds that take their weights as arguments
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,11 +120,10 @@ def _staged_signature(spec: StepSpec, config: LLaDAConfig, compute_dtype, extras
         layers = [(f"keys_{i}", _sds(kv, compute_dtype)) for i in range(config.n_layers)]
         return layers, [("stacked", _sds((config.n_layers, *kv), compute_dtype))]
     if spec.kind == "head":
-        inputs = [("packed", _sds((head_layout(config).size,), compute_dtype)), ("x", _sds((b, w, d), compute_dtype)),
-                  *extras]
+        inputs = [*_stage_tensors(head_layout(config), compute_dtype), ("x", _sds((b, w, d), compute_dtype)), *extras]
         return inputs, [("x0", _sds((b, w), jnp.int32)), ("logp", _sds((b, w), jnp.float32))]
     width = w or s
-    inputs = [("packed", _sds((layer_layout(config).size,), compute_dtype)), ("x", _sds((b, width, d), compute_dtype)),
+    inputs = [*_stage_tensors(layer_layout(config), compute_dtype), ("x", _sds((b, width, d), compute_dtype)),
               ("positions", _sds((b, width), jnp.int32))]
     if spec.kind == "layer_full":
         inputs.append(("key_bias", _sds((b, s), jnp.float32)))
@@ -137,27 +136,37 @@ def _staged_signature(spec: StepSpec, config: LLaDAConfig, compute_dtype, extras
     return inputs, outputs
 
 
+def _stage_tensors(layout: PackedLayout, compute_dtype) -> list:
+    """A staged piece's weights: one argument per tensor of its packed stage, in layout order (each is
+    a view into a staging slot; slicing one packed argument in-graph made IREE copy it every call)."""
+    return [(name, _sds(shape, compute_dtype)) for name, shape, _ in layout.entries]
+
+
 def _staged_function(spec: StepSpec, config: LLaDAConfig):
     if spec.kind == "stack":
         return lambda *per_layer: jnp.stack(per_layer)
+    names = [name for name, _, _ in (head_layout(config) if spec.kind == "head" else layer_layout(config)).entries]
     if spec.kind == "head":
-        def run(packed, x, cfg_scale, logit_bias, confidence_bias):
-            out = head_step(packed, x, cfg_scale, logit_bias, confidence_bias, config=config, readout=ARGMAX)
+        def run(*args):
+            weights, (x, cfg_scale, logit_bias, confidence_bias) = dict(zip(names, args)), args[len(names):]
+            out = head_step(weights, x, cfg_scale, logit_bias, confidence_bias, config=config, readout=ARGMAX)
             return out["x0"], out["logp"]
     elif spec.kind == "layer_full":
-        def run(packed, x, positions, key_bias):
-            return layer_step(packed, x, positions, key_bias, None, None, config=config)
+        def run(*args):
+            weights, (x, positions, key_bias) = dict(zip(names, args)), args[len(names):]
+            return layer_step(weights, x, positions, key_bias, None, None, config=config)
     else:
-        def run(packed, x, positions, key_bias, keys, values, layer):
+        def run(*args):
+            weights, (x, positions, key_bias, keys, values, layer) = dict(zip(names, args)), args[len(names):]
             cached_k = jax.lax.dynamic_index_in_dim(keys, layer, axis=0, keepdims=False)
             cached_v = jax.lax.dynamic_index_in_dim(values, layer, axis=0, keepdims=False)
-            return layer_step(packed, x, positions, key_bias, cached_k, cached_v, config=config)
+            return layer_step(weights, x, positions, key_bias, cached_k, cached_v, config=config)
     return run
 
 
 def step_function(spec: StepSpec, config: LLaDAConfig, weight_names: list[str], compute_dtype):
     """The flat function to export: weights (stored dtype, cast to compute dtype here), then inputs.
-    `commit` only scatters K/V and takes no weights; staged pieces take theirs packed, as inputs."""
+    `commit` only scatters K/V and takes no weights; staged pieces take theirs as inputs, tensor by tensor."""
     if spec.kind in STAGED:
         return _staged_function(spec, config)
 

@@ -3,6 +3,7 @@ allocated once, sized to the device memory budget (numpy + iree.runtime only).
 
 Each slot is one mapped device buffer (DEVICE_LOCAL | HOST_VISIBLE) reused for the whole run: filling
 it is a copy into its mapping, done on the staging ring's copy thread while the previous layer runs.
+The layer and head pieces take their tensors as separate arguments: zero-copy aliases into the slot.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from llada_jax import kv_state
+from llada_jax.packing import PackedLayout, head_layout, layer_layout
 from llada_jax.readout import StepOutput
 from llada_jax.staging import StagedWeights, StagingRing, StagingStats, kv_bytes, pack_weights, ring_slots
 from llada_jax.weights_io import iter_tensors
@@ -17,23 +19,31 @@ from lowering.runtime import Bundle, IreeBackend, Session
 
 
 class DeviceSlots:
-    """`count` reusable device buffers of `elements` float32 each, mapped once."""
+    """`count` reusable device buffers of `elements` float32 each, allocated and mapped once. Each slot's
+    tensors are aliased once per stage layout as zero-copy sub-buffers of its mapping, so a staged piece
+    gets one argument per tensor without any per-step allocation."""
 
-    def __init__(self, session: Session, count: int, elements: int):
+    def __init__(self, session: Session, count: int, elements: int, layouts: tuple[PackedLayout, ...]):
         rt = session._rt
         memory = int(rt.MemoryType.DEVICE_LOCAL | rt.MemoryType.HOST_VISIBLE)
         usage = int(rt.BufferUsage.DEFAULT | rt.BufferUsage.MAPPING_PERSISTENT)
-        self.session = session
-        self.buffers = [session.device.allocator.allocate_buffer(memory_type=memory, allowed_usage=usage,
-                                                                 allocation_size=elements * 4) for _ in range(count)]
+        allocator = session.device.allocator
+        self.buffers = [allocator.allocate_buffer(memory_type=memory, allowed_usage=usage, allocation_size=elements * 4)
+                        for _ in range(count)]
         self.mappings = [buffer.map() for buffer in self.buffers]
         self.views = [m.asarray((elements,), np.dtype(np.float32)) for m in self.mappings]
 
-    def upload(self, slot: int, host: np.ndarray):
-        rt = self.session._rt
+        def alias(view: np.ndarray):
+            buffer = allocator.import_host_allocation(view, memory, int(rt.BufferUsage.DEFAULT))
+            return rt.DeviceArray(session.device, rt.HalBufferView(buffer, view.shape, rt.HalElementType.FLOAT_32))
+
+        self.tensors = {(slot, layout): [alias(view) for view in layout.views(self.views[slot]).values()]
+                        for slot in range(count) for layout in layouts}
+
+    def upload(self, slot: int, host: np.ndarray, layout: PackedLayout) -> list:
+        """Copy a packed stage into a slot; its tensors, as the slot's device arrays."""
         np.copyto(self.views[slot][: host.size], host)
-        view = rt.HalBufferView(self.buffers[slot], (host.size,), rt.HalElementType.FLOAT_32)
-        return rt.DeviceArray(self.session.device, view)
+        return self.tensors[slot, layout]
 
 
 class IreeStagedBackend(IreeBackend):
@@ -44,7 +54,8 @@ class IreeStagedBackend(IreeBackend):
         super().__init__(bundle, session, readout, biases, cfg_scale)
         self.weights = weights
         ring = ring_slots(budget, weights, kv_bytes(self.config, batch, canvas_slots, 4))
-        self.slots = DeviceSlots(session, ring, max(p.size for p in weights.stages))
+        self.layouts = (layer_layout(self.config), head_layout(self.config))
+        self.slots = DeviceSlots(session, ring, max(p.size for p in weights.stages), self.layouts)
         self.stats = StagingStats()
 
     def _staged(self, ids, positions, bias, layer_name: str, state, width: int) -> StepOutput:
@@ -53,20 +64,24 @@ class IreeStagedBackend(IreeBackend):
         keys, values, out = [], [], {}
         n_layers = self.config.n_layers
 
-        def compute(stage: int, packed) -> None:
+        def compute(stage: int, tensors: list) -> None:
             nonlocal x
             if stage < n_layers:
                 extra = () if state is None else (state.keys, state.values, np.asarray(stage, np.int32))
-                x, k, v = self._call(layer_name, packed, x, positions, bias, *extra)
+                x, k, v = self._call(layer_name, *tensors, x, positions, bias, *extra)
                 keys.append(k)
                 values.append(v)
             else:
-                x0, logp = self._call(f"head_b{batch}_w{width}", packed, x, *self._extras)
+                x0, logp = self._call(f"head_b{batch}_w{width}", *tensors, x, *self._extras)
                 out.update(x0=self.session.read(x0), logp=self.session.read(logp))
 
-        StagingRing(self.weights.stages, len(self.slots.buffers), self.slots.upload, self.stats).run(compute)
+        StagingRing(self.weights.stages, len(self.slots.buffers), self._upload, self.stats).run(compute)
         stack = f"stack_b{batch}_w{width}"
         return StepOutput(out, self._call(stack, *keys), self._call(stack, *values))
+
+    def _upload(self, slot: int, packed: np.ndarray) -> list:
+        layout = self.layouts[1] if packed is self.weights.head else self.layouts[0]
+        return self.slots.upload(slot, packed, layout)
 
     def full(self, tokens: np.ndarray, valid: np.ndarray) -> StepOutput:
         batch, slots = tokens.shape
