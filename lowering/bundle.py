@@ -23,7 +23,7 @@ from llada_jax.config import read_config
 from llada_jax.errors import LladaError
 from llada_jax.tokenizer import eot_id_from_files
 from llada_jax.weights_io import INDEX_FILE, weight_files
-from lowering.bundle_format import FORMAT_VERSION, MANIFEST, TOKENIZER_FILES, VMFB, sha256
+from lowering.bundle_format import FORMAT_VERSION, MANIFEST, TOKENIZER_FILES, VMFB, runs_staged, sha256
 from lowering.export import bundle_module, signature_manifest, staged_specs, step_specs
 from lowering.targets import target
 
@@ -78,7 +78,8 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
                    dtype: str = "float32", copy_weights: bool = True, device_memory_budget: int | None = None,
                    progress=None) -> Path:
     """Compile every step for canvases up to `max_len` and windows up to `window` into a bundle; with a
-    device memory budget, also the per-layer pieces that staged execution streams weights through."""
+    device memory budget smaller than the weights, the per-layer pieces that staged execution streams
+    weights through take the place of the resident steps."""
     tgt = target(target_name)
     model_dir, out_dir = Path(model_dir).absolute(), Path(out_dir).absolute()
     if not model_dir.is_dir():
@@ -94,7 +95,9 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
     if device_memory_budget is not None:
         if device_memory_budget <= 0:
             raise LladaError(f"device memory budget must be a positive number of bytes, got {device_memory_budget}")
-        specs += staged_specs(specs)
+        if runs_staged(device_memory_budget, config):
+            # No resident steps: their weights would be loaded into device memory beyond the budget.
+            specs = staged_specs(specs) + [spec for spec in specs if spec.kind == "commit"]
     say = progress or (lambda message: None)
     say(f"exporting {len(specs)} steps to StableHLO")
     module = bundle_module(specs, config, stored, compute)

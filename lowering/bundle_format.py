@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 from pathlib import Path
 
 from llada_jax.errors import LladaError
@@ -12,6 +13,18 @@ MANIFEST = "manifest.json"
 VMFB = "steps.vmfb"
 FORMAT_VERSION = 2  # 2: staged pieces take one argument per weight tensor
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def float32_weight_bytes(config) -> int:
+    """Device bytes of all weights as the bundle computes with them (float32)."""
+    from llada_jax.params import hf_shapes
+
+    return sum(int(math.prod(shape)) for shape in hf_shapes(config).values()) * 4
+
+
+def runs_staged(budget: int | None, config) -> bool:
+    """A bundle whose weights exceed its device memory budget streams them (and holds no resident steps)."""
+    return budget is not None and budget < float32_weight_bytes(config)
 
 
 def sha256(path: Path) -> str:

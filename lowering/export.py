@@ -240,8 +240,9 @@ def _wrapper(spec: StepSpec, config: LLaDAConfig, stored_dtype, compute_dtype, w
 
 
 def bundle_module(specs: list[StepSpec], config: LLaDAConfig, stored_dtype, compute_dtype) -> str:
-    """One module holding every step, the weights declared once as named parameters."""
-    names = list(hf_shapes(config))
+    """One module holding every step, the weights declared once as named parameters (only if a step
+    reads them: a staged bundle's weights never live in device memory as a whole)."""
+    names = list(hf_shapes(config)) if any(spec.kind in NAMED_WEIGHTS for spec in specs) else []
     globals_ = [f"weight_{i}" for i in range(len(names))]
     parts = ["module @llada_steps {"]
     for g, name, shape in zip(globals_, names, hf_shapes(config).values()):

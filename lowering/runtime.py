@@ -17,7 +17,7 @@ from llada_jax import kv_state
 from llada_jax.config import LLaDAConfig
 from llada_jax.errors import LladaError
 from llada_jax.readout import Readout, StepOutput, TokenBiases
-from lowering.bundle_format import MANIFEST, PARAMETER_SCOPE, VMFB, check_files
+from lowering.bundle_format import MANIFEST, PARAMETER_SCOPE, VMFB, check_files, runs_staged
 
 
 class Session:
@@ -199,17 +199,9 @@ def open_bundle(path, backend: str = "iree-host"):
                          f"which --backend {backend} cannot run")
     session = Session(bundle.path, bundle.manifest, bundle.manifest["driver"])
     staged = None
-    budget = bundle.manifest.get("device_memory_budget")
-    if budget is not None and budget < bundle_weight_bytes(bundle):
+    if runs_staged(bundle.manifest.get("device_memory_budget"), bundle.config):
         from lowering.staged_runtime import staged_weights
 
         staged = staged_weights(bundle)
     return (bundle.config, load_tokenizer(bundle.path),
             lambda ids, **options: generate_with_bundle(bundle, session, ids, staged=staged, **options))
-
-
-def bundle_weight_bytes(bundle: Bundle) -> int:
-    """Device bytes of all weights in the bundle's compute dtype (float32)."""
-    from llada_jax.params import hf_shapes
-
-    return sum(int(np.prod(shape)) for shape in hf_shapes(bundle.config).values()) * 4

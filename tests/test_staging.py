@@ -88,6 +88,7 @@ def test_iree_staged_equals_iree_resident_and_jax(tiny_dir, tiny_model, tmp_path
     budget = 2 * slot + kv_bytes(TINY, 1, 32, 4)  # two ring slots: copies overlap compute
     bundle = load_bundle(compile_bundle(tiny_dir, "host", tmp_path / "staged", max_len=32, window=16,
                                         device_memory_budget=budget))
+    assert not any(name.startswith(("full_", "window_")) for name in bundle.steps)  # no resident weights
     session = Session(bundle.path, bundle.manifest, "local-task")
     weights = staged_weights(bundle)
     for policy in POLICIES:
@@ -102,7 +103,10 @@ def test_iree_staged_equals_iree_resident_and_jax(tiny_dir, tiny_model, tmp_path
     assert len(staged.slots.buffers) == 2
     tokens = np.random.default_rng(0).integers(0, TINY.vocab_size, (1, 32)).astype(np.int32)
     valid = np.arange(32)[None] < 27
-    a, b = staged.full(tokens, valid), IreeBackend(bundle, session, Readout(), biases).full(tokens, valid)
+    resident = load_bundle(compile_bundle(tiny_dir, "host", tmp_path / "resident", max_len=32, window=16))
+    resident_session = Session(resident.path, resident.manifest, "local-task")
+    a = staged.full(tokens, valid)
+    b = IreeBackend(resident, resident_session, Readout(), biases).full(tokens, valid)
     assert a.readout["x0"][:, :27].tolist() == b.readout["x0"][:, :27].tolist()
     np.testing.assert_allclose(a.readout["logp"][:, :27], b.readout["logp"][:, :27], atol=1e-6, rtol=0)
-    np.testing.assert_allclose(session.read(a.keys), session.read(b.keys), atol=1e-6, rtol=0)
+    np.testing.assert_allclose(session.read(a.keys), resident_session.read(b.keys), atol=1e-6, rtol=0)
