@@ -47,8 +47,13 @@ class StagedJaxBackend:
                 out.update(_to_host(head_step(weights, x, *self._common, config=self.config,
                                               readout=self.readout)))
 
-        StagingRing(self.weights.stages, self.slots, self._upload, self.stats).run(compute)
+        self._ring.run(compute)
         return StepOutput(out, jnp.stack(keys), jnp.stack(values))
+
+    @functools.cached_property
+    def _ring(self) -> StagingRing:
+        """One ring per generation: its pinned stages are copied once, on first use."""
+        return StagingRing(self.weights.stages, self.slots, self._upload, self.stats)
 
     @functools.cached_property
     def _common(self) -> tuple:

@@ -2,10 +2,11 @@
 
 Weights are packed once, at load time, into one contiguous aligned host buffer per stage (each
 decoder layer; the final norm + head), straight from the memory-mapped checkpoint; the embedding
-stays on the host (a row gather). A forward pass streams the stages through a ring of N device
-slots sized to the budget: while stage i computes in slot i mod N, a background thread copies stage
-i + N - 1 ahead into the slot the previous stage released. The KV state stays resident; it must fit
-next to at least one slot, or the budget is refused with the minimum it would need.
+stays on the host (a row gather). A forward pass streams the stages through two device slots: while
+one stage computes, a background thread copies the next into the other slot. Slots the budget allows
+beyond those two pin the largest stages, copied once per generation, so a bigger budget copies fewer
+bytes per pass. The KV state stays resident; it must fit next to at least one slot, or the budget is
+refused with the minimum it would need.
 """
 
 from __future__ import annotations
@@ -76,12 +77,16 @@ def ring_slots(budget: int, weights: StagedWeights, kv: int) -> int:
     return int(min(slots, len(weights.stages)))
 
 
+STREAM_SLOTS = 2  # slots that stream: one stage computes while the next is copied in
+
+
 @dataclasses.dataclass
 class StagingStats:
     bytes_staged: int = 0
     copy_seconds: float = 0.0     # spent by the copy thread
     compute_seconds: float = 0.0  # spent computing stages
     wait_seconds: float = 0.0     # compute stalled waiting for a copy
+    pinned_stages: int = 0        # stages held in their own slot, copied once per generation
 
     @property
     def hidden_fraction(self) -> float:
@@ -92,31 +97,55 @@ class StagingStats:
 
     def as_dict(self) -> dict:
         return {"bytes_staged": self.bytes_staged, "copy_seconds": self.copy_seconds,
-                "compute_seconds": self.compute_seconds, "hidden_fraction": self.hidden_fraction}
+                "compute_seconds": self.compute_seconds, "hidden_fraction": self.hidden_fraction,
+                "pinned_stages": self.pinned_stages}
 
 
 class StagingRing:
-    """N reusable device slots streaming a fixed sequence of host stages, copies overlapped with compute.
+    """N reusable device slots holding a fixed sequence of host stages, copies overlapped with compute.
 
-    `upload(slot, host)` fills a slot and returns what compute reads (a device buffer).
-    Invariant: stage i lives in slot i mod N; its copy starts only after stage i - N finished computing.
+    `upload(slot, host)` fills a slot and returns what compute reads (a device buffer). The first
+    min(N, STREAM_SLOTS) slots stream: the j-th streamed stage lives in slot j mod STREAM_SLOTS and is
+    copied only after streamed stage j - STREAM_SLOTS finished computing. Every further slot pins one
+    stage (largest first): copied on first use and kept for the ring's life, so a budget above the
+    minimum cuts the bytes copied per pass instead of prefetching deeper than overlap needs.
     """
 
     def __init__(self, stages: tuple[np.ndarray, ...], slots: int, upload: Callable, stats: StagingStats):
-        self.stages, self.slots, self.upload, self.stats = stages, slots, upload, stats
+        self.stages, self.upload, self.stats = stages, upload, stats
+        streaming = min(slots, STREAM_SLOTS) if slots < len(stages) else 0
+        by_size = sorted(range(len(stages)), key=lambda i: (-stages[i].nbytes, i))
+        self.pinned_slot = {stage: streaming + k for k, stage in enumerate(sorted(by_size[: slots - streaming]))}
+        self.streamed = {stage: j for j, stage in enumerate(i for i in range(len(stages)) if i not in self.pinned_slot)}
+        self.streaming = streaming
+        self.pinned: dict[int, object] = {}  # stage -> its loaded slot, once copied
+        stats.pinned_stages = len(self.pinned_slot)
+
+    def _slot(self, stage: int) -> int:
+        if stage in self.pinned_slot:
+            return self.pinned_slot[stage]
+        return self.streamed[stage] % self.streaming
 
     def run(self, compute: Callable[[int, object], None]) -> None:
+        """One pass over every stage in order: compute(stage, loaded slot)."""
         count = len(self.stages)
-        jobs: queue.Queue = queue.Queue()
-        ready = [threading.Event() for _ in range(count)]
-        loaded: list = [None] * count
+        to_copy = [i for i in range(count) if i not in self.pinned]
+        ready = {stage: threading.Event() for stage in to_copy}
+        freed = [threading.Event() for _ in self.streamed]  # streamed stage j finished computing
+        loaded: dict[int, object] = dict(self.pinned)
         failure: list = []
+        stop = threading.Event()
 
         def copier():
-            while (stage := jobs.get()) is not None:
+            for stage in to_copy:
+                j = self.streamed.get(stage, -1)
+                if j >= self.streaming:
+                    freed[j - self.streaming].wait()
+                if stop.is_set():
+                    return
                 try:
                     started = time.perf_counter()
-                    loaded[stage] = self.upload(stage % self.slots, self.stages[stage])
+                    loaded[stage] = self.upload(self._slot(stage), self.stages[stage])
                     self.stats.copy_seconds += time.perf_counter() - started
                     self.stats.bytes_staged += self.stages[stage].nbytes
                 except BaseException as err:  # surfaced in the computing thread
@@ -126,20 +155,22 @@ class StagingRing:
         thread = threading.Thread(target=copier, daemon=True)
         thread.start()
         try:
-            for stage in range(min(self.slots, count)):
-                jobs.put(stage)
             for stage in range(count):
-                started = time.perf_counter()
-                ready[stage].wait()
-                self.stats.wait_seconds += time.perf_counter() - started
+                if stage in ready:
+                    started = time.perf_counter()
+                    ready[stage].wait()
+                    self.stats.wait_seconds += time.perf_counter() - started
                 if failure:
                     raise failure[0]
                 started = time.perf_counter()
                 compute(stage, loaded[stage])
                 self.stats.compute_seconds += time.perf_counter() - started
-                loaded[stage] = None
-                if stage + self.slots < count:
-                    jobs.put(stage + self.slots)
+                if stage in self.pinned_slot:
+                    self.pinned[stage] = loaded[stage]
+                else:
+                    freed[self.streamed[stage]].set()
         finally:
-            jobs.put(None)
+            stop.set()
+            for event in freed:
+                event.set()  # a copier waiting for a slot (after a failure) wakes up and stops
             thread.join()

@@ -57,6 +57,7 @@ class IreeStagedBackend(IreeBackend):
         self.layouts = (layer_layout(self.config), head_layout(self.config))
         self.slots = DeviceSlots(session, ring, max(p.size for p in weights.stages), self.layouts)
         self.stats = StagingStats()
+        self.ring = StagingRing(weights.stages, ring, self._upload, self.stats)
 
     def _staged(self, ids, positions, bias, layer_name: str, state, width: int) -> StepOutput:
         batch = ids.shape[0]
@@ -75,7 +76,7 @@ class IreeStagedBackend(IreeBackend):
                 x0, logp = self._call(f"head_b{batch}_w{width}", *tensors, x, *self._extras)
                 out.update(x0=self.session.read(x0), logp=self.session.read(logp))
 
-        StagingRing(self.weights.stages, len(self.slots.buffers), self._upload, self.stats).run(compute)
+        self.ring.run(compute)
         stack = f"stack_b{batch}_w{width}"
         return StepOutput(out, self._call(stack, *keys), self._call(stack, *values))
 
