@@ -62,8 +62,9 @@ class StagedJaxBackend:
                 jnp.asarray(self.biases.confidence_bias))
 
     def _upload(self, slot: int, packed: np.ndarray) -> dict:
-        """One stage to the device, tensor by tensor from its packed host buffer (XLA owns the device
-        buffers; on a CPU device this is a copy into fresh memory, not into a reused slot)."""
+        """One stage to the device, tensor by tensor from its packed host buffer. XLA owns the device
+        buffers: on a CPU device `device_put` aliases the aligned host views (nothing is copied), so
+        the real slot copies are the IREE runtime's (`lowering.staged_runtime`)."""
         layout = head_layout(self.config) if packed is self.weights.head else layer_layout(self.config)
         return {name: jax.device_put(view) for name, view in layout.views(packed).items()}
 
