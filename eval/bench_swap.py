@@ -103,7 +103,8 @@ def main(argv=None) -> None:
     rows = []
     for fraction in FRACTIONS:
         child = [sys.executable, "-m", "eval.bench_swap", "--backend", args.backend, "--repeats", str(args.repeats),
-                 "--policy", args.policy, "--prompt-length", str(args.prompt_length), "--one", "resident" if fraction is None else str(fraction)]
+                 "--policy", args.policy, "--prompt-length", str(args.prompt_length),
+                 "--one", "resident" if fraction is None else str(fraction)]
         rows.append(json.loads(subprocess.run(child, capture_output=True, text=True, check=True).stdout))
     resident = rows[0]["median_s"]
     print(f"weights {weight_bytes() / 2**20:.0f} MiB, backend {args.backend}, {args.policy}, "
