@@ -149,6 +149,29 @@ def test_revision_replaces_a_token_the_model_now_rejects(tiny_model):
     state.side.close()
 
 
+@pytest.mark.parametrize("rounds", [0, 1, 2])
+def test_a_final_revision_is_settled_by_another_rescore(tiny_model, rounds):
+    """A revision made when the generation ends is re-scored once more (it confirms here, so settling
+    stops after one round), and that round refreshes its K/V; with no settle rounds it is not."""
+    from policies.canvas import Block
+
+    backend = jax_backend(tiny_model)
+    canvas = Canvas.start(prompt(3), 16, TINY.mask_token_id, cfg=False, max_len=TINY.max_sequence_length)
+    policy = Revision(revise_threshold=0.01, settle_rounds=rounds)
+    state = policy.initial_state(backend, canvas)
+    block = Block(0, canvas.prompt_len, canvas.prompt_len + 8)
+    out, window, state = policy.step(backend, canvas, state, block, 0, 0)
+    expected = int(out.readout["x0"][0][block.start])
+    wrong = (expected + 7) % TINY.mask_token_id
+    canvas.write(np.array([block.start]), np.array([wrong]))
+    state, _ = policy.after_commit(backend, canvas, state, block, window, None, np.zeros(canvas.slots), 0)
+    state, revisions = policy.finish(backend, canvas, state)
+    assert revisions == ((block.start, wrong, expected),) and canvas.tokens[0, block.start] == expected
+    settled = min(rounds, 1)
+    assert state.probes == 1 + settled and state.confirmations[block.start] == settled
+    assert (state.kv.slot_token[0, block.start] == expected) == bool(settled)
+
+
 def test_revision_needs_a_cached_base():
     with pytest.raises(LladaError, match="needs a cached base policy"):
         make_cache_policy("vanilla+revision")
