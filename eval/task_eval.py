@@ -6,6 +6,7 @@ A decoder setting is a policy name with an optional threshold: `dual-cache` or `
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import numpy as np
 
@@ -64,9 +65,10 @@ def evaluate(model, setting: DecoderSetting, limit: int | None = None, steps: in
         seconds += result.wall_s
         if progress:
             done = sum(map(sum, correct.values()))
-            print(f"\r{setting}: {index + 1}/{len(examples)} accuracy {done / (index + 1):.3f}", end="", flush=True)
+            print(f"\r{setting}: {index + 1}/{len(examples)} accuracy {done / (index + 1):.3f}", end="", flush=True,
+                  file=sys.stderr)
     if progress:
-        print()
+        print(file=sys.stderr)
     every = [c for family in correct.values() for c in family]
     return {"setting": str(setting), "overall": float(np.mean(every)),
             "families": {name: float(np.mean(v)) for name, v in sorted(correct.items())},

@@ -176,7 +176,7 @@ def cmd_eval_tasks(args) -> None:
     settings = [DecoderSetting.parse(spec) for spec in (args.policy or ["vanilla"])]
     if args.block_length < 1 or GEN_LENGTH % args.block_length:
         raise LladaError(f"--block-length must divide the answer length {GEN_LENGTH}, got {args.block_length}")
-    rows = [evaluate(model, setting, args.limit, progress=not args.json, block_length=args.block_length)
+    rows = [evaluate(model, setting, args.limit, progress=True, block_length=args.block_length)
             for setting in settings]
     if args.json:
         print(json.dumps(rows[0] if len(rows) == 1 else {"overall": rows[0]["overall"], "runs": rows}))
@@ -225,7 +225,7 @@ def cmd_bench(args) -> None:
     config, tokenizer, run = generation_runner(args)
     settings = [DecoderSetting.parse(spec) for spec in (args.policy or DEFAULT_BENCH)]
     report = bench(run, config, tokenizer, settings, bench_prompts(args, tokenizer, config), args.steps,
-                   progress=None if args.json else (lambda m: print(m, file=sys.stderr)),
+                   progress=lambda m: print(m, file=sys.stderr),
                    block_length=args.block_length)
     if args.plot:
         plot(report, args.plot)
