@@ -72,8 +72,10 @@ def ring_slots(budget: int, weights: StagedWeights, kv: int) -> int:
     """How many staging slots fit next to the KV state; at least one, else a clear error."""
     slots = (budget - kv) // weights.slot_bytes
     if slots < 1:
-        raise LladaError(f"device memory budget {budget} bytes is too small: one staged layer ({weights.slot_bytes} "
-                         f"bytes) plus the KV state ({kv} bytes) need at least {weights.slot_bytes + kv} bytes")
+        largest = "the final norm + LM head" if weights.head.nbytes == weights.slot_bytes else "one decoder layer"
+        raise LladaError(f"device memory budget {budget} bytes is too small: the largest staged piece ({largest}, "
+                         f"{weights.slot_bytes} bytes) plus the KV state ({kv} bytes) need at least "
+                         f"{weights.slot_bytes + kv} bytes")
     return int(min(slots, len(weights.stages)))
 
 

@@ -3,6 +3,7 @@ overlaps copies with compute, and a budget too small is refused with the minimum
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -48,10 +49,17 @@ def test_staged_equals_resident(tiny_dir, tiny_model, fraction, policy, seed, th
 
 
 def test_budget_too_small_names_the_minimum(tiny_dir):
+    """The refusal names the largest piece (here the head: vocab 512 > a layer) and a minimum that runs."""
+    options = dict(gen_length=8, block_length=8, steps=8)
     staged = llada_jax.load(tiny_dir, device_memory_budget=20_000)
-    with pytest.raises(LladaError, match=r"too small: one staged layer \(\d+ bytes\) plus the KV state "
-                                         r"\(\d+ bytes\) need at least \d+ bytes"):
-        llada_jax.generate(staged, np.arange(3, 9), gen_length=8, block_length=8, steps=8)
+    with pytest.raises(LladaError, match=r"too small: the largest staged piece \(the final norm \+ LM head, \d+ "
+                                         r"bytes\) plus the KV state \(\d+ bytes\) need at least (\d+) bytes") as error:
+        llada_jax.generate(staged, np.arange(3, 9), **options)
+    minimum = int(re.search(r"at least (\d+) bytes", str(error.value)).group(1))
+    with pytest.raises(LladaError, match=f"at least {minimum} bytes"):
+        llada_jax.generate(llada_jax.load(tiny_dir, device_memory_budget=minimum - 1), np.arange(3, 9), **options)
+    result = llada_jax.generate(llada_jax.load(tiny_dir, device_memory_budget=minimum), np.arange(3, 9), **options)
+    assert result.stats["pinned_stages"] == 0 and result.stats["bytes_staged"] > 0
 
 
 def test_budget_that_fits_keeps_weights_resident(tiny_dir, tiny_model):
