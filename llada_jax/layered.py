@@ -1,20 +1,22 @@
 """The forward pass cut into fixed-shape pieces for staged execution: the embedding (a host gather),
-one decoder layer taking its weights as arguments, and the final norm + head. The same compiled
-layer serves every layer. Weights come as a dict of tensors: views of one packed stage in a staging
-slot (see `packing`), never sliced in-graph."""
+one decoder layer taking its weights as arguments, and the final norm + one vocabulary chunk of the
+LM head. The same compiled layer serves every layer, the same head piece every chunk. Weights come
+as a dict of tensors: views of one packed stage in a staging slot (see `packing`), never sliced
+in-graph."""
 
 from __future__ import annotations
 
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from llada_jax.config import LLaDAConfig
 from llada_jax.kv_state import HIDDEN
-from llada_jax.model import decoder_layer, rms_norm, rotary_tables
+from llada_jax.model import decoder_layer, lm_logits, rms_norm, rotary_tables
 from llada_jax.readout import Readout
-from llada_jax.steps import read_out
+from llada_jax.steps import argmax_others, guided_logits
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
@@ -28,11 +30,26 @@ def layer_step(weights, x: jax.Array, positions: jax.Array, key_bias: jax.Array,
 
 
 @functools.partial(jax.jit, static_argnames=("config", "readout"))
-def head_step(weights, x: jax.Array, cfg_scale, logit_bias, confidence_bias, *,
-              config: LLaDAConfig, readout: Readout):
-    """Final norm and LM head, then the readout (as the resident steps do)."""
+def head_chunk_step(weights, x: jax.Array, cfg_scale, logit_bias, confidence_bias, *,
+                    config: LLaDAConfig, readout: Readout):
+    """Final norm and one vocabulary chunk of the LM head; `logit_bias`/`confidence_bias` are that
+    chunk's slices (padding rows: -inf logit bias). Returns the chunk's guided logits, or its
+    partial readout (`partial_readout`), which `readout.combine_head_chunks` merges across chunks."""
     hidden = rms_norm(x, weights["ln_f"], config.rms_norm_eps)
-    return read_out({"lm_head": weights["lm_head"]}, hidden, cfg_scale, logit_bias, confidence_bias, readout)
+    logits = guided_logits(lm_logits({"lm_head": weights["lm_head"]}, hidden), cfg_scale, logit_bias, readout)
+    return {"logits": logits} if readout.kind == "logits" else partial_readout(logits, confidence_bias)
+
+
+def partial_readout(logits: jax.Array, confidence_bias: jax.Array) -> dict:
+    """Over one vocabulary chunk `[B, W, rows]`: x0 (chunk argmax, first on ties), lmax (its logit),
+    top (its score, logit + confidence bias), others (sum of exp(score - top) over the chunk's other
+    tokens), smax and ssum (the chunk's max score and sum of exp(score - smax))."""
+    x0, top, others = argmax_others(logits, confidence_bias)
+    scored = logits + confidence_bias
+    smax = jnp.max(scored, axis=-1)
+    safe = jnp.where(jnp.isneginf(smax), 0.0, smax)  # a chunk with every score -inf sums to 0
+    return {"x0": x0, "lmax": jnp.max(logits, axis=-1), "top": top, "others": others,
+            "smax": smax, "ssum": jnp.sum(jnp.exp(scored - safe[..., None]), axis=-1)}
 
 
 def key_bias(valid: np.ndarray) -> np.ndarray:

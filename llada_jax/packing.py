@@ -48,7 +48,28 @@ def layer_layout(config: LLaDAConfig) -> PackedLayout:
     return PackedLayout.of({name: block_shapes(config)[name] for name in BLOCK_TENSORS})
 
 
+def head_chunks(config: LLaDAConfig) -> tuple[int, int]:
+    """(chunks, rows): the LM head is staged in vocabulary slices of `rows` rows, as few as keep each
+    about a decoder layer's size (LLaDA-8B's 126464-token head is 2.4 layers, and the largest stage
+    sets the size of every staging slot)."""
+    rows = -(-config.embedding_size // max(1, -(-config.embedding_size * config.d_model // layer_layout(config).size)))
+    return -(-config.embedding_size // rows), rows
+
+
 def head_layout(config: LLaDAConfig) -> PackedLayout:
-    return PackedLayout.of({"ln_f": (config.d_model,), "lm_head": (config.embedding_size, config.d_model)})
+    """One head chunk: the final norm and `rows` rows of the LM head (the last chunk zero-padded)."""
+    return PackedLayout.of({"ln_f": (config.d_model,), "lm_head": (head_chunks(config)[1], config.d_model)})
+
+
+def head_chunk_tensors(ln_f: np.ndarray, lm_head: np.ndarray, config: LLaDAConfig) -> list[dict]:
+    """The head's tensors cut into its chunks (row slices, no copies), the last padded with zero rows."""
+    chunks, rows = head_chunks(config)
+    out = []
+    for c in range(chunks):
+        part = lm_head[c * rows: (c + 1) * rows]
+        if part.shape[0] < rows:
+            part = np.concatenate([np.asarray(part), np.zeros((rows - part.shape[0], part.shape[1]), part.dtype)])
+        out.append({"ln_f": ln_f, "lm_head": part})
+    return out
 
 

@@ -43,3 +43,37 @@ class TokenBiases:
         confidence_bias = np.zeros(vocab, np.float32)
         confidence_bias[list(unconfident_ids)] = -np.inf
         return cls(logit_bias, confidence_bias)
+
+
+HEAD_PARTS = ("x0", "lmax", "top", "others", "smax", "ssum")  # a head chunk's partial argmax readout
+
+
+def chunk_biases(biases: TokenBiases, chunks: int, rows: int) -> list[TokenBiases]:
+    """Per-chunk slices of the token biases for a head staged in `chunks` vocabulary slices of `rows`;
+    padding rows past the vocabulary get a -inf logit bias (never predicted, no probability)."""
+    logit = np.full(chunks * rows, -np.inf, np.float32)
+    confidence = np.zeros(chunks * rows, np.float32)
+    logit[: biases.logit_bias.size] = biases.logit_bias
+    confidence[: biases.confidence_bias.size] = biases.confidence_bias
+    return [TokenBiases(logit[c * rows: (c + 1) * rows], confidence[c * rows: (c + 1) * rows]) for c in range(chunks)]
+
+
+def combine_head_chunks(parts: list[dict], rows: int, vocab: int) -> dict:
+    """The readout of the whole head from its chunks' partial readouts (see `layered.partial_readout`):
+    logits are concatenated; x0 is the first chunk-argmax with the highest logit (the global argmax,
+    first on ties) and log p(x0) = -log1p(others), where others adds the winning chunk's own sum to
+    every other chunk's whole sum rescaled to the winner's score."""
+    if "logits" in parts[0]:
+        return {"logits": np.concatenate([p["logits"] for p in parts], axis=-1)[..., :vocab]}
+
+    def stacked(name):
+        return np.stack([np.asarray(p[name], np.float64) for p in parts])  # [C, B, W]
+
+    winner = np.argmax(stacked("lmax"), axis=0)[None]
+    top = np.take_along_axis(stacked("top"), winner, 0)[0]
+    with np.errstate(over="ignore", invalid="ignore"):
+        rest = stacked("ssum") * np.exp(stacked("smax") - top)
+        rest = np.where(np.arange(len(parts))[:, None, None] == winner, 0.0, np.nan_to_num(rest, nan=0.0, posinf=np.inf)).sum(0)
+        logp = -np.log1p(np.take_along_axis(stacked("others"), winner, 0)[0] + rest)
+    x0 = np.take_along_axis(stacked("x0"), winner, 0)[0].astype(np.int64) + winner[0] * rows
+    return {"x0": x0.astype(np.int32), "logp": np.where(np.isneginf(top), -np.inf, logp).astype(np.float32)}

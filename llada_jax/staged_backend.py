@@ -13,9 +13,9 @@ import numpy as np
 from llada_jax import kv_state
 from llada_jax.backend import _to_host, commit_on_device, empty_on_device
 from llada_jax.config import LLaDAConfig
-from llada_jax.layered import head_step, key_bias, layer_step
-from llada_jax.packing import head_layout, layer_layout
-from llada_jax.readout import Readout, StepOutput, TokenBiases
+from llada_jax.layered import head_chunk_step, key_bias, layer_step
+from llada_jax.packing import head_chunks, head_layout, layer_layout
+from llada_jax.readout import Readout, StepOutput, TokenBiases, chunk_biases, combine_head_chunks
 from llada_jax.staging import StagedWeights, StagingRing, StagingStats
 
 
@@ -33,21 +33,23 @@ class StagedJaxBackend:
     def _forward(self, ids: np.ndarray, positions: np.ndarray, bias: np.ndarray, state) -> StepOutput:
         x = jnp.asarray(self.weights.embedding[np.asarray(ids)])
         positions, bias = jnp.asarray(positions, jnp.int32), jnp.asarray(bias)
-        keys, values, out = [], [], {}
+        keys, values, parts = [], [], []
+        n = self.config.n_layers
 
         def compute(stage: int, weights: dict) -> None:
             nonlocal x
-            if stage < self.config.n_layers:
+            if stage < n:
                 cached = (None, None) if state is None else (state.keys[stage], state.values[stage])
                 x, k, v = layer_step(weights, x, positions, bias, *cached, config=self.config)
                 x.block_until_ready()
                 keys.append(k)
                 values.append(v)
             else:
-                out.update(_to_host(head_step(weights, x, *self._common, config=self.config,
-                                              readout=self.readout)))
+                parts.append(_to_host(head_chunk_step(weights, x, *self._common[stage - n], config=self.config,
+                                                      readout=self.readout)))
 
         self._ring.run(compute)
+        out = combine_head_chunks(parts, head_chunks(self.config)[1], self.config.embedding_size)
         return StepOutput(out, jnp.stack(keys), jnp.stack(values))
 
     @functools.cached_property
@@ -56,17 +58,18 @@ class StagedJaxBackend:
         return StagingRing(self.weights.stages, self.slots, self._upload, self.stats)
 
     @functools.cached_property
-    def _common(self) -> tuple:
-        """The per-generation head arguments, uploaded once."""
-        return (jnp.float32(self.cfg_scale), jnp.asarray(self.biases.logit_bias),
-                jnp.asarray(self.biases.confidence_bias))
+    def _common(self) -> list[tuple]:
+        """The per-generation arguments of each head chunk, uploaded once."""
+        scale = jnp.float32(self.cfg_scale)
+        return [(scale, jnp.asarray(part.logit_bias), jnp.asarray(part.confidence_bias))
+                for part in chunk_biases(self.biases, *head_chunks(self.config))]
 
-    def _upload(self, slot: int, packed: np.ndarray) -> dict:
+    def _upload(self, slot: int, stage: int) -> dict:
         """One stage to the device, tensor by tensor from its packed host buffer. XLA owns the device
         buffers: on a CPU device `device_put` aliases the aligned host views (nothing is copied), so
         the real slot copies are the IREE runtime's (`lowering.staged_runtime`)."""
-        layout = head_layout(self.config) if packed is self.weights.head else layer_layout(self.config)
-        return {name: jax.device_put(view) for name, view in layout.views(packed).items()}
+        layout = layer_layout(self.config) if stage < self.config.n_layers else head_layout(self.config)
+        return {name: jax.device_put(view) for name, view in layout.views(self.weights.stages[stage]).items()}
 
     def full(self, tokens: np.ndarray, valid: np.ndarray) -> StepOutput:
         positions = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)

@@ -1,7 +1,8 @@
 """Swap-optimized execution: run a model whose weights exceed the device memory budget.
 
 Weights are packed once, at load time, into one contiguous aligned host buffer per stage (each
-decoder layer; the final norm + head), straight from the memory-mapped checkpoint; the embedding
+decoder layer; the final norm + a vocabulary slice of the head, in as many chunks as keep each about a
+layer's size), straight from the memory-mapped checkpoint; the embedding
 stays on the host (a row gather). A forward pass streams the stages through two device slots: while
 one stage computes, a background thread copies the next into the other slot. Slots the budget allows
 beyond those two pin the largest stages, copied once per generation, so a bigger budget copies fewer
@@ -21,23 +22,23 @@ import numpy as np
 
 from llada_jax.config import LLaDAConfig
 from llada_jax.errors import LladaError
-from llada_jax.packing import head_layout, layer_layout
+from llada_jax.packing import head_chunk_tensors, head_layout, layer_layout
 
 
 @dataclasses.dataclass(frozen=True)
 class StagedWeights:
     embedding: np.ndarray        # [E, D] host (memory-mapped or loaded), gathered on the host
     layers: tuple[np.ndarray, ...]
-    head: np.ndarray
+    head: tuple[np.ndarray, ...]  # chunks: final norm + a vocabulary slice of the LM head each
     dtype: object
 
     @property
     def slot_bytes(self) -> int:
-        return max(max(p.nbytes for p in self.layers), self.head.nbytes)
+        return max(p.nbytes for p in self.stages)
 
     @property
     def stages(self) -> tuple[np.ndarray, ...]:
-        return (*self.layers, self.head)
+        return (*self.layers, *self.head)
 
 
 def pack_weights(tensors, config: LLaDAConfig, dtype) -> StagedWeights:
@@ -45,11 +46,11 @@ def pack_weights(tensors, config: LLaDAConfig, dtype) -> StagedWeights:
     as its last tensor arrives, so at most a few stages are ever held unpacked."""
     from llada_jax.params import HF_PREFIX
 
+    n = config.n_layers
     stage_of = {f"{HF_PREFIX}blocks.{i}.{name}.weight": (i, name)
-                for i in range(config.n_layers) for name, _, _ in layer_layout(config).entries}
-    stage_of[HF_PREFIX + "ln_f.weight"] = (config.n_layers, "ln_f")
-    stage_of[HF_PREFIX + "ff_out.weight"] = (config.n_layers, "lm_head")
-    layouts = [layer_layout(config)] * config.n_layers + [head_layout(config)]
+                for i in range(n) for name, _, _ in layer_layout(config).entries}
+    stage_of[HF_PREFIX + "ln_f.weight"] = (n, "ln_f")
+    stage_of[HF_PREFIX + "ff_out.weight"] = (n, "lm_head")
     pending: dict[int, dict] = {}
     packed: dict[int, np.ndarray] = {}
     embedding = None
@@ -59,9 +60,12 @@ def pack_weights(tensors, config: LLaDAConfig, dtype) -> StagedWeights:
             continue
         stage, short = stage_of[name]
         pending.setdefault(stage, {})[short] = array
-        if len(pending[stage]) == len(layouts[stage].entries):
-            packed[stage] = layouts[stage].pack(pending.pop(stage), dtype)
-    return StagedWeights(embedding, tuple(packed[i] for i in range(config.n_layers)), packed[config.n_layers], dtype)
+        if stage < n and len(pending[stage]) == len(layer_layout(config).entries):
+            packed[stage] = layer_layout(config).pack(pending.pop(stage), dtype)
+    head = pending.pop(n)
+    chunks = tuple(head_layout(config).pack(chunk, dtype)
+                   for chunk in head_chunk_tensors(head["ln_f"], head["lm_head"], config))
+    return StagedWeights(embedding, tuple(packed[i] for i in range(n)), chunks, dtype)
 
 
 def kv_bytes(config: LLaDAConfig, batch: int, slots: int, itemsize: int) -> int:
@@ -72,7 +76,7 @@ def ring_slots(budget: int, weights: StagedWeights, kv: int) -> int:
     """How many staging slots fit next to the KV state; at least one, else a clear error."""
     slots = (budget - kv) // weights.slot_bytes
     if slots < 1:
-        largest = "the final norm + LM head" if weights.head.nbytes == weights.slot_bytes else "one decoder layer"
+        largest = "an LM head chunk" if weights.head[0].nbytes == weights.slot_bytes else "one decoder layer"
         raise LladaError(f"device memory budget {budget} bytes is too small: the largest staged piece ({largest}, "
                          f"{weights.slot_bytes} bytes) plus the KV state ({kv} bytes) need at least "
                          f"{weights.slot_bytes + kv} bytes")
@@ -106,7 +110,7 @@ class StagingStats:
 class StagingRing:
     """N reusable device slots holding a fixed sequence of host stages, copies overlapped with compute.
 
-    `upload(slot, host)` fills a slot and returns what compute reads (a device buffer). The first
+    `upload(slot, stage)` copies stage `stage` into a slot and returns what compute reads (device buffers). The first
     min(N, STREAM_SLOTS) slots stream: the j-th streamed stage lives in slot j mod STREAM_SLOTS and is
     copied only after streamed stage j - STREAM_SLOTS finished computing. Every further slot pins one
     stage (largest first): copied on first use and kept for the ring's life, so a budget above the
@@ -147,7 +151,7 @@ class StagingRing:
                     return
                 try:
                     started = time.perf_counter()
-                    loaded[stage] = self.upload(self._slot(stage), self.stages[stage])
+                    loaded[stage] = self.upload(self._slot(stage), stage)
                     self.stats.copy_seconds += time.perf_counter() - started
                     self.stats.bytes_staged += self.stages[stage].nbytes
                 except BaseException as err:  # surfaced in the computing thread

@@ -26,18 +26,23 @@ def guided_logits(logits: jax.Array, cfg_scale: jax.Array, logit_bias: jax.Array
     return logits + logit_bias
 
 
-def argmax_logprob(logits: jax.Array, confidence_bias: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """x0 = argmax (first on ties) and log p(x0) under softmax(logits + confidence_bias), accurate
-    near p = 1 where a float32 probability would round to 1."""
+def argmax_others(logits: jax.Array, confidence_bias: jax.Array):
+    """x0 = argmax (first on ties), its score `top` (logit + confidence bias) and `others`, the sum of
+    exp(score - top) over every other token: p(x0) = 1 / (1 + others)."""
     x0 = jnp.argmax(logits, axis=-1)
     scored = logits + confidence_bias
     top = jnp.take_along_axis(scored, x0[..., None], axis=-1)
     others = jnp.exp(scored - top)
     others = jnp.where(jnp.arange(scored.shape[-1]) == x0[..., None], 0.0, others)
-    logp = -jnp.log1p(jnp.sum(others, axis=-1))
+    return x0.astype(jnp.int32), top[..., 0], jnp.sum(others, axis=-1)
+
+
+def argmax_logprob(logits: jax.Array, confidence_bias: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x0 = argmax (first on ties) and log p(x0) under softmax(logits + confidence_bias), accurate
+    near p = 1 where a float32 probability would round to 1."""
+    x0, top, others = argmax_others(logits, confidence_bias)
     # x0 left out of the confidence softmax: probability 0.
-    logp = jnp.where(jnp.isneginf(top[..., 0]), -jnp.inf, logp)
-    return x0.astype(jnp.int32), logp
+    return x0, jnp.where(jnp.isneginf(top), -jnp.inf, -jnp.log1p(others))
 
 
 def read_out(params: dict, hidden: jax.Array, cfg_scale, logit_bias, confidence_bias, readout: Readout) -> dict:

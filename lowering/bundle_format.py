@@ -11,7 +11,7 @@ from llada_jax.errors import LladaError
 PARAMETER_SCOPE = "model"  # IREE parameter scope the weights are bound under
 MANIFEST = "manifest.json"
 VMFB = "steps.vmfb"
-FORMAT_VERSION = 2  # 2: staged pieces take one argument per weight tensor
+FORMAT_VERSION = 3  # 2: staged pieces take one argument per weight tensor; 3: the head is staged in vocabulary chunks
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 

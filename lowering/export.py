@@ -18,11 +18,11 @@ from jax import export
 
 from llada_jax.buckets import LENGTH_BUCKETS
 from llada_jax.config import LLaDAConfig
-from llada_jax.layered import head_step, layer_step
+from llada_jax.layered import head_chunk_step, layer_step
 from llada_jax.model import Context
-from llada_jax.packing import PackedLayout, head_layout, layer_layout
+from llada_jax.packing import PackedLayout, head_chunks, head_layout, layer_layout
 from llada_jax.params import hf_shapes, hf_to_params
-from llada_jax.readout import Readout
+from llada_jax.readout import HEAD_PARTS, Readout
 from llada_jax.steps import full_step, scatter_slots, window_step
 from lowering.bundle_format import PARAMETER_SCOPE
 
@@ -119,9 +119,11 @@ def _staged_signature(spec: StepSpec, config: LLaDAConfig, compute_dtype, extras
     if spec.kind == "stack":
         layers = [(f"keys_{i}", _sds(kv, compute_dtype)) for i in range(config.n_layers)]
         return layers, [("stacked", _sds((config.n_layers, *kv), compute_dtype))]
-    if spec.kind == "head":
-        inputs = [*_stage_tensors(head_layout(config), compute_dtype), ("x", _sds((b, w, d), compute_dtype)), *extras]
-        return inputs, [("x0", _sds((b, w), jnp.int32)), ("logp", _sds((b, w), jnp.float32))]
+    if spec.kind == "head":  # one vocabulary chunk: its slices of the token biases, a partial readout
+        rows = head_chunks(config)[1]
+        inputs = [*_stage_tensors(head_layout(config), compute_dtype), ("x", _sds((b, w, d), compute_dtype)),
+                  extras[0], ("logit_bias", _sds((rows,), jnp.float32)), ("confidence_bias", _sds((rows,), jnp.float32))]
+        return inputs, [(name, _sds((b, w), jnp.int32 if name == "x0" else jnp.float32)) for name in HEAD_PARTS]
     width = w or s
     inputs = [*_stage_tensors(layer_layout(config), compute_dtype), ("x", _sds((b, width, d), compute_dtype)),
               ("positions", _sds((b, width), jnp.int32))]
@@ -149,8 +151,8 @@ def _staged_function(spec: StepSpec, config: LLaDAConfig):
     if spec.kind == "head":
         def run(*args):
             weights, (x, cfg_scale, logit_bias, confidence_bias) = dict(zip(names, args)), args[len(names):]
-            out = head_step(weights, x, cfg_scale, logit_bias, confidence_bias, config=config, readout=ARGMAX)
-            return out["x0"], out["logp"]
+            out = head_chunk_step(weights, x, cfg_scale, logit_bias, confidence_bias, config=config, readout=ARGMAX)
+            return tuple(out[name] for name in HEAD_PARTS)
     elif spec.kind == "layer_full":
         def run(*args):
             weights, (x, positions, key_bias) = dict(zip(names, args)), args[len(names):]

@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 from llada_jax import kv_state
-from llada_jax.packing import PackedLayout, head_layout, layer_layout
-from llada_jax.readout import StepOutput
+from llada_jax.packing import PackedLayout, head_chunks, head_layout, layer_layout
+from llada_jax.readout import HEAD_PARTS, StepOutput, chunk_biases, combine_head_chunks
 from llada_jax.staging import StagedWeights, StagingRing, StagingStats, kv_bytes, pack_weights, ring_slots
 from llada_jax.weights_io import iter_tensors
 from lowering.runtime import Bundle, IreeBackend, Session
@@ -58,11 +58,14 @@ class IreeStagedBackend(IreeBackend):
         self.slots = DeviceSlots(session, ring, max(p.size for p in weights.stages), self.layouts)
         self.stats = StagingStats()
         self.ring = StagingRing(weights.stages, ring, self._upload, self.stats)
+        # Each head chunk's slices of the token biases, uploaded once per generation.
+        self._chunk_extras = [(self._extras[0], session.upload(part.logit_bias), session.upload(part.confidence_bias))
+                              for part in chunk_biases(biases, *head_chunks(self.config))]
 
     def _staged(self, ids, positions, bias, layer_name: str, state, width: int) -> StepOutput:
         batch = ids.shape[0]
         x = self.session.upload(self.weights.embedding[np.asarray(ids)])
-        keys, values, out = [], [], {}
+        keys, values, parts = [], [], []
         n_layers = self.config.n_layers
 
         def compute(stage: int, tensors: list) -> None:
@@ -73,16 +76,17 @@ class IreeStagedBackend(IreeBackend):
                 keys.append(k)
                 values.append(v)
             else:
-                x0, logp = self._call(f"head_b{batch}_w{width}", *tensors, x, *self._extras)
-                out.update(x0=self.session.read(x0), logp=self.session.read(logp))
+                outputs = self._call(f"head_b{batch}_w{width}", *tensors, x, *self._chunk_extras[stage - n_layers])
+                parts.append(dict(zip(HEAD_PARTS, map(self.session.read, outputs))))
 
         self.ring.run(compute)
         stack = f"stack_b{batch}_w{width}"
+        out = combine_head_chunks(parts, head_chunks(self.config)[1], self.config.embedding_size)
         return StepOutput(out, self._call(stack, *keys), self._call(stack, *values))
 
-    def _upload(self, slot: int, packed: np.ndarray) -> list:
-        layout = self.layouts[1] if packed is self.weights.head else self.layouts[0]
-        return self.slots.upload(slot, packed, layout)
+    def _upload(self, slot: int, stage: int) -> list:
+        layout = self.layouts[0] if stage < self.config.n_layers else self.layouts[1]
+        return self.slots.upload(slot, self.weights.stages[stage], layout)
 
     def full(self, tokens: np.ndarray, valid: np.ndarray) -> StepOutput:
         batch, slots = tokens.shape

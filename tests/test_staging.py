@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import llada_jax
 from llada_jax.errors import LladaError
-from llada_jax.packing import head_layout, layer_layout
+from llada_jax.packing import head_chunks, head_layout, layer_layout
 from llada_jax.staging import StagingRing, StagingStats, kv_bytes
 from tests.conftest import TINY
 
@@ -49,10 +49,12 @@ def test_staged_equals_resident(tiny_dir, tiny_model, fraction, policy, seed, th
 
 
 def test_budget_too_small_names_the_minimum(tiny_dir):
-    """The refusal names the largest piece (here the head: vocab 512 > a layer) and a minimum that runs."""
+    """The refusal names the largest piece and a minimum that runs. The head (vocab 512, 1.8 layers) is
+    staged in two chunks, so the largest piece is a decoder layer."""
+    assert head_chunks(TINY) == (2, 256)
     options = dict(gen_length=8, block_length=8, steps=8)
     staged = llada_jax.load(tiny_dir, device_memory_budget=20_000)
-    with pytest.raises(LladaError, match=r"too small: the largest staged piece \(the final norm \+ LM head, \d+ "
+    with pytest.raises(LladaError, match=r"too small: the largest staged piece \(one decoder layer, \d+ "
                                          r"bytes\) plus the KV state \(\d+ bytes\) need at least (\d+) bytes") as error:
         llada_jax.generate(staged, np.arange(3, 9), **options)
     minimum = int(re.search(r"at least (\d+) bytes", str(error.value)).group(1))
@@ -71,12 +73,12 @@ def test_ring_reuses_slots_and_overlaps_copies_with_compute():
     stages = tuple(np.full(1000, i, np.float32) for i in range(7))
     in_slot, log, lock = {}, [], threading.Lock()
 
-    def upload(slot, host):
+    def upload(slot, stage):
         time.sleep(0.01)
         with lock:
             assert slot not in in_slot, "a slot was overwritten while its stage was still in use"
-            in_slot[slot] = int(host[0])
-            log.append(("copy", int(host[0]), slot))
+            in_slot[slot] = int(stages[stage][0])
+            log.append(("copy", int(stages[stage][0]), slot))
         return slot
 
     def compute(stage, slot):
@@ -102,12 +104,12 @@ def test_ring_reuses_slots_and_overlaps_copies_with_compute():
 
 def test_ring_pins_the_largest_stages_and_surfaces_copy_failures():
     stages = (np.zeros(10), np.zeros(30), np.zeros(20), np.zeros(10))
-    ring = StagingRing(stages, 3, lambda slot, host: slot, StagingStats())
+    ring = StagingRing(stages, 3, lambda slot, stage: slot, StagingStats())
     assert ring.pinned_slot == {1: 2} and ring._slot(0) == 0 and ring._slot(2) == 1 and ring._slot(3) == 0
-    everything = StagingRing(stages, 4, lambda slot, host: slot, StagingStats())
+    everything = StagingRing(stages, 4, lambda slot, stage: slot, StagingStats())
     assert sorted(everything.pinned_slot) == [0, 1, 2, 3]
 
-    def failing(slot, host):
+    def failing(slot, stage):
         raise OSError("disk went away")
 
     with pytest.raises(OSError, match="disk went away"):
