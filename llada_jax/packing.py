@@ -52,8 +52,10 @@ def head_chunks(config: LLaDAConfig) -> tuple[int, int]:
     """(chunks, rows): the LM head is staged in vocabulary slices of `rows` rows, as few as keep each
     about a decoder layer's size (LLaDA-8B's 126464-token head is 2.4 layers, and the largest stage
     sets the size of every staging slot)."""
-    rows = -(-config.embedding_size // max(1, -(-config.embedding_size * config.d_model // layer_layout(config).size)))
-    return -(-config.embedding_size // rows), rows
+    vocab = config.embedding_size
+    wanted = max(1, -(-vocab * config.d_model // layer_layout(config).size))
+    rows = -(-vocab // wanted)
+    return -(-vocab // rows), rows  # no chunk left empty
 
 
 def head_layout(config: LLaDAConfig) -> PackedLayout:

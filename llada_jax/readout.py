@@ -72,8 +72,8 @@ def combine_head_chunks(parts: list[dict], rows: int, vocab: int) -> dict:
     winner = np.argmax(stacked("lmax"), axis=0)[None]
     top = np.take_along_axis(stacked("top"), winner, 0)[0]
     with np.errstate(over="ignore", invalid="ignore"):
-        rest = stacked("ssum") * np.exp(stacked("smax") - top)
-        rest = np.where(np.arange(len(parts))[:, None, None] == winner, 0.0, np.nan_to_num(rest, nan=0.0, posinf=np.inf)).sum(0)
+        rest = np.nan_to_num(stacked("ssum") * np.exp(stacked("smax") - top), nan=0.0, posinf=np.inf)
+        rest = np.where(np.arange(len(parts))[:, None, None] == winner, 0.0, rest).sum(0)
         logp = -np.log1p(np.take_along_axis(stacked("others"), winner, 0)[0] + rest)
     x0 = np.take_along_axis(stacked("x0"), winner, 0)[0].astype(np.int64) + winner[0] * rows
     return {"x0": x0.astype(np.int32), "logp": np.where(np.isneginf(top), -np.inf, logp).astype(np.float32)}

@@ -1,12 +1,11 @@
 """Swap-optimized execution: run a model whose weights exceed the device memory budget.
 
 Weights are packed once, at load time, into one contiguous aligned host buffer per stage (each
-decoder layer; the final norm + a vocabulary slice of the head, in as many chunks as keep each about a
-layer's size), straight from the memory-mapped checkpoint; the embedding
-stays on the host (a row gather). A forward pass streams the stages through two device slots: while
-one stage computes, a background thread copies the next into the other slot. Slots the budget allows
-beyond those two pin the largest stages, copied once per generation, so a bigger budget copies fewer
-bytes per pass. The KV state stays resident; it must fit next to at least one slot, or the budget is
+decoder layer; each vocabulary chunk of the head, with the final norm, about a layer's size), straight
+from the memory-mapped checkpoint; the embedding stays on the host (a row gather). A forward pass
+streams the stages through two device slots: while one stage computes, a background thread copies the
+next into the other slot. Slots the budget allows beyond those two pin the largest stages, copied once
+per generation, so a bigger budget copies fewer bytes per pass. The KV state stays resident; it must fit next to at least one slot, or the budget is
 refused with the minimum it would need.
 """
 
@@ -110,7 +109,7 @@ class StagingStats:
 class StagingRing:
     """N reusable device slots holding a fixed sequence of host stages, copies overlapped with compute.
 
-    `upload(slot, stage)` copies stage `stage` into a slot and returns what compute reads (device buffers). The first
+    `upload(slot, stage)` copies a stage into a slot and returns what compute reads. The first
     min(N, STREAM_SLOTS) slots stream: the j-th streamed stage lives in slot j mod STREAM_SLOTS and is
     copied only after streamed stage j - STREAM_SLOTS finished computing. Every further slot pins one
     stage (largest first): copied on first use and kept for the ring's life, so a budget above the

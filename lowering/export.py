@@ -122,7 +122,8 @@ def _staged_signature(spec: StepSpec, config: LLaDAConfig, compute_dtype, extras
     if spec.kind == "head":  # one vocabulary chunk: its slices of the token biases, a partial readout
         rows = head_chunks(config)[1]
         inputs = [*_stage_tensors(head_layout(config), compute_dtype), ("x", _sds((b, w, d), compute_dtype)),
-                  extras[0], ("logit_bias", _sds((rows,), jnp.float32)), ("confidence_bias", _sds((rows,), jnp.float32))]
+                  extras[0], ("logit_bias", _sds((rows,), jnp.float32)),
+                  ("confidence_bias", _sds((rows,), jnp.float32))]
         return inputs, [(name, _sds((b, w), jnp.int32 if name == "x0" else jnp.float32)) for name in HEAD_PARTS]
     width = w or s
     inputs = [*_stage_tensors(layer_layout(config), compute_dtype), ("x", _sds((b, width, d), compute_dtype)),

@@ -51,3 +51,17 @@ def test_chunked_logits_are_the_whole_logits():
     parts = [{"logits": logits[..., :4]}, {"logits": logits[..., 4:8]},
              {"logits": np.concatenate([logits[..., 8:], np.full((1, 3, 2), -np.inf, np.float32)], -1)}]
     np.testing.assert_array_equal(combine_head_chunks(parts, 4, 10)["logits"], logits)
+
+
+def test_llada_8b_head_stages_in_chunks_no_larger_than_a_layer():
+    """With the real 126464-token vocabulary, the largest staged piece is a layer, not the head."""
+    import json
+
+    from llada_jax.config import LLaDAConfig
+    from llada_jax.packing import head_chunks, head_layout, layer_layout
+    from tests.conftest import LLADA_8B_DIR
+
+    config = LLaDAConfig.from_hf_dict(json.loads((LLADA_8B_DIR / "config.json").read_text()))
+    chunks, rows = head_chunks(config)
+    assert (chunks, rows) == (3, 42155) and chunks * rows >= config.embedding_size > (chunks - 1) * rows
+    assert head_layout(config).size < layer_layout(config).size
