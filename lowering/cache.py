@@ -7,6 +7,7 @@ import json
 import os
 from pathlib import Path
 
+from llada_jax.packing import head_layout, layer_layout
 from lowering.bundle import compile_bundle, iree_version
 from lowering.bundle_format import FORMAT_VERSION, MANIFEST, sha256
 
@@ -17,7 +18,8 @@ def cache_root() -> Path:
 
 def cached_bundle(model_dir, target: str, *, dtype: str = "float32", max_len: int | None = None,
                   window: int | None = None, device_memory_budget: int | None = None, progress=None) -> Path:
-    """A bundle for this model (by content), target, dtype, shapes and IREE version; compiled if absent."""
+    """A bundle for this model (by content), target, dtype, shapes, staged weight layouts and IREE version;
+    compiled if absent."""
     from llada_jax.config import read_config
 
     model_dir = Path(model_dir).absolute()
@@ -28,8 +30,8 @@ def cached_bundle(model_dir, target: str, *, dtype: str = "float32", max_len: in
     key = json.dumps({"config": sha256(model_dir / "config.json"),
                       "weights": [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in weights],
                       "target": target, "dtype": dtype, "max_len": max_len, "window": window,
-                      "budget": device_memory_budget, "format": FORMAT_VERSION,
-                      "iree": iree_version()}, sort_keys=True)
+                      "budget": device_memory_budget, "format": FORMAT_VERSION, "iree": iree_version(),
+                      "staged_layouts": [layer_layout(config).entries, head_layout(config).entries]}, sort_keys=True)
     out = cache_root() / hashlib.sha256(key.encode()).hexdigest()[:20]
     if not (out / MANIFEST).is_file():
         compile_bundle(model_dir, target, out, max_len=max_len, window=window, dtype=dtype, copy_weights=False,

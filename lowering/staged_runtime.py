@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from llada_jax import kv_state
+from llada_jax.errors import LladaError
 from llada_jax.packing import PackedLayout, head_chunks, head_layout, layer_layout
 from llada_jax.readout import HEAD_PARTS, StepOutput, chunk_biases, combine_head_chunks
 from llada_jax.staging import StagedWeights, StagingRing, StagingStats, kv_bytes, pack_weights, ring_slots
@@ -55,6 +56,7 @@ class IreeStagedBackend(IreeBackend):
         self.weights = weights
         ring = ring_slots(budget, weights, kv_bytes(self.config, batch, canvas_slots, 4))
         self.layouts = (layer_layout(self.config), head_layout(self.config))
+        check_piece_layouts(bundle, *self.layouts)
         self.slots = DeviceSlots(session, ring, max(p.size for p in weights.stages), self.layouts)
         self.stats = StagingStats()
         self.ring = StagingRing(weights.stages, ring, self._upload, self.stats)
@@ -100,6 +102,18 @@ class IreeStagedBackend(IreeBackend):
                                np.where(window_valid, 0.0, kv_state.HIDDEN).astype(np.float32)], axis=1)
         return self._staged(np.asarray(window_ids), np.asarray(window_pos, np.int32), bias,
                             f"layer_window_b{batch}_s{state.slots}_w{width}", state, width)
+
+
+def check_piece_layouts(bundle: Bundle, layer: PackedLayout, head: PackedLayout) -> None:
+    """Every staged piece of the bundle takes its weights in the shapes this runtime packs them in."""
+    for step in bundle.manifest["steps"]:
+        layout = {"layer_full": layer, "layer_window": layer, "head": head}.get(step["kind"])
+        if layout is None:
+            continue
+        compiled = [tuple(tensor["shape"]) for tensor in step["inputs"][: len(layout.entries)]]
+        if compiled != [shape for _, shape, _ in layout.entries]:
+            raise LladaError(f"{bundle.path}: step {step['name']} was compiled for another staged weight layout "
+                             f"(weights {compiled}); recompile the bundle")
 
 
 def staged_weights(bundle: Bundle) -> StagedWeights:

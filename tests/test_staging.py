@@ -148,3 +148,9 @@ def test_iree_staged_equals_iree_resident_and_jax(tiny_dir, tiny_model, tmp_path
     assert a.readout["x0"][:, :27].tolist() == b.readout["x0"][:, :27].tolist()
     np.testing.assert_allclose(a.readout["logp"][:, :27], b.readout["logp"][:, :27], atol=1e-6, rtol=0)
     np.testing.assert_allclose(session.read(a.keys), resident_session.read(b.keys), atol=1e-6, rtol=0)
+    for step in bundle.manifest["steps"]:  # as if compiled by a runtime that packs the head differently
+        for tensor in step["inputs"]:
+            if step["kind"] == "head" and tensor["name"] == "lm_head":
+                tensor["shape"] = [tensor["shape"][0] + 128, tensor["shape"][1]]
+    with pytest.raises(LladaError, match=r"step head_b1_w\d+ was compiled for another staged weight layout"):
+        IreeStagedBackend(bundle, session, weights, budget, Readout(), biases, 0.0, 1, 32)
