@@ -20,7 +20,8 @@ def add_decoding_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cfg-scale", type=float, default=0.0)
     parser.add_argument("--remasking", default="low_confidence", help="low_confidence or random")
     parser.add_argument("--policy", default="vanilla",
-                        help="BASE[+speculative[:L[:T]]][+revision[:R[:K]]], BASE = vanilla, prefix-cache, dual-cache")
+                        help="BASE[+speculative[:L[:T]]][+revision[:R[:K]]][@THRESHOLD], "
+                             "BASE = vanilla, prefix-cache, dual-cache")
     parser.add_argument("--lookahead", type=int, default=None, help="speculation: blocks ahead to draft (adds +speculative)")
     parser.add_argument("--draft-threshold", type=float, default=None, help="speculation: commit a draft at this confidence")
     parser.add_argument("--revise-threshold", type=float, default=None, help="revision: replace at this confidence (adds +revision)")
@@ -32,18 +33,35 @@ def add_decoding_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def policy_spec(args) -> str:
-    """--policy, with the speculation / revision flags folded into its spec."""
-    base, *parts = args.policy.split("+")
+    """--policy (without any @THRESHOLD), with the speculation / revision flags folded into its spec;
+    a flag's missing partner takes the spec's value, else the policy's own default."""
+    from policies.revision import Revision
+    from policies.speculative import Speculative
+
+    base, *parts = args.policy.partition("@")[0].split("+")
     modifiers = {part.split(":")[0]: part.split(":")[1:] for part in parts}
-    for name, flags in (("speculative", (args.lookahead, args.draft_threshold)),
-                        ("revision", (args.revise_threshold, args.confirmations))):
+    folds = (("speculative", (args.lookahead, args.draft_threshold), (Speculative.lookahead, Speculative.draft_threshold)),
+             ("revision", (args.revise_threshold, args.confirmations), (Revision.revise_threshold, Revision.confirmations)))
+    for name, flags, defaults in folds:
         if any(flag is not None for flag in flags):
             given = modifiers.get(name, [])
-            defaults = {"speculative": ("3", "0.9"), "revision": ("0.9", "2")}[name]
-            values = [str(flag) if flag is not None else (given[i] if i < len(given) else defaults[i])
-                      for i, flag in enumerate(flags)]
-            modifiers[name] = values
+            modifiers[name] = [str(flag if flag is not None else (given[i] if i < len(given) else defaults[i]))
+                               for i, flag in enumerate(flags)]
     return "+".join([base] + [":".join([name, *values]) for name, values in modifiers.items()])
+
+
+def commit_threshold(args) -> float | None:
+    """--threshold, or the THRESHOLD of --policy POLICY@THRESHOLD (the form eval and bench take)."""
+    _, at, value = args.policy.partition("@")
+    if not at:
+        return args.threshold
+    if args.threshold is not None:
+        raise LladaError(f"give the commit threshold once: --policy {args.policy} or --threshold {args.threshold}")
+    try:
+        return float(value)
+    except ValueError:
+        raise LladaError(f"bad threshold in --policy {args.policy!r}; use POLICY@THRESHOLD, "
+                         "e.g. dual-cache@0.9") from None
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
@@ -71,7 +89,7 @@ def decoding_kwargs(args) -> dict:
     return dict(gen_length=args.gen_length, block_length=args.block_length,
                 steps=args.steps if args.steps is not None else args.gen_length,
                 temperature=args.temperature, cfg_scale=args.cfg_scale, remasking=args.remasking,
-                policy=policy_spec(args), threshold=args.threshold, seed=args.seed,
+                policy=policy_spec(args), threshold=commit_threshold(args), seed=args.seed,
                 logits_eos_inf=args.forbid_eos, confidence_eos_eot_inf=args.no_eos_confidence)
 
 

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from llada_jax.cli import main
+from llada_jax.errors import LladaError
 from tests.conftest import TINY
 
 VALID = ["--prompt-ids", "1,2,3", "--gen-length", "16", "--block-length", "8", "--steps", "8"]
@@ -88,12 +89,34 @@ def test_real_process_exits_nonzero_without_traceback(tiny_dir):
     (["--policy", "dual-cache+speculative:1:0.8", "--lookahead", "3"], "dual-cache+speculative:3:0.8"),
     (["--policy", "prefix-cache", "--revise-threshold", "0.95", "--confirmations", "3"],
      "prefix-cache+revision:0.95:3"),
+    (["--policy", "dual-cache", "--confirmations", "3"], "dual-cache+revision:0.5:3"),  # the documented default
+    (["--policy", "dual-cache+speculative@0.7"], "dual-cache+speculative"),
 ])
 def test_policy_flags_fold_into_the_spec(flags, spec):
     from llada_jax.cli import build_parser, policy_spec
 
     args = build_parser().parse_args(["generate", "--prompt-ids", "1", *flags])
     assert policy_spec(args) == spec
+
+
+@pytest.mark.parametrize("flags, threshold", [
+    ([], None), (["--threshold", "0.8"], 0.8), (["--policy", "dual-cache@0.7"], 0.7),
+])
+def test_commit_threshold_from_flag_or_policy(flags, threshold):
+    from llada_jax.cli import build_parser, commit_threshold
+
+    assert commit_threshold(build_parser().parse_args(["generate", "--prompt-ids", "1", *flags])) == threshold
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--policy", "dual-cache@0.7", "--threshold", "0.8"], "give the commit threshold once"),
+    (["--policy", "dual-cache@high"], "bad threshold in --policy 'dual-cache@high'"),
+])
+def test_commit_threshold_errors(flags, message):
+    from llada_jax.cli import build_parser, commit_threshold
+
+    with pytest.raises(LladaError, match=message):
+        commit_threshold(build_parser().parse_args(["generate", "--prompt-ids", "1", *flags]))
 
 
 def test_policy_flags_reach_the_decoder(capsys, tiny_dir):
