@@ -5,6 +5,7 @@ after another, each starting at a multiple of ALIGN elements, in one contiguous 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -47,10 +48,12 @@ class PackedLayout:
                 for name, shape, offset in self.entries}
 
 
+@functools.cache
 def layer_layout(config: LLaDAConfig) -> PackedLayout:
     return PackedLayout.of({name: block_shapes(config)[name] for name in BLOCK_TENSORS})
 
 
+@functools.cache
 def head_chunks(config: LLaDAConfig) -> tuple[int, int]:
     """(chunks, rows): the LM head is staged in vocabulary slices of `rows` rows, as few as keep each
     about a decoder layer's size (LLaDA-8B's 126464-token head is 2.4 layers, and the largest stage
@@ -61,6 +64,7 @@ def head_chunks(config: LLaDAConfig) -> tuple[int, int]:
     return -(-vocab // rows), rows  # no chunk left empty
 
 
+@functools.cache
 def head_layout(config: LLaDAConfig) -> PackedLayout:
     """One head chunk: the final norm and `rows` rows of the LM head (the last chunk zero-padded)."""
     return PackedLayout.of({"ln_f": (config.d_model,), "lm_head": (head_chunks(config)[1], config.d_model)})
