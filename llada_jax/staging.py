@@ -5,8 +5,8 @@ decoder layer; each vocabulary chunk of the head, with the final norm, about a l
 from the memory-mapped checkpoint; the embedding stays on the host (a row gather). A forward pass
 streams the stages through two device slots: while one stage computes, a background thread copies the
 next into the other slot. Slots the budget allows beyond those two pin the largest stages, copied once
-per generation, so a bigger budget copies fewer bytes per pass. The KV state stays resident; it must fit next to at least one slot, or the budget is
-refused with the minimum it would need.
+per generation, so a bigger budget copies fewer bytes per pass. The KV state stays resident; it must
+fit next to at least one slot, or the budget is refused with the minimum it would need.
 """
 
 from __future__ import annotations
