@@ -20,6 +20,8 @@ from llada_jax.errors import LladaError
 NUMBER = re.compile(r"-?\$?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
 FINAL = re.compile(rf"\s*({NUMBER.pattern})")
 STOP_TEXT = "Question:"  # a few-shot continuation starts the next problem here
+# The GSM8K test split (openai/grade-school-math, MIT), shipped with the package: 1,319 problems.
+BUNDLED_TEST = Path(__file__).resolve().parent / "data" / "gsm8k_test.jsonl.gz"
 
 
 def extract_answer(text: str) -> str | None:
@@ -40,8 +42,10 @@ def same_number(answer: str | None, gold: str | None) -> bool:
         return False
 
 
-def load_problems(path, limit: int | None = None) -> list[dict]:
-    """GSM8K rows (`question`, `answer` ending in `#### N`), each with its extracted `gold` number."""
+def load_problems(path=None, limit: int | None = None) -> list[dict]:
+    """GSM8K rows (`question`, `answer` ending in `#### N`), each with its extracted `gold` number; the
+    bundled test split unless `path` is given."""
+    path = BUNDLED_TEST if path is None else path
     if limit is not None and limit <= 0:
         raise LladaError(f"--limit must be > 0, got {limit}")
     rows = read_jsonl(path, ("question", "answer"))[:limit]
@@ -139,7 +143,8 @@ def add_cli(suites) -> None:
 
     parser = suites.add_parser("gsm8k", help="GSM8K accuracy (resumable with --out)")
     add_model_flags(parser)
-    parser.add_argument("--data", required=True, help="GSM8K JSONL: question, answer ending in '#### N'")
+    parser.add_argument("--data", default=None,
+                        help="GSM8K JSONL[.gz]: question, answer ending in '#### N' (default: the bundled test split)")
     parser.add_argument("--train-data", default=None, help="GSM8K JSONL the few-shot examples come from")
     parser.add_argument("--shots", type=int, default=0, help="solved examples before each question")
     parser.add_argument("--limit", type=int, default=None, help="only the first N problems")

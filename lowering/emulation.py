@@ -48,8 +48,12 @@ def runtime_tools_dir(cache: Path) -> Path:
     return tools
 
 
+def emulator_available() -> bool:
+    return shutil.which(QEMU) is not None and (SYSROOT / "lib").is_dir()
+
+
 def check_emulator() -> None:
-    if shutil.which(QEMU) is None or not (SYSROOT / "lib").is_dir():
+    if not emulator_available():
         raise LladaError(f"arm64 emulation needs {QEMU} and {SYSROOT} "
                          "(apt-get install qemu-user-static libc6-arm64-cross libstdc++6-arm64-cross)")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -17,13 +18,33 @@ from llada_jax.params import init_params
 settings.register_profile("llada", deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 settings.load_profile("llada")
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-LLADA_8B_DIR = SHARED / "llada-8b-instruct"
+# The real LLaDA-8B-Instruct checkpoint's metadata files (config, shard index, tokenizer config), no weights.
+LLADA_8B_DIR = Path(__file__).resolve().parent / "data" / "llada-8b-instruct"
 
 # vocab 512 with mask id 500: nothing may assume the 8B's ids. Grouped K/V (4 heads, 2 kv-heads).
 TINY = LLaDAConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, mlp_hidden_size=64, vocab_size=512,
                    embedding_size=512, max_sequence_length=128, rope_theta=10000.0, rms_norm_eps=1e-5,
                    mask_token_id=500, eos_token_id=501, eot_token_id=502)
+
+
+def require(available: bool, what: str) -> None:
+    """Skip a test whose system package is missing, with a one-line reason. Under CI (CI=true), whose
+    `.ci/run` installs every system package, fail instead: CI never skips silently."""
+    if available:
+        return
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"CI must provide {what}; .ci/run installs it with tests/system-packages.sh")
+    pytest.skip(f"needs {what} (sudo bash tests/system-packages.sh installs it)")
+
+
+def vulkan_available() -> bool:
+    """IREE's Vulkan driver finds a device (Mesa's software llvmpipe will do)."""
+    try:
+        import iree.runtime as rt
+
+        return bool(rt.get_driver("vulkan").query_available_devices())
+    except Exception:  # no libvulkan or no ICD: IREE raises plain RuntimeErrors
+        return False
 
 
 def write_checkpoint(out_dir: Path, config: LLaDAConfig = TINY, seed: int = 0, std: float = 0.5,

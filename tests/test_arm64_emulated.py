@@ -10,13 +10,15 @@ import pytest
 
 from llada_jax.readout import Readout, TokenBiases
 from lowering.bundle import compile_bundle
-from lowering.emulation import run_module, runtime_tools_dir
+from lowering.emulation import emulator_available, run_module, runtime_tools_dir
 from lowering.runtime import IreeBackend, Session, load_bundle
-from tests.conftest import TINY
+from tests.conftest import TINY, require
 
 
 @pytest.fixture(scope="module")
 def tools():
+    require(emulator_available(), "user-mode qemu with arm64 libraries (qemu-user-static libc6-arm64-cross "
+                                  "libstdc++6-arm64-cross)")
     return runtime_tools_dir(Path.home() / ".cache" / "llada-jax")
 
 

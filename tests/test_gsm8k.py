@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from eval.gsm8k import BUNDLED_TEST as GSM8K_TEST
 from eval.gsm8k import add_cli, extract_answer, load_problems, prompt_text, same_number
 from eval.jsonl import RowWriter, finished_rows, read_rows
 from llada_jax.errors import LladaError
 
-GSM8K_TEST = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "gsm8k" / "test.jsonl"
 TINY_RUN = ["--gen-length", "16", "--block-length", "8", "--steps", "8"]
 
 
@@ -47,7 +47,7 @@ def run_cli(*argv: str):
 
 
 def test_every_gold_answer_scores_as_correct():
-    problems = load_problems(GSM8K_TEST)
+    problems = load_problems()  # the bundled test split
     golds = [problem["answer"].rsplit("####", 1)[1].strip() for problem in problems]
     by_marker = sum(same_number(extract_answer(p["answer"]), gold) for p, gold in zip(problems, golds))
     # Without the "#### N" line the last number decides; "$" and thousands commas must not matter.
@@ -120,7 +120,7 @@ def test_corrupt_complete_row_is_an_error(tmp_path):
 
 def test_run_appends_rows_and_a_killed_run_resumes(char_model_dir, tmp_path, capsys):
     out = tmp_path / "gsm8k.jsonl"
-    common = ["--model", str(char_model_dir), "--data", str(GSM8K_TEST), "--chat", "--out", str(out), *TINY_RUN]
+    common = ["--model", str(char_model_dir), "--chat", "--out", str(out), *TINY_RUN]  # the bundled problems
     run_cli(*common, "--limit", "2", "--json")
     summary = json.loads(capsys.readouterr().out)
     first = read_rows(out)

@@ -19,7 +19,7 @@ from llada_jax.readout import Readout, TokenBiases
 from lowering import bundle as bundle_mod
 from lowering.bundle import compile_bundle
 from lowering.runtime import IreeBackend, Session, generate_with_bundle, load_bundle
-from tests.conftest import TINY, jax_backend
+from tests.conftest import TINY, jax_backend, require, vulkan_available
 
 MAX_LEN, WINDOW = 32, 32
 POLICIES = ["vanilla", "prefix-cache", "dual-cache"]
@@ -131,6 +131,7 @@ def test_bundle_canvas_limit_is_a_clear_error(host_session):
 
 
 def test_vulkan_matches_jax(tiny_dir, tiny_model, tmp_path):
+    require(vulkan_available(), "a Vulkan driver (Mesa's mesa-vulkan-drivers and libvulkan1)")
     path = compile_bundle(tiny_dir, "vulkan", tmp_path / "vk", max_len=16, window=16)
     bundle = load_bundle(path, "vulkan")
     session = Session(bundle.path, bundle.manifest, "vulkan")
