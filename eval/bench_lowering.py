@@ -87,7 +87,7 @@ def generation_rows(model, bundle, session, prompts: list[np.ndarray], repeats: 
 def main(argv=None) -> None:
     import llada_jax
     from llada_jax.backend import JaxBackend
-    from llada_jax.embedded import default_model_dir
+    from llada_jax.locations import default_model_dir
     from llada_jax.readout import Readout, TokenBiases
     from lowering.cache import cached_bundle
     from lowering.runtime import IreeBackend, Session, load_bundle

@@ -83,11 +83,17 @@ def solve(model, index: int, prompt: str, gold: str, decoding: dict) -> dict:
     """Generate for one prompt and score it: one result row."""
     from llada_jax.api import generate
 
-    result = generate(model, np.array(model.tokenizer.encode(prompt)), **decoding)
+    row = {"index": index, "prompt": prompt, "gold": gold}
+    try:
+        ids = np.array(model.tokenizer.encode(prompt))
+    except LladaError as err:  # text the vocabulary lacks: scored wrong, with the reason; the run goes on
+        return {**row, "output": "", "extracted": None, "correct": False, "nfe": 0, "latency_s": 0.0,
+                "error": str(err)}
+    result = generate(model, ids, **decoding)
     output = answer_text(model.tokenizer, result.output_ids, model.config).split(STOP_TEXT)[0]
     extracted = extract_answer(output)
-    return {"index": index, "prompt": prompt, "output": output, "extracted": extracted, "gold": gold,
-            "correct": same_number(extracted, gold), "nfe": result.nfe, "latency_s": result.wall_s}
+    return {**row, "output": output, "extracted": extracted, "correct": same_number(extracted, gold),
+            "nfe": result.nfe, "latency_s": result.wall_s}
 
 
 def evaluate(model, problems: list[dict], shots: list[dict], decoding: dict, *, chat: bool = False,
@@ -113,10 +119,14 @@ def evaluate(model, problems: list[dict], shots: list[dict], decoding: dict, *, 
 
 
 def summarize(rows: list[dict], decoding: dict, shots: int, chat: bool) -> dict:
-    correct, seconds = sum(row["correct"] for row in rows), sum(row["latency_s"] for row in rows)
+    """Accuracy over every problem; speed over the generated ones (`errors`: prompts the model's
+    vocabulary cannot represent, scored wrong)."""
+    generated = [row for row in rows if "error" not in row]
+    correct, seconds = sum(row["correct"] for row in rows), sum(row["latency_s"] for row in generated)
     return {"accuracy": correct / len(rows), "correct": correct, "problems": len(rows),
-            "mean_nfe": float(np.mean([row["nfe"] for row in rows])),
-            "tokens_per_s": len(rows) * decoding["gen_length"] / seconds if seconds else 0.0,
+            "errors": len(rows) - len(generated),
+            "mean_nfe": float(np.mean([row["nfe"] for row in generated])) if generated else 0.0,
+            "tokens_per_s": len(generated) * decoding["gen_length"] / seconds if seconds else 0.0,
             "shots": shots, "chat": chat, **{key: decoding[key] for key in
                                              ("gen_length", "block_length", "steps", "policy", "threshold")}}
 

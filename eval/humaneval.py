@@ -74,7 +74,11 @@ def complete(model, problem: dict, decoding: dict) -> dict:
     from llada_jax.api import generate
 
     prompt = model.tokenizer.chat_prompt(INSTRUCTION + problem["prompt"])
-    result = generate(model, np.array(model.tokenizer.encode(prompt)), **decoding)
+    try:
+        ids = np.array(model.tokenizer.encode(prompt))
+    except LladaError as err:  # text the vocabulary lacks: an empty completion (it fails), with the reason
+        return {"task_id": problem["task_id"], "completion": "", "output": "", "error": str(err)}
+    result = generate(model, ids, **decoding)
     output = answer_text(model.tokenizer, result.output_ids, model.config)
     return {"task_id": problem["task_id"], "completion": extract_code(output), "output": output,
             "nfe": result.nfe, "latency_s": result.wall_s, "gen_length": decoding["gen_length"]}

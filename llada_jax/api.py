@@ -20,7 +20,7 @@ from llada_jax.readout import Readout, TokenBiases
 from llada_jax.staged_backend import StagedJaxBackend
 from llada_jax.staging import StagedWeights, StagingStats, kv_bytes, pack_weights, ring_slots
 from llada_jax.tokenizer import Tokenizer, eot_id_from_files, load_tokenizer
-from llada_jax.weights_io import iter_tensors
+from llada_jax.weights_io import check_finite_weights, iter_tensors
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,9 +59,10 @@ class Model:
         return JaxBackend(self.params, self.config, readout, biases, cfg_scale, self.jnp_dtype)
 
 
-def load(path, dtype: str = "float32", device_memory_budget: int | None = None) -> Model:
+def load(path, dtype: str = "float32", device_memory_budget: int | None = None, check_weights: bool = False) -> Model:
     """Load an HF LLaDA directory (config.json + safetensors weights [+ tokenizer files]). With a device
-    memory budget smaller than the weights, they are packed per layer on the host for staged execution."""
+    memory budget smaller than the weights, they are packed per layer on the host for staged execution.
+    `check_weights` first scans every tensor for NaN/Inf (a pass over all weights)."""
     model_dir = Path(path)
     if not model_dir.is_dir():
         raise LladaError(f"model directory {model_dir} does not exist")
@@ -73,6 +74,8 @@ def load(path, dtype: str = "float32", device_memory_budget: int | None = None) 
     if eot is None and tokenizer is not None:
         eot = tokenizer.token_id("<|eot_id|>")
     config = read_config(model_dir, eot_token_id=eot)
+    if check_weights:
+        check_finite_weights(model_dir, config)
     model = Model(config, None, tokenizer, dtype, model_dir, device_memory_budget)
     if device_memory_budget is not None and model.weight_bytes > device_memory_budget:
         staged = pack_weights(iter_tensors(model_dir, config), config, np.dtype(model.jnp_dtype))

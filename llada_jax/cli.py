@@ -3,12 +3,25 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
 
 from llada_jax.errors import LladaError
+
+# The default decoder of generate and eval: on the embedded model's held-out tasks it scores as well as
+# vanilla or better (94.5% vs 92.75% on 400 tasks) at ~20x its speed (README's speculation table).
+DEFAULT_POLICY = "dual-cache+speculative@0.9"
+
+
+def policy_arg(args) -> str:
+    """--policy as given; when absent, the default decoder (its base alone when --threshold is given)."""
+    if args.policy is not None:
+        return args.policy
+    return DEFAULT_POLICY.partition("@")[0] if args.threshold is not None else DEFAULT_POLICY
 
 
 def add_decoding_flags(parser: argparse.ArgumentParser) -> None:
@@ -19,9 +32,10 @@ def add_decoding_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--cfg-scale", type=float, default=0.0)
     parser.add_argument("--remasking", default="low_confidence", help="low_confidence or random")
-    parser.add_argument("--policy", default="vanilla",
-                        help="BASE[+speculative[:L[:T]]][+revision[:R[:K]]][@THRESHOLD], "
-                             "BASE = vanilla, prefix-cache, dual-cache")
+    parser.add_argument("--policy", default=None,
+                        help="BASE[+speculative[:L[:T]]][+revision[:R[:K]]][@THRESHOLD], BASE = vanilla, "
+                             f"prefix-cache, dual-cache (default: {DEFAULT_POLICY}, the fastest setting that "
+                             "keeps the held-out accuracy; vanilla is LLaDA's reference decoder, token for token)")
     parser.add_argument("--lookahead", type=int, default=None, help="speculation: blocks ahead to draft (adds +speculative)")
     parser.add_argument("--draft-threshold", type=float, default=None, help="speculation: commit a draft at this confidence")
     parser.add_argument("--revise-threshold", type=float, default=None, help="revision: replace at this confidence (adds +revision)")
@@ -38,7 +52,7 @@ def policy_spec(args) -> str:
     from policies.revision import Revision
     from policies.speculative import Speculative
 
-    base, *parts = args.policy.partition("@")[0].split("+")
+    base, *parts = policy_arg(args).partition("@")[0].split("+")
     modifiers = {part.split(":")[0]: part.split(":")[1:] for part in parts}
     folds = (("speculative", (args.lookahead, args.draft_threshold), (Speculative.lookahead, Speculative.draft_threshold)),
              ("revision", (args.revise_threshold, args.confirmations), (Revision.revise_threshold, Revision.confirmations)))
@@ -52,21 +66,23 @@ def policy_spec(args) -> str:
 
 def commit_threshold(args) -> float | None:
     """--threshold, or the THRESHOLD of --policy POLICY@THRESHOLD (the form eval and bench take)."""
-    _, at, value = args.policy.partition("@")
+    policy = policy_arg(args)
+    _, at, value = policy.partition("@")
     if not at:
         return args.threshold
     if args.threshold is not None:
-        raise LladaError(f"give the commit threshold once: --policy {args.policy} or --threshold {args.threshold}")
+        raise LladaError(f"give the commit threshold once: --policy {policy} or --threshold {args.threshold}")
     try:
         return float(value)
     except ValueError:
-        raise LladaError(f"bad threshold in --policy {args.policy!r}; use POLICY@THRESHOLD, "
+        raise LladaError(f"bad threshold in --policy {policy!r}; use POLICY@THRESHOLD, "
                          "e.g. dual-cache@0.9") from None
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="HF LLaDA directory (default: the embedded tiny model)")
     parser.add_argument("--dtype", default="float32", help="compute dtype: float32 or bfloat16")
+    parser.add_argument("--check-weights", action="store_true", help="scan every weight for NaN/Inf before use")
 
 
 def add_prompt_flags(parser: argparse.ArgumentParser) -> None:
@@ -93,19 +109,34 @@ def decoding_kwargs(args) -> dict:
                 logits_eos_inf=args.forbid_eos, confidence_eos_eot_inf=args.no_eos_confidence)
 
 
-def load_model(args):
-    from llada_jax.api import load
-    from llada_jax.embedded import default_model_dir
+def model_dir(args) -> Path:
+    """--model, else the embedded model; with --check-weights its weights are scanned for NaN/Inf first."""
+    from llada_jax.config import read_config
+    from llada_jax.locations import default_model_dir
+    from llada_jax.weights_io import check_finite_weights
 
-    return load(args.model or default_model_dir(), dtype=args.dtype,
-                device_memory_budget=getattr(args, "device_memory_budget", None))
+    path = Path(args.model) if args.model else default_model_dir()
+    if args.check_weights:
+        if not path.is_dir():
+            raise LladaError(f"model directory {path} does not exist")
+        check_finite_weights(path, read_config(path))
+    return path
+
+
+def load_model(args):
+    """The model for JAX execution; steps compiled in an earlier process come from XLA's persistent cache."""
+    from llada_jax.api import load
+    from llada_jax.compilation import use_persistent_cache
+    from llada_jax.locations import user_cache_dir
+
+    use_persistent_cache(user_cache_dir("xla"))
+    return load(model_dir(args), dtype=args.dtype, device_memory_budget=getattr(args, "device_memory_budget", None))
 
 
 def cmd_compile(args) -> None:
-    from llada_jax.embedded import default_model_dir
     from lowering.bundle import compile_bundle
 
-    out = compile_bundle(args.model or default_model_dir(), args.target, args.out, max_len=args.max_len,
+    out = compile_bundle(model_dir(args), args.target, args.out, max_len=args.max_len,
                          window=args.window, dtype=args.dtype, copy_weights=not args.link_weights,
                          device_memory_budget=args.device_memory_budget,
                          progress=lambda message: print(message, file=sys.stderr))
@@ -144,12 +175,11 @@ def generation_runner(args):
         from llada_jax.api import generate
 
         return model.config, model.tokenizer, lambda ids, **options: generate(model, ids, **options)
-    from llada_jax.embedded import default_model_dir
     from lowering.cache import cached_bundle
     from lowering.runtime import open_bundle
 
     target = {"iree-host": "host", "iree-vulkan": "vulkan"}[args.backend]
-    bundle_dir = cached_bundle(args.model or default_model_dir(), target, dtype=args.dtype,
+    bundle_dir = cached_bundle(model_dir(args), target, dtype=args.dtype,
                                device_memory_budget=budget, progress=lambda m: print(m, file=sys.stderr))
     return open_bundle(bundle_dir, args.backend)
 
@@ -160,17 +190,33 @@ def cmd_generate(args) -> None:
     config, tokenizer, run = generation_runner(args)
     ids = prompt_ids(args, tokenizer)
     live = sys.stderr.isatty() and not args.json and not args.no_visual
-    result = run(ids, **decoding_kwargs(args), on_step=LiveCanvas(tokenizer) if live else None)
+    canvas = LiveCanvas(tokenizer, config.special_ids_in_vocab(config.eos_token_id, config.eot_token_id))
+    with compile_timing(args) as clock:
+        result = run(ids, **decoding_kwargs(args), on_step=canvas if live else None)
+    compile_s = clock.seconds if clock is not None else 0.0
+    speed = len(result.output_ids) / max(result.wall_s - compile_s, 1e-9)
     text = tokenizer.decode(result.output_ids) if tokenizer is not None else None
     if args.json:
         row = {"output_ids": result.output_ids.tolist(), "nfe": result.nfe, "wall_s": result.wall_s,
-               "tokens_per_s": result.tokens_per_s, **({"stats": result.stats} if result.stats else {})}
+               "tokens_per_s": speed, **({"compile": clock.as_dict()} if clock is not None else {}),
+               **({"stats": result.stats} if result.stats else {})}
         if text is not None:
             row["text"] = text
         print(json.dumps(row))
         return
     print(text if text is not None else " ".join(str(t) for t in result.output_ids))
-    print(f"[{result.nfe} forward passes, {result.wall_s:.2f} s, {result.tokens_per_s:.1f} tokens/s]", file=sys.stderr)
+    compiled = f" ({compile_s:.2f} s of it compiling steps)" if compile_s >= 0.005 else ""
+    print(f"[{result.nfe} forward passes, {result.wall_s:.2f} s{compiled}, {speed:.1f} tokens/s generating]",
+          file=sys.stderr)
+
+
+def compile_timing(args):
+    """A clock of JAX compile time for generations JAX runs; nothing to time for a bundle (compiled ahead)."""
+    if args.bundle is not None or args.backend != "jax":
+        return contextlib.nullcontext()
+    from llada_jax.compilation import compile_clock
+
+    return compile_clock()
 
 
 def cmd_train(args) -> None:
@@ -191,7 +237,7 @@ def cmd_eval_tasks(args) -> None:
     from eval.task_eval import GEN_LENGTH, DecoderSetting, evaluate
 
     model = load_model(args)
-    settings = [DecoderSetting.parse(spec) for spec in (args.policy or ["vanilla"])]
+    settings = [DecoderSetting.parse(spec) for spec in (args.policy or [DEFAULT_POLICY])]
     if args.block_length < 1 or GEN_LENGTH % args.block_length:
         raise LladaError(f"--block-length must divide the answer length {GEN_LENGTH}, got {args.block_length}")
     rows = [evaluate(model, setting, args.limit, progress=True, block_length=args.block_length)
@@ -257,7 +303,7 @@ def cmd_trace(args) -> None:
     ids = prompt_ids(args, tokenizer)
     result = run(ids, **decoding_kwargs(args))
     pieces = [(tokenizer.decode([int(t)]) or "\u00b7") if tokenizer else str(int(t)) for t in result.output_ids]
-    plot_trace(result, pieces, args.out, title=f"{args.policy}: {result.nfe} steps, {result.revisions} revisions")
+    plot_trace(result, pieces, args.out, title=f"{policy_arg(args)}: {result.nfe} steps, {result.revisions} revisions")
     print(f"trace of {result.nfe} steps written to {args.out}")
 
 
@@ -293,7 +339,8 @@ def _add_eval(commands) -> None:
     suites = ev.add_subparsers(dest="suite", required=True)
     tasks = suites.add_parser("tasks", help="exact match on the embedded task suite's held-out split")
     add_model_flags(tasks)
-    tasks.add_argument("--policy", action="append", help="POLICY or POLICY@THRESHOLD; repeat for several")
+    tasks.add_argument("--policy", action="append",
+                       help=f"POLICY or POLICY@THRESHOLD; repeat for several (default: {DEFAULT_POLICY})")
     tasks.add_argument("--limit", type=int, default=None, help="examples per family")
     tasks.add_argument("--block-length", type=int, default=8, help="block length of the 32-token answers")
     tasks.add_argument("--json", action="store_true")

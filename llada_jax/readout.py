@@ -6,6 +6,8 @@ import dataclasses
 
 import numpy as np
 
+from llada_jax.errors import LladaError
+
 
 @dataclasses.dataclass(frozen=True)
 class Readout:
@@ -23,6 +25,18 @@ class StepOutput:
     readout: dict    # numpy: {"x0", "logp"} or {"logits"}, rows [B', W]
     keys: object     # proposed K [N, B, W, K, hd]
     values: object   # proposed V [N, B, W, K, hd]
+
+
+def check_finite(readout: dict, positions: np.ndarray, valid: np.ndarray, step: int) -> None:
+    """Refuse a step whose readout holds NaN (or +inf) at a computed position: garbage from here on.
+    -inf is legitimate (a token biased away, or x0 left out of the confidence softmax). `positions`
+    `[W]` are the canvas positions of the readout's columns, real where `valid`."""
+    values = readout["logits"] if "logits" in readout else readout["logp"][..., None]
+    bad = (np.isnan(values) | np.isposinf(values)).any(axis=(0, 2)) & valid  # [W]
+    if bad.any():
+        raise LladaError(f"step {step + 1} produced a non-finite score (NaN/Inf) at canvas position "
+                         f"{int(positions[np.argmax(bad)])}: the model's weights or inputs hold non-finite "
+                         "values (--check-weights scans the weights at load)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,6 @@ fit next to at least one slot, or the budget is refused with the minimum it woul
 from __future__ import annotations
 
 import dataclasses
-import queue
 import threading
 import time
 from typing import Callable

@@ -20,8 +20,18 @@ class Tokenizer:
     special_tokens: dict          # role -> token text: bos_token, eos_token, ...
 
     def encode(self, text: str) -> list[int]:
-        """Token ids as HF's `tokenizer(text)["input_ids"]` gives them (post-processor applied)."""
-        return self.backend.encode(text, add_special_tokens=True).ids
+        """Token ids as HF's `tokenizer(text)["input_ids"]` gives them (post-processor applied). Text the
+        vocabulary cannot represent is refused, naming its first character: a tokenizer with an unknown
+        token would silently encode another prompt (byte-level BPE, like LLaDA-8B's, represents all)."""
+        encoding = self.backend.encode(text, add_special_tokens=True)
+        unknown = getattr(self.backend.model, "unk_token", None)
+        unknown_id = self.backend.token_to_id(unknown) if unknown else None
+        for token_id, (start, end) in zip(encoding.ids, encoding.offsets):
+            if unknown_id is not None and token_id == unknown_id and end > start and text[start:end] != unknown:
+                char = text[start:end][:1]
+                raise LladaError(f"the model's vocabulary has no token for {char!r} (U+{ord(char):04X}), "
+                                 "the first such character of the text")
+        return encoding.ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)

@@ -76,6 +76,20 @@ def iter_tensors(model_dir: Path, config: LLaDAConfig, weight_map: dict[str, str
                 yield name, _read_one(handle, name, expected[name], path)
 
 
+def check_finite_weights(model_dir: Path, config: LLaDAConfig, rows: int = 4096) -> None:
+    """Scan every tensor for NaN/Inf, `rows` rows at a time (no full float copy of a large tensor);
+    the first non-finite value is a one-line error naming the tensor and its index."""
+    for name, array in iter_tensors(model_dir, config):
+        flat = array.reshape(array.shape[0], -1) if array.ndim else array.reshape(1, 1)
+        for start in range(0, flat.shape[0], rows):
+            bad = np.flatnonzero(~np.isfinite(flat[start: start + rows]))
+            if bad.size:
+                first = start * flat.shape[1] + bad[0]
+                index = [int(i) for i in np.unravel_index(first, array.shape)]
+                raise LladaError(f"{model_dir}: tensor {name} holds a non-finite value "
+                                 f"({array.reshape(-1)[first]}) at index {index}")
+
+
 def _read_one(handle, name: str, shape: tuple[int, ...], path: Path) -> np.ndarray:
     view = handle.get_slice(name)
     stored_dtype, stored_shape = view.get_dtype(), tuple(view.get_shape())

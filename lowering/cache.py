@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
+from llada_jax.locations import user_cache_dir
 from llada_jax.packing import head_layout, layer_layout
 from lowering.bundle import compile_bundle, iree_version
 from lowering.bundle_format import FORMAT_VERSION, MANIFEST, sha256
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("LLADA_CACHE", Path.home() / ".cache" / "llada-jax")) / "bundles"
 
 
 def cached_bundle(model_dir, target: str, *, dtype: str = "float32", max_len: int | None = None,
@@ -32,7 +28,7 @@ def cached_bundle(model_dir, target: str, *, dtype: str = "float32", max_len: in
                       "target": target, "dtype": dtype, "max_len": max_len, "window": window,
                       "budget": device_memory_budget, "format": FORMAT_VERSION, "iree": iree_version(),
                       "staged_layouts": [layer_layout(config).entries, head_layout(config).entries]}, sort_keys=True)
-    out = cache_root() / hashlib.sha256(key.encode()).hexdigest()[:20]
+    out = user_cache_dir("bundles") / hashlib.sha256(key.encode()).hexdigest()[:20]
     if not (out / MANIFEST).is_file():
         compile_bundle(model_dir, target, out, max_len=max_len, window=window, dtype=dtype, copy_weights=False,
                        device_memory_budget=device_memory_budget, progress=progress)

@@ -13,6 +13,7 @@ from typing import Callable
 import numpy as np
 
 from llada_jax.errors import LladaError
+from llada_jax.readout import check_finite
 from policies.canvas import Block, Canvas
 from policies.sampling import Sampler
 from policies.schedule import FixedSchedule, ThresholdRule, transfer_counts
@@ -124,6 +125,7 @@ def _step(backend, canvas: Canvas, state, block: Block, step: int, counts, cache
           nfe: int):
     """One dense step: compute, commit in the current block (and drafts), then the policy's after-work."""
     out, window, state = cache_policy.step(backend, canvas, state, block, step, nfe)
+    check_finite(out.readout, window.positions, window.valid, nfe)
     x0, confidence = canvas_wide(canvas, window, *sampler.choose(out.readout, rng))
     useful = cache_policy.useful(window, canvas, block)
     candidates = canvas.masked.copy()

@@ -40,6 +40,7 @@ import numpy as np
 from llada_jax import kv_state
 from llada_jax.buckets import bucket
 from llada_jax.errors import LladaError
+from llada_jax.readout import check_finite
 from policies.cache import CachePolicy, DualCache, PrefixCache, run_full
 from policies.canvas import Block, Canvas, Window
 from policies.decode import canvas_wide
@@ -182,10 +183,10 @@ class Revision(CachePolicy):
         groups = max(min(2, to_probe.size), -(-to_probe.size // width))
         for group in range(groups):
             chosen = np.arange(group, to_probe.size, groups)
-            x0[chosen], confidence[chosen] = self._probe(side_backend, canvas, kv, to_probe[chosen], width)
+            x0[chosen], confidence[chosen] = self._probe(side_backend, canvas, kv, to_probe[chosen], width, nfe)
         return SideResult(tuple(refreshed), to_probe, canvas.tokens[0, to_probe].copy(), x0, confidence)
 
-    def _probe(self, backend, canvas: Canvas, kv: kv_state.KVState, positions: np.ndarray, width: int):
+    def _probe(self, backend, canvas: Canvas, kv: kv_state.KVState, positions: np.ndarray, width: int, nfe: int):
         """Predictions at `positions` with each of them masked and everything else visible."""
         window = canvas.window(positions, width)
         probe = dataclasses.replace(canvas, tokens=canvas.tokens.copy())
@@ -193,6 +194,7 @@ class Revision(CachePolicy):
         out = _window_step(backend, probe, kv, window)
         if "x0" not in out.readout:
             raise LladaError("revision re-scores with argmax readouts: use temperature 0")
+        check_finite(out.readout, window.positions, window.valid, nfe)
         x0, confidence = canvas_wide(canvas, window, out.readout["x0"][0],
                                      np.exp(out.readout["logp"][0].astype(np.float64)))
         return x0[positions], confidence[positions]

@@ -3,11 +3,10 @@ aarch64 runtime and give the host's outputs."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
+from llada_jax.locations import user_cache_dir
 from llada_jax.readout import Readout, TokenBiases
 from lowering.bundle import compile_bundle
 from lowering.emulation import emulator_available, run_module, runtime_tools_dir
@@ -19,7 +18,7 @@ from tests.conftest import TINY, require
 def tools():
     require(emulator_available(), "user-mode qemu with arm64 libraries (qemu-user-static libc6-arm64-cross "
                                   "libstdc++6-arm64-cross)")
-    return runtime_tools_dir(Path.home() / ".cache" / "llada-jax")
+    return runtime_tools_dir(user_cache_dir("tools"))
 
 
 @pytest.mark.parametrize("target", ["linux-arm64", "android-arm64"])

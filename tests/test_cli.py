@@ -6,13 +6,14 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from llada_jax.cli import main
 from llada_jax.errors import LladaError
 from tests.conftest import TINY
 
-VALID = ["--prompt-ids", "1,2,3", "--gen-length", "16", "--block-length", "8", "--steps", "8"]
+VALID = ["--prompt-ids", "1,2,3", "--gen-length", "16", "--block-length", "8", "--steps", "8", "--policy", "vanilla"]
 
 
 def run(capsys, *args):
@@ -83,7 +84,9 @@ def test_real_process_exits_nonzero_without_traceback(tiny_dir):
 
 
 @pytest.mark.parametrize("flags, spec", [
-    ([], "vanilla"),
+    ([], "dual-cache+speculative"),  # the default decoder (at threshold 0.9)
+    (["--threshold", "0.7"], "dual-cache+speculative"),
+    (["--policy", "vanilla"], "vanilla"),
     (["--policy", "dual-cache", "--lookahead", "2"], "dual-cache+speculative:2:0.9"),
     (["--policy", "dual-cache", "--draft-threshold", "0.8"], "dual-cache+speculative:3:0.8"),
     (["--policy", "dual-cache+speculative:1:0.8", "--lookahead", "3"], "dual-cache+speculative:3:0.8"),
@@ -100,7 +103,7 @@ def test_policy_flags_fold_into_the_spec(flags, spec):
 
 
 @pytest.mark.parametrize("flags, threshold", [
-    ([], None), (["--threshold", "0.8"], 0.8), (["--policy", "dual-cache@0.7"], 0.7),
+    ([], 0.9), (["--policy", "vanilla"], None), (["--threshold", "0.8"], 0.8), (["--policy", "dual-cache@0.7"], 0.7),
 ])
 def test_commit_threshold_from_flag_or_policy(flags, threshold):
     from llada_jax.cli import build_parser, commit_threshold
@@ -139,3 +142,51 @@ def test_bad_training_settings_and_unwritable_outputs_are_one_line_errors(capsys
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert expected in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_default_decoder_is_the_fast_one_and_help_says_so(capsys):
+    from llada_jax.cli import DEFAULT_POLICY, build_parser
+
+    assert DEFAULT_POLICY == "dual-cache+speculative@0.9"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "default: dual-cache+speculative@0.9" in help_text and "vanilla is LLaDA's reference decoder" in help_text
+
+
+def test_a_new_process_reuses_compiled_steps(tmp_path):
+    """XLA's persistent cache lives in the user's cache directory: the second process compiles nothing."""
+    import os
+
+    env = dict(os.environ, LLADA_CACHE=str(tmp_path / "cache"))
+    runs = []
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-m", "llada_jax.cli", "generate", "--json", "--chat", "sort 3 1 2"],
+                              capture_output=True, text=True, env=env)
+        assert proc.returncode == 0, proc.stderr
+        runs.append(json.loads(proc.stdout)["compile"])
+    assert runs[0]["steps"] > 0 and runs[0]["from_cache"] == 0
+    assert runs[1]["steps"] == runs[0]["steps"] == runs[1]["from_cache"]
+    assert any((tmp_path / "cache" / "xla").iterdir())
+
+
+def test_live_canvas_hides_special_tokens_after_the_answer_ends():
+    import io
+
+    from llada_jax.display import MASK_GLYPH, LiveCanvas
+    from llada_jax.locations import default_model_dir
+    from llada_jax.tokenizer import load_tokenizer
+    from policies.canvas import Canvas
+    from policies.decode import StepRecord
+
+    tokenizer = load_tokenizer(default_model_dir())
+    eos, eot, mask = (tokenizer.token_id(t) for t in ("<|endoftext|>", "<|eot_id|>", "<|mdm_mask|>"))
+    answer = tokenizer.encode("abc") + [eot, eos, eos] + tokenizer.encode("d") + [mask, eos]
+    canvas = Canvas.start(np.array(tokenizer.encode("hi")), len(answer), mask, False, 64)
+    canvas.write(np.arange(2, 2 + len(answer)), np.array(answer))
+    stream = io.StringIO()
+    LiveCanvas(tokenizer, (eos, eot), stream)(canvas, StepRecord(0, 0, "full", 8, 8, 8, (), (), ()))
+    assert stream.getvalue().endswith(f"\n\nabcd{MASK_GLYPH}\n")
+    stream = io.StringIO()
+    LiveCanvas(tokenizer, (), stream)(canvas, StepRecord(0, 0, "full", 8, 8, 8, (), (), ()))
+    assert "<|endoftext|>" in stream.getvalue()  # without end ids every token is drawn

@@ -8,7 +8,7 @@ import pytest
 import llada_jax
 from eval.task_eval import answer_text
 from eval.tasks import held_out
-from llada_jax.embedded import default_model_dir
+from llada_jax.locations import default_model_dir
 
 
 @pytest.fixture(scope="module")

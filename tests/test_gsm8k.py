@@ -15,7 +15,7 @@ from eval.gsm8k import add_cli, extract_answer, load_problems, prompt_text, same
 from eval.jsonl import RowWriter, finished_rows, read_rows
 from llada_jax.errors import LladaError
 
-TINY_RUN = ["--gen-length", "16", "--block-length", "8", "--steps", "8"]
+TINY_RUN = ["--gen-length", "16", "--block-length", "8", "--steps", "8", "--policy", "vanilla"]
 
 
 def write_char_model(out_dir: Path) -> Path:
@@ -128,8 +128,11 @@ def test_run_appends_rows_and_a_killed_run_resumes(char_model_dir, tmp_path, cap
     assert [row["index"] for row in first] == [0, 1] and [row["gold"] for row in first] == ["18", "3"]
     assert first[0]["prompt"].startswith("<|startoftext|><|start_header_id|>user")
     assert first[0]["prompt"].endswith("Answer:<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
-    for row in first:
-        assert row["nfe"] == 8 and row["latency_s"] > 0 and isinstance(row["output"], str)
+    # "Janet’s ducks": the character vocabulary has no ’, so problem 0 is scored wrong with the reason.
+    assert summary["errors"] == 1 and first[0]["correct"] is False and first[0]["nfe"] == 0
+    assert "no token for '’' (U+2019)" in first[0]["error"]
+    for row in first[1:]:
+        assert row["nfe"] == 8 and row["latency_s"] > 0 and isinstance(row["output"], str) and "error" not in row
         assert row["correct"] == same_number(row["extracted"], row["gold"])
 
     # Killed while writing row 1: the rerun keeps row 0 as it was and redoes rows 1 and 2, once each.

@@ -203,7 +203,7 @@ def test_iree_backend_refuses_sampling_it_cannot_run(host_session):
 
 def test_embedded_model_decoders_identical_through_iree_and_jax(tmp_path):
     from eval.tasks import held_out
-    from llada_jax.embedded import default_model_dir
+    from llada_jax.locations import default_model_dir
 
     model = llada_jax.load(default_model_dir())
     bundle = load_bundle(compile_bundle(default_model_dir(), "host", tmp_path / "embedded", max_len=128, window=16))

@@ -28,12 +28,14 @@ def test_real_instruct_eot_id_is_read_from_added_tokens():
 @pytest.fixture
 def char_model_dir(tmp_path):
     vocab = {c: i for i, c in enumerate("abcdefghijklmnopqrstuvwxyz ?")}
-    for token in ("<|startoftext|>", "<|endoftext|>", "<|eot_id|>", "<|mdm_mask|>"):
+    special = ["<|startoftext|>", "<|endoftext|>", "<|eot_id|>", "<|mdm_mask|>", "<|start_header_id|>",
+               "<|end_header_id|>", "\n"]  # every piece of the chat template
+    for token in special:
         vocab[token] = len(vocab)
     backend = Tokenizer(models.WordLevel(vocab, unk_token="?"))
     backend.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     backend.decoder = decoders.Fuse()
-    backend.add_special_tokens(["<|startoftext|>", "<|endoftext|>", "<|eot_id|>", "<|mdm_mask|>"])
+    backend.add_special_tokens(special)
     backend.save(str(tmp_path / "tokenizer.json"))
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
         shutil.copyfile(LLADA_8B_DIR / name, tmp_path / name)
@@ -61,3 +63,21 @@ def test_corrupt_tokenizer_json_is_a_clear_error(char_model_dir):
     (char_model_dir / "tokenizer.json").write_text("{}")
     with pytest.raises(LladaError, match="cannot load tokenizer"):
         load_tokenizer(char_model_dir)
+
+
+@pytest.mark.parametrize("text, char", [("héllo", "é"), ("a → b", "→"), ("ok ✓", "✓"), ("日本", "日")])
+def test_text_outside_the_vocabulary_is_refused_naming_its_first_character(char_model_dir, text, char):
+    tokenizer = load_tokenizer(char_model_dir)
+    with pytest.raises(LladaError, match=f"no token for '{char}' \\(U\\+{ord(char):04X}\\)"):
+        tokenizer.encode(text)
+    assert tokenizer.decode(tokenizer.encode("what?")) == "what?"  # the unknown token's own text is fine
+
+
+def test_embedded_model_refuses_unrepresentable_prompt_in_one_line(capsys):
+    from llada_jax.cli import main
+
+    assert main(["generate", "--no-visual", "héllo → ✓ 日本"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert captured.err == ("llada: error: the model's vocabulary has no token for 'é' (U+00E9), "
+                            "the first such character of the text\n")
