@@ -159,7 +159,8 @@ def bwrap_wrapper(base: Path, writable: list[Path], caps: tuple[str, ...]) -> li
         wrapper += ["--tmpfs", private]
     # Order matters: the binds come after the tmpfs they may lie in, and each remount-ro after the binds,
     # since it makes read-only only that one mount point and not the binds inside it.
-    wrapper += ["--ro-bind", str(base), str(base)]
+    for path in [*interpreter_mounts(), base]:
+        wrapper += ["--ro-bind", str(path), str(path)]
     for path in writable:
         wrapper += ["--bind", str(path), str(path)]
     for mount in (*PRIVATE_DIRS, "/dev"):  # bwrap's fresh /dev is a writable tmpfs too
@@ -171,6 +172,18 @@ def bwrap_wrapper(base: Path, writable: list[Path], caps: tuple[str, ...]) -> li
     for cap in caps:
         wrapper += ["--cap-add", cap]
     return wrapper + ["--"]
+
+
+def interpreter_mounts() -> list[Path]:
+    """Where the interpreter lives, when that is inside a private dir (a checkout or venv under /tmp): the
+    top directory below the private dir holding it, bound read-only into the view (keeping its host mode),
+    or the sample could not start Python."""
+    tops = set()
+    for path in {Path(sys.prefix), Path(sys.base_prefix), Path(os.path.realpath(sys.executable))}:
+        for private in PRIVATE_DIRS:
+            if path.is_relative_to(private) and path != Path(private):
+                tops.add(Path(private) / path.relative_to(private).parts[0])
+    return sorted(tops)
 
 
 def unshare_wrapper(pidns: bool) -> list[str]:
@@ -238,7 +251,8 @@ def fsview_probe() -> list[str]:
             "    return 0",
             f"for private in {PRIVATE_DIRS!r}:",
             "    for entry in os.listdir(private):",
-            "        assert os.getcwd().startswith(os.path.join(private, entry) + os.sep), (private, entry)",
+            f"        assert os.getcwd().startswith(os.path.join(private, entry) + os.sep) or "
+            f"os.path.join(private, entry) in {[str(path) for path in interpreter_mounts()]!r}, (private, entry)",
             f"for place in [*{PRIVATE_DIRS!r}, '/dev', '..']:",
             f"    assert write_error(os.path.join(place, {name!r})) == errno.EROFS, place",
             f"assert write_error({name!r}) == 0"]
