@@ -65,7 +65,8 @@ def step_rows(jax_b, iree_b, config, slots: int, widths: list[int], repeats: int
 
 def generation_rows(model, bundle, session, prompts: list[np.ndarray], repeats: int) -> list[dict]:
     import llada_jax
-    from lowering.runtime import generate_with_bundle
+    from llada_jax.backends.select import OpenBundle
+    from llada_jax.bundle_runner import generate_with_bundle
 
     rows = []
     for policy in ("vanilla", "dual-cache"):
@@ -77,7 +78,7 @@ def generation_rows(model, bundle, session, prompts: list[np.ndarray], repeats: 
 
         def iree():
             for prompt in prompts:
-                generate_with_bundle(bundle, session, prompt, **options)
+                generate_with_bundle(OpenBundle(bundle, session, None), prompt, **options)
 
         rows.append({"step": f"generate {policy} x{len(prompts)}", "xla_ms": 1e3 * median_seconds(xla, repeats),
                      "iree_ms": 1e3 * median_seconds(iree, repeats)})
@@ -86,10 +87,10 @@ def generation_rows(model, bundle, session, prompts: list[np.ndarray], repeats: 
 
 def main(argv=None) -> None:
     import llada_jax
-    from llada_jax.backend import JaxBackend
+    from llada_jax.backends.xla import JaxBackend
     from llada_jax.locations import default_model_dir
     from llada_jax.readout import Readout, TokenBiases
-    from lowering.cache import cached_bundle
+    from lowering.bundle_cache import cached_bundle
     from lowering.runtime import IreeBackend, Session, load_bundle
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

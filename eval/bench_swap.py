@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from llada_jax.buckets import bucket
 from llada_jax.config import LLaDAConfig
+from llada_jax.shapes import bucket
 
 SWAP_CONFIG = LLaDAConfig(d_model=1024, n_layers=16, n_heads=16, n_kv_heads=16, mlp_hidden_size=2816,
                           vocab_size=32000, embedding_size=32000, max_sequence_length=256, mask_token_id=31999,
@@ -66,10 +66,10 @@ def measure(fraction: float | None, backend: str, repeats: int, policy: str, pro
         def run():
             return llada_jax.generate(model, prompt, **options)
     else:
-        from lowering.cache import cached_bundle
-        from lowering.runtime import open_bundle
+        from llada_jax.bundle_runner import bundle_runner
+        from lowering.bundle_cache import cached_bundle
 
-        _, _, generate = open_bundle(cached_bundle(model_dir(), "host", max_len=canvas, window=8,
+        _, _, generate = bundle_runner(cached_bundle(model_dir(), "host", max_len=canvas, window=8,
                                                    device_memory_budget=budget))
 
         def run():

@@ -7,9 +7,9 @@ imported without importing JAX.
 import importlib
 
 _EXPORTS = {
-    "Model": "llada_jax.api",
+    "Model": "llada_jax.loading",
     "generate": "llada_jax.api",
-    "load": "llada_jax.api",
+    "load": "llada_jax.loading",
     "logits": "llada_jax.api",
     "LLaDAConfig": "llada_jax.config",
     "LladaError": "llada_jax.errors",

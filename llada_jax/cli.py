@@ -167,21 +167,21 @@ def generation_runner(args):
     if args.bundle is not None:
         if args.model is not None:
             raise LladaError("give either --model or --bundle, not both")
-        from lowering.runtime import open_bundle
+        from llada_jax.bundle_runner import bundle_runner
 
-        return open_bundle(args.bundle, args.backend)
+        return bundle_runner(args.bundle, args.backend)
     if args.backend == "jax":
         model = load_model(args)
         from llada_jax.api import generate
 
         return model.config, model.tokenizer, lambda ids, **options: generate(model, ids, **options)
-    from lowering.cache import cached_bundle
-    from lowering.runtime import open_bundle
+    from llada_jax.bundle_runner import bundle_runner
+    from lowering.bundle_cache import cached_bundle
 
     target = {"iree-host": "host", "iree-vulkan": "vulkan"}[args.backend]
     bundle_dir = cached_bundle(model_dir(args), target, dtype=args.dtype,
                                device_memory_budget=budget, progress=lambda m: print(m, file=sys.stderr))
-    return open_bundle(bundle_dir, args.backend)
+    return bundle_runner(bundle_dir, args.backend)
 
 
 def cmd_generate(args) -> None:
@@ -220,7 +220,12 @@ def compile_timing(args):
 
 
 def cmd_train(args) -> None:
-    from llada_jax.training import TrainSettings, embedded_model_config, export_latest, train
+    from llada_jax.training import (
+        TrainSettings,
+        embedded_model_config,
+        export_latest,
+        train,
+    )
 
     if args.export_to:
         out_dir, step = export_latest(args.out, args.export_to)

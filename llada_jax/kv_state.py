@@ -2,7 +2,7 @@
 live on whatever device the backend uses, and the backend writes them.
 
 Invariant: for every batch row r and slot i, `keys[:, r, i]` / `values[:, r, i]` were computed from
-token `slot_token[r, i]` at decoding step `slot_step[r, i]` (both EMPTY while the slot holds nothing).
+token `slot_token[r, i]` by dense forward pass number `slot_nfe[r, i]` (both EMPTY while the slot holds nothing).
 A step only *proposes* K/V; a backend's `commit` returns a new state with them written. Comparing
 `slot_token` with the canvas tells which slots are stale.
 """
@@ -23,7 +23,7 @@ class KVState(NamedTuple):
     keys: object            # [N, B, S, K, hd] device array
     values: object          # [N, B, S, K, hd] device array
     slot_token: np.ndarray  # [B, S] int32 on host; EMPTY where no K/V is held
-    slot_step: np.ndarray   # [B, S] int32 on host; EMPTY where no K/V is held
+    slot_nfe: np.ndarray   # [B, S] int32 on host; EMPTY where no K/V is held
 
     @property
     def slots(self) -> int:
@@ -51,14 +51,14 @@ def write_targets(state: KVState, positions: np.ndarray, write: np.ndarray) -> n
     return np.where(write, positions, state.slots).astype(np.int32)
 
 
-def with_writes(state: KVState, keys, values, targets: np.ndarray, tokens: np.ndarray, step: int) -> KVState:
+def with_writes(state: KVState, keys, values, targets: np.ndarray, tokens: np.ndarray, nfe: int) -> KVState:
     """The new state: device arrays already written at `targets`; records updated to match."""
     write = targets < state.slots
     rows = np.nonzero(write)[0]
-    slot_token, slot_step = state.slot_token.copy(), state.slot_step.copy()
+    slot_token, slot_nfe = state.slot_token.copy(), state.slot_nfe.copy()
     slot_token[rows, targets[write]] = np.asarray(tokens)[write]
-    slot_step[rows, targets[write]] = step
-    return KVState(keys, values, slot_token, slot_step)
+    slot_nfe[rows, targets[write]] = nfe
+    return KVState(keys, values, slot_token, slot_nfe)
 
 
 def visible_bias(state: KVState, visible: np.ndarray) -> np.ndarray:

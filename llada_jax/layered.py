@@ -10,10 +10,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from llada_jax.config import LLaDAConfig
-from llada_jax.kv_state import HIDDEN
 from llada_jax.model import decoder_layer, lm_logits, rms_norm, rotary_tables
 from llada_jax.readout import Readout
 from llada_jax.steps import argmax_others, guided_logits
@@ -50,7 +48,3 @@ def partial_readout(logits: jax.Array, confidence_bias: jax.Array) -> dict:
     safe = jnp.where(jnp.isneginf(smax), 0.0, smax)  # a chunk with every score -inf sums to 0
     return {"x0": x0, "lmax": jnp.max(logits, axis=-1), "top": top, "others": others,
             "smax": smax, "ssum": jnp.sum(jnp.exp(scored - safe[..., None]), axis=-1)}
-
-
-def key_bias(valid: np.ndarray) -> np.ndarray:
-    return np.where(valid, 0.0, HIDDEN).astype(np.float32)

@@ -1,5 +1,6 @@
 """The declared set of static shapes. Every canvas and window is padded up to one of these lengths
-(padding is masked out of attention, never sliced), so each shape compiles once per process."""
+(padding is masked out of attention, never sliced), so each shape compiles once per process; and the
+shape of the KV state, built here for every backend, the exporter and the memory budget."""
 
 from __future__ import annotations
 
@@ -20,3 +21,8 @@ def bucket(length: int, limit: int | None = None) -> int:
     if limit is not None:
         return limit
     raise LladaError(f"length {length} is beyond the largest shape bucket {LENGTH_BUCKETS[-1]}")
+
+
+def kv_shape(config, batch: int, slots: int) -> tuple[int, int, int, int, int]:
+    """K (or V) of every layer for `slots` positions: `[N, B, S, K, hd]`."""
+    return (config.n_layers, batch, slots, config.n_kv_heads, config.head_dim)

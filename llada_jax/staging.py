@@ -3,24 +3,28 @@
 Weights are packed once, at load time, into one contiguous aligned host buffer per stage (each
 decoder layer; each vocabulary chunk of the head, with the final norm, about a layer's size), straight
 from the memory-mapped checkpoint; the embedding stays on the host (a row gather). A forward pass
-streams the stages through two device slots: while one stage computes, a background thread copies the
-next into the other slot. Slots the budget allows beyond those two pin the largest stages, copied once
+streams the stages through two device buffers: while one stage computes, a background thread copies the
+next into the other buffer. Buffers the budget allows beyond those two pin the largest stages, copied once
 per generation, so a bigger budget copies fewer bytes per pass. The KV state stays resident; it must
-fit next to at least one slot, or the budget is refused with the minimum it would need.
+fit next to at least one buffer, or the budget is refused with the minimum it would need.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 import time
-from typing import Callable
+from typing import Callable, Protocol
 
 import numpy as np
 
 from llada_jax.config import LLaDAConfig
 from llada_jax.errors import LladaError
-from llada_jax.packing import head_chunk_tensors, head_layout, layer_layout
+from llada_jax.kv_state import HIDDEN, KVState, visible_bias
+from llada_jax.packing import head_chunk_tensors, head_chunks, head_layout, layer_layout
+from llada_jax.readout import StepOutput, combine_head_chunks
+from llada_jax.shapes import kv_shape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +35,7 @@ class StagedWeights:
     dtype: object
 
     @property
-    def slot_bytes(self) -> int:
+    def buffer_bytes(self) -> int:
         return max(p.nbytes for p in self.stages)
 
     @property
@@ -67,21 +71,21 @@ def pack_weights(tensors, config: LLaDAConfig, dtype) -> StagedWeights:
 
 
 def kv_bytes(config: LLaDAConfig, batch: int, slots: int, itemsize: int) -> int:
-    return 2 * config.n_layers * batch * slots * config.n_kv_heads * config.head_dim * itemsize
+    return 2 * math.prod(kv_shape(config, batch, slots)) * itemsize
 
 
-def ring_slots(budget: int, weights: StagedWeights, kv: int) -> int:
-    """How many staging slots fit next to the KV state; at least one, else a clear error."""
-    slots = (budget - kv) // weights.slot_bytes
-    if slots < 1:
-        largest = "an LM head chunk" if weights.head[0].nbytes == weights.slot_bytes else "one decoder layer"
+def ring_buffers(budget: int, weights: StagedWeights, kv: int) -> int:
+    """How many staging buffers fit next to the KV state; at least one, else a clear error."""
+    buffers = (budget - kv) // weights.buffer_bytes
+    if buffers < 1:
+        largest = "an LM head chunk" if weights.head[0].nbytes == weights.buffer_bytes else "one decoder layer"
         raise LladaError(f"device memory budget {budget} bytes is too small: the largest staged piece ({largest}, "
-                         f"{weights.slot_bytes} bytes) plus the KV state ({kv} bytes) need at least "
-                         f"{weights.slot_bytes + kv} bytes")
-    return int(min(slots, len(weights.stages)))
+                         f"{weights.buffer_bytes} bytes) plus the KV state ({kv} bytes) need at least "
+                         f"{weights.buffer_bytes + kv} bytes")
+    return int(min(buffers, len(weights.stages)))
 
 
-STREAM_SLOTS = 2  # slots that stream: one stage computes while the next is copied in
+STREAM_BUFFERS = 2  # buffers that stream: one stage computes while the next is copied in
 
 
 @dataclasses.dataclass
@@ -90,7 +94,7 @@ class StagingStats:
     copy_seconds: float = 0.0     # spent by the copy thread
     compute_seconds: float = 0.0  # spent computing stages
     wait_seconds: float = 0.0     # compute stalled waiting for a copy
-    pinned_stages: int = 0        # stages held in their own slot, copied once per generation
+    pinned_stages: int = 0        # stages held in their own buffer, copied once per generation
 
     @property
     def hidden_fraction(self) -> float:
@@ -106,32 +110,33 @@ class StagingStats:
 
 
 class StagingRing:
-    """N reusable device slots holding a fixed sequence of host stages, copies overlapped with compute.
+    """N reusable device buffers holding a fixed sequence of host stages, copies overlapped with compute.
 
-    `upload(slot, stage)` copies a stage into a slot and returns what compute reads. The first
-    min(N, STREAM_SLOTS) slots stream: the j-th streamed stage lives in slot j mod STREAM_SLOTS and is
-    copied only after streamed stage j - STREAM_SLOTS finished computing. Every further slot pins one
+    `upload(buffer, stage)` copies a stage into a buffer and returns what compute reads. The first
+    min(N, STREAM_BUFFERS) buffers stream: the j-th streamed stage lives in buffer j mod STREAM_BUFFERS and is
+    copied only after streamed stage j - STREAM_BUFFERS finished computing. Every further buffer pins one
     stage (largest first): copied on first use and kept for the ring's life, so a budget above the
     minimum cuts the bytes copied per pass instead of prefetching deeper than overlap needs.
     """
 
-    def __init__(self, stages: tuple[np.ndarray, ...], slots: int, upload: Callable, stats: StagingStats):
+    def __init__(self, stages: tuple[np.ndarray, ...], buffers: int, upload: Callable, stats: StagingStats):
         self.stages, self.upload, self.stats = stages, upload, stats
-        streaming = min(slots, STREAM_SLOTS) if slots < len(stages) else 0
+        streaming = min(buffers, STREAM_BUFFERS) if buffers < len(stages) else 0
         by_size = sorted(range(len(stages)), key=lambda i: (-stages[i].nbytes, i))
-        self.pinned_slot = {stage: streaming + k for k, stage in enumerate(sorted(by_size[: slots - streaming]))}
-        self.streamed = {stage: j for j, stage in enumerate(i for i in range(len(stages)) if i not in self.pinned_slot)}
+        pinned = sorted(by_size[: buffers - streaming])
+        self.pinned_buffer = {stage: streaming + k for k, stage in enumerate(pinned)}
+        self.streamed = {stage: j for j, stage in enumerate(i for i in range(len(stages)) if i not in self.pinned_buffer)}
         self.streaming = streaming
-        self.pinned: dict[int, object] = {}  # stage -> its loaded slot, once copied
-        stats.pinned_stages = len(self.pinned_slot)
+        self.pinned: dict[int, object] = {}  # stage -> its loaded buffer, once copied
+        stats.pinned_stages = len(self.pinned_buffer)
 
-    def _slot(self, stage: int) -> int:
-        if stage in self.pinned_slot:
-            return self.pinned_slot[stage]
+    def _buffer(self, stage: int) -> int:
+        if stage in self.pinned_buffer:
+            return self.pinned_buffer[stage]
         return self.streamed[stage] % self.streaming
 
     def run(self, compute: Callable[[int, object], None]) -> None:
-        """One pass over every stage in order: compute(stage, loaded slot)."""
+        """One pass over every stage in order: compute(stage, loaded buffer)."""
         count = len(self.stages)
         to_copy = [i for i in range(count) if i not in self.pinned]
         ready = {stage: threading.Event() for stage in to_copy}
@@ -149,7 +154,7 @@ class StagingRing:
                     return
                 try:
                     started = time.perf_counter()
-                    loaded[stage] = self.upload(self._slot(stage), stage)
+                    loaded[stage] = self.upload(self._buffer(stage), stage)
                     self.stats.copy_seconds += time.perf_counter() - started
                     self.stats.bytes_staged += self.stages[stage].nbytes
                 except BaseException as err:  # surfaced in the computing thread
@@ -169,12 +174,70 @@ class StagingRing:
                 started = time.perf_counter()
                 compute(stage, loaded[stage])
                 self.stats.compute_seconds += time.perf_counter() - started
-                if stage in self.pinned_slot:
+                if stage in self.pinned_buffer:
                     self.pinned[stage] = loaded[stage]
                 else:
                     freed[self.streamed[stage]].set()
         finally:
             stop.set()
             for event in freed:
-                event.set()  # a copier waiting for a slot (after a failure) wakes up and stops
+                event.set()  # a copier waiting for a buffer (after a failure) wakes up and stops
             thread.join()
+
+
+class StagedDevice(Protocol):
+    """What a staged forward needs of a device (XLA arrays or IREE buffers); `tensors` are one stage's
+    weights as `upload` put them in a ring buffer."""
+
+    def embed(self, rows: np.ndarray):
+        """Embedding rows `[B, W, D]` gathered on the host, to the device."""
+
+    def layer(self, tensors, x, positions: np.ndarray, key_bias: np.ndarray, state, layer: int):
+        """One decoder layer: (x, k, v); `state` None for a full step, else the KV state's cached K/V."""
+
+    def head(self, tensors, x, chunk: int) -> dict:
+        """One head chunk's partial readout (`readout.HEAD_PARTS`) on the host."""
+
+    def stack(self, per_layer: list):
+        """Per-layer proposed K (or V) stacked into `[N, B, W, K, hd]`."""
+
+
+def staged_forward(device: StagedDevice, ring: StagingRing, weights: StagedWeights, config: LLaDAConfig,
+                   ids: np.ndarray, positions: np.ndarray, key_bias: np.ndarray, state) -> StepOutput:
+    """The forward pass stage by stage through the ring: embedding on the host, each layer, then each
+    head chunk, whose partial readouts merge on the host into the readout of the whole head."""
+    x = device.embed(weights.embedding[np.asarray(ids)])
+    keys, values, parts = [], [], []
+
+    def compute(stage: int, tensors) -> None:
+        nonlocal x
+        if stage < config.n_layers:
+            x, k, v = device.layer(tensors, x, positions, key_bias, state, stage)
+            keys.append(k)
+            values.append(v)
+        else:
+            parts.append(device.head(tensors, x, stage - config.n_layers))
+
+    ring.run(compute)
+    readout = combine_head_chunks(parts, head_chunks(config)[1], config.embedding_size)
+    return StepOutput(readout, device.stack(keys), device.stack(values))
+
+
+def staged_full(device: StagedDevice, ring: StagingRing, weights: StagedWeights, config: LLaDAConfig,
+                tokens: np.ndarray, valid: np.ndarray) -> StepOutput:
+    """A full step `[B, S]` through the ring."""
+    positions = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape).copy()
+    return staged_forward(device, ring, weights, config, tokens, positions, hidden_bias(valid), None)
+
+
+def staged_window(device: StagedDevice, ring: StagingRing, weights: StagedWeights, config: LLaDAConfig,
+                  state: KVState, visible, window_ids, window_pos, window_valid) -> StepOutput:
+    """A window step `[B, W]` against the KV state through the ring (keys: cached slots, then the window)."""
+    bias = np.concatenate([visible_bias(state, visible), hidden_bias(window_valid)], axis=1)
+    return staged_forward(device, ring, weights, config, np.asarray(window_ids), np.asarray(window_pos, np.int32),
+                          bias, state)
+
+
+def hidden_bias(valid: np.ndarray) -> np.ndarray:
+    """Attention bias per key `[B, T]`: 0 where valid, HIDDEN where padding."""
+    return np.where(valid, 0.0, HIDDEN).astype(np.float32)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from pathlib import Path
 
 from llada_jax.errors import LladaError
+from llada_jax.params import hf_shapes
 
 PARAMETER_SCOPE = "model"  # IREE parameter scope the weights are bound under
 MANIFEST = "manifest.json"
@@ -15,10 +17,26 @@ FORMAT_VERSION = 3  # 2: staged pieces take one argument per weight tensor; 3: t
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+    """One compiled function: `full` (canvas S), `window` (W positions against S slots), `commit`, or
+    the staged pieces `layer_full`, `layer_window`, `head` (W positions) and `stack` (per-layer K/V)."""
+
+    kind: str
+    batch: int
+    slots: int
+    width: int = 0
+
+    @property
+    def name(self) -> str:
+        if self.kind in ("head", "stack"):
+            return f"{self.kind}_b{self.batch}_w{self.width}"
+        base = f"{self.kind}_b{self.batch}_s{self.slots}"
+        return base if self.kind in ("full", "layer_full") else f"{base}_w{self.width}"
+
+
 def float32_weight_bytes(config) -> int:
     """Device bytes of all weights as the bundle computes with them (float32)."""
-    from llada_jax.params import hf_shapes
-
     return sum(int(math.prod(shape)) for shape in hf_shapes(config).values()) * 4
 
 

@@ -8,7 +8,6 @@ the checkpoint's own safetensors file(s), so one weights file serves every targe
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 import jax
@@ -16,15 +15,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax import export
 
-from llada_jax.buckets import LENGTH_BUCKETS
 from llada_jax.config import LLaDAConfig
 from llada_jax.layered import head_chunk_step, layer_step
 from llada_jax.model import Context
 from llada_jax.packing import PackedLayout, head_chunks, head_layout, layer_layout
 from llada_jax.params import hf_shapes, hf_to_params
 from llada_jax.readout import HEAD_PARTS, Readout
+from llada_jax.shapes import LENGTH_BUCKETS, kv_shape
 from llada_jax.steps import full_step, scatter_slots, window_step
-from lowering.bundle_format import PARAMETER_SCOPE
+from lowering.bundle_format import PARAMETER_SCOPE, StepSpec
 
 MLIR_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int32": "i32", "bool": "i1"}
 ARGMAX = Readout(kind="argmax")
@@ -32,24 +31,6 @@ ARGMAX = Readout(kind="argmax")
 
 NAMED_WEIGHTS = ("full", "window")  # kinds that read the weights as named parameters
 STAGED = ("layer_full", "layer_window", "head", "stack")  # kinds that take their weights as arguments
-
-
-@dataclasses.dataclass(frozen=True)
-class StepSpec:
-    """One compiled function: `full` (canvas S), `window` (W positions against S slots), `commit`, or
-    the staged pieces `layer_full`, `layer_window`, `head` (W positions) and `stack` (per-layer K/V)."""
-
-    kind: str
-    batch: int
-    slots: int
-    width: int = 0
-
-    @property
-    def name(self) -> str:
-        if self.kind in ("head", "stack"):
-            return f"{self.kind}_b{self.batch}_w{self.width}"
-        base = f"{self.kind}_b{self.batch}_s{self.slots}"
-        return base if self.kind in ("full", "layer_full") else f"{base}_w{self.width}"
 
 
 def staged_specs(specs: list[StepSpec]) -> list[StepSpec]:
@@ -87,7 +68,7 @@ def _sds(shape, dtype) -> jax.ShapeDtypeStruct:
 def io_signature(spec: StepSpec, config: LLaDAConfig, compute_dtype) -> tuple[list, list]:
     """(inputs, outputs) of a step as [(name, ShapeDtypeStruct)], weights excluded, in call order."""
     b, s, w = spec.batch, spec.slots, spec.width
-    cache = (config.n_layers, b, s, config.n_kv_heads, config.head_dim)
+    cache = kv_shape(config, b, s)
     e = config.embedding_size
     extras = [("cfg_scale", _sds((), jnp.float32)), ("logit_bias", _sds((e,), jnp.float32)),
               ("confidence_bias", _sds((e,), jnp.float32))]
@@ -102,12 +83,12 @@ def io_signature(spec: StepSpec, config: LLaDAConfig, compute_dtype) -> tuple[li
                   ("window_pos", _sds((b, w), jnp.int32)), ("window_valid", _sds((b, w), jnp.int32)), *extras]
         width = w
     else:
-        proposed = (config.n_layers, b, w, config.n_kv_heads, config.head_dim)
+        proposed = kv_shape(config, b, w)
         inputs = [("keys", _sds(cache, compute_dtype)), ("values", _sds(cache, compute_dtype)),
                   ("targets", _sds((b, w), jnp.int32)), ("new_keys", _sds(proposed, compute_dtype)),
                   ("new_values", _sds(proposed, compute_dtype))]
         return inputs, [("keys", _sds(cache, compute_dtype)), ("values", _sds(cache, compute_dtype))]
-    proposed = (config.n_layers, b, width, config.n_kv_heads, config.head_dim)
+    proposed = kv_shape(config, b, width)
     outputs = [("x0", _sds((b, width), jnp.int32)), ("logp", _sds((b, width), jnp.float32)),
                ("new_keys", _sds(proposed, compute_dtype)), ("new_values", _sds(proposed, compute_dtype))]
     return inputs, outputs
@@ -115,7 +96,7 @@ def io_signature(spec: StepSpec, config: LLaDAConfig, compute_dtype) -> tuple[li
 
 def _staged_signature(spec: StepSpec, config: LLaDAConfig, compute_dtype, extras) -> tuple[list, list]:
     b, s, w, d = spec.batch, spec.slots, spec.width, config.d_model
-    kv = (b, w or s, config.n_kv_heads, config.head_dim)
+    kv = kv_shape(config, b, w or s)[1:]  # one layer's
     if spec.kind == "stack":
         layers = [(f"keys_{i}", _sds(kv, compute_dtype)) for i in range(config.n_layers)]
         return layers, [("stacked", _sds((config.n_layers, *kv), compute_dtype))]
@@ -131,7 +112,7 @@ def _staged_signature(spec: StepSpec, config: LLaDAConfig, compute_dtype, extras
     if spec.kind == "layer_full":
         inputs.append(("key_bias", _sds((b, s), jnp.float32)))
     else:
-        cache = (config.n_layers, b, s, config.n_kv_heads, config.head_dim)
+        cache = kv_shape(config, b, s)
         inputs += [("key_bias", _sds((b, s + w), jnp.float32)), ("keys", _sds(cache, compute_dtype)),
                    ("values", _sds(cache, compute_dtype)), ("layer", _sds((), jnp.int32))]
     outputs = [("x", _sds((b, width, d), compute_dtype)), ("new_keys", _sds(kv, compute_dtype)),

@@ -10,14 +10,23 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
 from llada_jax import kv_state
+from llada_jax.backend import Backend, SideBackend
 from llada_jax.config import LLaDAConfig
 from llada_jax.errors import LladaError
 from llada_jax.readout import Readout, StepOutput, TokenBiases
-from lowering.bundle_format import MANIFEST, PARAMETER_SCOPE, VMFB, check_files, runs_staged
+from llada_jax.shapes import kv_shape
+from lowering.bundle_format import (
+    MANIFEST,
+    PARAMETER_SCOPE,
+    VMFB,
+    StepSpec,
+    check_files,
+)
 
 
 class Session:
@@ -115,15 +124,16 @@ def load_bundle(path, expected_target: str | None = None) -> Bundle:
     return Bundle(bundle_dir, manifest, config)
 
 
-class IreeBackend:
-    """The backend interface (see llada_jax.backend) over a bundle's compiled steps."""
+class IreeBackend(Backend):
+    """`llada_jax.backend.Backend` over a bundle's compiled steps. `side`: where revision's side path
+    runs (the caller may offer XLA on the host; this module never imports JAX)."""
 
     def __init__(self, bundle: Bundle, session: Session, readout: Readout, biases: TokenBiases,
-                 cfg_scale: float = 0.0):
+                 cfg_scale: float = 0.0, side: Callable[["IreeBackend"], SideBackend | None] | None = None):
         if readout != Readout(kind="argmax") or cfg_scale != 0.0:
             raise LladaError("IREE bundles run argmax readouts without CFG: use temperature 0 and cfg-scale 0")
         self.bundle, self.session, self.config = bundle, session, bundle.config
-        self.readout, self.biases = readout, biases
+        self.readout, self.biases, self._side = readout, biases, side
         # Uploaded once per generation; every step passes the same device buffers.
         self._extras = (np.asarray(cfg_scale, np.float32), session.upload(biases.logit_bias),
                         session.upload(biases.confidence_bias))
@@ -133,35 +143,32 @@ class IreeBackend:
 
     def full(self, tokens: np.ndarray, valid: np.ndarray) -> StepOutput:
         batch, slots = tokens.shape
-        out = self._call(f"full_b{batch}_s{slots}", tokens.astype(np.int32), valid.astype(np.int32), *self._extras)
+        out = self._call(StepSpec("full", batch, slots).name, tokens.astype(np.int32), valid.astype(np.int32),
+                         *self._extras)
         return StepOutput({"x0": self.session.read(out[0]), "logp": self.session.read(out[1])}, out[2], out[3])
 
     def window(self, state: kv_state.KVState, visible, window_ids, window_pos, window_valid) -> StepOutput:
         batch, width = window_ids.shape
-        out = self._call(f"window_b{batch}_s{state.slots}_w{width}", state.keys, state.values,
+        out = self._call(StepSpec("window", batch, state.slots, width).name, state.keys, state.values,
                          kv_state.visible_bias(state, visible), np.asarray(window_ids, np.int32),
                          np.asarray(window_pos, np.int32), np.asarray(window_valid, np.int32), *self._extras)
         return StepOutput({"x0": self.session.read(out[0]), "logp": self.session.read(out[1])}, out[2], out[3])
 
-    def commit(self, state: kv_state.KVState, positions, write, out: StepOutput, tokens, step: int):
+    def commit(self, state: kv_state.KVState, positions, write, out: StepOutput, tokens, nfe: int):
         targets = kv_state.write_targets(state, positions, write)
         batch, width = targets.shape
         # The compiled commit is a gather + select into fresh buffers: the old state's arrays stay intact
         # (tests/test_lowering.py checks it, since IREE may otherwise update a device-array input in place).
-        keys, values = self._call(f"commit_b{batch}_s{state.slots}_w{width}", state.keys, state.values,
+        keys, values = self._call(StepSpec("commit", batch, state.slots, width).name, state.keys, state.values,
                                   targets, out.keys, out.values)
-        return kv_state.with_writes(state, keys, values, targets, tokens, step)
+        return kv_state.with_writes(state, keys, values, targets, tokens, nfe)
 
-    def side_path(self):
-        """Where the revision policy's side path runs: XLA on the host, concurrently (see host_side_path)."""
-        from lowering.host_side_path import host_side_path
-
-        return host_side_path(self)
+    def side_backend(self) -> SideBackend | None:
+        return self._side(self) if self._side is not None else None
 
     def empty_state(self, batch: int, slots: int) -> kv_state.KVState:
-        c = self.config
         dtype = np.float32 if self.bundle.manifest["compute_dtype"] == "float32" else _bfloat16()
-        zeros = np.zeros((c.n_layers, batch, slots, c.n_kv_heads, c.head_dim), dtype)
+        zeros = np.zeros(kv_shape(self.config, batch, slots), dtype)
         records = kv_state.empty_records(batch, slots)
         return kv_state.KVState(self.session.upload(zeros), self.session.upload(zeros), records, records.copy())
 
@@ -170,38 +177,3 @@ def _bfloat16():
     import ml_dtypes
 
     return ml_dtypes.bfloat16
-
-
-def generate_with_bundle(bundle: Bundle, session: Session, prompt_ids, staged=None, **options):
-    """`llada_jax.generate` through a bundle (same options, same validation). With `staged` weights
-    (see `staged_runtime.staged_weights`) the steps stream them within the bundle's memory budget."""
-    from llada_jax.decoding import run_generation
-
-    def make_backend(readout, biases, cfg_scale, batch, slots):
-        if staged is None:
-            return IreeBackend(bundle, session, readout, biases, cfg_scale)
-        from lowering.staged_runtime import IreeStagedBackend
-
-        return IreeStagedBackend(bundle, session, staged, bundle.manifest["device_memory_budget"], readout, biases,
-                                 cfg_scale, batch, slots)
-
-    return run_generation(make_backend, bundle.config, prompt_ids, limit=bundle.manifest["max_len"], **options)
-
-
-def open_bundle(path, backend: str = "iree-host"):
-    """(config, tokenizer, generate(ids, **options)) for a bundle, on the driver its target needs."""
-    from llada_jax.tokenizer import load_tokenizer
-
-    bundle = load_bundle(path)
-    wanted = {"iree-host": "local-task", "iree-vulkan": "vulkan"}.get(backend, bundle.manifest["driver"])
-    if bundle.manifest["driver"] != wanted:
-        raise LladaError(f"bundle {path} targets {bundle.manifest['target']} ({bundle.manifest['driver']}), "
-                         f"which --backend {backend} cannot run")
-    session = Session(bundle.path, bundle.manifest, bundle.manifest["driver"])
-    staged = None
-    if runs_staged(bundle.manifest.get("device_memory_budget"), bundle.config):
-        from lowering.staged_runtime import staged_weights
-
-        staged = staged_weights(bundle)
-    return (bundle.config, load_tokenizer(bundle.path),
-            lambda ids, **options: generate_with_bundle(bundle, session, ids, staged=staged, **options))

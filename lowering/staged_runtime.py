@@ -1,26 +1,35 @@
 """Staged execution of a bundle: weights streamed layer by layer through a ring of device buffers
 allocated once, sized to the device memory budget (numpy + iree.runtime only).
 
-Each slot is one mapped device buffer (DEVICE_LOCAL | HOST_VISIBLE) reused for the whole run: filling
-it is a copy into its mapping, done on the staging ring's copy thread while the previous layer runs.
-The layer and head pieces take their tensors as separate arguments: zero-copy aliases into the slot.
+Each ring buffer is one mapped device buffer (DEVICE_LOCAL | HOST_VISIBLE) reused for the whole run:
+filling it is a copy into its mapping, done on the staging ring's copy thread while the previous layer
+runs. The layer and head pieces take their tensors as separate arguments: zero-copy aliases into it.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from llada_jax import kv_state
 from llada_jax.errors import LladaError
 from llada_jax.packing import PackedLayout, head_chunks, head_layout, layer_layout
-from llada_jax.readout import HEAD_PARTS, StepOutput, chunk_biases, combine_head_chunks
-from llada_jax.staging import StagedWeights, StagingRing, StagingStats, kv_bytes, pack_weights, ring_slots
+from llada_jax.readout import HEAD_PARTS, StepOutput, chunk_biases
+from llada_jax.staging import (
+    StagedWeights,
+    StagingRing,
+    StagingStats,
+    kv_bytes,
+    pack_weights,
+    ring_buffers,
+    staged_full,
+    staged_window,
+)
 from llada_jax.weights_io import iter_tensors
+from lowering.bundle_format import StepSpec
 from lowering.runtime import Bundle, IreeBackend, Session
 
 
-class DeviceSlots:
-    """`count` reusable device buffers of `elements` float32 each, allocated and mapped once. Each slot's
+class DeviceBuffers:
+    """`count` reusable device buffers of `elements` float32 each, allocated and mapped once. Each buffer's
     tensors are aliased once per stage layout as zero-copy sub-buffers of its mapping, so a staged piece
     gets one argument per tensor without any per-step allocation."""
 
@@ -38,70 +47,67 @@ class DeviceSlots:
             buffer = allocator.import_host_allocation(view, memory, int(rt.BufferUsage.DEFAULT))
             return rt.DeviceArray(session.device, rt.HalBufferView(buffer, view.shape, rt.HalElementType.FLOAT_32))
 
-        self.tensors = {(slot, layout): [alias(view) for view in layout.views(self.views[slot]).values()]
-                        for slot in range(count) for layout in layouts}
+        self.tensors = {(index, layout): [alias(view) for view in layout.views(self.views[index]).values()]
+                        for index in range(count) for layout in layouts}
 
-    def upload(self, slot: int, host: np.ndarray, layout: PackedLayout) -> list:
-        """Copy a packed stage into a slot; its tensors, as the slot's device arrays."""
-        np.copyto(self.views[slot][: host.size], host)
-        return self.tensors[slot, layout]
+    def upload(self, index: int, host: np.ndarray, layout: PackedLayout) -> list:
+        """Copy a packed stage into buffer `index`; its tensors, as that buffer's device arrays."""
+        np.copyto(self.views[index][: host.size], host)
+        return self.tensors[index, layout]
 
 
 class IreeStagedBackend(IreeBackend):
-    """IreeBackend whose full and window steps run layer by layer with streamed weights."""
+    """IreeBackend whose full and window steps run layer by layer with streamed weights
+    (`staging.staged_forward` over this IREE device adapter)."""
 
     def __init__(self, bundle: Bundle, session: Session, weights: StagedWeights, budget: int, readout, biases,
-                 cfg_scale: float, batch: int, canvas_slots: int):
-        super().__init__(bundle, session, readout, biases, cfg_scale)
+                 cfg_scale: float, batch: int, canvas_slots: int, side=None):
+        super().__init__(bundle, session, readout, biases, cfg_scale, side)
         self.weights = weights
-        ring = ring_slots(budget, weights, kv_bytes(self.config, batch, canvas_slots, 4))
+        buffers = ring_buffers(budget, weights, kv_bytes(self.config, batch, canvas_slots, 4))
         self.layouts = (layer_layout(self.config), head_layout(self.config))
         check_piece_layouts(bundle, *self.layouts)
-        self.slots = DeviceSlots(session, ring, max(p.size for p in weights.stages), self.layouts)
+        self.buffers = DeviceBuffers(session, buffers, max(p.size for p in weights.stages), self.layouts)
         self.stats = StagingStats()
-        self.ring = StagingRing(weights.stages, ring, self._upload, self.stats)
+        self.ring = StagingRing(weights.stages, buffers, self._upload, self.stats)
         # Each head chunk's slices of the token biases, uploaded once per generation.
         self._chunk_extras = [(self._extras[0], session.upload(part.logit_bias), session.upload(part.confidence_bias))
                               for part in chunk_biases(biases, *head_chunks(self.config))]
 
-    def _staged(self, ids, positions, bias, layer_name: str, state, width: int) -> StepOutput:
-        batch = ids.shape[0]
-        x = self.session.upload(self.weights.embedding[np.asarray(ids)])
-        keys, values, parts = [], [], []
-        n_layers = self.config.n_layers
-
-        def compute(stage: int, tensors: list) -> None:
-            nonlocal x
-            if stage < n_layers:
-                extra = () if state is None else (state.keys, state.values, np.asarray(stage, np.int32))
-                x, k, v = self._call(layer_name, *tensors, x, positions, bias, *extra)
-                keys.append(k)
-                values.append(v)
-            else:
-                outputs = self._call(f"head_b{batch}_w{width}", *tensors, x, *self._chunk_extras[stage - n_layers])
-                parts.append(dict(zip(HEAD_PARTS, map(self.session.read, outputs))))
-
-        self.ring.run(compute)
-        stack = f"stack_b{batch}_w{width}"
-        out = combine_head_chunks(parts, head_chunks(self.config)[1], self.config.embedding_size)
-        return StepOutput(out, self._call(stack, *keys), self._call(stack, *values))
-
-    def _upload(self, slot: int, stage: int) -> list:
+    def _upload(self, buffer: int, stage: int) -> list:
         layout = self.layouts[0] if stage < self.config.n_layers else self.layouts[1]
-        return self.slots.upload(slot, self.weights.stages[stage], layout)
+        return self.buffers.upload(buffer, self.weights.stages[stage], layout)
 
+    # The device adapter of `staging.staged_forward`.
+    def embed(self, rows: np.ndarray):
+        return self.session.upload(rows)
+
+    def layer(self, tensors: list, x, positions, key_bias, state, layer: int):
+        batch, width = positions.shape
+        if state is None:
+            return self._call(StepSpec("layer_full", batch, width).name, *tensors, x, positions, key_bias)
+        name = StepSpec("layer_window", batch, state.slots, width).name
+        return self._call(name, *tensors, x, positions, key_bias, state.keys, state.values, np.asarray(layer, np.int32))
+
+    def head(self, tensors: list, x, chunk: int) -> dict:
+        batch, width = x.shape[:2]
+        outputs = self._call(StepSpec("head", batch, 0, width).name, *tensors, x, *self._chunk_extras[chunk])
+        return dict(zip(HEAD_PARTS, map(self.session.read, outputs)))
+
+    def stack(self, per_layer: list):
+        batch, width = per_layer[0].shape[:2]
+        return self._call(StepSpec("stack", batch, 0, width).name, *per_layer)
+
+    # The backend.
     def full(self, tokens: np.ndarray, valid: np.ndarray) -> StepOutput:
-        batch, slots = tokens.shape
-        positions = np.broadcast_to(np.arange(slots, dtype=np.int32), tokens.shape).copy()
-        bias = np.where(valid, 0.0, kv_state.HIDDEN).astype(np.float32)
-        return self._staged(tokens, positions, bias, f"layer_full_b{batch}_s{slots}", None, slots)
+        return staged_full(self, self.ring, self.weights, self.config, tokens, valid)
 
     def window(self, state, visible, window_ids, window_pos, window_valid) -> StepOutput:
-        batch, width = window_ids.shape
-        bias = np.concatenate([kv_state.visible_bias(state, visible),
-                               np.where(window_valid, 0.0, kv_state.HIDDEN).astype(np.float32)], axis=1)
-        return self._staged(np.asarray(window_ids), np.asarray(window_pos, np.int32), bias,
-                            f"layer_window_b{batch}_s{state.slots}_w{width}", state, width)
+        return staged_window(self, self.ring, self.weights, self.config, state, visible, window_ids, window_pos,
+                             window_valid)
+
+    def staging_stats(self) -> dict:
+        return self.stats.as_dict()
 
 
 def check_piece_layouts(bundle: Bundle, layer: PackedLayout, head: PackedLayout) -> None:

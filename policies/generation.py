@@ -1,5 +1,5 @@
-"""Backend-independent generation entry: validate on the host, pick readout and rules, run the decoder.
-No JAX here: the IREE bundle runtime uses this module too."""
+"""Generation, whatever runs the steps: validate every input on the host, pick readout, sampler, commit rule
+and policy, then run the decode loop. No JAX here: bundles run through this module too."""
 
 from __future__ import annotations
 
@@ -8,10 +8,13 @@ from typing import Callable
 
 import numpy as np
 
-from llada_jax.buckets import bucket
 from llada_jax.config import LLaDAConfig
 from llada_jax.errors import LladaError
 from llada_jax.readout import Readout, TokenBiases
+from llada_jax.shapes import bucket
+from policies.loop import Schedule, decode, make_rule
+from policies.registry import make_cache_policy
+from policies.sampling import Sampler
 
 
 def check_token_ids(ids, config: LLaDAConfig, what: str, allow_mask: bool) -> np.ndarray:
@@ -39,10 +42,6 @@ def run_generation(make_backend: Callable, config: LLaDAConfig, prompt_ids, *, g
     `limit`: a compiled bundle's longest canvas, when lower than the model's own."""
     if limit is not None:
         config = dataclasses.replace(config, max_sequence_length=min(limit, config.max_sequence_length))
-    from policies.decode import Schedule, decode, make_rule
-    from policies.registry import make_cache_policy
-    from policies.sampling import Sampler
-
     prompt = check_token_ids(prompt_ids, config, "prompt", allow_mask=False)
     if prompt.ndim == 2 and prompt.shape[0] == 1:  # the reference's [1, L] prompt shape
         prompt = prompt[0]
@@ -67,5 +66,5 @@ def run_generation(make_backend: Callable, config: LLaDAConfig, prompt_ids, *, g
     backend = make_backend(readout, biases, float(cfg_scale), batch, slots)
     result = decode(backend, prompt, schedule, cache_policy, rule, sampler, mask_id=config.mask_token_id,
                     max_len=config.max_sequence_length, cfg=cfg_scale > 0.0, seed=seed, on_step=on_step)
-    staging = getattr(backend, "stats", None)
-    return result if staging is None else dataclasses.replace(result, stats={**result.stats, **staging.as_dict()})
+    staging = backend.staging_stats()
+    return dataclasses.replace(result, stats={**result.stats, **staging}) if staging else result

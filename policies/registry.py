@@ -8,7 +8,7 @@ BASE is vanilla, prefix-cache or dual-cache; e.g. `dual-cache+speculative:1:0.9+
 from __future__ import annotations
 
 from llada_jax.errors import LladaError
-from policies.cache import CACHE_POLICIES
+from policies.cache_policies import CACHE_POLICIES
 from policies.speculative import Speculative
 
 MODIFIERS = ("speculative", "revision")

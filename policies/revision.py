@@ -38,12 +38,12 @@ from typing import ClassVar, NamedTuple
 import numpy as np
 
 from llada_jax import kv_state
-from llada_jax.buckets import bucket
 from llada_jax.errors import LladaError
 from llada_jax.readout import check_finite
-from policies.cache import CachePolicy, DualCache, PrefixCache, run_full
+from llada_jax.shapes import bucket
+from policies.cache_policies import CachePolicy, DualCache, PrefixCache, run_full
 from policies.canvas import Block, Canvas, Window
-from policies.decode import canvas_wide
+from policies.loop import canvas_wide
 from policies.side_path import SidePath, side_path_for
 
 NEVER = -1

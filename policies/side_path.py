@@ -14,6 +14,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 from llada_jax import kv_state
+from llada_jax.backend import Backend
 from llada_jax.readout import StepOutput
 
 
@@ -63,7 +64,10 @@ class SidePath:
             self.seconds += time.perf_counter() - started
 
 
-def side_path_for(backend) -> SidePath:
-    """The backend's own side path when it offers one (IREE: XLA on the host), else itself, inline."""
-    offer = getattr(backend, "side_path", None)
-    return offer() if offer is not None else SidePath(backend, concurrent=False)
+def side_path_for(backend: Backend) -> SidePath:
+    """On the backend's side backend, concurrently, when it offers one (IREE: XLA on the host); else on
+    the backend itself, inline."""
+    side = backend.side_backend()
+    if side is None:
+        return SidePath(backend, concurrent=False)
+    return SidePath(side.backend, concurrent=True, to_side=side.to_side, to_dense=side.to_dense)

@@ -19,9 +19,9 @@ from typing import ClassVar
 
 import numpy as np
 
-from llada_jax.buckets import bucket
 from llada_jax.errors import LladaError
-from policies.cache import CachePolicy, DualCache, run_window
+from llada_jax.shapes import bucket
+from policies.cache_policies import CachePolicy, DualCache, run_window
 from policies.canvas import Block, Canvas, Window
 
 

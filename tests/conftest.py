@@ -93,7 +93,7 @@ def step_extras(config: LLaDAConfig = TINY, forbid=(), unconfident=()):
 
 
 def jax_backend(model, readout=None):
-    from llada_jax.backend import JaxBackend
+    from llada_jax.backends.xla import JaxBackend
     from llada_jax.readout import Readout, TokenBiases
 
     return JaxBackend(model.params, model.config, readout or Readout(), TokenBiases.build(model.config.embedding_size))

@@ -177,7 +177,7 @@ def test_live_canvas_hides_special_tokens_after_the_answer_ends():
     from llada_jax.locations import default_model_dir
     from llada_jax.tokenizer import load_tokenizer
     from policies.canvas import Canvas
-    from policies.decode import StepRecord
+    from policies.loop import StepRecord
 
     tokenizer = load_tokenizer(default_model_dir())
     eos, eot, mask = (tokenizer.token_id(t) for t in ("<|endoftext|>", "<|eot_id|>", "<|mdm_mask|>"))

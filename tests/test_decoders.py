@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import llada_jax
 from llada_jax.steps import full_step
-from policies.cache import DualCache, PrefixCache
+from policies.cache_policies import DualCache, PrefixCache
 from policies.canvas import Block, Canvas
 from tests.conftest import TINY, jax_backend, step_extras
 

@@ -32,13 +32,13 @@ def test_commit_writes_only_flagged_slots_and_leaves_the_old_state_alone(tiny_mo
     tokens = np.arange(100, 100 + width)[None]
     backend = jax_backend(tiny_model)
     before = backend.empty_state(1, SLOTS)
-    after = backend.commit(before, np.array(positions)[None], flags[None], StepOutput({}, keys, values), tokens, step=5)
+    after = backend.commit(before, np.array(positions)[None], flags[None], StepOutput({}, keys, values), tokens, nfe=5)
     assert not before.filled.any() and float(jnp.abs(before.keys).max()) == 0.0
     written = np.array(positions)[flags]
     assert sorted(np.flatnonzero(after.filled)) == sorted(written)
     for i, pos in enumerate(positions):
         if flags[i]:
-            assert after.slot_token[0, pos] == 100 + i and after.slot_step[0, pos] == 5
+            assert after.slot_token[0, pos] == 100 + i and after.slot_nfe[0, pos] == 5
             np.testing.assert_array_equal(np.asarray(after.keys)[:, 0, pos], np.asarray(keys)[:, 0, i])
             np.testing.assert_array_equal(np.asarray(after.values)[:, 0, pos], np.asarray(values)[:, 0, i])
     untouched = np.setdiff1d(np.arange(SLOTS), written)
@@ -48,7 +48,7 @@ def test_commit_writes_only_flagged_slots_and_leaves_the_old_state_alone(tiny_mo
 def test_stale_slots_are_those_whose_token_changed(tiny_model):
     backend = jax_backend(tiny_model)
     state = backend.commit(backend.empty_state(1, SLOTS), np.arange(4)[None], np.ones((1, 4), bool),
-                           StepOutput({}, *proposal(4, 0)), np.array([[7, 8, 9, 10]]), step=0)
+                           StepOutput({}, *proposal(4, 0)), np.array([[7, 8, 9, 10]]), nfe=0)
     canvas = np.zeros((1, SLOTS), np.int64)
     canvas[0, :4] = [7, 99, 9, 10]
     assert np.flatnonzero(kv_state.stale_slots(state, canvas)).tolist() == [1]
@@ -58,4 +58,4 @@ def test_commit_outside_the_cache_is_refused(tiny_model):
     backend = jax_backend(tiny_model)
     with pytest.raises(LladaError, match="outside the 16 cache slots"):
         backend.commit(backend.empty_state(1, SLOTS), np.array([[3, SLOTS]]), np.ones((1, 2), bool),
-                       StepOutput({}, *proposal(2, 0)), np.array([[1, 2]]), step=0)
+                       StepOutput({}, *proposal(2, 0)), np.array([[1, 2]]), nfe=0)

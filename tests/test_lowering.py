@@ -14,11 +14,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import llada_jax
+from llada_jax.backends.select import OpenBundle
+from llada_jax.bundle_runner import generate_with_bundle
 from llada_jax.errors import LladaError
 from llada_jax.readout import Readout, TokenBiases
 from lowering import bundle as bundle_mod
 from lowering.bundle import compile_bundle
-from lowering.runtime import IreeBackend, Session, generate_with_bundle, load_bundle
+from lowering.runtime import IreeBackend, Session, load_bundle
 from tests.conftest import TINY, jax_backend, require, vulkan_available
 
 MAX_LEN, WINDOW = 32, 32
@@ -119,7 +121,7 @@ def test_decoders_give_identical_tokens_through_iree_and_jax(tiny_model, host_se
         prompt = np.random.default_rng(seed).integers(0, TINY.mask_token_id, 5 + seed)
         options = dict(gen_length=16, block_length=8, steps=8, policy=policy, threshold=threshold)
         want = llada_jax.generate(tiny_model, prompt, **options)
-        got = generate_with_bundle(bundle, session, prompt, **options)
+        got = generate_with_bundle(OpenBundle(bundle, session, None), prompt, **options)
         assert got.output_ids.tolist() == want.output_ids.tolist() and got.nfe == want.nfe
         assert [r.revisions for r in got.trace] == [r.revisions for r in want.trace]
 
@@ -127,7 +129,7 @@ def test_decoders_give_identical_tokens_through_iree_and_jax(tiny_model, host_se
 def test_bundle_canvas_limit_is_a_clear_error(host_session):
     bundle, session = host_session
     with pytest.raises(LladaError, match="compiled with --max-len 32"):
-        generate_with_bundle(bundle, session, np.arange(20), gen_length=16, block_length=8, steps=8)
+        generate_with_bundle(OpenBundle(bundle, session, None), np.arange(20), gen_length=16, block_length=8, steps=8)
 
 
 def test_vulkan_matches_jax(tiny_dir, tiny_model, tmp_path):
@@ -138,7 +140,7 @@ def test_vulkan_matches_jax(tiny_dir, tiny_model, tmp_path):
     for policy in POLICIES:
         prompt = np.arange(3, 9)
         options = dict(gen_length=8, block_length=4, steps=4, policy=policy)
-        got = generate_with_bundle(bundle, session, prompt, **options)
+        got = generate_with_bundle(OpenBundle(bundle, session, None), prompt, **options)
         assert got.output_ids.tolist() == llada_jax.generate(tiny_model, prompt, **options).output_ids.tolist()
     tokens, valid = random_canvas(3, 16, 12)
     got = IreeBackend(bundle, session, Readout(), TokenBiases.build(TINY.embedding_size)).full(tokens, valid)
@@ -185,8 +187,8 @@ def test_bundle_for_another_target_is_refused(host_bundle):
 
 
 def test_bundle_runtime_imports_neither_jax_nor_the_compiler(host_bundle):
-    script = (f"import sys, numpy as np\nfrom lowering.runtime import open_bundle\n"
-              f"config, tok, run = open_bundle({str(host_bundle)!r})\n"
+    script = (f"import sys, numpy as np\nfrom llada_jax.bundle_runner import bundle_runner\n"
+              f"config, tok, run = bundle_runner({str(host_bundle)!r})\n"
               f"r = run(np.arange(3, 9), gen_length=8, block_length=8, steps=8, policy='dual-cache')\n"
               f"assert len(r.output_ids) == 8\n"
               f"print(sorted(m for m in sys.modules if m.startswith(('jax', 'iree.compiler'))))")
@@ -197,7 +199,7 @@ def test_bundle_runtime_imports_neither_jax_nor_the_compiler(host_bundle):
 def test_iree_backend_refuses_sampling_it_cannot_run(host_session):
     bundle, session = host_session
     with pytest.raises(LladaError, match="temperature 0 and cfg-scale 0"):
-        generate_with_bundle(bundle, session, np.arange(3, 6), gen_length=8, block_length=8, steps=8,
+        generate_with_bundle(OpenBundle(bundle, session, None), np.arange(3, 6), gen_length=8, block_length=8, steps=8,
                              temperature=0.5)
 
 
@@ -213,5 +215,5 @@ def test_embedded_model_decoders_identical_through_iree_and_jax(tmp_path):
         for policy, threshold in (("vanilla", None), ("dual-cache", 0.9), ("dual-cache+speculative+revision", 0.7)):
             options = dict(gen_length=32, block_length=8, steps=32, policy=policy, threshold=threshold)
             want = llada_jax.generate(model, ids, **options)
-            got = generate_with_bundle(bundle, session, ids, **options)
+            got = generate_with_bundle(OpenBundle(bundle, session, None), ids, **options)
             assert got.output_ids.tolist() == want.output_ids.tolist(), (example.prompt, policy)

@@ -61,7 +61,7 @@ def test_window_with_fresh_cache_equals_full_forward(tiny_model, length, data, s
     everything = np.arange(slots)[None]
     backend = jax_backend(tiny_model)
     state = backend.commit(backend.empty_state(1, slots), everything, everything < length,
-                           StepOutput({}, keys, values), np.pad(ids, (0, slots - length))[None], step=0)
+                           StepOutput({}, keys, values), np.pad(ids, (0, slots - length))[None], nfe=0)
     visible = (everything < length) & ~((everything >= start) & (everything < end))
     positions = np.zeros((1, width), np.int32)
     positions[0, : end - start] = np.arange(start, end)

@@ -11,11 +11,11 @@ from hypothesis import strategies as st
 
 import llada_jax
 from llada_jax import kv_state
+from llada_jax.backend import SideBackend
 from llada_jax.errors import LladaError
 from policies.canvas import Canvas
 from policies.registry import make_cache_policy
 from policies.revision import NEVER, Revision
-from policies.side_path import SidePath
 from tests.conftest import TINY, jax_backend
 
 
@@ -67,8 +67,8 @@ class WatchingBackend:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def side_path(self):
-        return SidePath(self.inner, concurrent=False)
+    def side_backend(self):
+        return SideBackend(self.inner, lambda kv: kv, lambda out: out)
 
     def full(self, tokens, valid):
         self.previous = np.array(tokens)
@@ -90,8 +90,8 @@ class WatchingBackend:
                              "prefix-cache+revision:0.3:3"]),
        threshold=st.sampled_from([None, 0.2]), seed=st.integers(0, 500))
 def test_dense_steps_never_see_stale_kv_and_commits_stay_in_bounds(tiny_model, spec, threshold, seed):
-    from policies import decode as decode_mod
-    from policies.decode import Schedule, make_rule
+    from policies import loop as decode_mod
+    from policies.loop import Schedule, make_rule
     from policies.sampling import Sampler
 
     canvas_ref = []

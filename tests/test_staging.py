@@ -105,9 +105,9 @@ def test_ring_reuses_slots_and_overlaps_copies_with_compute():
 def test_ring_pins_the_largest_stages_and_surfaces_copy_failures():
     stages = (np.zeros(10), np.zeros(30), np.zeros(20), np.zeros(10))
     ring = StagingRing(stages, 3, lambda slot, stage: slot, StagingStats())
-    assert ring.pinned_slot == {1: 2} and ring._slot(0) == 0 and ring._slot(2) == 1 and ring._slot(3) == 0
+    assert ring.pinned_buffer == {1: 2} and ring._buffer(0) == 0 and ring._buffer(2) == 1 and ring._buffer(3) == 0
     everything = StagingRing(stages, 4, lambda slot, stage: slot, StagingStats())
-    assert sorted(everything.pinned_slot) == [0, 1, 2, 3]
+    assert sorted(everything.pinned_buffer) == [0, 1, 2, 3]
 
     def failing(slot, stage):
         raise OSError("disk went away")
@@ -117,9 +117,11 @@ def test_ring_pins_the_largest_stages_and_surfaces_copy_failures():
 
 
 def test_iree_staged_equals_iree_resident_and_jax(tiny_dir, tiny_model, tmp_path):
+    from llada_jax.backends.select import OpenBundle
+    from llada_jax.bundle_runner import generate_with_bundle
     from llada_jax.readout import Readout, TokenBiases
     from lowering.bundle import compile_bundle
-    from lowering.runtime import IreeBackend, Session, generate_with_bundle, load_bundle
+    from lowering.runtime import IreeBackend, Session, load_bundle
     from lowering.staged_runtime import IreeStagedBackend, staged_weights
 
     slot = 4 * max(layer_layout(TINY).size, head_layout(TINY).size)
@@ -133,12 +135,12 @@ def test_iree_staged_equals_iree_resident_and_jax(tiny_dir, tiny_model, tmp_path
         prompt = np.arange(10, 17)
         options = dict(gen_length=16, block_length=8, steps=8, policy=policy)
         want = llada_jax.generate(tiny_model, prompt, **options)
-        got = generate_with_bundle(bundle, session, prompt, staged=weights, **options)
+        got = generate_with_bundle(OpenBundle(bundle, session, weights), prompt, **options)
         assert got.output_ids.tolist() == want.output_ids.tolist()
         check_staged_bytes(got.stats, weights.stages, got.nfe)
     biases = TokenBiases.build(TINY.embedding_size)
     staged = IreeStagedBackend(bundle, session, weights, budget, Readout(), biases, 0.0, 1, 32)
-    assert len(staged.slots.buffers) == 2
+    assert len(staged.buffers.buffers) == 2
     tokens = np.random.default_rng(0).integers(0, TINY.vocab_size, (1, 32)).astype(np.int32)
     valid = np.arange(32)[None] < 27
     resident = load_bundle(compile_bundle(tiny_dir, "host", tmp_path / "resident", max_len=32, window=16))

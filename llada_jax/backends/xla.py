@@ -1,12 +1,5 @@
-"""The XLA backend. Decoders and policies call a backend and never know whether XLA or IREE runs it.
-
-Backend interface (see also `lowering.runtime.IreeBackend`):
-    full(tokens [B,S], valid [B,S]) -> StepOutput
-    window(state, visible [B,S], ids [B,W], positions [B,W], valid [B,W]) -> StepOutput
-    commit(state, positions [B,W], write [B,W], out: StepOutput, tokens [B,W], step) -> KVState
-    empty_state(batch, slots) -> KVState
-Readouts come back to the host as numpy; proposed K/V stay on the device until committed.
-"""
+"""The XLA backend (`llada_jax.backend.Backend`): the jitted steps with device-resident params.
+Readouts come back to the host as numpy; proposed K/V stay on the device until committed."""
 
 from __future__ import annotations
 
@@ -17,14 +10,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from llada_jax import kv_state
+from llada_jax.backend import Backend
 from llada_jax.config import LLaDAConfig
 from llada_jax.model import Context
 from llada_jax.readout import Readout, StepOutput, TokenBiases
+from llada_jax.shapes import kv_shape
 from llada_jax.steps import full_step, scatter_slots, window_step
 
 
 @dataclasses.dataclass(frozen=True)
-class JaxBackend:
+class JaxBackend(Backend):
     """Runs the jitted steps with XLA. Params are device arrays already; nothing is re-uploaded per step."""
 
     params: dict
@@ -43,7 +38,7 @@ class JaxBackend:
     def full(self, tokens: np.ndarray, valid: np.ndarray) -> StepOutput:
         out, keys, values = full_step(self.params, jnp.asarray(tokens, jnp.int32), jnp.asarray(valid),
                                       *self._common, config=self.config, readout=self.readout)
-        return StepOutput(_to_host(out), keys, values)
+        return StepOutput(to_host(out), keys, values)
 
     def window(self, state: kv_state.KVState, visible: np.ndarray, window_ids: np.ndarray,
                window_pos: np.ndarray, window_valid: np.ndarray) -> StepOutput:
@@ -51,30 +46,30 @@ class JaxBackend:
         out, keys, values = window_step(
             self.params, context, jnp.asarray(window_ids, jnp.int32), jnp.asarray(window_pos, jnp.int32),
             jnp.asarray(window_valid), *self._common, config=self.config, readout=self.readout)
-        return StepOutput(_to_host(out), keys, values)
+        return StepOutput(to_host(out), keys, values)
 
     def commit(self, state: kv_state.KVState, positions: np.ndarray, write: np.ndarray, out: StepOutput,
-               tokens: np.ndarray, step: int) -> kv_state.KVState:
-        return commit_on_device(state, positions, write, out, tokens, step)
+               tokens: np.ndarray, nfe: int) -> kv_state.KVState:
+        return commit_on_device(state, positions, write, out, tokens, nfe)
 
     def empty_state(self, batch: int, slots: int) -> kv_state.KVState:
         return empty_on_device(self.config, batch, slots, self.dtype)
 
 
-def commit_on_device(state: kv_state.KVState, positions, write, out: StepOutput, tokens, step: int):
+def commit_on_device(state: kv_state.KVState, positions, write, out: StepOutput, tokens, nfe: int):
     """The KV state with `out`'s proposed K/V written where `write` holds (XLA device arrays)."""
     targets = kv_state.write_targets(state, positions, write)
     device_targets = jnp.asarray(targets)
     keys = scatter_slots(state.keys, device_targets, out.keys)
     values = scatter_slots(state.values, device_targets, out.values)
-    return kv_state.with_writes(state, keys, values, targets, tokens, step)
+    return kv_state.with_writes(state, keys, values, targets, tokens, nfe)
 
 
 def empty_on_device(config: LLaDAConfig, batch: int, slots: int, dtype) -> kv_state.KVState:
-    shape = (config.n_layers, batch, slots, config.n_kv_heads, config.head_dim)
+    shape = kv_shape(config, batch, slots)
     records = kv_state.empty_records(batch, slots)
     return kv_state.KVState(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), records, records.copy())
 
 
-def _to_host(out: dict) -> dict:
+def to_host(out: dict) -> dict:
     return {name: np.asarray(value) for name, value in out.items()}

@@ -1,5 +1,6 @@
-"""The XLA backend in staged form: per-layer jitted steps whose weights stream through a StagingRing.
-Same backend interface and same numbers as `JaxBackend` (tests/test_staging.py checks both)."""
+"""The XLA backend in staged form: per-layer jitted steps whose weights stream through a StagingRing
+(`staging.staged_forward` over the XLA device adapter below). Same numbers as `JaxBackend`
+(tests/test_staging.py checks both)."""
 
 from __future__ import annotations
 
@@ -11,76 +12,82 @@ import jax.numpy as jnp
 import numpy as np
 
 from llada_jax import kv_state
-from llada_jax.backend import _to_host, commit_on_device, empty_on_device
+from llada_jax.backend import Backend
+from llada_jax.backends.xla import commit_on_device, empty_on_device, to_host
 from llada_jax.config import LLaDAConfig
-from llada_jax.layered import head_chunk_step, key_bias, layer_step
+from llada_jax.layered import head_chunk_step, layer_step
 from llada_jax.packing import head_chunks, head_layout, layer_layout
-from llada_jax.readout import Readout, StepOutput, TokenBiases, chunk_biases, combine_head_chunks
-from llada_jax.staging import StagedWeights, StagingRing, StagingStats
+from llada_jax.readout import Readout, StepOutput, TokenBiases, chunk_biases
+from llada_jax.staging import (
+    StagedWeights,
+    StagingRing,
+    StagingStats,
+    staged_full,
+    staged_window,
+)
 
 
 @dataclasses.dataclass(frozen=True)
-class StagedJaxBackend:
+class StagedJaxBackend(Backend):
     weights: StagedWeights
     config: LLaDAConfig
     readout: Readout
     biases: TokenBiases
     cfg_scale: float
-    slots: int                 # staging slots in device memory
+    buffers: int               # staging buffers in device memory
     stats: StagingStats
     dtype: object = jnp.float32
-
-    def _forward(self, ids: np.ndarray, positions: np.ndarray, bias: np.ndarray, state) -> StepOutput:
-        x = jnp.asarray(self.weights.embedding[np.asarray(ids)])
-        positions, bias = jnp.asarray(positions, jnp.int32), jnp.asarray(bias)
-        keys, values, parts = [], [], []
-        n = self.config.n_layers
-
-        def compute(stage: int, weights: dict) -> None:
-            nonlocal x
-            if stage < n:
-                cached = (None, None) if state is None else (state.keys[stage], state.values[stage])
-                x, k, v = layer_step(weights, x, positions, bias, *cached, config=self.config)
-                x.block_until_ready()
-                keys.append(k)
-                values.append(v)
-            else:
-                parts.append(_to_host(head_chunk_step(weights, x, *self._common[stage - n], config=self.config,
-                                                      readout=self.readout)))
-
-        self._ring.run(compute)
-        out = combine_head_chunks(parts, head_chunks(self.config)[1], self.config.embedding_size)
-        return StepOutput(out, jnp.stack(keys), jnp.stack(values))
 
     @functools.cached_property
     def _ring(self) -> StagingRing:
         """One ring per generation: its pinned stages are copied once, on first use."""
-        return StagingRing(self.weights.stages, self.slots, self._upload, self.stats)
+        return StagingRing(self.weights.stages, self.buffers, self._upload, self.stats)
 
     @functools.cached_property
-    def _common(self) -> list[tuple]:
+    def _chunk_extras(self) -> list[tuple]:
         """The per-generation arguments of each head chunk, uploaded once."""
         scale = jnp.float32(self.cfg_scale)
         return [(scale, jnp.asarray(part.logit_bias), jnp.asarray(part.confidence_bias))
                 for part in chunk_biases(self.biases, *head_chunks(self.config))]
 
-    def _upload(self, slot: int, stage: int) -> dict:
+    def _upload(self, buffer: int, stage: int) -> dict:
         """One stage to the device, tensor by tensor from its packed host buffer. XLA owns the device
         buffers: on a CPU device `device_put` aliases the aligned host views (nothing is copied), so
-        the real slot copies are the IREE runtime's (`lowering.staged_runtime`)."""
+        the real buffer copies are the IREE runtime's (`lowering.staged_runtime`)."""
         layout = layer_layout(self.config) if stage < self.config.n_layers else head_layout(self.config)
         return {name: jax.device_put(view) for name, view in layout.views(self.weights.stages[stage]).items()}
 
+    # The device adapter of `staging.staged_forward`.
+    def embed(self, rows: np.ndarray):
+        return jnp.asarray(rows)
+
+    def layer(self, tensors: dict, x, positions, key_bias, state, layer: int):
+        cached = (None, None) if state is None else (state.keys[layer], state.values[layer])
+        x, k, v = layer_step(tensors, x, jnp.asarray(positions, jnp.int32), jnp.asarray(key_bias), *cached,
+                             config=self.config)
+        x.block_until_ready()  # the ring times compute per stage
+        return x, k, v
+
+    def head(self, tensors: dict, x, chunk: int) -> dict:
+        return to_host(head_chunk_step(tensors, x, *self._chunk_extras[chunk], config=self.config,
+                                       readout=self.readout))
+
+    def stack(self, per_layer: list):
+        return jnp.stack(per_layer)
+
+    # The backend.
     def full(self, tokens: np.ndarray, valid: np.ndarray) -> StepOutput:
-        positions = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)
-        return self._forward(tokens, positions, key_bias(valid), None)
+        return staged_full(self, self._ring, self.weights, self.config, tokens, valid)
 
     def window(self, state: kv_state.KVState, visible, window_ids, window_pos, window_valid) -> StepOutput:
-        bias = np.concatenate([kv_state.visible_bias(state, visible), key_bias(window_valid)], axis=1)
-        return self._forward(window_ids, window_pos, bias, state)
+        return staged_window(self, self._ring, self.weights, self.config, state, visible, window_ids, window_pos,
+                             window_valid)
 
-    def commit(self, state, positions, write, out: StepOutput, tokens, step: int):
-        return commit_on_device(state, positions, write, out, tokens, step)
+    def commit(self, state, positions, write, out: StepOutput, tokens, nfe: int):
+        return commit_on_device(state, positions, write, out, tokens, nfe)
 
     def empty_state(self, batch: int, slots: int):
         return empty_on_device(self.config, batch, slots, self.dtype)
+
+    def staging_stats(self) -> dict:
+        return self.stats.as_dict()

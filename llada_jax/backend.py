@@ -1,0 +1,50 @@
+"""The one seam between decoding and execution: what every backend (XLA or IREE, resident or staged)
+offers. Decoders and policies call these methods and never know what runs them.
+
+A step returns a readout on the host and proposed K/V on the device; nothing is written into the KV
+state until `commit`, which returns a new state. Optional capabilities are explicit methods whose
+defaults say "not offered".
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Protocol
+
+import numpy as np
+
+from llada_jax.kv_state import KVState
+from llada_jax.readout import StepOutput
+
+
+class SideBackend(NamedTuple):
+    """Where the revision policy's side path runs, when not on the dense backend itself: another
+    backend (a worker thread may drive it) and the conversions of K/V between the two."""
+
+    backend: "Backend"
+    to_side: Callable[[KVState], KVState]         # dense-path KV -> side arrays (a copy)
+    to_dense: Callable[[StepOutput], StepOutput]  # side K/V -> dense-path arrays
+
+
+class Backend(Protocol):
+    def full(self, tokens: np.ndarray, valid: np.ndarray) -> StepOutput:
+        """The whole canvas `[B, S]`; `valid` marks real (non-padding) positions."""
+
+    def window(self, state: KVState, visible: np.ndarray, window_ids: np.ndarray, window_pos: np.ndarray,
+               window_valid: np.ndarray) -> StepOutput:
+        """W positions `[B, W]` against the cached slots `visible` `[B, S]` and each other."""
+
+    def commit(self, state: KVState, positions: np.ndarray, write: np.ndarray, out: StepOutput,
+               tokens: np.ndarray, nfe: int) -> KVState:
+        """A new state with `out`'s proposed K/V written at `positions` where `write`, recorded as
+        computed from `tokens` by dense forward pass `nfe`."""
+
+    def empty_state(self, batch: int, slots: int) -> KVState:
+        """A KV state of `slots` positions holding nothing, on this backend's device."""
+
+    def side_backend(self) -> SideBackend | None:
+        """Where revision's side path should run concurrently; None: inline on this backend."""
+        return None
+
+    def staging_stats(self) -> dict:
+        """Weight-staging counters of this generation (bytes copied, hidden fraction, ...); {} if resident."""
+        return {}

@@ -1,0 +1,99 @@
+"""What runs a generation: the one place a backend is chosen, for the Python API, the bundle runner and the
+CLI. A source of weights is a loaded model (XLA: device-resident params, or host-packed stages when the
+weights exceed its device memory budget) or an open bundle (IREE: resident steps, or staged pieces).
+
+No JAX at import: a bundle runs without it. The XLA parts are imported when a model is run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from llada_jax.backend import Backend, SideBackend
+from llada_jax.errors import LladaError
+from llada_jax.readout import Readout, TokenBiases
+from llada_jax.staging import StagedWeights, StagingStats, kv_bytes, ring_buffers
+from lowering.bundle_format import runs_staged
+from lowering.runtime import Bundle, IreeBackend, Session, load_bundle
+from lowering.staged_runtime import IreeStagedBackend, staged_weights
+
+DRIVERS = {"iree-host": "local-task", "iree-vulkan": "vulkan"}
+
+
+@dataclasses.dataclass(frozen=True)
+class OpenBundle:
+    """A bundle loaded on its device, with its weights packed per stage when it streams them."""
+
+    bundle: Bundle
+    session: Session
+    staged: StagedWeights | None
+
+    @property
+    def config(self):
+        return self.bundle.config
+
+
+def open_bundle(path, backend: str = "iree-host") -> OpenBundle:
+    """Load and check a bundle and open it on the driver its target needs (`backend` must agree)."""
+    bundle = load_bundle(path)
+    wanted = DRIVERS.get(backend, bundle.manifest["driver"])
+    if bundle.manifest["driver"] != wanted:
+        raise LladaError(f"bundle {path} targets {bundle.manifest['target']} ({bundle.manifest['driver']}), "
+                         f"which --backend {backend} cannot run")
+    session = Session(bundle.path, bundle.manifest, bundle.manifest["driver"])
+    staged = staged_weights(bundle) if runs_staged(bundle.manifest.get("device_memory_budget"), bundle.config) else None
+    return OpenBundle(bundle, session, staged)
+
+
+def select_backend(source, readout: Readout, biases: TokenBiases, cfg_scale: float, batch: int,
+                   slots: int) -> Backend:
+    """The backend that runs one generation of `source` (a `llada_jax.loading.Model` or an `OpenBundle`),
+    sized for `batch` rows and `slots` canvas positions and checked against the device memory budget."""
+    if isinstance(source, OpenBundle):
+        return _iree_backend(source, readout, biases, cfg_scale, batch, slots)
+    return _xla_backend(source, readout, biases, cfg_scale, batch, slots)
+
+
+def _iree_backend(opened: OpenBundle, readout, biases, cfg_scale, batch, slots) -> Backend:
+    side = _host_side_path(opened)
+    if opened.staged is None:
+        return IreeBackend(opened.bundle, opened.session, readout, biases, cfg_scale, side)
+    budget = opened.bundle.manifest["device_memory_budget"]
+    return IreeStagedBackend(opened.bundle, opened.session, opened.staged, budget, readout, biases, cfg_scale,
+                             batch, slots, side)
+
+
+def _host_side_path(opened: OpenBundle):
+    """Revision's side path under an IREE dense path, made when revision asks for it: XLA on the host when
+    JAX is installed (a phone's runtime has none: the side path then runs inline on the IREE backend)."""
+    def side(backend: IreeBackend) -> SideBackend | None:
+        try:
+            from llada_jax.backends.host_side_path import host_side_backend  # imports JAX
+        except ImportError:
+            return None
+        return host_side_backend(backend, _weights_dir(opened.bundle))
+
+    return side
+
+
+def _weights_dir(bundle: Bundle) -> Path:
+    """The directory holding the bundle's safetensors files (the bundle, or the model it links to)."""
+    first = Path(bundle.manifest["weights"]["files"][0])
+    return first.parent if first.is_absolute() else bundle.path
+
+
+def _xla_backend(model, readout, biases, cfg_scale, batch, slots) -> Backend:
+    from llada_jax.backends import xla, xla_staged  # imports JAX
+
+    kv = kv_bytes(model.config, batch, slots, model.itemsize)
+    if model.staged is not None:
+        buffers = ring_buffers(model.device_memory_budget, model.staged, kv)
+        return xla_staged.StagedJaxBackend(model.staged, model.config, readout, biases, cfg_scale, buffers,
+                                           StagingStats(), model.jnp_dtype)
+    if model.device_memory_budget is not None and model.weight_bytes + kv > model.device_memory_budget:
+        raise LladaError(f"resident weights ({model.weight_bytes} bytes) plus the KV state ({kv} bytes) exceed "
+                         f"the device memory budget {model.device_memory_budget}; load with a smaller budget "
+                         "to stage the weights, or shorten the canvas")
+    return xla.JaxBackend(model.params, model.config, readout, biases, cfg_scale, model.jnp_dtype)
+
