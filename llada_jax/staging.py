@@ -125,7 +125,8 @@ class StagingRing:
         by_size = sorted(range(len(stages)), key=lambda i: (-stages[i].nbytes, i))
         pinned = sorted(by_size[: buffers - streaming])
         self.pinned_buffer = {stage: streaming + k for k, stage in enumerate(pinned)}
-        self.streamed = {stage: j for j, stage in enumerate(i for i in range(len(stages)) if i not in self.pinned_buffer)}
+        streamed = (i for i in range(len(stages)) if i not in self.pinned_buffer)
+        self.streamed = {stage: j for j, stage in enumerate(streamed)}
         self.streaming = streaming
         self.pinned: dict[int, object] = {}  # stage -> its loaded buffer, once copied
         stats.pinned_stages = len(self.pinned_buffer)
