@@ -220,12 +220,7 @@ def compile_timing(args):
 
 
 def cmd_train(args) -> None:
-    from llada_jax.training import (
-        TrainSettings,
-        embedded_model_config,
-        export_latest,
-        train,
-    )
+    from llada_jax.training import TrainSettings, embedded_model_config, export_latest, train
 
     if args.export_to:
         out_dir, step = export_latest(args.out, args.export_to)

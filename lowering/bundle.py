@@ -23,14 +23,7 @@ from llada_jax.config import read_config
 from llada_jax.errors import LladaError
 from llada_jax.tokenizer import eot_id_from_files
 from llada_jax.weights_io import INDEX_FILE, weight_files
-from lowering.bundle_format import (
-    FORMAT_VERSION,
-    MANIFEST,
-    TOKENIZER_FILES,
-    VMFB,
-    runs_staged,
-    sha256,
-)
+from lowering.bundle_format import FORMAT_VERSION, MANIFEST, TOKENIZER_FILES, VMFB, runs_staged, sha256
 from lowering.export import bundle_module, signature_manifest, staged_specs, step_specs
 from lowering.targets import target
 

@@ -20,13 +20,7 @@ from llada_jax.config import LLaDAConfig
 from llada_jax.errors import LladaError
 from llada_jax.readout import Readout, StepOutput, TokenBiases
 from llada_jax.shapes import kv_shape
-from lowering.bundle_format import (
-    MANIFEST,
-    PARAMETER_SCOPE,
-    VMFB,
-    StepSpec,
-    check_files,
-)
+from lowering.bundle_format import MANIFEST, PARAMETER_SCOPE, VMFB, StepSpec, check_files
 
 
 class Session:
