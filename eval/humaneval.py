@@ -17,7 +17,8 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 
 from eval.jsonl import RowWriter, finished_rows, read_jsonl
-from eval.sandbox import Limits, Sandbox, detect_sandbox, run_program
+from eval.sandbox import Limits, Sandbox, run_program
+from eval.sandbox_probe import detect_sandbox
 from eval.task_eval import answer_text
 from llada_jax.errors import LladaError
 

@@ -3,7 +3,7 @@
 A trusted supervisor (`python -I -c SUPERVISOR`, its own session) starts the program in a fresh temp dir,
 in a session and process group of its own, with resource limits set by a preexec function; at the
 wall-clock timeout, and after any exit, it SIGKILLs the program's process group. Layers, each named in the
-level string only when a probe at startup showed it works here:
+level string only when a probe at startup (`eval.sandbox_probe`) showed it works here:
 - fsview: `bwrap` (bubblewrap) builds the supervisor a mount namespace in which `/` is read-only, /tmp,
   /var/tmp and /dev/shm are private, empty and read-only, /dev (read-only) and /proc are fresh, and only the
   sample's work dir (its cwd, also its TMPDIR and HOME) and the supervisor's output dir are writable, each at
@@ -32,7 +32,6 @@ the limit is allowed) and does nothing for root. bwrap is tried first; `unshare`
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -200,62 +199,6 @@ def unshare_wrapper(pidns: bool) -> list[str]:
 class Outcome:
     passed: bool
     result: str     # "passed", "failed: <last stderr line>", "timed out" or "killed: <signal>"
-
-
-@functools.cache
-def detect_sandbox() -> Sandbox:
-    """The strongest sandbox whose probe passes here (probed once per process, strongest first)."""
-    for candidate in candidates():
-        if run_program(probe_source(candidate), candidate, Limits(timeout_s=30.0)).passed:
-            return candidate
-    raise LladaError("cannot run a sandboxed python subprocess here (even without namespaces)")
-
-
-def candidates() -> list[Sandbox]:
-    spaces = [("fsview", "netns", "pidns")] if shutil.which("bwrap") else []
-    spaces += [("netns", "pidns"), ("netns",)] if shutil.which("unshare") else []
-    spaces.append(())
-    uid_modes = [(False, False)]
-    if os.geteuid() == 0 and shutil.which("setpriv"):
-        uid_modes = [(True, False), (True, True), (False, False)]
-    return [Sandbox(space, drop, read_all) for space in spaces for drop, read_all in uid_modes]
-
-
-def probe_source(sandbox: Sandbox) -> str:
-    """A program that passes only if every layer `sandbox` claims is really in place."""
-    lines = ["import errno, os, socket, sys", f"assert sys.version == {sys.version!r}"]  # the harness's interpreter
-    if "fsview" in sandbox.namespaces:
-        lines += fsview_probe()
-    if "netns" in sandbox.namespaces:  # a fresh namespace has a loopback and nothing else
-        lines.append("assert [name for _, name in socket.if_nameindex()] == ['lo'], socket.if_nameindex()")
-    if "netns" in sandbox.namespaces and "fsview" not in sandbox.namespaces:  # unshare leaves loopback down
-        lines.append("assert socket.socket().connect_ex(('127.0.0.1', 9)) == errno.ENETUNREACH")
-    if "pidns" in sandbox.namespaces:  # the parent is the supervisor, the namespace's init
-        lines.append("assert os.getppid() == 1")
-    if sandbox.drop_uid:
-        lines.append(f"assert os.getuid() == {UID_BASE} and os.getgroups() == []")
-    return "\n".join(lines)
-
-
-def fsview_probe() -> list[str]:
-    """Probe lines: PRIVATE_DIRS hold at most the way down to the cwd, and they, /dev and the cwd's parent
-    are read-only (not merely closed to the program's uid) while the cwd is writable (a probe file that does
-    get created is removed at once)."""
-    name = f"llada-probe-{secrets.token_hex(8)}"
-    return ["def write_error(path):",
-            "    try:",
-            "        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))",
-            "    except OSError as error:",
-            "        return error.errno",
-            "    os.remove(path)",
-            "    return 0",
-            f"for private in {PRIVATE_DIRS!r}:",
-            "    for entry in os.listdir(private):",
-            f"        assert os.getcwd().startswith(os.path.join(private, entry) + os.sep) or "
-            f"os.path.join(private, entry) in {[str(path) for path in interpreter_mounts()]!r}, (private, entry)",
-            f"for place in [*{PRIVATE_DIRS!r}, '/dev', '..']:",
-            f"    assert write_error(os.path.join(place, {name!r})) == errno.EROFS, place",
-            f"assert write_error({name!r}) == 0"]
 
 
 def run_program(source: str, sandbox: Sandbox, limits: Limits = Limits(), slot: int = 0) -> Outcome:

@@ -17,7 +17,8 @@ import pytest
 
 from eval.humaneval import add_cli, extract_code, load_problems, program
 from eval.jsonl import read_rows
-from eval.sandbox import UID_BASE, Limits, detect_sandbox, run_program
+from eval.sandbox import UID_BASE, Limits, run_program
+from eval.sandbox_probe import detect_sandbox
 from llada_jax.errors import LladaError
 from tests.conftest import require
 from tests.test_gsm8k import TINY_RUN, write_char_model
