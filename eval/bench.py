@@ -65,7 +65,7 @@ def run_setting(generate, config, setting: DecoderSetting, prompts: list[Prompt]
         utilisation.append(result.mean_utilisation)
         revisions.append(result.revisions)
         canvas = len(prompt.ids) + GEN_LENGTH
-        flops += sum(step_flops(config, r.slots, canvas if r.kind == "full" else canvas + r.slots)
+        flops += sum(step_flops(config, r.shape_width, canvas if r.kind == "full" else canvas + r.shape_width)
                      for r in result.trace)
         if prompt.answer is not None:
             text = answer_text(tokenizer, result.output_ids, config)

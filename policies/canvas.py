@@ -38,19 +38,20 @@ class Canvas:
     @classmethod
     def start(cls, prompt_ids: np.ndarray, gen_length: int, mask_id: int, cfg: bool, max_len: int) -> "Canvas":
         length = len(prompt_ids) + gen_length
-        slots = bucket(length, max_len)
-        rows = np.full((2 if cfg else 1, slots), mask_id, np.int32)
+        padded = bucket(length, max_len)
+        rows = np.full((2 if cfg else 1, padded), mask_id, np.int32)
         rows[0, : len(prompt_ids)] = prompt_ids
         return cls(rows, length, len(prompt_ids), mask_id)
 
     @property
-    def slots(self) -> int:
+    def padded_length(self) -> int:
+        """S: the canvas length rounded up to its shape bucket."""
         return self.tokens.shape[1]
 
     @property
     def valid(self) -> np.ndarray:
         """[B, S]: real canvas positions."""
-        return np.broadcast_to(np.arange(self.slots) < self.length, self.tokens.shape)
+        return np.broadcast_to(np.arange(self.padded_length) < self.length, self.tokens.shape)
 
     @property
     def masked(self) -> np.ndarray:
@@ -70,10 +71,10 @@ class Canvas:
     def window(self, positions, width: int | None = None) -> Window:
         """These positions, padded to `width` (default: a shape bucket no wider than the canvas)."""
         positions = np.asarray(positions, np.int64)
-        width = width or bucket(len(positions), self.slots)
+        width = width or bucket(len(positions), self.padded_length)
         padded = np.zeros(width, np.int64)
         padded[: len(positions)] = positions
         return Window(padded, np.arange(width) < len(positions))
 
     def full_window(self) -> Window:
-        return Window(np.arange(self.slots), np.arange(self.slots) < self.length)
+        return Window(np.arange(self.padded_length), np.arange(self.padded_length) < self.length)

@@ -12,9 +12,10 @@ from llada_jax.config import LLaDAConfig
 from llada_jax.errors import LladaError
 from llada_jax.readout import Readout, TokenBiases
 from llada_jax.shapes import bucket
-from policies.loop import Schedule, decode, make_rule
-from policies.registry import make_cache_policy
+from policies.loop import decode
+from policies.registry import make_policy
 from policies.sampling import Sampler
+from policies.schedule import Schedule, make_rule
 
 
 def check_token_ids(ids, config: LLaDAConfig, what: str, allow_mask: bool) -> np.ndarray:
@@ -55,7 +56,7 @@ def run_generation(make_backend: Callable, config: LLaDAConfig, prompt_ids, *, g
                          f"{' (the bundle was compiled with --max-len ' + str(limit) + ')' if limit else ''}")
     if not cfg_scale >= 0.0:
         raise LladaError(f"cfg_scale must be >= 0, got {cfg_scale}")
-    cache_policy = make_cache_policy(policy)
+    decoding_policy = make_policy(policy)
     rule = make_rule(schedule, threshold)
     unconfident = config.special_ids_in_vocab(config.eos_token_id, config.eot_token_id) if confidence_eos_eot_inf else ()
     sampler = Sampler(float(temperature), remasking, unconfident)
@@ -64,7 +65,7 @@ def run_generation(make_backend: Callable, config: LLaDAConfig, prompt_ids, *, g
     biases = TokenBiases.build(config.embedding_size, forbid, unconfident)
     batch, slots = (2 if cfg_scale > 0.0 else 1), bucket(total, config.max_sequence_length)
     backend = make_backend(readout, biases, float(cfg_scale), batch, slots)
-    result = decode(backend, prompt, schedule, cache_policy, rule, sampler, mask_id=config.mask_token_id,
+    result = decode(backend, prompt, schedule, decoding_policy, rule, sampler, mask_id=config.mask_token_id,
                     max_len=config.max_sequence_length, cfg=cfg_scale > 0.0, seed=seed, on_step=on_step)
     staging = backend.staging_stats()
     return dataclasses.replace(result, stats={**result.stats, **staging}) if staging else result

@@ -1,7 +1,8 @@
 """The semi-autoregressive host loop: blocks left to right, steps until each block is filled.
 
-Per step: the cache policy computes a window, the sampler turns its readout into (x0, confidence),
-the commit rule picks masked positions of the current block, and the canvas takes their tokens.
+Per step: the policy plans what to compute, the backend computes it, the sampler turns its readout into
+(x0, confidence), the policy's reviser merges its side work, the plan's K/V are committed, the commit rule
+picks masked positions of the current block (plus confident drafts) and the canvas takes their tokens.
 """
 
 from __future__ import annotations
@@ -12,44 +13,13 @@ from typing import Callable
 
 import numpy as np
 
-from llada_jax.errors import LladaError
+from llada_jax import kv_state
 from llada_jax.readout import check_finite
 from policies.canvas import Block, Canvas
+from policies.canvas_steps import canvas_wide, commit_window, window_step
+from policies.policy import Policy, Reviser, StepPlan
 from policies.sampling import Sampler
-from policies.schedule import FixedSchedule, ThresholdRule, transfer_counts
-
-
-@dataclasses.dataclass(frozen=True)
-class Schedule:
-    """Lengths of one generation, validated as LLaDA's reference requires."""
-
-    gen_length: int
-    block_length: int
-    steps: int
-
-    def __post_init__(self):
-        for name in ("gen_length", "block_length", "steps"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, np.integer)) or value <= 0:
-                raise LladaError(f"{name} must be a positive integer, got {value!r}")
-        if self.gen_length % self.block_length:
-            raise LladaError(f"gen_length={self.gen_length} is not a multiple of block_length={self.block_length}")
-        if self.steps < self.num_blocks:
-            raise LladaError(f"steps={self.steps} is fewer than the {self.num_blocks} blocks (need one step per block at least)")
-        if self.steps % self.num_blocks:
-            raise LladaError(f"steps={self.steps} is not divisible by the number of blocks ({self.num_blocks})")
-
-    @property
-    def num_blocks(self) -> int:
-        return self.gen_length // self.block_length
-
-    @property
-    def steps_per_block(self) -> int:
-        return self.steps // self.num_blocks
-
-    def blocks(self, prompt_len: int) -> list[Block]:
-        return [Block(b, prompt_len + b * self.block_length, prompt_len + (b + 1) * self.block_length)
-                for b in range(self.num_blocks)]
+from policies.schedule import Schedule, transfer_counts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +30,7 @@ class StepRecord:
     block: int
     kind: str                 # "full" or "window"
     width: int                # real positions computed
-    slots: int                # positions of the fixed shape, padding included
+    shape_width: int          # positions of the fixed shape, padding included
     useful: int               # computed positions whose prediction the policy could use
     positions: tuple[int, ...]
     tokens: tuple[int, ...]
@@ -70,7 +40,7 @@ class StepRecord:
 
     @property
     def utilisation(self) -> float:
-        return self.useful / self.slots
+        return self.useful / self.shape_width
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,73 +65,77 @@ class Result:
         return len(self.output_ids) / self.wall_s if self.wall_s > 0 else float("inf")
 
 
-def decode(backend, prompt_ids: np.ndarray, schedule: Schedule, cache_policy, rule, sampler: Sampler, *,
+def decode(backend, prompt_ids: np.ndarray, schedule: Schedule, policy: Policy, rule, sampler: Sampler, *,
            mask_id: int, max_len: int, cfg: bool = False, seed: int = 0,
            on_step: Callable[[Canvas, StepRecord], None] | None = None) -> Result:
     """Generate `schedule.gen_length` tokens after `prompt_ids` (already validated on the host)."""
     started = time.perf_counter()
     rng = np.random.default_rng(seed)
     canvas = Canvas.start(prompt_ids, schedule.gen_length, mask_id, cfg, max_len)
-    state = cache_policy.initial_state(backend, canvas)
+    kv: kv_state.KVState | None = None  # allocated by the first step that reads or commits K/V
     trace: list[StepRecord] = []
-    for block in schedule.blocks(canvas.prompt_len):
-        counts = transfer_counts(int(canvas.masked[block.start:block.end].sum()), schedule.steps_per_block)
-        step = 0
-        while not _block_done(canvas, block, step, schedule, cache_policy, rule):
-            state, record = _step(backend, canvas, state, block, step, counts, cache_policy, rule, sampler, rng,
-                                  len(trace))
-            trace.append(record)
-            if on_step is not None:
-                on_step(canvas, record)
-            step += 1
-    state, revisions = cache_policy.finish(backend, canvas, state)
+    with policy.side_path(backend, canvas) as reviser:
+        for block in schedule.blocks(canvas.prompt_len):
+            counts = transfer_counts(int(canvas.masked[block.start:block.end].sum()), schedule.steps_per_block)
+            step = 0
+            while not _block_done(canvas, block, step, policy, rule):
+                plan = policy.plan(canvas, block, step, kv)
+                if kv is None and (plan.keep_kv is not None or not plan.full):
+                    kv = backend.empty_state(canvas.tokens.shape[0], canvas.padded_length)
+                kv, record = _step(backend, canvas, kv, plan, reviser, block, rule.select, sampler, rng,
+                                   (step, counts, len(trace)))
+                trace.append(record)
+                if on_step is not None:
+                    on_step(canvas, record)
+                step += 1
+        kv, revisions = reviser.finish(kv)
+        stats = reviser.stats()
     if revisions:
         trace[-1] = dataclasses.replace(trace[-1], revisions=trace[-1].revisions + tuple(revisions))
     return Result(canvas.generated(), len(trace), time.perf_counter() - started, tuple(trace), canvas.prompt_len,
-                  cache_policy.stats(state))
+                  stats)
 
 
-def _step(backend, canvas: Canvas, state, block: Block, step: int, counts, cache_policy, rule, sampler, rng,
-          nfe: int):
-    """One dense step: compute, commit in the current block (and drafts), then the policy's after-work."""
-    out, window, state = cache_policy.step(backend, canvas, state, block, step, nfe)
+def dense_step(backend, canvas: Canvas, kv, plan: StepPlan, reviser: Reviser, nfe: int):
+    """Compute the plan, merge the reviser's side work (it ran beside this step), commit the plan's K/V.
+    Returns (step output, window, KV state, revisions the merge made)."""
+    window = plan.window(canvas)
+    inputs = canvas.tokens[:, window.positions].copy()
+    out = backend.full(canvas.tokens, canvas.valid) if plan.full else window_step(backend, canvas, kv, window)
     check_finite(out.readout, window.positions, window.valid, nfe)
+    kv, revisions = reviser.merge(kv, nfe)
+    if plan.keep_kv is not None:
+        kv = commit_window(backend, kv, window, plan.keep_kv[window.positions], out, inputs, nfe)
+    return out, window, kv, revisions
+
+
+def _step(backend, canvas: Canvas, kv, plan: StepPlan, reviser: Reviser, block: Block, select: Callable, sampler,
+          rng, at: tuple):
+    """One step: the dense step, then token commits in the block (and drafts), then the next side job.
+    `at`: (step within the block, the fixed schedule's counts, forward passes so far)."""
+    step, counts, nfe = at
+    out, window, kv, revisions = dense_step(backend, canvas, kv, plan, reviser, nfe)
     x0, confidence = canvas_wide(canvas, window, *sampler.choose(out.readout, rng))
-    useful = cache_policy.useful(window, canvas, block)
+    useful = plan.useful(window, canvas, block)
     candidates = canvas.masked.copy()
     candidates[: block.start] = False
     candidates[block.end:] = False
-    chosen = rule.select(confidence, candidates, step, counts)
-    drafts = cache_policy.drafts(x0, confidence, canvas, block)
+    chosen = select(confidence, candidates, step, counts)
+    drafts = plan.draft_positions(confidence, canvas)
     committed = np.concatenate([chosen, drafts]).astype(np.int64)
     canvas.write(committed, x0[committed])
-    state, revisions = cache_policy.after_commit(backend, canvas, state, block, window, x0, confidence, nfe)
-    record = StepRecord(nfe, block.index, "full" if window.valid.size == canvas.slots else "window",
+    reviser.submit(kv, window, confidence, nfe)
+    record = StepRecord(nfe, block.index, "full" if window.valid.size == canvas.padded_length else "window",
                         int(window.valid.sum()), int(window.valid.size), useful,
                         tuple(int(p) for p in committed), tuple(int(t) for t in x0[committed]),
-                        tuple(float(c) for c in confidence[committed]), len(drafts), tuple(revisions))
-    return state, record
+                        tuple(float(c) for c in confidence[committed]), len(drafts), revisions)
+    return kv, record
 
 
-def _block_done(canvas: Canvas, block: Block, step: int, schedule: Schedule, cache_policy, rule) -> bool:
+def _block_done(canvas: Canvas, block: Block, step: int, policy: Policy, rule) -> bool:
     """Vanilla's fixed schedule runs exactly steps_per_block steps (as LLaDA's reference does); cached
     decoders, speculation and the threshold rule stop as soon as the block has no mask left (as
     Fast-dLLM does; a block whose masks were all drafted early takes no step at all)."""
-    filled = not canvas.masked[block.start:block.end].any()
-    if isinstance(rule, FixedSchedule) and not cache_policy.stops_when_filled:
-        return step >= schedule.steps_per_block
-    return filled
-
-
-def canvas_wide(canvas: Canvas, window, x0: np.ndarray, confidence: np.ndarray):
-    """Spread per-window predictions over canvas positions (confidence -inf where not computed)."""
-    x0_all = np.full(canvas.slots, canvas.mask_id, np.int64)
-    confidence_all = np.full(canvas.slots, -np.inf)
-    real = window.positions[window.valid]
-    x0_all[real] = x0[window.valid]
-    confidence_all[real] = confidence[window.valid]
-    return x0_all, confidence_all
-
-
-def make_rule(schedule: Schedule, threshold: float | None):
-    return FixedSchedule(schedule.steps_per_block) if threshold is None else ThresholdRule(float(threshold))
+    if rule.fixed_steps is not None and not policy.stops_when_filled:
+        return step >= rule.fixed_steps
+    return not canvas.masked[block.start:block.end].any()

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from llada_jax.errors import LladaError
 from policies.cache_policies import CACHE_POLICIES
+from policies.policy import Policy
+from policies.revision import Revision
 from policies.speculative import Speculative
 
 MODIFIERS = ("speculative", "revision")
@@ -23,7 +25,7 @@ def _numbers(spec: str, args: list[str], kinds: tuple) -> list:
         raise LladaError(f"bad number in policy part {spec!r}") from None
 
 
-def make_cache_policy(spec: str):
+def make_policy(spec: str) -> Policy:
     base_name, *modifiers = spec.split("+")
     if base_name not in CACHE_POLICIES:
         raise LladaError(f"unknown policy {base_name!r}; choose one of {', '.join(CACHE_POLICIES)} "
@@ -34,8 +36,6 @@ def make_cache_policy(spec: str):
         if name == "speculative":
             policy = Speculative(policy, *_numbers(modifier, args, (int, float)))
         elif name == "revision":
-            from policies.revision import Revision
-
             policy = Revision(policy, *_numbers(modifier, args, (float, int)))
         else:
             raise LladaError(f"unknown policy modifier {name!r}; choose from {', '.join(MODIFIERS)}")

@@ -1,4 +1,5 @@
-"""Which masked positions to commit in a step: LLaDA's fixed schedule or Fast-dLLM's threshold rule.
+"""The lengths of one generation, and which masked positions to commit in a step: LLaDA's fixed
+schedule or Fast-dLLM's threshold rule.
 
 Candidates are ranked by confidence, highest first; equal confidences go to the lower position.
 """
@@ -6,10 +7,45 @@ Candidates are ranked by confidence, highest first; equal confidences go to the 
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import numpy as np
 
 from llada_jax.errors import LladaError
+from policies.canvas import Block
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """Lengths of one generation, validated as LLaDA's reference requires."""
+
+    gen_length: int
+    block_length: int
+    steps: int
+
+    def __post_init__(self):
+        for name in ("gen_length", "block_length", "steps"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or value <= 0:
+                raise LladaError(f"{name} must be a positive integer, got {value!r}")
+        if self.gen_length % self.block_length:
+            raise LladaError(f"gen_length={self.gen_length} is not a multiple of block_length={self.block_length}")
+        if self.steps < self.num_blocks:
+            raise LladaError(f"steps={self.steps} is fewer than the {self.num_blocks} blocks (need one step per block at least)")
+        if self.steps % self.num_blocks:
+            raise LladaError(f"steps={self.steps} is not divisible by the number of blocks ({self.num_blocks})")
+
+    @property
+    def num_blocks(self) -> int:
+        return self.gen_length // self.block_length
+
+    @property
+    def steps_per_block(self) -> int:
+        return self.steps // self.num_blocks
+
+    def blocks(self, prompt_len: int) -> list[Block]:
+        return [Block(b, prompt_len + b * self.block_length, prompt_len + (b + 1) * self.block_length)
+                for b in range(self.num_blocks)]
 
 
 def transfer_counts(masked: int, steps: int) -> np.ndarray:
@@ -32,6 +68,11 @@ class FixedSchedule:
 
     steps_per_block: int
 
+    @property
+    def fixed_steps(self) -> int:
+        """Steps a block takes under a policy that does not stop once the block is filled."""
+        return self.steps_per_block
+
     def select(self, confidence: np.ndarray, candidates: np.ndarray, step: int, counts: np.ndarray) -> np.ndarray:
         return rank(confidence, candidates)[: int(counts[step])]
 
@@ -41,6 +82,7 @@ class ThresholdRule:
     """Commit every candidate with confidence >= threshold, and always at least the most confident one."""
 
     threshold: float
+    fixed_steps: ClassVar[None] = None
 
     def __post_init__(self):
         if not 0.0 < self.threshold <= 1.0:
@@ -53,3 +95,7 @@ class ThresholdRule:
         keep = confidence[ranked] >= self.threshold
         keep[0] = True
         return ranked[keep]
+
+
+def make_rule(schedule: Schedule, threshold: float | None):
+    return FixedSchedule(schedule.steps_per_block) if threshold is None else ThresholdRule(float(threshold))

@@ -15,24 +15,22 @@ later position); over `dual-cache` the window widens to `width` slots to hold th
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
 
 import numpy as np
 
 from llada_jax.errors import LladaError
 from llada_jax.shapes import bucket
-from policies.cache_policies import CachePolicy, DualCache, run_window
-from policies.canvas import Block, Canvas, Window
+from policies.cache_policies import DualCache
+from policies.canvas import Block, Canvas
+from policies.policy import Policy, StepPlan
 
 
 @dataclasses.dataclass(frozen=True)
-class Speculative(CachePolicy):
-    base: CachePolicy = DualCache()
+class Speculative:
+    base: Policy = DualCache()
     lookahead: int = 3             # following blocks whose masked positions may be drafted
     draft_threshold: float = 0.9   # a draft is committed early only at this confidence or above
     width: int = 0                 # window slots over dual-cache; 0 = a bucket of twice the block length
-
-    name: ClassVar[str] = "speculative"
 
     def __post_init__(self):
         if not isinstance(self.lookahead, int) or self.lookahead < 0:
@@ -43,54 +41,24 @@ class Speculative(CachePolicy):
             raise LladaError(f"speculative window width must be >= 0, got {self.width}")
 
     @property
-    def uses_cache(self) -> bool:
-        return self.base.uses_cache
-
-    @property
     def stops_when_filled(self) -> bool:
         return self.lookahead > 0 or self.base.stops_when_filled
 
-    def initial_state(self, backend, canvas: Canvas):
-        return self.base.initial_state(backend, canvas)
+    def side_path(self, backend, canvas: Canvas):
+        return self.base.side_path(backend, canvas)
+
+    def plan(self, canvas: Canvas, block: Block, step: int, kv) -> StepPlan:
+        """The base plan with the draft region; over dual-cache its window steps widen to hold drafts."""
+        plan = self.base.plan(canvas, block, step, kv)
+        start, end = self.draft_region(canvas, block)
+        if not plan.full and self.lookahead and isinstance(self.base, DualCache):
+            length = block.end - block.start
+            width = bucket(self.width or 2 * length, canvas.padded_length)
+            drafts = start + np.flatnonzero(canvas.masked[start:end])
+            plan = dataclasses.replace(plan, width=width,
+                                       positions=np.concatenate([plan.positions, drafts[: max(0, width - length)]]))
+        return dataclasses.replace(plan, drafts=(start, end), draft_threshold=self.draft_threshold)
 
     def draft_region(self, canvas: Canvas, block: Block) -> tuple[int, int]:
         """Canvas positions [start, end) whose masks may be drafted while `block` is current."""
         return block.end, min(block.end + self.lookahead * (block.end - block.start), canvas.length)
-
-    def step(self, backend, canvas: Canvas, state, block: Block, step: int, nfe: int):
-        if step == 0 or self.lookahead == 0 or not isinstance(self.base, DualCache):
-            return self.base.step(backend, canvas, state, block, step, nfe)
-        out, window = run_window(backend, canvas, state, *self.window_plan(canvas, block))
-        return out, window, state
-
-    def window_plan(self, canvas: Canvas, block: Block):
-        """Over dual-cache: the block, then masked positions of the draft region, in `width` slots."""
-        if self.lookahead == 0 or not isinstance(self.base, DualCache):
-            return self.base.window_plan(canvas, block)
-        length = block.end - block.start
-        width = bucket(self.width or 2 * length, canvas.slots)
-        start, end = self.draft_region(canvas, block)
-        drafts = start + np.flatnonzero(canvas.masked[start:end])
-        return np.concatenate([np.arange(block.start, block.end), drafts[: max(0, width - length)]]), width
-
-    def drafts(self, x0: np.ndarray, confidence: np.ndarray, canvas: Canvas, block: Block) -> np.ndarray:
-        start, end = self.draft_region(canvas, block)
-        region = np.zeros(canvas.slots, bool)
-        region[start:end] = True
-        return np.flatnonzero(region & canvas.masked & (confidence >= self.draft_threshold))
-
-    def useful(self, window: Window, canvas: Canvas, block: Block) -> int:
-        start, end = self.draft_region(canvas, block)
-        real = window.positions[window.valid]
-        in_block = (real >= block.start) & (real < block.end)
-        in_drafts = (real >= start) & (real < end)
-        return int(np.sum(canvas.masked[real] & (in_block | in_drafts)))
-
-    def after_commit(self, backend, canvas, state, block, window, x0, confidence, nfe):
-        return self.base.after_commit(backend, canvas, state, block, window, x0, confidence, nfe)
-
-    def finish(self, backend, canvas, state):
-        return self.base.finish(backend, canvas, state)
-
-    def stats(self, state) -> dict:
-        return self.base.stats(state)

@@ -14,6 +14,7 @@ import llada_jax
 from llada_jax.steps import full_step
 from policies.cache_policies import DualCache, PrefixCache
 from policies.canvas import Block, Canvas
+from policies.canvas_steps import commit_window
 from tests.conftest import TINY, jax_backend, step_extras
 
 POLICIES = ["vanilla", "prefix-cache", "dual-cache"]
@@ -86,8 +87,11 @@ def test_cache_at_block_start_equals_full_forward(tiny_model, policy, block_inde
     start = len(ids) + 8 * block_index
     canvas.tokens[0, len(ids): start] = rng.integers(0, TINY.mask_token_id, start - len(ids))
     backend = jax_backend(tiny_model)
-    state = backend.empty_state(1, canvas.slots)
-    _, _, state = policy.step(backend, canvas, state, Block(block_index, start, start + 8), 0, nfe=0)
+    state = backend.empty_state(1, canvas.padded_length)
+    plan = policy.plan(canvas, Block(block_index, start, start + 8), 0, None)  # the block-start step
+    window = plan.window(canvas)
+    out = backend.full(canvas.tokens, canvas.valid)
+    state = commit_window(backend, state, window, plan.keep_kv[window.positions], out, canvas.tokens, 0)
     _, keys, values = full_step(tiny_model.params, jnp.asarray(canvas.tokens), jnp.asarray(canvas.valid),
                                 *step_extras(), config=TINY, readout=backend.readout)
     kept = np.flatnonzero(state.filled[0])

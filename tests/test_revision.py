@@ -13,9 +13,12 @@ import llada_jax
 from llada_jax import kv_state
 from llada_jax.backend import SideBackend
 from llada_jax.errors import LladaError
-from policies.canvas import Canvas
-from policies.registry import make_cache_policy
+from policies.canvas import Block, Canvas
+from policies.loop import decode, dense_step
+from policies.registry import make_policy
 from policies.revision import NEVER, Revision
+from policies.sampling import Sampler
+from policies.schedule import Schedule, make_rule
 from tests.conftest import TINY, jax_backend
 
 
@@ -33,26 +36,26 @@ def test_refreshed_kv_equals_a_fresh_recomputation(tiny_model, seed, changed):
     gen = np.arange(canvas.prompt_len, canvas.length)
     canvas.write(gen, rng.integers(0, TINY.mask_token_id, gen.size))
     backend = jax_backend(tiny_model)
-    everything = np.arange(canvas.slots)[None]
+    everything = np.arange(canvas.padded_length)[None]
     fresh = backend.full(canvas.tokens, canvas.valid)
     old_tokens = canvas.tokens.copy()
     moved = np.sort(rng.choice(gen, size=min(changed, 8), replace=False))
     old_tokens[0, moved] = (old_tokens[0, moved] + 1) % TINY.mask_token_id
     stale = backend.full(old_tokens, canvas.valid)
-    kv = backend.commit(backend.empty_state(1, canvas.slots), everything, canvas.valid, fresh, canvas.tokens, 0)
+    kv = backend.commit(backend.empty_state(1, canvas.padded_length), everything, canvas.valid, fresh, canvas.tokens, 0)
     kv = backend.commit(kv, moved[None], np.ones((1, moved.size), bool),
                         type(stale)({}, stale.keys[:, :, moved], stale.values[:, :, moved]), old_tokens[:, moved], 0)
     assert kv_state.stale_slots(kv, canvas.tokens)[0].sum() == moved.size
     policy = Revision()
-    state = policy.initial_state(backend, canvas)._replace(kv=kv)
-    # Stable tokens are only refreshed, never re-scored: the K/V is the one thing under test here.
-    state = state._replace(committed_at=np.where(np.isin(np.arange(canvas.slots), gen), 0, NEVER),
-                           stable=np.ones(canvas.slots, bool))
-    state = policy._submit(canvas, state, canvas.full_window(), nfe=1)
-    state = policy._merge(backend, canvas, state, nfe=1)
-    assert state.merged == () and state.refreshes == moved.size and state.probes == 0
-    assert not kv_state.stale_slots(state.kv, canvas.tokens).any()
-    got, want = np.asarray(state.kv.keys)[:, 0, moved], np.asarray(fresh.keys)[:, 0, moved]
+    with policy.side_path(backend, canvas) as session:
+        # Stable tokens are only refreshed, never re-scored: the K/V is the one thing under test here.
+        session.committed_at = np.where(np.isin(np.arange(canvas.padded_length), gen), 0, NEVER)
+        session.stable = np.ones(canvas.padded_length, bool)
+        session._submit_job(kv, canvas.full_window(), nfe=1)
+        kv, merged = session.merge(kv, nfe=1)
+    assert merged == () and session.refreshes == moved.size and session.probes == 0
+    assert not kv_state.stale_slots(kv, canvas.tokens).any()
+    got, want = np.asarray(kv.keys)[:, 0, moved], np.asarray(fresh.keys)[:, 0, moved]
     assert np.abs(got - want).max() <= 1e-5 * max(1.0, np.abs(want).max())
 
 
@@ -90,10 +93,6 @@ class WatchingBackend:
                              "prefix-cache+revision:0.3:3"]),
        threshold=st.sampled_from([None, 0.2]), seed=st.integers(0, 500))
 def test_dense_steps_never_see_stale_kv_and_commits_stay_in_bounds(tiny_model, spec, threshold, seed):
-    from policies import loop as decode_mod
-    from policies.loop import Schedule, make_rule
-    from policies.sampling import Sampler
-
     canvas_ref = []
     original_start = Canvas.start
 
@@ -106,8 +105,8 @@ def test_dense_steps_never_see_stale_kv_and_commits_stay_in_bounds(tiny_model, s
     backend = WatchingBackend(jax_backend(tiny_model), canvas_ref)
     try:
         Canvas.start = remember
-        result = decode_mod.decode(backend, ids, schedule, make_cache_policy(spec), make_rule(schedule, threshold),
-                                   Sampler(), mask_id=TINY.mask_token_id, max_len=TINY.max_sequence_length)
+        result = decode(backend, ids, schedule, make_policy(spec), make_rule(schedule, threshold),
+                        Sampler(), mask_id=TINY.mask_token_id, max_len=TINY.max_sequence_length)
     finally:
         Canvas.start = original_start
     assert backend.windows > 0
@@ -122,59 +121,60 @@ def test_dense_steps_never_see_stale_kv_and_commits_stay_in_bounds(tiny_model, s
     assert (result.output_ids != TINY.mask_token_id).all()
 
 
+def dense(backend, canvas, policy, session, block, kv, step):
+    """The decode loop's dense step `step` of `block` (also the forward pass count here)."""
+    return dense_step(backend, canvas, kv, policy.plan(canvas, block, step, kv), session, step)
+
+
 def test_revision_replaces_a_token_the_model_now_rejects(tiny_model):
     """A committed token the model rejects when re-scored with it masked is replaced at the merge after
     the next dense step, and its K/V is current after the merge that follows."""
-    from policies.canvas import Block
-
     backend = jax_backend(tiny_model)
     canvas = Canvas.start(prompt(3), 16, TINY.mask_token_id, cfg=False, max_len=TINY.max_sequence_length)
     policy = Revision(revise_threshold=0.01)
-    state = policy.initial_state(backend, canvas)
     block = Block(0, canvas.prompt_len, canvas.prompt_len + 8)
-    out, window, state = policy.step(backend, canvas, state, block, 0, 0)
-    expected = int(out.readout["x0"][0][block.start])  # the probe's canvas is exactly the prefill's canvas
-    wrong = (expected + 7) % TINY.mask_token_id
-    canvas.write(np.array([block.start]), np.array([wrong]))
-    unsure = np.zeros(canvas.slots)
-    state, merged = policy.after_commit(backend, canvas, state, block, window, None, unsure, 0)
-    assert merged == () and canvas.tokens[0, block.start] == wrong
-    out, window, state = policy.step(backend, canvas, state, block, 1, 1)
-    assert state.merged == ((block.start, wrong, expected),) and canvas.tokens[0, block.start] == expected
-    assert state.kv.slot_token[0, block.start] != expected  # stale until the side path's next merge
-    state, merged = policy.after_commit(backend, canvas, state, block, window, None, unsure, 1)
-    assert merged == ((block.start, wrong, expected),)
-    out, window, state = policy.step(backend, canvas, state, block, 2, 2)
-    assert state.kv.slot_token[0, block.start] == expected
-    state.side.close()
+    unsure = np.zeros(canvas.padded_length)
+    with policy.side_path(backend, canvas) as session:
+        kv = backend.empty_state(1, canvas.padded_length)
+        out, window, kv, merged = dense(backend, canvas, policy, session, block, kv, 0)
+        expected = int(out.readout["x0"][0][block.start])  # the probe's canvas is exactly the prefill's canvas
+        wrong = (expected + 7) % TINY.mask_token_id
+        canvas.write(np.array([block.start]), np.array([wrong]))
+        session.submit(kv, window, unsure, 0)
+        assert merged == () and canvas.tokens[0, block.start] == wrong
+        out, window, kv, merged = dense(backend, canvas, policy, session, block, kv, 1)
+        assert merged == ((block.start, wrong, expected),) and canvas.tokens[0, block.start] == expected
+        assert kv.slot_token[0, block.start] != expected  # stale until the side path's next merge
+        session.submit(kv, window, unsure, 1)
+        out, window, kv, merged = dense(backend, canvas, policy, session, block, kv, 2)
+        assert kv.slot_token[0, block.start] == expected
 
 
 @pytest.mark.parametrize("rounds", [0, 1, 2])
 def test_a_final_revision_is_settled_by_another_rescore(tiny_model, rounds):
     """A revision made when the generation ends is re-scored once more (it confirms here, so settling
     stops after one round), and that round refreshes its K/V; with no settle rounds it is not."""
-    from policies.canvas import Block
-
     backend = jax_backend(tiny_model)
     canvas = Canvas.start(prompt(3), 16, TINY.mask_token_id, cfg=False, max_len=TINY.max_sequence_length)
     policy = Revision(revise_threshold=0.01, settle_rounds=rounds)
-    state = policy.initial_state(backend, canvas)
     block = Block(0, canvas.prompt_len, canvas.prompt_len + 8)
-    out, window, state = policy.step(backend, canvas, state, block, 0, 0)
-    expected = int(out.readout["x0"][0][block.start])
-    wrong = (expected + 7) % TINY.mask_token_id
-    canvas.write(np.array([block.start]), np.array([wrong]))
-    state, _ = policy.after_commit(backend, canvas, state, block, window, None, np.zeros(canvas.slots), 0)
-    state, revisions = policy.finish(backend, canvas, state)
+    with policy.side_path(backend, canvas) as session:
+        kv = backend.empty_state(1, canvas.padded_length)
+        out, window, kv, _ = dense(backend, canvas, policy, session, block, kv, 0)
+        expected = int(out.readout["x0"][0][block.start])
+        wrong = (expected + 7) % TINY.mask_token_id
+        canvas.write(np.array([block.start]), np.array([wrong]))
+        session.submit(kv, window, np.zeros(canvas.padded_length), 0)
+        kv, revisions = session.finish(kv)
     assert revisions == ((block.start, wrong, expected),) and canvas.tokens[0, block.start] == expected
     settled = min(rounds, 1)
-    assert state.probes == 1 + settled and state.confirmations[block.start] == settled
-    assert (state.kv.slot_token[0, block.start] == expected) == bool(settled)
+    assert session.probes == 1 + settled and session.confirmations[block.start] == settled
+    assert (kv.slot_token[0, block.start] == expected) == bool(settled)
 
 
 def test_revision_needs_a_cached_base():
     with pytest.raises(LladaError, match="needs a cached base policy"):
-        make_cache_policy("vanilla+revision")
+        make_policy("vanilla+revision")
 
 
 def test_generate_reports_revisions_and_side_path(tiny_model):

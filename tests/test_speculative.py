@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 import llada_jax
 from llada_jax.errors import LladaError
-from policies.registry import make_cache_policy
+from policies.cache_policies import PrefixCache
+from policies.registry import make_policy
 from policies.speculative import Speculative
 from tests.conftest import TINY
 
@@ -46,7 +47,7 @@ def test_drafts_are_committed_once_inside_the_canvas_and_lookahead(tiny_model, b
         drafted = record.positions[len(record.positions) - record.drafts:] if record.drafts else ()
         assert all(block_end <= p < block_end + 8 * lookahead for p in drafted)
         assert all(c >= draft_threshold for c in record.confidence[len(record.positions) - record.drafts:])
-        assert 0 < record.useful <= record.slots
+        assert 0 < record.useful <= record.shape_width
     assert (result.output_ids != TINY.mask_token_id).all()
 
 
@@ -56,7 +57,7 @@ def test_speculation_fills_idle_window_slots(tiny_model):
     base = llada_jax.generate(tiny_model, prompt(1), policy="dual-cache", **options)
     spec = llada_jax.generate(tiny_model, prompt(1), policy="dual-cache+speculative:1:0.99", **options)
     windows = [r for r in spec.trace if r.kind == "window"]
-    assert windows and all(r.slots == 16 for r in windows)
+    assert windows and all(r.shape_width == 16 for r in windows)
     assert sum(r.useful for r in windows) > sum(r.useful for r in base.trace if r.kind == "window")
 
 
@@ -69,10 +70,10 @@ def test_speculation_fills_idle_window_slots(tiny_model):
 ])
 def test_bad_policy_specs_are_clear_errors(spec, message):
     with pytest.raises(LladaError, match=message.replace("(", r"\(").replace("]", r"\]")):
-        make_cache_policy(spec)
+        make_policy(spec)
 
 
 def test_policy_spec_builds_the_composition():
-    policy = make_cache_policy("prefix-cache+speculative:2:0.8")
+    policy = make_policy("prefix-cache+speculative:2:0.8")
     assert isinstance(policy, Speculative) and policy.lookahead == 2 and policy.draft_threshold == 0.8
-    assert policy.base.name == "prefix-cache" and policy.uses_cache
+    assert policy.base == PrefixCache()
