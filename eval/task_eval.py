@@ -11,6 +11,7 @@ import sys
 import numpy as np
 
 from eval.tasks import exact_match, held_out
+from llada_jax.api import generate
 from llada_jax.errors import LladaError
 
 GEN_LENGTH, BLOCK_LENGTH = 32, 8
@@ -22,7 +23,7 @@ class DecoderSetting:
     threshold: float | None = None
 
     @classmethod
-    def parse(cls, spec: str) -> "DecoderSetting":
+    def parse(cls, spec: str) -> DecoderSetting:
         name, _, threshold = spec.partition("@")
         try:
             return cls(name, float(threshold) if threshold else None)
@@ -46,8 +47,6 @@ def evaluate(model, setting: DecoderSetting, limit: int | None = None, steps: in
              progress: bool = False, block_length: int = BLOCK_LENGTH) -> dict:
     """Accuracy per family and overall, mean NFE, revisions per answer and tokens/s for one decoder
     setting (answers of GEN_LENGTH tokens in blocks of `block_length`)."""
-    from llada_jax.api import generate
-
     if model.tokenizer is None:
         raise LladaError("the task suite needs a model with a tokenizer")
     examples = held_out() if limit is None else held_out(limit)

@@ -78,7 +78,8 @@ def test_missing_or_corrupt_model_dir(capsys, tmp_path, model_dir):
 
 def test_real_process_exits_nonzero_without_traceback(tiny_dir):
     proc = subprocess.run([sys.executable, "-m", "llada_jax.cli", "generate", "--model", str(tiny_dir),
-                           *replace(VALID, "--prompt-ids", "999999")], capture_output=True, text=True)
+                           *replace(VALID, "--prompt-ids", "999999")], capture_output=True, text=True,
+                           check=False)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().startswith("llada: error: prompt holds token id 999999")
 
@@ -96,7 +97,8 @@ def test_real_process_exits_nonzero_without_traceback(tiny_dir):
     (["--policy", "dual-cache+speculative@0.7"], "dual-cache+speculative"),
 ])
 def test_policy_flags_fold_into_the_spec(flags, spec):
-    from llada_jax.cli import build_parser, policy_spec
+    from llada_jax.cli import build_parser
+    from llada_jax.cli.flags import policy_spec
 
     args = build_parser().parse_args(["generate", "--prompt-ids", "1", *flags])
     assert policy_spec(args) == spec
@@ -106,7 +108,8 @@ def test_policy_flags_fold_into_the_spec(flags, spec):
     ([], 0.9), (["--policy", "vanilla"], None), (["--threshold", "0.8"], 0.8), (["--policy", "dual-cache@0.7"], 0.7),
 ])
 def test_commit_threshold_from_flag_or_policy(flags, threshold):
-    from llada_jax.cli import build_parser, commit_threshold
+    from llada_jax.cli import build_parser
+    from llada_jax.cli.flags import commit_threshold
 
     assert commit_threshold(build_parser().parse_args(["generate", "--prompt-ids", "1", *flags])) == threshold
 
@@ -116,7 +119,8 @@ def test_commit_threshold_from_flag_or_policy(flags, threshold):
     (["--policy", "dual-cache@high"], "bad threshold in --policy 'dual-cache@high'"),
 ])
 def test_commit_threshold_errors(flags, message):
-    from llada_jax.cli import build_parser, commit_threshold
+    from llada_jax.cli import build_parser
+    from llada_jax.cli.flags import commit_threshold
 
     with pytest.raises(LladaError, match=message):
         commit_threshold(build_parser().parse_args(["generate", "--prompt-ids", "1", *flags]))
@@ -145,7 +149,8 @@ def test_bad_training_settings_and_unwritable_outputs_are_one_line_errors(capsys
 
 
 def test_default_decoder_is_the_fast_one_and_help_says_so(capsys):
-    from llada_jax.cli import DEFAULT_POLICY, build_parser
+    from llada_jax.cli import build_parser
+    from llada_jax.cli.flags import DEFAULT_POLICY
 
     assert DEFAULT_POLICY == "dual-cache+speculative@0.9"
     with pytest.raises(SystemExit):
@@ -162,7 +167,7 @@ def test_a_new_process_reuses_compiled_steps(tmp_path):
     runs = []
     for _ in range(2):
         proc = subprocess.run([sys.executable, "-m", "llada_jax.cli", "generate", "--json", "--chat", "sort 3 1 2"],
-                              capture_output=True, text=True, env=env)
+                              capture_output=True, text=True, env=env, check=False)
         assert proc.returncode == 0, proc.stderr
         runs.append(json.loads(proc.stdout)["compile"])
     assert runs[0]["steps"] > 0 and runs[0]["from_cache"] == 0

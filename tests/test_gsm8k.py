@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from eval.gsm8k import BUNDLED_TEST as GSM8K_TEST
-from eval.gsm8k import add_cli, extract_answer, load_problems, prompt_text, same_number
+from eval.gsm8k import extract_answer, load_problems, prompt_text, same_number
 from eval.jsonl import RowWriter, finished_rows, read_rows
+from llada_jax.cli.evaluate import add_gsm8k
 from llada_jax.errors import LladaError
 
 TINY_RUN = ["--gen-length", "16", "--block-length", "8", "--steps", "8", "--policy", "vanilla"]
@@ -41,7 +42,7 @@ def char_model_dir(tmp_path_factory) -> Path:
 
 def run_cli(*argv: str):
     parser = argparse.ArgumentParser()
-    add_cli(parser.add_subparsers())
+    add_gsm8k(parser.add_subparsers())
     args = parser.parse_args(["gsm8k", *argv])
     return args.run(args)
 

@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from eval.humaneval import add_cli, extract_code, load_problems, program
+from eval.humaneval import extract_code, load_problems, program
 from eval.jsonl import read_rows
 from eval.sandbox import UID_BASE, Limits, run_program
 from eval.sandbox_probe import detect_sandbox
+from llada_jax.cli.evaluate import add_humaneval
 from llada_jax.errors import LladaError
 from tests.conftest import require
 from tests.test_gsm8k import TINY_RUN, write_char_model
@@ -29,7 +30,7 @@ FIRST = PROBLEMS[0]  # has_close_elements(numbers, threshold)
 
 def run_cli(*argv: str):
     parser = argparse.ArgumentParser()
-    add_cli(parser.add_subparsers())
+    add_humaneval(parser.add_subparsers())
     args = parser.parse_args(["humaneval", *argv])
     return args.run(args)
 

@@ -1,0 +1,43 @@
+"""`llada` command line: parsing and printing only; every command calls into the library. The top layer:
+nothing in the project imports it (tests/test_layers.py)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from llada_jax.cli.bench import add_bench
+from llada_jax.cli.compile import add_compile
+from llada_jax.cli.evaluate import add_eval
+from llada_jax.cli.generate import add_generate, add_trace
+from llada_jax.cli.train import add_train
+from llada_jax.errors import LladaError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llada", description="Diffusion LLM (LLaDA) inference in JAX")
+    commands = parser.add_subparsers(dest="command", required=True)
+    for add in (add_generate, add_compile, add_eval, add_bench, add_trace, add_train):
+        add(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "prompt_text", None) is not None:
+        if args.prompt is not None:
+            parser.error("give the prompt either positionally or with --prompt, not both")
+        args.prompt = args.prompt_text
+    try:
+        args.run(args)
+    except LladaError as err:
+        print(f"llada: error: {err}", file=sys.stderr)
+        return 1
+    except OSError as err:  # an unwritable --out, a full disk, ...: the system's one-line reason
+        print(f"llada: error: {err.strerror or err}: {err.filename or ''}".rstrip(": "), file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("llada: interrupted", file=sys.stderr)
+        return 130
+    return 0

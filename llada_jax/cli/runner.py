@@ -1,0 +1,42 @@
+"""What runs the steps of `llada generate`, `trace` and `bench`: JAX on a model directory, or IREE on a
+bundle (given, or compiled on first use and cached)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from llada_jax.api import generate
+from llada_jax.bundle_runner import bundle_runner
+from llada_jax.cli.flags import load_model, model_dir
+from llada_jax.errors import LladaError
+from lowering.bundle_cache import cached_bundle
+
+
+def add_runner_flags(parser: argparse.ArgumentParser) -> None:
+    """What runs the steps: see `generation_runner`."""
+    parser.add_argument("--bundle", default=None, help="run a compiled bundle (IREE) instead of a model directory")
+    parser.add_argument("--backend", default="jax", choices=["jax", "iree-host", "iree-vulkan"],
+                        help="what runs the steps (iree-*: compiled on first use and cached)")
+    parser.add_argument("--device-memory-budget", type=int, default=None, metavar="BYTES",
+                        help="device memory for weights + KV state; smaller than the weights: stage them per layer")
+
+
+def generation_runner(args):
+    """(config, tokenizer, generate(ids, **options)) for the chosen model and backend. A bundle runs through
+    the bundle runner: IREE steps, no JAX in the generation (the CLI process itself has JAX loaded)."""
+    budget = getattr(args, "device_memory_budget", None)
+    if budget is not None and args.bundle is not None:
+        raise LladaError("a bundle's device memory budget is fixed when it is compiled (llada compile "
+                         "--device-memory-budget); drop --device-memory-budget")
+    if args.bundle is not None:
+        if args.model is not None:
+            raise LladaError("give either --model or --bundle, not both")
+        return bundle_runner(args.bundle, args.backend)
+    if args.backend == "jax":
+        model = load_model(args)
+        return model.config, model.tokenizer, lambda ids, **options: generate(model, ids, **options)
+    target = {"iree-host": "host", "iree-vulkan": "vulkan"}[args.backend]
+    bundle_dir = cached_bundle(model_dir(args), target, dtype=args.dtype,
+                               device_memory_budget=budget, progress=lambda m: print(m, file=sys.stderr))
+    return bundle_runner(bundle_dir, args.backend)
