@@ -13,6 +13,8 @@ import dataclasses
 import statistics
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from eval.task_eval import BLOCK_LENGTH, GEN_LENGTH, DecoderSetting, answer_text
@@ -27,9 +29,6 @@ class Prompt:
 
 def matmul_peak_gflops(size: int = 1024, repeats: int = 10) -> float:
     """This machine's float32 matmul throughput through XLA (the roofline's peak)."""
-    import jax
-    import jax.numpy as jnp
-
     a = jnp.asarray(np.random.default_rng(0).normal(size=(size, size)), jnp.float32)
     product = jax.jit(lambda x: x @ x)
     product(a).block_until_ready()
@@ -129,10 +128,10 @@ def format_table(report: dict) -> str:
 
 def plot(report: dict, path) -> None:
     """Latency against accuracy, one point per decoder setting."""
-    import matplotlib
+    import matplotlib  # heavy (~0.4 s) and only for --plot
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"): no display needed
 
     figure, axes = plt.subplots(figsize=(7, 4.5))
     for row in report["rows"]:

@@ -23,8 +23,14 @@ from pathlib import Path
 
 import numpy as np
 
+import llada_jax
+from llada_jax.bundle_runner import bundle_runner
+from llada_jax.checkpoint import save_hf
 from llada_jax.config import LLaDAConfig
+from llada_jax.params import hf_shapes, init_params
 from llada_jax.shapes import bucket
+from llada_jax.staging import kv_bytes
+from lowering.bundle_cache import cached_bundle
 
 SWAP_CONFIG = LLaDAConfig(d_model=1024, n_layers=16, n_heads=16, n_kv_heads=16, mlp_hidden_size=2816,
                           vocab_size=32000, embedding_size=32000, max_sequence_length=256, mask_token_id=31999,
@@ -34,9 +40,6 @@ GEN_LENGTH = 32
 
 
 def model_dir() -> Path:
-    from llada_jax.checkpoint import save_hf
-    from llada_jax.params import init_params
-
     out = Path(tempfile.gettempdir()) / "llada-bench" / "swap-d1024-l16"
     if not (out / "config.json").is_file():
         save_hf(init_params(SWAP_CONFIG, seed=0), SWAP_CONFIG, out)
@@ -44,31 +47,22 @@ def model_dir() -> Path:
 
 
 def weight_bytes() -> int:
-    from llada_jax.params import hf_shapes
-
     return sum(int(np.prod(s)) for s in hf_shapes(SWAP_CONFIG).values()) * 4
 
 
 def measure(fraction: float | None, backend: str, repeats: int, policy: str, prompt_length: int = 32) -> dict:
     """One budget, in this process: median latency of one generation and its staging counters."""
-    from llada_jax.staging import kv_bytes
-
     # A budget is a fraction of the weight bytes plus room for this workload's KV state (64 slots).
     canvas = bucket(prompt_length + GEN_LENGTH, SWAP_CONFIG.max_sequence_length)
     budget = None if fraction is None else int(fraction * weight_bytes()) + kv_bytes(SWAP_CONFIG, 1, canvas, 4)
     prompt = np.random.default_rng(0).integers(0, 31000, prompt_length)
-    options = dict(gen_length=GEN_LENGTH, block_length=8, steps=GEN_LENGTH, policy=policy)
+    options = {"gen_length": GEN_LENGTH, "block_length": 8, "steps": GEN_LENGTH, "policy": policy}
     if backend == "jax":
-        import llada_jax
-
         model = llada_jax.load(model_dir(), device_memory_budget=budget)
 
         def run():
             return llada_jax.generate(model, prompt, **options)
     else:
-        from llada_jax.bundle_runner import bundle_runner
-        from lowering.bundle_cache import cached_bundle
-
         _, _, generate = bundle_runner(cached_bundle(model_dir(), "host", max_len=canvas, window=8,
                                                    device_memory_budget=budget))
 

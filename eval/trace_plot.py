@@ -21,10 +21,10 @@ def commit_grid(result, gen_length: int) -> tuple[np.ndarray, np.ndarray, list]:
 
 def plot_trace(result, tokens: list[str], path, title: str = "") -> None:
     """One column per generated token, one row per dense step; a cell is filled from its commit step on."""
-    import matplotlib
+    import matplotlib  # heavy (~0.4 s) and only for `llada trace`
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"): no display needed
 
     gen_length = len(result.output_ids)
     committed_at, drafted, revisions = commit_grid(result, gen_length)

@@ -8,6 +8,9 @@ import dataclasses
 import threading
 from pathlib import Path
 
+import jax
+import jax.monitoring
+
 # JAX's monitoring events for the work a jitted call does before it first runs: tracing, lowering to
 # StableHLO, and compiling it (or reading it back from the persistent cache).
 COMPILE_EVENTS = frozenset({"/jax/core/compile/jaxpr_trace_duration",
@@ -18,8 +21,6 @@ COMPILE_EVENTS = frozenset({"/jax/core/compile/jaxpr_trace_duration",
 def use_persistent_cache(directory: Path) -> None:
     """Keep every compiled step in `directory` (the tiny model's steps compile in well under JAX's
     default one-second threshold, so there is none)."""
-    import jax
-
     directory.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(directory))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -53,8 +54,6 @@ class CompileClock:
 @contextlib.contextmanager
 def compile_clock():
     """A `CompileClock` adding up the seconds JAX spends compiling inside the block (any thread)."""
-    import jax.monitoring
-
     clock = CompileClock()
     jax.monitoring.register_event_duration_secs_listener(clock.record)
     jax.monitoring.register_event_listener(clock.count)

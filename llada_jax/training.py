@@ -20,7 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from tqdm import tqdm
 
+from eval.tasks import held_out, training_examples
 from llada_jax import char_tokenizer
 from llada_jax.checkpoint import save_hf
 from llada_jax.config import LLaDAConfig
@@ -28,6 +30,7 @@ from llada_jax.errors import LladaError
 from llada_jax.kv_state import HIDDEN
 from llada_jax.model import forward, lm_logits
 from llada_jax.params import init_params
+from llada_jax.tokenizer import load_tokenizer
 
 MIN_T = 1e-3
 
@@ -77,8 +80,6 @@ def encode(tokenizer, prompt: str, answer: str, config: LLaDAConfig, gen_length:
 
 def make_batch(tokenizer, config: LLaDAConfig, settings: TrainSettings, step: int, excluded: set[str]):
     """The batch of `step`, a pure function of (seed, step): resuming needs no data-loader state."""
-    from eval.tasks import training_examples
-
     examples = training_examples(random.Random(settings.seed * 1_000_003 + step), excluded)
     tokens = np.full((settings.batch, settings.seq_len), config.eos_token_id, np.int32)
     prompt_len = np.zeros(settings.batch, np.int32)
@@ -157,10 +158,7 @@ def train(run_dir: Path, settings: TrainSettings, config: LLaDAConfig, progress:
     stop = settings.steps if stop_at is None else stop_at
     if not 0 < stop <= settings.steps:
         raise LladaError(f"--stop-at must be in [1, {settings.steps}], got {stop_at}")
-    import orbax.checkpoint as ocp
-
-    from eval.tasks import held_out
-    from llada_jax.tokenizer import load_tokenizer
+    import orbax.checkpoint as ocp  # heavy (~0.4 s): only a training run loads it, not every `llada` command
 
     run_dir = Path(run_dir).absolute()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -183,8 +181,7 @@ def train(run_dir: Path, settings: TrainSettings, config: LLaDAConfig, progress:
 
 def _train_loop(manager, params, opt_state, tokenizer, excluded, settings: TrainSettings, config: LLaDAConfig,
                 progress: bool, stop: int):
-    import orbax.checkpoint as ocp
-    from tqdm import tqdm
+    import orbax.checkpoint as ocp  # heavy (~0.4 s): only a training run loads it, not every `llada` command
 
     start = 0
     if manager.latest_step() is not None:
@@ -210,7 +207,7 @@ def _train_loop(manager, params, opt_state, tokenizer, excluded, settings: Train
 
 def export_latest(run_dir: Path, out_dir: Path) -> tuple[Path, int]:
     """Export the newest complete checkpoint of a run (finished or still going) as an HF directory."""
-    import orbax.checkpoint as ocp
+    import orbax.checkpoint as ocp  # heavy (~0.4 s): only a training run loads it, not every `llada` command
 
     run_dir = Path(run_dir).absolute()
     if not (run_dir / "run.json").is_file():

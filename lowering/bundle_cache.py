@@ -6,6 +6,7 @@ import hashlib
 import json
 from pathlib import Path
 
+from llada_jax.config import read_config
 from llada_jax.locations import user_cache_dir
 from llada_jax.packing import head_layout, layer_layout
 from lowering.bundle import compile_bundle, iree_version
@@ -16,8 +17,6 @@ def cached_bundle(model_dir, target: str, *, dtype: str = "float32", max_len: in
                   window: int | None = None, device_memory_budget: int | None = None, progress=None) -> Path:
     """A bundle for this model (by content), target, dtype, shapes, staged weight layouts and IREE version;
     compiled if absent."""
-    from llada_jax.config import read_config
-
     model_dir = Path(model_dir).absolute()
     config = read_config(model_dir)
     max_len = max_len or config.max_sequence_length
