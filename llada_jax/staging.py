@@ -23,6 +23,7 @@ from llada_jax.config import LLaDAConfig
 from llada_jax.errors import LladaError
 from llada_jax.kv_state import HIDDEN, KVState, visible_bias
 from llada_jax.packing import head_chunk_tensors, head_chunks, head_layout, layer_layout
+from llada_jax.params import HF_PREFIX
 from llada_jax.readout import StepOutput, combine_head_chunks
 from llada_jax.shapes import kv_shape
 
@@ -46,8 +47,6 @@ class StagedWeights:
 def pack_weights(tensors, config: LLaDAConfig, dtype) -> StagedWeights:
     """Pack every stage from (HF name, host array) pairs read one at a time; a stage is packed as soon
     as its last tensor arrives, so at most a few stages are ever held unpacked."""
-    from llada_jax.params import HF_PREFIX
-
     n = config.n_layers
     stage_of = {f"{HF_PREFIX}blocks.{i}.{name}.weight": (i, name)
                 for i in range(n) for name, _, _ in layer_layout(config).entries}
