@@ -16,7 +16,18 @@ from pathlib import Path
 
 import numpy as np
 
+import llada_jax
+from eval.tasks import held_out
+from llada_jax.backends.select import OpenBundle
+from llada_jax.backends.xla import JaxBackend
+from llada_jax.bundle_runner import generate_with_bundle
+from llada_jax.checkpoint import save_hf
 from llada_jax.config import LLaDAConfig
+from llada_jax.locations import default_model_dir
+from llada_jax.params import init_params
+from llada_jax.readout import Readout, TokenBiases
+from lowering.bundle_cache import cached_bundle
+from lowering.runtime import IreeBackend, Session, load_bundle
 
 BENCH_CONFIG = LLaDAConfig(d_model=1024, n_layers=4, n_heads=16, n_kv_heads=16, mlp_hidden_size=2816,
                            vocab_size=126464, embedding_size=126464, max_sequence_length=256)
@@ -34,9 +45,6 @@ def median_seconds(run, repeats: int) -> float:
 
 def bench_model_dir(cache: Path) -> Path:
     """A random-weights checkpoint of BENCH_CONFIG, written once."""
-    from llada_jax.checkpoint import save_hf
-    from llada_jax.params import init_params
-
     out = cache / "bench-d1024"
     if not (out / "config.json").is_file():
         save_hf(init_params(BENCH_CONFIG, seed=0), BENCH_CONFIG, out)
@@ -64,10 +72,6 @@ def step_rows(jax_b, iree_b, config, slots: int, widths: list[int], repeats: int
 
 
 def generation_rows(model, bundle, session, prompts: list[np.ndarray], repeats: int) -> list[dict]:
-    import llada_jax
-    from llada_jax.backends.select import OpenBundle
-    from llada_jax.bundle_runner import generate_with_bundle
-
     rows = []
     for policy in ("vanilla", "dual-cache"):
         options = dict(gen_length=32, block_length=8, steps=32, policy=policy)
@@ -86,13 +90,6 @@ def generation_rows(model, bundle, session, prompts: list[np.ndarray], repeats: 
 
 
 def main(argv=None) -> None:
-    import llada_jax
-    from llada_jax.backends.xla import JaxBackend
-    from llada_jax.locations import default_model_dir
-    from llada_jax.readout import Readout, TokenBiases
-    from lowering.bundle_cache import cached_bundle
-    from lowering.runtime import IreeBackend, Session, load_bundle
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="HF directory (default: the embedded model)")
     parser.add_argument("--bench-size", action="store_true", help="random weights, d_model 1024, 126464 vocab")
@@ -111,8 +108,6 @@ def main(argv=None) -> None:
     iree_b = IreeBackend(bundle, session, Readout(), biases)
     rows = step_rows(jax_b, iree_b, model.config, args.slots, [8, 32], args.repeats)
     if model.tokenizer is not None:
-        from eval.tasks import held_out
-
         prompts = [np.array(model.tokenizer.encode(model.tokenizer.chat_prompt(e.prompt))) for e in held_out(2)]
     else:  # random weights: random prompts that fit the compiled canvas
         rng = np.random.default_rng(0)
