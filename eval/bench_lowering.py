@@ -25,7 +25,7 @@ from llada_jax.checkpoint import save_hf
 from llada_jax.config import LLaDAConfig
 from llada_jax.locations import default_model_dir
 from llada_jax.params import init_params
-from llada_jax.readout import Readout, TokenBiases
+from llada_jax.readout import ReadoutSpec, TokenBiases
 from lowering.bundle_cache import cached_bundle
 from lowering.runtime import IreeBackend, Session, load_bundle
 
@@ -104,8 +104,8 @@ def main(argv=None) -> None:
     bundle = load_bundle(bundle_dir, "host")
     session = Session(bundle.path, bundle.manifest, "local-task")
     biases = TokenBiases.build(model.config.embedding_size)
-    jax_b = JaxBackend(model.params, model.config, Readout(), biases)
-    iree_b = IreeBackend(bundle, session, Readout(), biases)
+    jax_b = JaxBackend(model.params, model.config, ReadoutSpec(), biases)
+    iree_b = IreeBackend(bundle, session, ReadoutSpec(), biases)
     rows = step_rows(jax_b, iree_b, model.config, args.slots, [8, 32], args.repeats)
     if model.tokenizer is not None:
         prompts = [np.array(model.tokenizer.encode(model.tokenizer.chat_prompt(e.prompt))) for e in held_out(2)]

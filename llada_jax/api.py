@@ -10,7 +10,7 @@ import numpy as np
 from llada_jax.backends.select import select_backend
 from llada_jax.errors import LladaError
 from llada_jax.loading import Model, load
-from llada_jax.readout import Readout, TokenBiases
+from llada_jax.readout import ReadoutSpec, TokenBiases
 from llada_jax.shapes import bucket
 from policies.generation import check_token_ids, run_generation
 
@@ -29,9 +29,9 @@ def logits(model: Model, ids) -> np.ndarray:
     padded = np.full((batch, slots), model.config.mask_token_id, np.int32)
     padded[:, :length] = ids
     valid = np.broadcast_to(np.arange(slots) < length, padded.shape)
-    backend = select_backend(model, Readout(kind="logits"), TokenBiases.build(model.config.embedding_size), 0.0,
+    backend = select_backend(model, ReadoutSpec(kind="logits"), TokenBiases.build(model.config.embedding_size), 0.0,
                              batch, slots)
-    return np.asarray(backend.full(padded, valid).readout["logits"][:, :length], np.float32)
+    return np.asarray(backend.full(padded, valid).readout.logits[:, :length], np.float32)
 
 
 def generate(model: Model, prompt_ids, **options):

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from llada_jax.config import LLaDAConfig
 from llada_jax.model import decoder_layer, lm_logits, rms_norm, rotary_tables
-from llada_jax.readout import Readout
+from llada_jax.readout import HeadChunkReadout, Readout, ReadoutSpec
 from llada_jax.steps import argmax_others, guided_logits
 
 
@@ -27,18 +27,18 @@ def layer_step(weights, x: jax.Array, positions: jax.Array, key_bias: jax.Array,
     return decoder_layer(weights, x, rotary, cached, key_bias, config)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "readout"))
+@functools.partial(jax.jit, static_argnames=("config", "readout_spec"))
 def head_chunk_step(weights, x: jax.Array, cfg_scale, logit_bias, confidence_bias, *,
-                    config: LLaDAConfig, readout: Readout):
+                    config: LLaDAConfig, readout_spec: ReadoutSpec):
     """Final norm and one vocabulary chunk of the LM head; `logit_bias`/`confidence_bias` are that
     chunk's slices (padding rows: -inf logit bias). Returns the chunk's guided logits, or its
     partial readout (`partial_readout`), which `readout.combine_head_chunks` merges across chunks."""
     hidden = rms_norm(x, weights["ln_f"], config.rms_norm_eps)
-    logits = guided_logits(lm_logits({"lm_head": weights["lm_head"]}, hidden), cfg_scale, logit_bias, readout)
-    return {"logits": logits} if readout.kind == "logits" else partial_readout(logits, confidence_bias)
+    logits = guided_logits(lm_logits({"lm_head": weights["lm_head"]}, hidden), cfg_scale, logit_bias, readout_spec)
+    return Readout(logits=logits) if readout_spec.kind == "logits" else partial_readout(logits, confidence_bias)
 
 
-def partial_readout(logits: jax.Array, confidence_bias: jax.Array) -> dict:
+def partial_readout(logits: jax.Array, confidence_bias: jax.Array) -> HeadChunkReadout:
     """Over one vocabulary chunk `[B, W, rows]`: x0 (chunk argmax, first on ties), lmax (its logit),
     top (its score, logit + confidence bias), others (sum of exp(score - top) over the chunk's other
     tokens), smax and ssum (the chunk's max score and sum of exp(score - smax))."""
@@ -46,5 +46,5 @@ def partial_readout(logits: jax.Array, confidence_bias: jax.Array) -> dict:
     scored = logits + confidence_bias
     smax = jnp.max(scored, axis=-1)
     safe = jnp.where(jnp.isneginf(smax), 0.0, smax)  # a chunk with every score -inf sums to 0
-    return {"x0": x0, "lmax": jnp.max(logits, axis=-1), "top": top, "others": others,
-            "smax": smax, "ssum": jnp.sum(jnp.exp(scored - safe[..., None]), axis=-1)}
+    return HeadChunkReadout(x0, jnp.max(logits, axis=-1), top, others, smax,
+                            jnp.sum(jnp.exp(scored - safe[..., None]), axis=-1))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import numpy as np
 
@@ -10,28 +11,49 @@ from llada_jax.errors import LladaError
 
 
 @dataclasses.dataclass(frozen=True)
-class Readout:
-    """kind: "argmax" (token + log-probability, cheap to read back) or "logits" (float32, full vocab).
-    cfg: batch rows are (conditional, unconditional), combined into one row of guided logits."""
+class ReadoutSpec:
+    """What a step reads out. kind: "argmax" (token + log-probability, cheap to read back) or "logits"
+    (float32, full vocab). cfg: batch rows are (conditional, unconditional), combined into one row of
+    guided logits."""
 
     kind: str = "argmax"
     cfg: bool = False
+
+
+class Readout(NamedTuple):
+    """What a step read out at its computed positions, rows `[B', W]`: the argmax token `x0` with its
+    log-probability `logp` (an argmax readout), or `logits` `[B', W, E]` (a logits readout)."""
+
+    x0: object = None
+    logp: object = None
+    logits: object = None
+
+
+class HeadChunkReadout(NamedTuple):
+    """One vocabulary chunk's partial argmax readout (see `layered.partial_readout`), rows `[B', W]`."""
+
+    x0: object
+    lmax: object
+    top: object
+    others: object
+    smax: object
+    ssum: object
 
 
 @dataclasses.dataclass(frozen=True)
 class StepOutput:
     """What every backend's step returns: the readout on the host, proposed K/V on the device."""
 
-    readout: dict    # numpy: {"x0", "logp"} or {"logits"}, rows [B', W]
-    keys: object     # proposed K [N, B, W, K, hd]
-    values: object   # proposed V [N, B, W, K, hd]
+    readout: Readout  # numpy
+    keys: object      # proposed K [N, B, W, K, hd]
+    values: object    # proposed V [N, B, W, K, hd]
 
 
-def check_finite(readout: dict, positions: np.ndarray, valid: np.ndarray, step: int) -> None:
+def check_finite(readout: Readout, positions: np.ndarray, valid: np.ndarray, step: int) -> None:
     """Refuse a step whose readout holds NaN (or +inf) at a computed position: garbage from here on.
     -inf is legitimate (a token biased away, or x0 left out of the confidence softmax). `positions`
     `[W]` are the canvas positions of the readout's columns, real where `valid`."""
-    values = readout["logits"] if "logits" in readout else readout["logp"][..., None]
+    values = readout.logits if readout.logits is not None else readout.logp[..., None]
     bad = (np.isnan(values) | np.isposinf(values)).any(axis=(0, 2)) & valid  # [W]
     if bad.any():
         raise LladaError(f"step {step + 1} produced a non-finite score (NaN/Inf) at canvas position "
@@ -59,9 +81,6 @@ class TokenBiases:
         return cls(logit_bias, confidence_bias)
 
 
-HEAD_PARTS = ("x0", "lmax", "top", "others", "smax", "ssum")  # a head chunk's partial argmax readout
-
-
 def chunk_biases(biases: TokenBiases, chunks: int, rows: int) -> list[TokenBiases]:
     """Per-chunk slices of the token biases for a head staged in `chunks` vocabulary slices of `rows`;
     padding rows past the vocabulary get a -inf logit bias (never predicted, no probability)."""
@@ -72,16 +91,16 @@ def chunk_biases(biases: TokenBiases, chunks: int, rows: int) -> list[TokenBiase
     return [TokenBiases(logit[c * rows: (c + 1) * rows], confidence[c * rows: (c + 1) * rows]) for c in range(chunks)]
 
 
-def combine_head_chunks(parts: list[dict], rows: int, vocab: int) -> dict:
+def combine_head_chunks(parts: list, rows: int, vocab: int) -> Readout:
     """The readout of the whole head from its chunks' partial readouts (see `layered.partial_readout`):
     logits are concatenated; x0 is the first chunk-argmax with the highest logit (the global argmax,
     first on ties) and log p(x0) = -log1p(others), where others adds the winning chunk's own sum to
     every other chunk's whole sum rescaled to the winner's score."""
-    if "logits" in parts[0]:
-        return {"logits": np.concatenate([p["logits"] for p in parts], axis=-1)[..., :vocab]}
+    if isinstance(parts[0], Readout):  # chunks of a logits readout
+        return Readout(logits=np.concatenate([p.logits for p in parts], axis=-1)[..., :vocab])
 
     def stacked(name):
-        return np.stack([np.asarray(p[name], np.float64) for p in parts])  # [C, B, W]
+        return np.stack([np.asarray(getattr(p, name), np.float64) for p in parts])  # [C, B, W]
 
     winner = np.argmax(stacked("lmax"), axis=0)[None]
     top = np.take_along_axis(stacked("top"), winner, 0)[0]
@@ -90,4 +109,4 @@ def combine_head_chunks(parts: list[dict], rows: int, vocab: int) -> dict:
         rest = np.where(np.arange(len(parts))[:, None, None] == winner, 0.0, rest).sum(0)
         logp = -np.log1p(np.take_along_axis(stacked("others"), winner, 0)[0] + rest)
     x0 = np.take_along_axis(stacked("x0"), winner, 0)[0].astype(np.int64) + winner[0] * rows
-    return {"x0": x0.astype(np.int32), "logp": np.where(np.isneginf(top), -np.inf, logp).astype(np.float32)}
+    return Readout(x0=x0.astype(np.int32), logp=np.where(np.isneginf(top), -np.inf, logp).astype(np.float32))

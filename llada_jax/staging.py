@@ -195,8 +195,8 @@ class StagedDevice(Protocol):
     def layer(self, tensors, x, positions: np.ndarray, key_bias: np.ndarray, state, layer: int):
         """One decoder layer: (x, k, v); `state` None for a full step, else the KV state's cached K/V."""
 
-    def head(self, tensors, x, chunk: int) -> dict:
-        """One head chunk's partial readout (`readout.HEAD_PARTS`) on the host."""
+    def head(self, tensors, x, chunk: int):
+        """One head chunk's readout on the host: a `HeadChunkReadout` (argmax), or its logits."""
 
     def stack(self, per_layer: list):
         """Per-layer proposed K (or V) stacked into `[N, B, W, K, hd]`."""

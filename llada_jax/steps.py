@@ -15,12 +15,12 @@ import jax.numpy as jnp
 from llada_jax.config import LLaDAConfig
 from llada_jax.kv_state import HIDDEN
 from llada_jax.model import Context, forward, lm_logits
-from llada_jax.readout import Readout
+from llada_jax.readout import Readout, ReadoutSpec
 
 
-def guided_logits(logits: jax.Array, cfg_scale: jax.Array, logit_bias: jax.Array, readout: Readout) -> jax.Array:
+def guided_logits(logits: jax.Array, cfg_scale: jax.Array, logit_bias: jax.Array, readout_spec: ReadoutSpec) -> jax.Array:
     """Apply CFG, then the per-token bias, to float32 logits `[B, W, E]`."""
-    if readout.cfg:
+    if readout_spec.cfg:
         cond, uncond = logits[0:1], logits[1:2]
         logits = uncond + (cfg_scale + 1.0) * (cond - uncond)
     return logits + logit_bias
@@ -45,32 +45,32 @@ def argmax_logprob(logits: jax.Array, confidence_bias: jax.Array) -> tuple[jax.A
     return x0, jnp.where(jnp.isneginf(top), -jnp.inf, -jnp.log1p(others))
 
 
-def read_out(params: dict, hidden: jax.Array, cfg_scale, logit_bias, confidence_bias, readout: Readout) -> dict:
-    logits = guided_logits(lm_logits(params, hidden), cfg_scale, logit_bias, readout)
-    if readout.kind == "logits":
-        return {"logits": logits}
+def read_out(params: dict, hidden: jax.Array, cfg_scale, logit_bias, confidence_bias, readout_spec: ReadoutSpec) -> Readout:
+    logits = guided_logits(lm_logits(params, hidden), cfg_scale, logit_bias, readout_spec)
+    if readout_spec.kind == "logits":
+        return Readout(logits=logits)
     x0, logp = argmax_logprob(logits, confidence_bias)
-    return {"x0": x0, "logp": logp}
+    return Readout(x0=x0, logp=logp)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "readout"))
+@functools.partial(jax.jit, static_argnames=("config", "readout_spec"))
 def full_step(params: dict, tokens: jax.Array, valid: jax.Array, cfg_scale: jax.Array, logit_bias: jax.Array,
-              confidence_bias: jax.Array, *, config: LLaDAConfig, readout: Readout):
+              confidence_bias: jax.Array, *, config: LLaDAConfig, readout_spec: ReadoutSpec):
     """Whole canvas `[B, L]`; `valid` marks real (non-padding) positions. Returns (readout, K, V)."""
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     bias = jnp.where(valid, 0.0, HIDDEN).astype(jnp.float32)
     out = forward(params, tokens, positions, bias, None, config)
-    return read_out(params, out.hidden, cfg_scale, logit_bias, confidence_bias, readout), out.keys, out.values
+    return read_out(params, out.hidden, cfg_scale, logit_bias, confidence_bias, readout_spec), out.keys, out.values
 
 
-@functools.partial(jax.jit, static_argnames=("config", "readout"))
+@functools.partial(jax.jit, static_argnames=("config", "readout_spec"))
 def window_step(params: dict, context: Context, window_ids: jax.Array, window_pos: jax.Array,
                 window_valid: jax.Array, cfg_scale: jax.Array, logit_bias: jax.Array, confidence_bias: jax.Array,
-                *, config: LLaDAConfig, readout: Readout):
+                *, config: LLaDAConfig, readout_spec: ReadoutSpec):
     """W positions `[B, W]` attending to the visible cached slots and to the valid window positions."""
     bias = jnp.where(window_valid, 0.0, HIDDEN).astype(jnp.float32)
     out = forward(params, window_ids, window_pos, bias, context, config)
-    return read_out(params, out.hidden, cfg_scale, logit_bias, confidence_bias, readout), out.keys, out.values
+    return read_out(params, out.hidden, cfg_scale, logit_bias, confidence_bias, readout_spec), out.keys, out.values
 
 
 @jax.jit

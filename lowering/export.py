@@ -20,13 +20,13 @@ from llada_jax.layered import head_chunk_step, layer_step
 from llada_jax.model import Context
 from llada_jax.packing import PackedLayout, head_chunks, head_layout, layer_layout
 from llada_jax.params import hf_shapes, hf_to_params
-from llada_jax.readout import HEAD_PARTS, Readout
+from llada_jax.readout import HeadChunkReadout, ReadoutSpec
 from llada_jax.shapes import LENGTH_BUCKETS, kv_shape
 from llada_jax.steps import full_step, scatter_slots, window_step
 from lowering.bundle_format import PARAMETER_SCOPE, StepSpec
 
 MLIR_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int32": "i32", "bool": "i1"}
-ARGMAX = Readout(kind="argmax")
+ARGMAX = ReadoutSpec(kind="argmax")
 
 
 NAMED_WEIGHTS = ("full", "window")  # kinds that read the weights as named parameters
@@ -105,7 +105,7 @@ def _staged_signature(spec: StepSpec, config: LLaDAConfig, compute_dtype, extras
         inputs = [*_stage_tensors(head_layout(config), compute_dtype), ("x", _sds((b, w, d), compute_dtype)),
                   extras[0], ("logit_bias", _sds((rows,), jnp.float32)),
                   ("confidence_bias", _sds((rows,), jnp.float32))]
-        return inputs, [(name, _sds((b, w), jnp.int32 if name == "x0" else jnp.float32)) for name in HEAD_PARTS]
+        return inputs, [(name, _sds((b, w), jnp.int32 if name == "x0" else jnp.float32)) for name in HeadChunkReadout._fields]
     width = w or s
     inputs = [*_stage_tensors(layer_layout(config), compute_dtype), ("x", _sds((b, width, d), compute_dtype)),
               ("positions", _sds((b, width), jnp.int32))]
@@ -133,8 +133,8 @@ def _staged_function(spec: StepSpec, config: LLaDAConfig):
     if spec.kind == "head":
         def run(*args):
             weights, (x, cfg_scale, logit_bias, confidence_bias) = dict(zip(names, args)), args[len(names):]
-            out = head_chunk_step(weights, x, cfg_scale, logit_bias, confidence_bias, config=config, readout=ARGMAX)
-            return tuple(out[name] for name in HEAD_PARTS)
+            out = head_chunk_step(weights, x, cfg_scale, logit_bias, confidence_bias, config=config, readout_spec=ARGMAX)
+            return tuple(out)
     elif spec.kind == "layer_full":
         def run(*args):
             weights, (x, positions, key_bias) = dict(zip(names, args)), args[len(names):]
@@ -160,14 +160,14 @@ def step_function(spec: StepSpec, config: LLaDAConfig, weight_names: list[str], 
     if spec.kind == "full":
         def run(weights, tokens, valid, cfg_scale, logit_bias, confidence_bias):
             out, keys, values = full_step(params_from(weights), tokens, valid > 0, cfg_scale, logit_bias,
-                                          confidence_bias, config=config, readout=ARGMAX)
-            return out["x0"], out["logp"], keys, values
+                                          confidence_bias, config=config, readout_spec=ARGMAX)
+            return out.x0, out.logp, keys, values
     elif spec.kind == "window":
         def run(weights, keys, values, context_bias, ids, pos, valid, cfg_scale, logit_bias, confidence_bias):
             out, new_keys, new_values = window_step(
                 params_from(weights), Context(keys, values, context_bias), ids, pos, valid > 0, cfg_scale,
-                logit_bias, confidence_bias, config=config, readout=ARGMAX)
-            return out["x0"], out["logp"], new_keys, new_values
+                logit_bias, confidence_bias, config=config, readout_spec=ARGMAX)
+            return out.x0, out.logp, new_keys, new_values
     else:
         def run(keys, values, targets, new_keys, new_values):
             return scatter_slots(keys, targets, new_keys), scatter_slots(values, targets, new_values)

@@ -18,7 +18,7 @@ from llada_jax import kv_state
 from llada_jax.backend import Backend, SideBackend
 from llada_jax.config import LLaDAConfig
 from llada_jax.errors import LladaError
-from llada_jax.readout import Readout, StepOutput, TokenBiases
+from llada_jax.readout import Readout, ReadoutSpec, StepOutput, TokenBiases
 from llada_jax.shapes import kv_shape
 from lowering.bundle_format import MANIFEST, PARAMETER_SCOPE, VMFB, StepSpec, check_files
 
@@ -122,12 +122,12 @@ class IreeBackend(Backend):
     """`llada_jax.backend.Backend` over a bundle's compiled steps. `side`: where revision's side path
     runs (the caller may offer XLA on the host; this module never imports JAX)."""
 
-    def __init__(self, bundle: Bundle, session: Session, readout: Readout, biases: TokenBiases,
+    def __init__(self, bundle: Bundle, session: Session, readout_spec: ReadoutSpec, biases: TokenBiases,
                  cfg_scale: float = 0.0, side: Callable[["IreeBackend"], SideBackend | None] | None = None):
-        if readout != Readout(kind="argmax") or cfg_scale != 0.0:
+        if readout_spec != ReadoutSpec(kind="argmax") or cfg_scale != 0.0:
             raise LladaError("IREE bundles run argmax readouts without CFG: use temperature 0 and cfg-scale 0")
         self.bundle, self.session, self.config = bundle, session, bundle.config
-        self.readout, self.biases, self._side = readout, biases, side
+        self.readout_spec, self.biases, self._side = readout_spec, biases, side
         # Uploaded once per generation; every step passes the same device buffers.
         self._extras = (np.asarray(cfg_scale, np.float32), session.upload(biases.logit_bias),
                         session.upload(biases.confidence_bias))
@@ -139,14 +139,14 @@ class IreeBackend(Backend):
         batch, slots = tokens.shape
         out = self._call(StepSpec("full", batch, slots).name, tokens.astype(np.int32), valid.astype(np.int32),
                          *self._extras)
-        return StepOutput({"x0": self.session.read(out[0]), "logp": self.session.read(out[1])}, out[2], out[3])
+        return StepOutput(Readout(x0=self.session.read(out[0]), logp=self.session.read(out[1])), out[2], out[3])
 
     def window(self, state: kv_state.KVState, visible, window_ids, window_pos, window_valid) -> StepOutput:
         batch, width = window_ids.shape
         out = self._call(StepSpec("window", batch, state.slots, width).name, state.keys, state.values,
                          kv_state.visible_bias(state, visible), np.asarray(window_ids, np.int32),
                          np.asarray(window_pos, np.int32), np.asarray(window_valid, np.int32), *self._extras)
-        return StepOutput({"x0": self.session.read(out[0]), "logp": self.session.read(out[1])}, out[2], out[3])
+        return StepOutput(Readout(x0=self.session.read(out[0]), logp=self.session.read(out[1])), out[2], out[3])
 
     def commit(self, state: kv_state.KVState, positions, write, out: StepOutput, tokens, nfe: int):
         targets = kv_state.write_targets(state, positions, write)

@@ -12,7 +12,7 @@ import numpy as np
 
 from llada_jax.errors import LladaError
 from llada_jax.packing import PackedLayout, head_chunks, head_layout, layer_layout
-from llada_jax.readout import HEAD_PARTS, StepOutput, chunk_biases
+from llada_jax.readout import HeadChunkReadout, StepOutput, chunk_biases
 from llada_jax.staging import (
     StagedWeights,
     StagingRing,
@@ -60,9 +60,9 @@ class IreeStagedBackend(IreeBackend):
     """IreeBackend whose full and window steps run layer by layer with streamed weights
     (`staging.staged_forward` over this IREE device adapter)."""
 
-    def __init__(self, bundle: Bundle, session: Session, weights: StagedWeights, budget: int, readout, biases,
+    def __init__(self, bundle: Bundle, session: Session, weights: StagedWeights, budget: int, readout_spec, biases,
                  cfg_scale: float, batch: int, canvas_slots: int, side=None):
-        super().__init__(bundle, session, readout, biases, cfg_scale, side)
+        super().__init__(bundle, session, readout_spec, biases, cfg_scale, side)
         self.weights = weights
         buffers = ring_buffers(budget, weights, kv_bytes(self.config, batch, canvas_slots, 4))
         self.layouts = (layer_layout(self.config), head_layout(self.config))
@@ -89,10 +89,10 @@ class IreeStagedBackend(IreeBackend):
         name = StepSpec("layer_window", batch, state.slots, width).name
         return self._call(name, *tensors, x, positions, key_bias, state.keys, state.values, np.asarray(layer, np.int32))
 
-    def head(self, tensors: list, x, chunk: int) -> dict:
+    def head(self, tensors: list, x, chunk: int) -> HeadChunkReadout:
         batch, width = x.shape[:2]
         outputs = self._call(StepSpec("head", batch, 0, width).name, *tensors, x, *self._chunk_extras[chunk])
-        return dict(zip(HEAD_PARTS, map(self.session.read, outputs)))
+        return HeadChunkReadout(*map(self.session.read, outputs))
 
     def stack(self, per_layer: list):
         batch, width = per_layer[0].shape[:2]

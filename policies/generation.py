@@ -10,7 +10,7 @@ import numpy as np
 
 from llada_jax.config import LLaDAConfig
 from llada_jax.errors import LladaError
-from llada_jax.readout import Readout, TokenBiases
+from llada_jax.readout import ReadoutSpec, TokenBiases
 from llada_jax.shapes import bucket
 from policies.loop import decode
 from policies.registry import make_policy
@@ -60,11 +60,11 @@ def run_generation(make_backend: Callable, config: LLaDAConfig, prompt_ids, *, g
     rule = make_rule(schedule, threshold)
     unconfident = config.special_ids_in_vocab(config.eos_token_id, config.eot_token_id) if confidence_eos_eot_inf else ()
     sampler = Sampler(float(temperature), remasking, unconfident)
-    readout = Readout(kind=sampler.readout_kind, cfg=cfg_scale > 0.0)
+    readout_spec = ReadoutSpec(kind=sampler.readout_kind, cfg=cfg_scale > 0.0)
     forbid = config.special_ids_in_vocab(config.eos_token_id) if logits_eos_inf else ()
     biases = TokenBiases.build(config.embedding_size, forbid, unconfident)
     batch, slots = (2 if cfg_scale > 0.0 else 1), bucket(total, config.max_sequence_length)
-    backend = make_backend(readout, biases, float(cfg_scale), batch, slots)
+    backend = make_backend(readout_spec, biases, float(cfg_scale), batch, slots)
     result = decode(backend, prompt, schedule, decoding_policy, rule, sampler, mask_id=config.mask_token_id,
                     max_len=config.max_sequence_length, cfg=cfg_scale > 0.0, seed=seed, on_step=on_step)
     staging = backend.staging_stats()

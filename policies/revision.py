@@ -244,9 +244,9 @@ def _probe(backend, canvas: Canvas, kv: kv_state.KVState, positions: np.ndarray,
     probe = dataclasses.replace(canvas, tokens=canvas.tokens.copy())
     probe.tokens[:, positions] = canvas.mask_id
     out = window_step(backend, probe, kv, window)
-    if "x0" not in out.readout:
+    if out.readout.x0 is None:
         raise LladaError("revision re-scores with argmax readouts: use temperature 0")
     check_finite(out.readout, window.positions, window.valid, nfe)
-    x0, confidence = canvas_wide(canvas, window, out.readout["x0"][0],
-                                 np.exp(out.readout["logp"][0].astype(np.float64)))
+    x0, confidence = canvas_wide(canvas, window, out.readout.x0[0],
+                                 np.exp(out.readout.logp[0].astype(np.float64)))
     return x0[positions], confidence[positions]

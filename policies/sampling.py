@@ -12,6 +12,7 @@ import dataclasses
 import numpy as np
 
 from llada_jax.errors import LladaError
+from llada_jax.readout import Readout
 
 REMASKING = ("low_confidence", "random")
 
@@ -32,12 +33,12 @@ class Sampler:
     def readout_kind(self) -> str:
         return "argmax" if self.temperature == 0.0 else "logits"
 
-    def choose(self, readout: dict, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    def choose(self, readout: Readout, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         """x0 and confidence (float64) for every position of row 0 of the readout."""
-        if "logits" in readout:
-            x0, confidence = self._sample(readout["logits"][0].astype(np.float64), rng)
+        if readout.logits is not None:
+            x0, confidence = self._sample(readout.logits[0].astype(np.float64), rng)
         else:
-            x0, confidence = readout["x0"][0].astype(np.int64), np.exp(readout["logp"][0].astype(np.float64))
+            x0, confidence = readout.x0[0].astype(np.int64), np.exp(readout.logp[0].astype(np.float64))
         if self.remasking == "random":
             confidence = rng.random(x0.shape[0])
         return x0, confidence

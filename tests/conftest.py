@@ -92,8 +92,8 @@ def step_extras(config: LLaDAConfig = TINY, forbid=(), unconfident=()):
     return jnp.float32(0), jnp.asarray(biases.logit_bias), jnp.asarray(biases.confidence_bias)
 
 
-def jax_backend(model, readout=None):
+def jax_backend(model, readout_spec=None):
     from llada_jax.backends.xla import JaxBackend
-    from llada_jax.readout import Readout, TokenBiases
+    from llada_jax.readout import ReadoutSpec, TokenBiases
 
-    return JaxBackend(model.params, model.config, readout or Readout(), TokenBiases.build(model.config.embedding_size))
+    return JaxBackend(model.params, model.config, readout_spec or ReadoutSpec(), TokenBiases.build(model.config.embedding_size))

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from llada_jax.locations import user_cache_dir
-from llada_jax.readout import Readout, TokenBiases
+from llada_jax.readout import ReadoutSpec, TokenBiases
 from lowering.bundle import compile_bundle
 from lowering.emulation import emulator_available, run_module, runtime_tools_dir
 from lowering.runtime import IreeBackend, Session, load_bundle
@@ -33,7 +33,7 @@ def test_arm64_step_under_qemu_matches_host(tiny_dir, tmp_path, tools, target):
                                    [tokens, valid.astype(np.int32), np.array(0, np.float32), zeros, zeros],
                                    [arm / "model.safetensors"], outputs=4)
     session = Session(host.path, host.manifest, "local-task")
-    want = IreeBackend(host, session, Readout(), TokenBiases.build(TINY.embedding_size)).full(tokens, valid)
-    assert x0[:, :13].tolist() == want.readout["x0"][:, :13].tolist()
-    np.testing.assert_allclose(logp[:, :13], want.readout["logp"][:, :13], atol=1e-4)
+    want = IreeBackend(host, session, ReadoutSpec(), TokenBiases.build(TINY.embedding_size)).full(tokens, valid)
+    assert x0[:, :13].tolist() == want.readout.x0[:, :13].tolist()
+    np.testing.assert_allclose(logp[:, :13], want.readout.logp[:, :13], atol=1e-4)
     np.testing.assert_allclose(keys[:, :, :13], session.read(want.keys)[:, :, :13], atol=1e-4)

@@ -93,7 +93,7 @@ def test_cache_at_block_start_equals_full_forward(tiny_model, policy, block_inde
     out = backend.full(canvas.tokens, canvas.valid)
     state = commit_window(backend, state, window, plan.keep_kv[window.positions], out, canvas.tokens, 0)
     _, keys, values = full_step(tiny_model.params, jnp.asarray(canvas.tokens), jnp.asarray(canvas.valid),
-                                *step_extras(), config=TINY, readout=backend.readout)
+                                *step_extras(), config=TINY, readout_spec=backend.readout_spec)
     kept = np.flatnonzero(state.filled[0])
     expected = np.arange(start) if isinstance(policy, PrefixCache) else np.arange(canvas.length)
     assert kept.tolist() == expected.tolist()

@@ -9,11 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llada_jax.layered import partial_readout
-from llada_jax.readout import TokenBiases, chunk_biases, combine_head_chunks
+from llada_jax.readout import HeadChunkReadout, Readout, TokenBiases, chunk_biases, combine_head_chunks
 from llada_jax.steps import argmax_logprob
 
 
-def chunked(logits: np.ndarray, biases: TokenBiases, rows: int) -> dict:
+def chunked(logits: np.ndarray, biases: TokenBiases, rows: int) -> Readout:
     """The readout through chunks of `rows` vocabulary rows (the last zero-padded, as staging packs it)."""
     vocab = logits.shape[-1]
     chunks = -(-vocab // rows)
@@ -22,7 +22,8 @@ def chunked(logits: np.ndarray, biases: TokenBiases, rows: int) -> dict:
     parts = []
     for c, part in enumerate(chunk_biases(biases, chunks, rows)):
         guided = jnp.asarray(padded[..., c * rows: (c + 1) * rows]) + part.logit_bias
-        parts.append({k: np.asarray(v) for k, v in partial_readout(guided, jnp.asarray(part.confidence_bias)).items()})
+        part_readout = partial_readout(guided, jnp.asarray(part.confidence_bias))
+        parts.append(HeadChunkReadout(*map(np.asarray, part_readout)))
     return combine_head_chunks(parts, rows, vocab)
 
 
@@ -40,17 +41,17 @@ def test_chunked_readout_equals_the_whole_head(seed, vocab, rows, scale, ties, h
     want_x0, want_logp = map(np.asarray, argmax_logprob(jnp.asarray(logits) + biases.logit_bias,
                                                         jnp.asarray(biases.confidence_bias)))
     got = chunked(logits, biases, rows)
-    assert got["x0"].tolist() == want_x0.tolist()
-    assert (np.isneginf(got["logp"]) == np.isneginf(want_logp)).all()
+    assert got.x0.tolist() == want_x0.tolist()
+    assert (np.isneginf(got.logp) == np.isneginf(want_logp)).all()
     finite = np.isfinite(want_logp)
-    np.testing.assert_allclose(got["logp"][finite], want_logp[finite], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got.logp[finite], want_logp[finite], rtol=1e-5, atol=1e-6)
 
 
 def test_chunked_logits_are_the_whole_logits():
     logits = np.random.default_rng(0).normal(size=(1, 3, 10)).astype(np.float32)
-    parts = [{"logits": logits[..., :4]}, {"logits": logits[..., 4:8]},
-             {"logits": np.concatenate([logits[..., 8:], np.full((1, 3, 2), -np.inf, np.float32)], -1)}]
-    np.testing.assert_array_equal(combine_head_chunks(parts, 4, 10)["logits"], logits)
+    parts = [Readout(logits=logits[..., :4]), Readout(logits=logits[..., 4:8]),
+             Readout(logits=np.concatenate([logits[..., 8:], np.full((1, 3, 2), -np.inf, np.float32)], -1))]
+    np.testing.assert_array_equal(combine_head_chunks(parts, 4, 10).logits, logits)
 
 
 def test_llada_8b_head_stages_in_chunks_no_larger_than_a_layer():

@@ -17,7 +17,7 @@ import llada_jax
 from llada_jax.backends.select import OpenBundle
 from llada_jax.bundle_runner import generate_with_bundle
 from llada_jax.errors import LladaError
-from llada_jax.readout import Readout, TokenBiases
+from llada_jax.readout import ReadoutSpec, TokenBiases
 from lowering import bundle as bundle_mod
 from lowering.bundle import compile_bundle
 from lowering.runtime import IreeBackend, Session, load_bundle
@@ -41,7 +41,7 @@ def host_session(host_bundle):
 
 def iree_backend(host_session):
     bundle, session = host_session
-    return IreeBackend(bundle, session, Readout(), TokenBiases.build(TINY.embedding_size))
+    return IreeBackend(bundle, session, ReadoutSpec(), TokenBiases.build(TINY.embedding_size))
 
 
 def random_canvas(seed: int, slots: int, length: int) -> tuple[np.ndarray, np.ndarray]:
@@ -81,8 +81,8 @@ def test_iree_steps_match_jax(tiny_model, host_session, slots, data, seed):
     jax_b, iree_b = jax_backend(tiny_model), iree_backend(host_session)
     want, got = jax_b.full(tokens, valid), iree_b.full(tokens, valid)
     n = length
-    assert got.readout["x0"][:, :n].tolist() == want.readout["x0"][:, :n].tolist()
-    assert_close(got.readout["logp"][:, :n], want.readout["logp"][:, :n])
+    assert got.readout.x0[:, :n].tolist() == want.readout.x0[:, :n].tolist()
+    assert_close(got.readout.logp[:, :n], want.readout.logp[:, :n])
     assert_close(host_session[1].read(got.keys)[:, :, :n], np.asarray(want.keys)[:, :, :n])
     # A window placed anywhere in the canvas, against everything else committed from that full step.
     start = data.draw(st.integers(0, length - 1))
@@ -99,8 +99,8 @@ def test_iree_steps_match_jax(tiny_model, host_session, slots, data, seed):
     want_w = jax_b.window(states[0], visible, ids, positions, window_valid)
     got_w = iree_b.window(states[1], visible, ids, positions, window_valid)
     k = end - start
-    assert got_w.readout["x0"][:, :k].tolist() == want_w.readout["x0"][:, :k].tolist()
-    assert_close(got_w.readout["logp"][:, :k], want_w.readout["logp"][:, :k])
+    assert got_w.readout.x0[:, :k].tolist() == want_w.readout.x0[:, :k].tolist()
+    assert_close(got_w.readout.logp[:, :k], want_w.readout.logp[:, :k])
 
 
 def test_iree_commit_leaves_the_old_state_intact(host_session):
@@ -143,9 +143,9 @@ def test_vulkan_matches_jax(tiny_dir, tiny_model, tmp_path):
         got = generate_with_bundle(OpenBundle(bundle, session, None), prompt, **options)
         assert got.output_ids.tolist() == llada_jax.generate(tiny_model, prompt, **options).output_ids.tolist()
     tokens, valid = random_canvas(3, 16, 12)
-    got = IreeBackend(bundle, session, Readout(), TokenBiases.build(TINY.embedding_size)).full(tokens, valid)
+    got = IreeBackend(bundle, session, ReadoutSpec(), TokenBiases.build(TINY.embedding_size)).full(tokens, valid)
     want = jax_backend(tiny_model).full(tokens, valid)
-    assert_close(got.readout["logp"][:, :12], want.readout["logp"][:, :12])
+    assert_close(got.readout.logp[:, :12], want.readout.logp[:, :12])
 
 
 @pytest.mark.parametrize("target", ["android-arm64", "android-adreno", "android-mali"])

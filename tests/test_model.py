@@ -10,12 +10,12 @@ from hypothesis import strategies as st
 import llada_jax
 from llada_jax import kv_state
 from llada_jax.model import Context
-from llada_jax.readout import Readout, StepOutput
+from llada_jax.readout import ReadoutSpec, StepOutput
 from llada_jax.steps import full_step, window_step
 from tests import reference
 from tests.conftest import TINY, jax_backend, read_all, step_extras
 
-LOGITS = Readout(kind="logits")
+LOGITS = ReadoutSpec(kind="logits")
 
 
 def random_ids(seed: int, shape, with_masks: bool = True) -> np.ndarray:
@@ -46,7 +46,7 @@ def full_outputs(model, ids: np.ndarray, slots: int):
     padded[0, : ids.size] = ids
     valid = np.arange(slots)[None] < ids.size
     return full_step(model.params, jnp.asarray(padded), jnp.asarray(valid), *step_extras(), config=TINY,
-                     readout=LOGITS)
+                     readout_spec=LOGITS)
 
 
 @settings(max_examples=15)
@@ -69,9 +69,9 @@ def test_window_with_fresh_cache_equals_full_forward(tiny_model, length, data, s
     window_out, window_keys, _ = window_step(
         tiny_model.params, Context(state.keys, state.values, jnp.asarray(kv_state.visible_bias(state, visible))),
         jnp.asarray(np.where(window_valid, ids[positions], 0)), jnp.asarray(positions), jnp.asarray(window_valid),
-        *step_extras(), config=TINY, readout=LOGITS)
+        *step_extras(), config=TINY, readout_spec=LOGITS)
     n = end - start
-    assert_close_to_scale(np.asarray(window_out["logits"])[0, :n], np.asarray(out["logits"])[0, start:end])
+    assert_close_to_scale(np.asarray(window_out.logits)[0, :n], np.asarray(out.logits)[0, start:end])
     assert_close_to_scale(np.asarray(window_keys)[:, 0, :n], np.asarray(keys)[:, 0, start:end])
 
 
@@ -79,25 +79,25 @@ def test_window_with_fresh_cache_equals_full_forward(tiny_model, length, data, s
 @given(length=st.integers(1, 32), seed=st.integers(0, 10_000))
 def test_padding_to_a_larger_bucket_changes_nothing(tiny_model, length, seed):
     ids = random_ids(seed, (length,))
-    small = np.asarray(full_outputs(tiny_model, ids, 32)[0]["logits"])[0, :length]
-    large = np.asarray(full_outputs(tiny_model, ids, 128)[0]["logits"])[0, :length]
+    small = np.asarray(full_outputs(tiny_model, ids, 32)[0].logits)[0, :length]
+    large = np.asarray(full_outputs(tiny_model, ids, 128)[0].logits)[0, :length]
     assert_close_to_scale(small, large)
 
 
 def test_argmax_readout_agrees_with_logits(tiny_model):
     ids = random_ids(7, (40,))
-    logits = np.asarray(full_outputs(tiny_model, ids, 64)[0]["logits"], np.float64)[0, :40]
+    logits = np.asarray(full_outputs(tiny_model, ids, 64)[0].logits, np.float64)[0, :40]
     padded = np.full((1, 64), TINY.mask_token_id, np.int32)
     padded[0, :40] = ids
     out, _, _ = full_step(tiny_model.params, jnp.asarray(padded), jnp.asarray(np.arange(64)[None] < 40),
-                          *step_extras(unconfident=(3,)), config=TINY, readout=Readout())
-    x0 = np.asarray(out["x0"])[0, :40]
+                          *step_extras(unconfident=(3,)), config=TINY, readout_spec=ReadoutSpec())
+    x0 = np.asarray(out.x0)[0, :40]
     assert x0.tolist() == logits.argmax(-1).tolist()
     scored = logits.copy()
     scored[:, 3] = -np.inf
     probs = np.exp(scored - scored.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
-    np.testing.assert_allclose(np.exp(np.asarray(out["logp"], np.float64)[0, :40]),
+    np.testing.assert_allclose(np.exp(np.asarray(out.logp, np.float64)[0, :40]),
                                probs[np.arange(40), x0], rtol=1e-5)
 
 

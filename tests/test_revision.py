@@ -137,7 +137,7 @@ def test_revision_replaces_a_token_the_model_now_rejects(tiny_model):
     with policy.side_path(backend, canvas) as session:
         kv = backend.empty_state(1, canvas.padded_length)
         out, window, kv, merged = dense(backend, canvas, policy, session, block, kv, 0)
-        expected = int(out.readout["x0"][0][block.start])  # the probe's canvas is exactly the prefill's canvas
+        expected = int(out.readout.x0[0][block.start])  # the probe's canvas is exactly the prefill's canvas
         wrong = (expected + 7) % TINY.mask_token_id
         canvas.write(np.array([block.start]), np.array([wrong]))
         session.submit(kv, window, unsure, 0)
@@ -161,7 +161,7 @@ def test_a_final_revision_is_settled_by_another_rescore(tiny_model, rounds):
     with policy.side_path(backend, canvas) as session:
         kv = backend.empty_state(1, canvas.padded_length)
         out, window, kv, _ = dense(backend, canvas, policy, session, block, kv, 0)
-        expected = int(out.readout["x0"][0][block.start])
+        expected = int(out.readout.x0[0][block.start])
         wrong = (expected + 7) % TINY.mask_token_id
         canvas.write(np.array([block.start]), np.array([wrong]))
         session.submit(kv, window, np.zeros(canvas.padded_length), 0)

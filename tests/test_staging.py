@@ -119,7 +119,7 @@ def test_ring_pins_the_largest_stages_and_surfaces_copy_failures():
 def test_iree_staged_equals_iree_resident_and_jax(tiny_dir, tiny_model, tmp_path):
     from llada_jax.backends.select import OpenBundle
     from llada_jax.bundle_runner import generate_with_bundle
-    from llada_jax.readout import Readout, TokenBiases
+    from llada_jax.readout import ReadoutSpec, TokenBiases
     from lowering.bundle import compile_bundle
     from lowering.runtime import IreeBackend, Session, load_bundle
     from lowering.staged_runtime import IreeStagedBackend, staged_weights
@@ -139,20 +139,20 @@ def test_iree_staged_equals_iree_resident_and_jax(tiny_dir, tiny_model, tmp_path
         assert got.output_ids.tolist() == want.output_ids.tolist()
         check_staged_bytes(got.stats, weights.stages, got.nfe)
     biases = TokenBiases.build(TINY.embedding_size)
-    staged = IreeStagedBackend(bundle, session, weights, budget, Readout(), biases, 0.0, 1, 32)
+    staged = IreeStagedBackend(bundle, session, weights, budget, ReadoutSpec(), biases, 0.0, 1, 32)
     assert len(staged.buffers.buffers) == 2
     tokens = np.random.default_rng(0).integers(0, TINY.vocab_size, (1, 32)).astype(np.int32)
     valid = np.arange(32)[None] < 27
     resident = load_bundle(compile_bundle(tiny_dir, "host", tmp_path / "resident", max_len=32, window=16))
     resident_session = Session(resident.path, resident.manifest, "local-task")
     a = staged.full(tokens, valid)
-    b = IreeBackend(resident, resident_session, Readout(), biases).full(tokens, valid)
-    assert a.readout["x0"][:, :27].tolist() == b.readout["x0"][:, :27].tolist()
-    np.testing.assert_allclose(a.readout["logp"][:, :27], b.readout["logp"][:, :27], atol=1e-6, rtol=0)
+    b = IreeBackend(resident, resident_session, ReadoutSpec(), biases).full(tokens, valid)
+    assert a.readout.x0[:, :27].tolist() == b.readout.x0[:, :27].tolist()
+    np.testing.assert_allclose(a.readout.logp[:, :27], b.readout.logp[:, :27], atol=1e-6, rtol=0)
     np.testing.assert_allclose(session.read(a.keys), resident_session.read(b.keys), atol=1e-6, rtol=0)
     for step in bundle.manifest["steps"]:  # as if compiled by a runtime that packs the head differently
         for tensor in step["inputs"]:
             if step["kind"] == "head" and tensor["name"] == "lm_head":
                 tensor["shape"] = [tensor["shape"][0] + 128, tensor["shape"][1]]
     with pytest.raises(LladaError, match=r"step head_b1_w\d+ was compiled for another staged weight layout"):
-        IreeStagedBackend(bundle, session, weights, budget, Readout(), biases, 0.0, 1, 32)
+        IreeStagedBackend(bundle, session, weights, budget, ReadoutSpec(), biases, 0.0, 1, 32)

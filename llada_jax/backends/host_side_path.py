@@ -25,7 +25,7 @@ def host_side_backend(backend, weights_dir: Path) -> SideBackend:
     dtype = backend.bundle.manifest["compute_dtype"]
     if session.host_params is None:
         session.host_params = load_params(weights_dir, backend.config, dtype)
-    host = JaxBackend(session.host_params, backend.config, backend.readout, backend.biases,
+    host = JaxBackend(session.host_params, backend.config, backend.readout_spec, backend.biases,
                       dtype=jnp.float32 if dtype == "float32" else jnp.bfloat16)
 
     def to_side(kv: kv_state.KVState) -> kv_state.KVState:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from llada_jax.backend import Backend, SideBackend
 from llada_jax.errors import LladaError
-from llada_jax.readout import Readout, TokenBiases
+from llada_jax.readout import ReadoutSpec, TokenBiases
 from llada_jax.staging import StagedWeights, StagingStats, kv_bytes, ring_buffers
 from lowering.bundle_format import runs_staged
 from lowering.runtime import Bundle, IreeBackend, Session, load_bundle
@@ -46,21 +46,21 @@ def open_bundle(path, backend: str = "iree-host") -> OpenBundle:
     return OpenBundle(bundle, session, staged)
 
 
-def select_backend(source, readout: Readout, biases: TokenBiases, cfg_scale: float, batch: int,
+def select_backend(source, readout_spec: ReadoutSpec, biases: TokenBiases, cfg_scale: float, batch: int,
                    slots: int) -> Backend:
     """The backend that runs one generation of `source` (a `llada_jax.loading.Model` or an `OpenBundle`),
     sized for `batch` rows and `slots` canvas positions and checked against the device memory budget."""
     if isinstance(source, OpenBundle):
-        return _iree_backend(source, readout, biases, cfg_scale, batch, slots)
-    return _xla_backend(source, readout, biases, cfg_scale, batch, slots)
+        return _iree_backend(source, readout_spec, biases, cfg_scale, batch, slots)
+    return _xla_backend(source, readout_spec, biases, cfg_scale, batch, slots)
 
 
-def _iree_backend(opened: OpenBundle, readout, biases, cfg_scale, batch, slots) -> Backend:
+def _iree_backend(opened: OpenBundle, readout_spec, biases, cfg_scale, batch, slots) -> Backend:
     side = _host_side_path(opened)
     if opened.staged is None:
-        return IreeBackend(opened.bundle, opened.session, readout, biases, cfg_scale, side)
+        return IreeBackend(opened.bundle, opened.session, readout_spec, biases, cfg_scale, side)
     budget = opened.bundle.manifest["device_memory_budget"]
-    return IreeStagedBackend(opened.bundle, opened.session, opened.staged, budget, readout, biases, cfg_scale,
+    return IreeStagedBackend(opened.bundle, opened.session, opened.staged, budget, readout_spec, biases, cfg_scale,
                              batch, slots, side)
 
 
@@ -83,17 +83,17 @@ def _weights_dir(bundle: Bundle) -> Path:
     return first.parent if first.is_absolute() else bundle.path
 
 
-def _xla_backend(model, readout, biases, cfg_scale, batch, slots) -> Backend:
+def _xla_backend(model, readout_spec, biases, cfg_scale, batch, slots) -> Backend:
     from llada_jax.backends import xla, xla_staged  # imports JAX
 
     kv = kv_bytes(model.config, batch, slots, model.itemsize)
     if model.staged is not None:
         buffers = ring_buffers(model.device_memory_budget, model.staged, kv)
-        return xla_staged.StagedJaxBackend(model.staged, model.config, readout, biases, cfg_scale, buffers,
+        return xla_staged.StagedJaxBackend(model.staged, model.config, readout_spec, biases, cfg_scale, buffers,
                                            StagingStats(), model.jnp_dtype)
     if model.device_memory_budget is not None and model.weight_bytes + kv > model.device_memory_budget:
         raise LladaError(f"resident weights ({model.weight_bytes} bytes) plus the KV state ({kv} bytes) exceed "
                          f"the device memory budget {model.device_memory_budget}; load with a smaller budget "
                          "to stage the weights, or shorten the canvas")
-    return xla.JaxBackend(model.params, model.config, readout, biases, cfg_scale, model.jnp_dtype)
+    return xla.JaxBackend(model.params, model.config, readout_spec, biases, cfg_scale, model.jnp_dtype)
 

@@ -13,7 +13,7 @@ from llada_jax import kv_state
 from llada_jax.backend import Backend
 from llada_jax.config import LLaDAConfig
 from llada_jax.model import Context
-from llada_jax.readout import Readout, StepOutput, TokenBiases
+from llada_jax.readout import ReadoutSpec, StepOutput, TokenBiases
 from llada_jax.shapes import kv_shape
 from llada_jax.steps import full_step, scatter_slots, window_step
 
@@ -24,7 +24,7 @@ class JaxBackend(Backend):
 
     params: dict
     config: LLaDAConfig
-    readout: Readout
+    readout_spec: ReadoutSpec
     biases: TokenBiases
     cfg_scale: float = 0.0
     dtype: object = jnp.float32
@@ -37,7 +37,7 @@ class JaxBackend(Backend):
 
     def full(self, tokens: np.ndarray, valid: np.ndarray) -> StepOutput:
         out, keys, values = full_step(self.params, jnp.asarray(tokens, jnp.int32), jnp.asarray(valid),
-                                      *self._common, config=self.config, readout=self.readout)
+                                      *self._common, config=self.config, readout_spec=self.readout_spec)
         return StepOutput(to_host(out), keys, values)
 
     def window(self, state: kv_state.KVState, visible: np.ndarray, window_ids: np.ndarray,
@@ -45,7 +45,7 @@ class JaxBackend(Backend):
         context = Context(state.keys, state.values, jnp.asarray(kv_state.visible_bias(state, visible)))
         out, keys, values = window_step(
             self.params, context, jnp.asarray(window_ids, jnp.int32), jnp.asarray(window_pos, jnp.int32),
-            jnp.asarray(window_valid), *self._common, config=self.config, readout=self.readout)
+            jnp.asarray(window_valid), *self._common, config=self.config, readout_spec=self.readout_spec)
         return StepOutput(to_host(out), keys, values)
 
     def commit(self, state: kv_state.KVState, positions: np.ndarray, write: np.ndarray, out: StepOutput,
@@ -71,5 +71,6 @@ def empty_on_device(config: LLaDAConfig, batch: int, slots: int, dtype) -> kv_st
     return kv_state.KVState(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), records, records.copy())
 
 
-def to_host(out: dict) -> dict:
-    return {name: np.asarray(value) for name, value in out.items()}
+def to_host(out):
+    """A readout record with every device array copied to a numpy array."""
+    return type(out)(*(None if value is None else np.asarray(value) for value in out))

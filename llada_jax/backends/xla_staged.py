@@ -17,7 +17,7 @@ from llada_jax.backends.xla import commit_on_device, empty_on_device, to_host
 from llada_jax.config import LLaDAConfig
 from llada_jax.layered import head_chunk_step, layer_step
 from llada_jax.packing import head_chunks, head_layout, layer_layout
-from llada_jax.readout import Readout, StepOutput, TokenBiases, chunk_biases
+from llada_jax.readout import ReadoutSpec, StepOutput, TokenBiases, chunk_biases
 from llada_jax.staging import StagedWeights, StagingRing, StagingStats, staged_full, staged_window
 
 
@@ -25,7 +25,7 @@ from llada_jax.staging import StagedWeights, StagingRing, StagingStats, staged_f
 class StagedJaxBackend(Backend):
     weights: StagedWeights
     config: LLaDAConfig
-    readout: Readout
+    readout_spec: ReadoutSpec
     biases: TokenBiases
     cfg_scale: float
     buffers: int               # staging buffers in device memory
@@ -62,9 +62,9 @@ class StagedJaxBackend(Backend):
         x.block_until_ready()  # the ring times compute per stage
         return x, k, v
 
-    def head(self, tensors: dict, x, chunk: int) -> dict:
+    def head(self, tensors: dict, x, chunk: int):
         return to_host(head_chunk_step(tensors, x, *self._chunk_extras[chunk], config=self.config,
-                                       readout=self.readout))
+                                       readout_spec=self.readout_spec))
 
     def stack(self, per_layer: list):
         return jnp.stack(per_layer)
