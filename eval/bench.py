@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval.task_eval import BLOCK_LENGTH, GEN_LENGTH, DecoderSetting, answer_text
+from eval.task_eval import BLOCK_LENGTH, GEN_LENGTH, answer_text
+from policies.registry import DecoderSetting
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,7 +5,6 @@ A decoder setting is a policy name with an optional threshold: `dual-cache` or `
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 
 import numpy as np
@@ -13,25 +12,9 @@ import numpy as np
 from eval.tasks import exact_match, held_out
 from llada_jax.api import generate
 from llada_jax.errors import LladaError
+from policies.registry import DecoderSetting
 
 GEN_LENGTH, BLOCK_LENGTH = 32, 8
-
-
-@dataclasses.dataclass(frozen=True)
-class DecoderSetting:
-    policy: str
-    threshold: float | None = None
-
-    @classmethod
-    def parse(cls, spec: str) -> DecoderSetting:
-        name, _, threshold = spec.partition("@")
-        try:
-            return cls(name, float(threshold) if threshold else None)
-        except ValueError:
-            raise LladaError(f"bad decoder setting {spec!r}; use POLICY or POLICY@THRESHOLD") from None
-
-    def __str__(self) -> str:
-        return self.policy if self.threshold is None else f"{self.policy}@{self.threshold}"
 
 
 def answer_text(tokenizer, output_ids: np.ndarray, config) -> str:

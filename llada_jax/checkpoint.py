@@ -96,22 +96,3 @@ def _publish_permissions(directory: Path) -> None:
     directory.chmod(0o777 & ~umask)
     for path in directory.iterdir():
         path.chmod(0o666 & ~umask)
-
-
-def save_orbax(params: dict, path: Path) -> None:
-    """Save params with orbax (path must not exist yet; orbax writes atomically)."""
-    import orbax.checkpoint as ocp
-
-    with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(Path(path).absolute(), params)
-
-
-def restore_orbax(path: Path, abstract: dict) -> dict:
-    """Restore params saved by `save_orbax`, shaped and typed like `abstract`."""
-    import orbax.checkpoint as ocp
-
-    path = Path(path).absolute()
-    if not path.exists():
-        raise LladaError(f"{path}: no orbax checkpoint there")
-    with ocp.StandardCheckpointer() as checkpointer:
-        return checkpointer.restore(path, abstract)

@@ -71,14 +71,6 @@ def params_to_hf(params: dict) -> dict[str, object]:
     return tensors
 
 
-def abstract_params(config: LLaDAConfig, dtype="float32") -> dict:
-    """The shape-only twin: a params pytree of `jax.ShapeDtypeStruct` (for export and compilation)."""
-    import jax
-
-    specs = {name: jax.ShapeDtypeStruct(shape, dtype) for name, shape in hf_shapes(config).items()}
-    return hf_to_params(specs, config)
-
-
 def init_params(config: LLaDAConfig, seed: int = 0, dtype="float32", std: float = 0.02) -> dict:
     """Random weights: N(0, std) matrices, unit norm gains (a test or training starting point)."""
     import jax.numpy as jnp

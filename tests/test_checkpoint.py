@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 import llada_jax
-from llada_jax.checkpoint import restore_orbax, save_hf, save_orbax
+from llada_jax.checkpoint import save_hf
 from llada_jax.config import read_config
 from llada_jax.errors import LladaError
-from llada_jax.params import abstract_params, hf_shapes, params_to_hf
+from llada_jax.params import hf_shapes, params_to_hf
 from tests.conftest import LLADA_8B_DIR, TINY, read_all, write_checkpoint
 
 
@@ -56,13 +56,6 @@ def test_real_llada_8b_metadata_matches_the_shape_description():
     assert set(index["weight_map"]) == set(shapes)
     total = sum(int(np.prod(s)) * 2 for s in shapes.values())  # stored as bf16
     assert total == index["metadata"]["total_size"]
-
-
-def test_orbax_round_trip(tmp_path, tiny_model):
-    save_orbax(tiny_model.params, tmp_path / "orbax")
-    restored = restore_orbax(tmp_path / "orbax", abstract_params(TINY))
-    for name, value in params_to_hf(tiny_model.params).items():
-        np.testing.assert_array_equal(np.asarray(params_to_hf(restored)[name]), np.asarray(value))
 
 
 def edit_json(path, edit):

@@ -39,7 +39,6 @@ FORBIDDEN = {
 HEAVY = ("jax", "jaxlib", "iree", "matplotlib", "orbax")
 # Every function-local import of a project module or a HEAVY package: (module, imported) -> why it is local.
 LOCAL_IMPORTS = {
-    ("llada_jax.params", "jax"): "params is imported by the JAX-free bundle runtime; only abstract_params needs JAX",
     ("llada_jax.params", "jax.numpy"): "params is imported by the JAX-free bundle runtime; only init_params needs JAX",
     ("llada_jax.backends.select", "llada_jax.backends.xla"): "select is JAX-free; XLA backends load when a model runs",
     ("llada_jax.backends.select", "llada_jax.backends.xla_staged"): "as backends.xla",
@@ -51,7 +50,6 @@ LOCAL_IMPORTS = {
     ("eval.bench", "matplotlib.pyplot"): "after matplotlib.use('Agg')",
     ("eval.trace_plot", "matplotlib"): "heavy, only for `llada trace`",
     ("eval.trace_plot", "matplotlib.pyplot"): "after matplotlib.use('Agg')",
-    ("llada_jax.checkpoint", "orbax.checkpoint"): "heavy (~0.4 s), only for orbax checkpoints, not HF ones",
     ("llada_jax.training", "orbax.checkpoint"): "heavy (~0.4 s), only for a training run, not every `llada` command",
 }
 # The bundle runtime runs on a phone: numpy + iree.runtime. Nothing these import at module level, directly or

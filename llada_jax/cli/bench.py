@@ -12,11 +12,11 @@ import numpy as np
 from eval.bench import Prompt, bench, format_table, plot
 from eval.bench_lowering import bench_model_dir
 from eval.gsm8k import extract_answer, load_problems, prompt_text, same_number
-from eval.task_eval import DecoderSetting
 from eval.tasks import exact_match, held_out
 from llada_jax.cli.flags import add_model_flags
 from llada_jax.cli.runner import add_runner_flags, generation_runner
 from llada_jax.errors import LladaError
+from policies.registry import DecoderSetting
 
 DEFAULT_BENCH = ["vanilla", "prefix-cache", "dual-cache", "dual-cache@0.9", "dual-cache+speculative@0.9",
                  "dual-cache+speculative+revision@0.7"]

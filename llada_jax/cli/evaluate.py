@@ -9,11 +9,12 @@ from eval import gsm8k, humaneval, task_eval
 from eval.sandbox import Limits
 from llada_jax.cli.flags import DEFAULT_POLICY, add_decoding_flags, add_model_flags, decoding_kwargs, load_model
 from llada_jax.errors import LladaError
+from policies.registry import DecoderSetting
 
 
 def cmd_tasks(args) -> None:
     model = load_model(args)
-    settings = [task_eval.DecoderSetting.parse(spec) for spec in (args.policy or [DEFAULT_POLICY])]
+    settings = [DecoderSetting.parse(spec) for spec in (args.policy or [DEFAULT_POLICY])]
     if args.block_length < 1 or task_eval.GEN_LENGTH % args.block_length:
         raise LladaError(f"--block-length must divide the answer length {task_eval.GEN_LENGTH}, "
                          f"got {args.block_length}")

@@ -11,8 +11,7 @@ from llada_jax.config import read_config
 from llada_jax.errors import LladaError
 from llada_jax.locations import default_model_dir, user_cache_dir
 from llada_jax.weights_io import check_finite_weights
-from policies.revision import Revision
-from policies.speculative import Speculative
+from policies.registry import DecoderSetting, with_modifier
 
 # The default decoder of generate and eval: on the embedded model's held-out tasks it scores as well as
 # vanilla or better (94.5% vs 92.75% on 400 tasks) at ~20x its speed (README's speculation table).
@@ -51,31 +50,22 @@ def add_decoding_flags(parser: argparse.ArgumentParser) -> None:
 def policy_spec(args) -> str:
     """--policy (without any @THRESHOLD), with the speculation / revision flags folded into its spec;
     a flag's missing partner takes the spec's value, else the policy's own default."""
-    base, *parts = policy_arg(args).partition("@")[0].split("+")
-    modifiers = {part.split(":")[0]: part.split(":")[1:] for part in parts}
-    folds = (("speculative", (args.lookahead, args.draft_threshold), (Speculative.lookahead, Speculative.draft_threshold)),
-             ("revision", (args.revise_threshold, args.confirmations), (Revision.revise_threshold, Revision.confirmations)))
-    for name, flags, defaults in folds:
+    spec = DecoderSetting.parse(policy_arg(args)).policy
+    for name, flags in (("speculative", (args.lookahead, args.draft_threshold)),
+                        ("revision", (args.revise_threshold, args.confirmations))):
         if any(flag is not None for flag in flags):
-            given = modifiers.get(name, [])
-            modifiers[name] = [str(flag if flag is not None else (given[i] if i < len(given) else defaults[i]))
-                               for i, flag in enumerate(flags)]
-    return "+".join([base] + [":".join([name, *values]) for name, values in modifiers.items()])
+            spec = with_modifier(spec, name, flags)
+    return spec
 
 
 def commit_threshold(args) -> float | None:
     """--threshold, or the THRESHOLD of --policy POLICY@THRESHOLD (the form eval and bench take)."""
-    policy = policy_arg(args)
-    _, at, value = policy.partition("@")
-    if not at:
+    setting = DecoderSetting.parse(policy_arg(args))
+    if setting.threshold is None:
         return args.threshold
     if args.threshold is not None:
-        raise LladaError(f"give the commit threshold once: --policy {policy} or --threshold {args.threshold}")
-    try:
-        return float(value)
-    except ValueError:
-        raise LladaError(f"bad threshold in --policy {policy!r}; use POLICY@THRESHOLD, "
-                         "e.g. dual-cache@0.9") from None
+        raise LladaError(f"give the commit threshold once: --policy {setting} or --threshold {args.threshold}")
+    return setting.threshold
 
 
 def decoding_kwargs(args) -> dict:
