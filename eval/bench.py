@@ -3,8 +3,10 @@
 Per decoder setting: median latency per answer, tokens/s, mean NFE, mean window utilisation,
 accuracy (when the prompts have answers), latency ratios against `vanilla` and `prefix-cache` (if in
 the run), revisions per answer, the revision side path's time per answer and the fraction of it
-hidden behind the dense path (0 when it runs inline), and step efficiency against this machine's matmul peak measured in
-the same run (roofline: model FLOPs the steps executed / time / peak).
+hidden behind the dense path (0 when it runs inline); achieved GFLOP/s and step efficiency `eff` against
+this machine's matmul peak measured in the same run (model FLOPs the steps executed, padding included,
+/ time / peak); and `xfloor`, the time against the floor: the FLOPs the decoder must run (real positions
+only, padding excluded) / peak.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ def step_flops(config, width: int, context: int) -> float:
 
 def run_setting(generate, config, setting: DecoderSetting, prompts: list[Prompt], tokenizer, steps: int,
                 block_length: int = BLOCK_LENGTH) -> dict:
-    latencies, nfes, utilisation, correct, revisions, flops = [], [], [], [], [], 0.0
+    latencies, nfes, utilisation, correct, revisions, flops, floor_flops = [], [], [], [], [], 0.0, 0.0
     side_seconds, side_waited = [], []
     for prompt in prompts:
         result = generate(prompt.ids, gen_length=GEN_LENGTH, block_length=block_length, steps=steps,
@@ -67,14 +69,16 @@ def run_setting(generate, config, setting: DecoderSetting, prompts: list[Prompt]
         canvas = len(prompt.ids) + GEN_LENGTH
         flops += sum(step_flops(config, r.shape_width, canvas if r.kind == "full" else canvas + r.shape_width)
                      for r in result.trace)
+        floor_flops += sum(step_flops(config, r.width, canvas) for r in result.trace)  # padding excluded
         if prompt.answer is not None:
             text = answer_text(tokenizer, result.output_ids, config)
             correct.append(prompt.score(text, prompt.answer))
     total = sum(latencies)
-    return {"setting": str(setting), "median_latency_s": statistics.median(latencies),
+    return {"setting": str(setting), "median_latency_s": statistics.median(latencies), "total_s": total,
             "tokens_per_s": GEN_LENGTH * len(prompts) / total, "mean_nfe": float(np.mean(nfes)),
             "window_utilisation": float(np.mean(utilisation)), "revisions_per_answer": float(np.mean(revisions)),
             "accuracy": float(np.mean(correct)) if correct else None, "achieved_gflops": flops / total / 1e9,
+            "floor_gflop": floor_flops / 1e9,
             "side_seconds_per_answer": float(np.mean(side_seconds)),
             "side_hidden_fraction": 1.0 - sum(side_waited) / sum(side_seconds) if sum(side_seconds) else None}
 
@@ -83,6 +87,8 @@ def add_ratios(rows: list[dict], peak: float) -> None:
     by_name = {row["setting"]: row for row in rows}
     for row in rows:
         row["step_efficiency"] = row["achieved_gflops"] / peak
+        floor_s = row.pop("floor_gflop") / peak
+        row["times_floor"] = row["total_s"] / floor_s if floor_s > 0 else None
         for base in ("vanilla", "prefix-cache"):
             if base in by_name:
                 row[f"speedup_vs_{base}"] = by_name[base]["median_latency_s"] / row["median_latency_s"]
@@ -110,7 +116,8 @@ TABLE = [  # (field, header, width, decimals)
     ("mean_nfe", "NFE", 6, 1), ("window_utilisation", "util", 5, 2), ("accuracy", "acc", 6, 3),
     ("revisions_per_answer", "rev", 5, 2), ("side_seconds_per_answer", "side(s)", 8, 4),
     ("side_hidden_fraction", "hidden", 6, 2), ("speedup_vs_vanilla", "x/van", 6, 2),
-    ("speedup_vs_prefix-cache", "x/pfx", 6, 2), ("step_efficiency", "eff", 6, 3),
+    ("speedup_vs_prefix-cache", "x/pfx", 6, 2), ("achieved_gflops", "GFLOP/s", 8, 1),
+    ("step_efficiency", "eff", 6, 3), ("times_floor", "xfloor", 7, 2),
 ]
 
 

@@ -6,7 +6,22 @@ from __future__ import annotations
 
 from llada_jax.errors import LladaError
 
-LENGTH_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+SMALL_BUCKETS = (8, 16, 32)   # below these the step is host overhead, not compute: few shapes, few compiles
+GRANULE = 32                  # the finest step above them (a multiple of every SIMD width and IREE tile)
+LARGEST = 32768
+
+
+def _length_buckets() -> tuple[int, ...]:
+    """8, 16, 32, then multiples of max(32, P/8) between each power of two P and 2P: padding wastes at most
+    1/8 of a step from 256 positions on (at most 32 positions below), with 8 shapes per doubling."""
+    sizes = list(SMALL_BUCKETS)
+    while sizes[-1] < LARGEST:
+        power = 1 << (sizes[-1].bit_length() - 1)  # the largest power of two <= the last size
+        sizes.append(sizes[-1] + max(GRANULE, power // 8))
+    return tuple(sizes)
+
+
+LENGTH_BUCKETS = _length_buckets()
 
 
 def bucket(length: int, limit: int | None = None) -> int:

@@ -19,6 +19,8 @@ def test_bench_rows_ratios_and_plot(capsys, tiny_dir, tmp_path):
     assert rows[0]["mean_nfe"] == 32.0 and rows[2]["mean_nfe"] < 32.0
     assert rows[0]["accuracy"] is None  # no tokenizer: a speed run
     assert all(0 < r["window_utilisation"] <= 1 and 0 < r["step_efficiency"] for r in rows)
+    # The floor counts real positions only, so it is never above what the padded steps executed.
+    assert all(r["times_floor"] * r["step_efficiency"] >= 1 - 1e-9 for r in rows)
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
