@@ -100,7 +100,7 @@ def dense_step(backend, canvas: Canvas, kv, plan: StepPlan, reviser: Reviser, nf
     """Compute the plan, merge the reviser's side work (it ran beside this step), commit the plan's K/V.
     Returns (step output, window, KV state, revisions the merge made)."""
     window = plan.window(canvas)
-    inputs = canvas.tokens[:, window.positions].copy()
+    inputs = canvas.tokens[:, window.positions]  # a copy (fancy indexing): the tokens the step ran on
     out = backend.full(canvas.tokens, canvas.valid) if plan.full else window_step(backend, canvas, kv, window)
     check_finite(out.readout, window.positions, window.valid, nfe)
     kv, revisions = reviser.merge(kv, nfe)

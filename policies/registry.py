@@ -16,6 +16,7 @@ from llada_jax.errors import LladaError
 from policies.cache_policies import CACHE_POLICIES
 from policies.policy import Policy
 from policies.revision import Revision
+from policies.schedule import ThresholdRule
 from policies.speculative import Speculative
 
 # Each modifier: the policy it wraps around another, and the types and defaults of its parameters.
@@ -31,6 +32,12 @@ class DecoderSetting:
 
     policy: str
     threshold: float | None = None
+
+    def __post_init__(self):
+        """Checked whole when written, so a bad setting stops a run before any model loads or step runs."""
+        make_policy(self.policy)
+        if self.threshold is not None:
+            ThresholdRule(self.threshold)
 
     @classmethod
     def parse(cls, text: str) -> DecoderSetting:

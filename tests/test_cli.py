@@ -195,3 +195,11 @@ def test_live_canvas_hides_special_tokens_after_the_answer_ends():
     stream = io.StringIO()
     LiveCanvas(tokenizer, (), stream)(canvas, StepRecord(0, 0, "full", 8, 8, 8, (), (), ()))
     assert "<|endoftext|>" in stream.getvalue()  # without end ids every token is drawn
+
+
+@pytest.mark.parametrize("command", [["eval", "tasks"], ["bench", "--bench-size"]])
+def test_a_bad_later_setting_stops_the_run_before_any_work(capsys, tmp_path, command):
+    """The second --policy is refused before a model loads (or a bench checkpoint is written)."""
+    code = main([*command, "--model", str(tmp_path / "absent"), "--policy", "vanilla", "--policy", "turbo@0.9"])
+    err = capsys.readouterr().err
+    assert code != 0 and err.startswith("llada: error: unknown policy 'turbo'") and err.count("\n") == 1

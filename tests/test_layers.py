@@ -120,7 +120,18 @@ def imports_of(module: str) -> list[Import]:
                 found.extend(Import(module, name, child.lineno, local) for name in targets(module, child))
             visit(child, local or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)))
 
-    visit(ast.parse(MODULES[module].read_text()), False)
+    tree = ast.parse(MODULES[module].read_text())
+    visit(tree, False)
+    return found + lazy_exports(module, tree)
+
+
+def lazy_exports(module: str, tree: ast.Module) -> list[Import]:
+    """A package's `_EXPORTS = {name: "module"}` loads those modules on attribute access: imports too."""
+    found = []
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "_EXPORTS" for t in node.targets):
+            found += [Import(module, known_module(value.value), node.lineno, False) for value in node.value.values
+                      if isinstance(value, ast.Constant) and is_project(value.value)]
     return found
 
 
@@ -196,6 +207,11 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         if node not in index:
             connect(node)
     return found
+
+
+def test_lazy_package_exports_count_as_imports():
+    lazy = {found.imported for found in IMPORTS if found.importer == "llada_jax"}
+    assert {"llada_jax.api", "llada_jax.loading", "llada_jax.config", "llada_jax.errors"} <= lazy
 
 
 def test_cycles_finds_a_cycle_and_only_it():

@@ -38,10 +38,10 @@ def bench_prompts(args, tokenizer, config):
 
 
 def cmd_bench(args) -> None:
+    settings = [DecoderSetting.parse(spec) for spec in (args.policy or DEFAULT_BENCH)]
     if args.bench_size:
         args.model = str(bench_model_dir(Path(tempfile.gettempdir()) / "llada-bench"))
     config, tokenizer, run = generation_runner(args)
-    settings = [DecoderSetting.parse(spec) for spec in (args.policy or DEFAULT_BENCH)]
     report = bench(run, config, tokenizer, settings, bench_prompts(args, tokenizer, config), args.steps,
                    progress=lambda m: print(m, file=sys.stderr),
                    block_length=args.block_length)

@@ -13,8 +13,8 @@ from policies.registry import DecoderSetting
 
 
 def cmd_tasks(args) -> None:
-    model = load_model(args)
     settings = [DecoderSetting.parse(spec) for spec in (args.policy or [DEFAULT_POLICY])]
+    model = load_model(args)
     if args.block_length < 1 or task_eval.GEN_LENGTH % args.block_length:
         raise LladaError(f"--block-length must divide the answer length {task_eval.GEN_LENGTH}, "
                          f"got {args.block_length}")
@@ -32,8 +32,9 @@ def cmd_tasks(args) -> None:
 def cmd_gsm8k(args) -> None:
     problems = gsm8k.load_problems(args.data, args.limit)
     shots = gsm8k.load_shots(args.train_data, args.shots)
+    decoding = decoding_kwargs(args)
     model = load_model(args)
-    summary = gsm8k.evaluate(model, problems, shots, decoding_kwargs(args), chat=args.chat,
+    summary = gsm8k.evaluate(model, problems, shots, decoding, chat=args.chat,
                              out=Path(args.out) if args.out else None)
     if args.json:
         print(json.dumps(summary))
