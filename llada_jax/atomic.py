@@ -18,3 +18,12 @@ def replace_dir(staging: Path, out_dir: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(staging, out_dir)
+
+
+def publish_permissions(directory: Path) -> None:
+    """mkdtemp makes a private directory; a model directory is readable like any other."""
+    umask = os.umask(0)
+    os.umask(umask)
+    directory.chmod(0o777 & ~umask)
+    for path in directory.iterdir():
+        path.chmod(0o666 & ~umask)

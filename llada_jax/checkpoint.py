@@ -8,7 +8,6 @@ files, so at most one full copy of the weights (the device one) is ever held.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -18,10 +17,12 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy so safetensors ca
 import numpy as np
 from safetensors.numpy import save_file
 
-from llada_jax.atomic import replace_dir
+from llada_jax.atomic import publish_permissions, replace_dir
 from llada_jax.config import LLaDAConfig
 from llada_jax.errors import LladaError
 from llada_jax.params import hf_to_params, params_to_hf
+from llada_jax.qlinear import to_device
+from llada_jax.quantize import HostQuantized
 from llada_jax.weights_io import INDEX_FILE, SINGLE_FILE, iter_tensors
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -33,13 +34,15 @@ def compute_dtype(name: str):
     return COMPUTE_DTYPES[name]
 
 
-def read_tensors(model_dir: Path, config: LLaDAConfig, dtype) -> dict:
-    """Load and validate every tensor, converting each to the compute dtype on the device."""
-    return {name: jnp.asarray(array, dtype=dtype) for name, array in iter_tensors(model_dir, config)}
+def read_tensors(model_dir: Path, config: LLaDAConfig, dtype, activations: str = "float") -> dict:
+    """Load and validate every tensor, converting each to the compute dtype on the device (quantized
+    matrices stay integers, see `qlinear`)."""
+    return {name: to_device(array, activations) if isinstance(array, HostQuantized) else jnp.asarray(array, dtype=dtype)
+            for name, array in iter_tensors(model_dir, config)}
 
 
-def load_params(model_dir: Path, config: LLaDAConfig, dtype="float32") -> dict:
-    return hf_to_params(read_tensors(Path(model_dir), config, compute_dtype(dtype)), config)
+def load_params(model_dir: Path, config: LLaDAConfig, dtype="float32", activations: str = "float") -> dict:
+    return hf_to_params(read_tensors(Path(model_dir), config, compute_dtype(dtype), activations), config)
 
 
 def save_hf(params: dict, config: LLaDAConfig, out_dir: Path, *, stored_dtype: str = "float32",
@@ -59,7 +62,7 @@ def save_hf(params: dict, config: LLaDAConfig, out_dir: Path, *, stored_dtype: s
         _write_weights(tensors, staging, shard_bytes)
         for name, source in (extra_files or {}).items():
             shutil.copyfile(source, staging / name)
-        _publish_permissions(staging)
+        publish_permissions(staging)
         replace_dir(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -87,12 +90,3 @@ def _write_weights(tensors: dict[str, np.ndarray], out_dir: Path, shard_bytes: i
         weight_map.update({name: file for name in shard})
     index = {"metadata": {"total_size": sum(v.nbytes for v in tensors.values())}, "weight_map": weight_map}
     (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-
-
-def _publish_permissions(directory: Path) -> None:
-    """mkdtemp makes a private directory; a model directory is readable like any other."""
-    umask = os.umask(0)
-    os.umask(umask)
-    directory.chmod(0o777 & ~umask)
-    for path in directory.iterdir():
-        path.chmod(0o666 & ~umask)

@@ -136,6 +136,11 @@ class LLaDAConfig:
 
 def read_config(model_dir: Path, eot_token_id: int | None = None) -> LLaDAConfig:
     """Parse `model_dir/config.json`, with a one-line error for a missing or malformed file."""
+    return LLaDAConfig.from_hf_dict(read_hf_dict(model_dir), eot_token_id=eot_token_id)
+
+
+def read_hf_dict(model_dir: Path) -> dict:
+    """`model_dir/config.json` as a dict (one-line errors for a missing or malformed file)."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise LladaError(f"{model_dir}: no config.json (not an HF LLaDA model directory)")
@@ -145,4 +150,4 @@ def read_config(model_dir: Path, eot_token_id: int | None = None) -> LLaDAConfig
         raise LladaError(f"{path}: not valid JSON ({err})") from None
     if not isinstance(raw, dict):
         raise LladaError(f"{path}: expected a JSON object")
-    return LLaDAConfig.from_hf_dict(raw, eot_token_id=eot_token_id)
+    return raw

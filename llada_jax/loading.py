@@ -31,6 +31,7 @@ class Model:
     path: Path | None = None
     device_memory_budget: int | None = None
     staged: StagedWeights | None = None
+    activations: str = "float"  # "int8": W8A8 matmuls for per-channel int8 weights (see qlinear)
 
     @property
     def jnp_dtype(self):
@@ -45,7 +46,8 @@ class Model:
         return sum(int(np.prod(s)) for s in hf_shapes(self.config).values()) * self.itemsize
 
 
-def load(path, dtype: str = "float32", device_memory_budget: int | None = None, check_weights: bool = False) -> Model:
+def load(path, dtype: str = "float32", device_memory_budget: int | None = None, check_weights: bool = False,
+         activations: str = "float") -> Model:
     """Load an HF LLaDA directory (config.json + safetensors weights [+ tokenizer files]). With a device
     memory budget smaller than the weights, they are packed per layer on the host for staged execution.
     `check_weights` first scans every tensor for NaN/Inf (a pass over all weights)."""
@@ -62,8 +64,8 @@ def load(path, dtype: str = "float32", device_memory_budget: int | None = None, 
     config = read_config(model_dir, eot_token_id=eot)
     if check_weights:
         check_finite_weights(model_dir, config)
-    model = Model(config, None, tokenizer, dtype, model_dir, device_memory_budget)
+    model = Model(config, None, tokenizer, dtype, model_dir, device_memory_budget, activations=activations)
     if device_memory_budget is not None and model.weight_bytes > device_memory_budget:
         staged = pack_weights(iter_tensors(model_dir, config), config, np.dtype(model.jnp_dtype))
         return dataclasses.replace(model, staged=staged)
-    return dataclasses.replace(model, params=load_params(model_dir, config, dtype))
+    return dataclasses.replace(model, params=load_params(model_dir, config, dtype, activations))

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from llada_jax.config import LLaDAConfig
+from llada_jax.qlinear import QuantizedWeight, quantized_linear, quantized_rows
 
 
 class Context(NamedTuple):
@@ -40,8 +41,13 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 def linear(x: jax.Array, weight: jax.Array) -> jax.Array:
-    """x @ weight.T with the torch `[out, in]` layout."""
-    return jnp.einsum("bwi,oi->bwo", x, weight)
+    """x @ weight.T with the torch `[out, in]` layout, accumulated in float32 and returned in x's dtype.
+
+    bf16 weights are consumed as stored: asking for a float32 result keeps XLA on its mixed-precision
+    matmul instead of converting every weight to float32 inside the step."""
+    if isinstance(weight, QuantizedWeight):
+        return quantized_linear(x, weight)
+    return jnp.einsum("bwi,oi->bwo", x, weight, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
 def rotary_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
@@ -68,7 +74,7 @@ def attention(q: jax.Array, keys: jax.Array, values: jax.Array, key_bias: jax.Ar
     scores = jnp.einsum("bwkgd,btkd->bkgwt", grouped_q, keys, preferred_element_type=jnp.float32)
     scores = scores / jnp.sqrt(jnp.float32(hd)) + key_bias[:, None, None, None, :]
     probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-    out = jnp.einsum("bkgwt,btkd->bwkgd", probs, values)
+    out = jnp.einsum("bkgwt,btkd->bwkgd", probs, values, preferred_element_type=jnp.float32).astype(values.dtype)
     return out.reshape(b, w, h, hd)
 
 
@@ -99,7 +105,7 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, token_bias: j
     `token_bias` `[B, W]` hides padded positions as keys. The result's K/V are proposals: the caller
     decides whether to commit them into a KV state.
     """
-    x = params["wte"][tokens]
+    x = embed(params["wte"], tokens, params["ln_f"].dtype)
     rotary = rotary_tables(positions, config.head_dim, config.rope_theta)
     key_bias = token_bias if context is None else jnp.concatenate([context.bias, token_bias], axis=1)
     new_keys, new_values = [], []
@@ -112,6 +118,16 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, token_bias: j
     return ForwardOut(hidden, jnp.stack(new_keys), jnp.stack(new_values))
 
 
+def embed(table, tokens: jax.Array, dtype) -> jax.Array:
+    """Embedding rows `[B, W, D]` in the compute `dtype` (the norm gains' dtype)."""
+    if isinstance(table, QuantizedWeight):
+        return quantized_rows(table, tokens, dtype)
+    return table[tokens]
+
+
 def lm_logits(params: dict, hidden: jax.Array) -> jax.Array:
     """Vocabulary logits `[B, W, E]` in float32."""
-    return linear(hidden, params["lm_head"]).astype(jnp.float32)
+    head = params["lm_head"]
+    if isinstance(head, QuantizedWeight):
+        return quantized_linear(hidden.astype(jnp.float32), head)
+    return jnp.einsum("bwi,oi->bwo", hidden, head, preferred_element_type=jnp.float32)

@@ -1,22 +1,28 @@
 """Reading HF safetensors weights on the host (no JAX): which file holds which tensor, and every
-tensor validated against the shape-only description as it is read. Faults are one-line LladaErrors."""
+tensor validated against the shape-only description as it is read. Faults are one-line LladaErrors.
+
+A compressed-tensors checkpoint (see `quant_config`) stores each quantized module as packed integers
+and scales; those are read back as one `HostQuantized` per module, under the module's `.weight` name.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
-import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy so safetensors can return it)
 import numpy as np
-from safetensors import SafetensorError, safe_open
 
-from llada_jax.config import LLaDAConfig
+from llada_jax.config import LLaDAConfig, read_hf_dict
 from llada_jax.errors import LladaError
 from llada_jax.params import hf_shapes
+from llada_jax.quant_config import quantized_modules
+from llada_jax.quantize import HostQuantized, QuantScheme, unpack_int32
+from llada_jax.safetensors_file import SafetensorsFile
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-STORED_DTYPES = {"F32": np.float32, "BF16": ml_dtypes.bfloat16, "F16": np.float16}
+FLOAT_DTYPES = ("F32", "BF16", "F16")
 
 
 def weight_files(model_dir: Path) -> dict[str, str]:
@@ -36,50 +42,101 @@ def weight_files(model_dir: Path) -> dict[str, str]:
     single = model_dir / SINGLE_FILE
     if not single.is_file():
         raise LladaError(f"{model_dir}: no {SINGLE_FILE} and no {INDEX_FILE}")
-    with _open(single) as handle:
-        return {name: SINGLE_FILE for name in handle.keys()}
+    with SafetensorsFile(single) as handle:
+        return {name: SINGLE_FILE for name in handle.entries}
 
 
-def _open(path: Path):
-    try:
-        return safe_open(str(path), framework="np")
-    except (SafetensorError, OSError) as err:
-        raise LladaError(f"{path}: unreadable safetensors file ({str(err).splitlines()[0]})") from None
+def stored_names(config: LLaDAConfig, quantized: dict[str, QuantScheme]) -> dict[str, tuple]:
+    """Every tensor the checkpoint must hold: stored name -> (logical `.weight` name, part)."""
+    names = {}
+    for name in hf_shapes(config):
+        module = name[: -len(".weight")]
+        if module in quantized:
+            for part in ("weight_packed", "weight_scale", "weight_shape"):
+                names[f"{module}.{part}"] = (name, part)
+        else:
+            names[name] = (name, "weight")
+    return names
 
 
-def check_names(weight_map: dict[str, str], config: LLaDAConfig, where: Path) -> None:
-    expected = hf_shapes(config)
+def check_names(weight_map: dict[str, str], config: LLaDAConfig, where: Path,
+                quantized: dict[str, QuantScheme] | None = None) -> None:
+    expected = stored_names(config, quantized or {})
     missing = [name for name in expected if name not in weight_map]
     if missing:
         raise LladaError(f"{where}: missing tensor {missing[0]} ({len(missing)} missing in all)")
     unexpected = sorted(set(weight_map) - set(expected))
     if unexpected:
-        raise LladaError(f"{where}: unexpected tensor {unexpected[0]} (config.json has n_layers={config.n_layers})")
+        raise LladaError(f"{where}: unexpected tensor {unexpected[0]} (config.json has n_layers={config.n_layers}"
+                         f"{' and a quantization_config' if quantized else ', no quantization_config'})")
 
 
-def iter_tensors(model_dir: Path, config: LLaDAConfig, weight_map: dict[str, str] | None = None):
-    """(name, host array) for every tensor, validated, one at a time from the memory-mapped files.
-    `weight_map` (tensor -> file, relative to model_dir or absolute) defaults to the directory's own."""
+def checkpoint_quantization(model_dir: Path, config: LLaDAConfig) -> dict[str, QuantScheme]:
+    """Module -> scheme for a compressed-tensors checkpoint; {} for a plain one, or for a directory with
+    no config.json (a bundle's weights: the caller holds the config)."""
+    if not (Path(model_dir) / "config.json").is_file():
+        return {}
+    return quantized_modules(read_hf_dict(model_dir), config)
+
+
+def iter_tensors(model_dir: Path, config: LLaDAConfig, weight_map: dict[str, str] | None = None,
+                 quantized: dict[str, QuantScheme] | None = None):
+    """(`.weight` name, host array or HostQuantized) for every tensor, in checkpoint order, validated,
+    read one at a time. `weight_map` (tensor -> file, relative to model_dir or absolute) and
+    `quantized` default to the directory's own."""
     weight_map = weight_map or weight_files(model_dir)
-    check_names(weight_map, config, model_dir)
-    expected = hf_shapes(config)
-    by_file: dict[str, list[str]] = {}
-    for name, file in weight_map.items():
-        by_file.setdefault(file, []).append(name)
-    for file, names in sorted(by_file.items()):
-        path = model_dir / file
-        with _open(path) as handle:
-            present = set(handle.keys())
-            for name in names:
-                if name not in present:
-                    raise LladaError(f"{path}: tensor {name} is listed in the index but not in this shard")
-                yield name, _read_one(handle, name, expected[name], path)
+    quantized = checkpoint_quantization(model_dir, config) if quantized is None else quantized
+    check_names(weight_map, config, model_dir, quantized)
+    shapes = hf_shapes(config)
+    with contextlib.ExitStack() as files:
+        handles: dict[str, SafetensorsFile] = {}
+
+        def read(name: str) -> np.ndarray:
+            file = weight_map[name]
+            if file not in handles:
+                handles[file] = files.enter_context(SafetensorsFile(model_dir / file))
+            if name not in handles[file].entries:
+                raise LladaError(f"{model_dir / file}: tensor {name} is listed in the index but not in this shard")
+            return handles[file].read(name)
+
+        for name, shape in shapes.items():
+            module = name[: -len(".weight")]
+            if module in quantized:
+                yield name, _read_quantized(read, module, shape, quantized[module], model_dir)
+            else:
+                yield name, _check_float(read(name), name, shape, model_dir)
+
+
+def _check_float(array: np.ndarray, name: str, shape: tuple[int, ...], where: Path) -> np.ndarray:
+    if array.dtype not in (np.float32, np.float16) and array.dtype.name != "bfloat16":
+        raise LladaError(f"{where}: tensor {name} has unsupported dtype {array.dtype} (need a float)")
+    if array.shape != shape:
+        raise LladaError(f"{where}: tensor {name} has shape {list(array.shape)} but config.json implies {list(shape)}")
+    return array
+
+
+def _read_quantized(read, module: str, shape: tuple[int, int], scheme: QuantScheme, where: Path) -> HostQuantized:
+    rows, columns = shape
+    words = -(-columns * scheme.bits // 32)
+    packed, scale, stored_shape = (read(f"{module}.{part}") for part in ("weight_packed", "weight_scale", "weight_shape"))
+    if stored_shape.reshape(-1).tolist() != [rows, columns]:
+        raise LladaError(f"{where}: {module}.weight_shape is {stored_shape.tolist()} but config.json implies {[rows, columns]}")
+    if packed.dtype != np.int32 or packed.shape != (rows, words):
+        raise LladaError(f"{where}: {module}.weight_packed must be int32 {[rows, words]} for {scheme.bits}-bit "
+                         f"values, got {packed.dtype} {list(packed.shape)}")
+    groups = scheme.groups(columns)
+    if scale.shape != (rows, groups) or not (scale.dtype.kind == "f" or scale.dtype.name == "bfloat16"):
+        raise LladaError(f"{where}: {module}.weight_scale must be float {[rows, groups]}, got {scale.dtype} "
+                         f"{list(scale.shape)}")
+    return HostQuantized(unpack_int32(packed, scheme.bits, columns), scale.astype(np.float32), scheme)
 
 
 def check_finite_weights(model_dir: Path, config: LLaDAConfig, rows: int = 4096) -> None:
-    """Scan every tensor for NaN/Inf, `rows` rows at a time (no full float copy of a large tensor);
-    the first non-finite value is a one-line error naming the tensor and its index."""
+    """Scan every tensor (every quantization scale) for NaN/Inf, `rows` rows at a time (no full float
+    copy of a large tensor); the first non-finite value is a one-line error naming the tensor and index."""
     for name, array in iter_tensors(model_dir, config):
+        if isinstance(array, HostQuantized):
+            name, array = name.replace(".weight", ".weight_scale"), array.scale
         flat = array.reshape(array.shape[0], -1) if array.ndim else array.reshape(1, 1)
         for start in range(0, flat.shape[0], rows):
             bad = np.flatnonzero(~np.isfinite(flat[start: start + rows]))
@@ -88,17 +145,3 @@ def check_finite_weights(model_dir: Path, config: LLaDAConfig, rows: int = 4096)
                 index = [int(i) for i in np.unravel_index(first, array.shape)]
                 raise LladaError(f"{model_dir}: tensor {name} holds a non-finite value "
                                  f"({array.reshape(-1)[first]}) at index {index}")
-
-
-def _read_one(handle, name: str, shape: tuple[int, ...], path: Path) -> np.ndarray:
-    view = handle.get_slice(name)
-    stored_dtype, stored_shape = view.get_dtype(), tuple(view.get_shape())
-    if stored_dtype not in STORED_DTYPES:
-        raise LladaError(f"{path}: tensor {name} has unsupported dtype {stored_dtype}")
-    if stored_shape != shape:
-        raise LladaError(f"{path}: tensor {name} has shape {list(stored_shape)} but config.json implies {list(shape)}")
-    try:
-        array = handle.get_tensor(name)
-    except (SafetensorError, OSError) as err:
-        raise LladaError(f"{path}: tensor {name} cannot be read ({err})") from None
-    return array

@@ -21,8 +21,9 @@ from llada_jax.atomic import replace_dir
 from llada_jax.checkpoint import compute_dtype
 from llada_jax.config import read_config
 from llada_jax.errors import LladaError
+from llada_jax.safetensors_file import SafetensorsFile
 from llada_jax.tokenizer import eot_id_from_files
-from llada_jax.weights_io import INDEX_FILE, weight_files
+from llada_jax.weights_io import INDEX_FILE, checkpoint_quantization, weight_files
 from lowering.bundle_format import FORMAT_VERSION, MANIFEST, TOKENIZER_FILES, VMFB, runs_staged, sha256
 from lowering.export import bundle_module, signature_manifest, staged_specs, step_specs
 from lowering.targets import target
@@ -38,12 +39,13 @@ def iree_version() -> str:
 
 def stored_dtype(model_dir: Path) -> str:
     """The dtype the checkpoint stores (one for all tensors); weights are bound to the vmfb as stored."""
-    from safetensors import safe_open
-
+    if checkpoint_quantization(model_dir, read_config(model_dir)):
+        raise LladaError(f"{model_dir} is quantized: IREE bundles of quantized checkpoints are not supported yet "
+                         "(use --backend jax)")
     dtypes = set()
     for file in sorted(set(weight_files(model_dir).values())):
-        with safe_open(str(model_dir / file), framework="np") as handle:
-            dtypes |= {handle.get_slice(name).get_dtype() for name in handle.keys()}
+        with SafetensorsFile(model_dir / file) as handle:
+            dtypes |= {dtype for dtype, _, _, _ in handle.entries.values()}
     names = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
     if len(dtypes) != 1 or next(iter(dtypes)) not in names:
         raise LladaError(f"{model_dir}: weights must all have one of {sorted(names)} dtypes, found {sorted(dtypes)}")

@@ -13,6 +13,7 @@ import numpy as np
 from llada_jax.errors import LladaError
 from llada_jax.packing import PackedLayout, head_chunks, head_layout, layer_layout
 from llada_jax.readout import HeadChunkReadout, StepOutput, chunk_biases
+from llada_jax.safetensors_file import SafetensorsFile
 from llada_jax.staging import (
     StagedWeights,
     StagingRing,
@@ -123,12 +124,11 @@ def check_piece_layouts(bundle: Bundle, layer: PackedLayout, head: PackedLayout)
 
 
 def staged_weights(bundle: Bundle) -> StagedWeights:
-    """Pack the bundle's weights per stage on the host (float32), from its memory-mapped safetensors."""
-    from safetensors import safe_open
-
+    """Pack the bundle's weights per stage on the host (float32), from its safetensors files."""
     weight_map = {}
     for file in bundle.manifest["weights"]["files"]:
         path = bundle.path / file  # absolute paths (linked weights) stay absolute
-        with safe_open(str(path), framework="np") as handle:
-            weight_map.update({name: str(path) for name in handle.keys()})
-    return pack_weights(iter_tensors(bundle.path, bundle.config, weight_map), bundle.config, np.dtype(np.float32))
+        with SafetensorsFile(path) as handle:
+            weight_map.update({name: str(path) for name in handle.entries})
+    tensors = iter_tensors(bundle.path, bundle.config, weight_map, quantized={})
+    return pack_weights(tensors, bundle.config, np.dtype(np.float32))

@@ -19,7 +19,7 @@ settings.register_profile("llada", deadline=None, suppress_health_check=[HealthC
 settings.load_profile("llada")
 
 # The real LLaDA-8B-Instruct checkpoint's metadata files (config, shard index, tokenizer config), no weights.
-LLADA_8B_DIR = Path(__file__).resolve().parent / "data" / "llada-8b-instruct"
+LLADA_8B_DIR = Path(__file__).resolve().parent.parent / "eval" / "data" / "llada-8b-instruct"
 
 # vocab 512 with mask id 500: nothing may assume the 8B's ids. Grouped K/V (4 heads, 2 kv-heads).
 TINY = LLaDAConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, mlp_hidden_size=64, vocab_size=512,

@@ -10,6 +10,7 @@ from llada_jax.compilation import use_persistent_cache
 from llada_jax.config import read_config
 from llada_jax.errors import LladaError
 from llada_jax.locations import default_model_dir, user_cache_dir
+from llada_jax.qlinear import ACTIVATIONS
 from llada_jax.weights_io import check_finite_weights
 from policies.registry import DecoderSetting, with_modifier
 
@@ -81,6 +82,8 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="HF LLaDA directory (default: the embedded tiny model)")
     parser.add_argument("--dtype", default="float32", help="compute dtype: float32 or bfloat16")
     parser.add_argument("--check-weights", action="store_true", help="scan every weight for NaN/Inf before use")
+    parser.add_argument("--activations", choices=ACTIVATIONS, default="float",
+                        help="int8: quantize activations on the fly for int8 checkpoints (W8A8 matmuls)")
 
 
 def model_dir(args) -> Path:
@@ -96,4 +99,5 @@ def model_dir(args) -> Path:
 def load_model(args):
     """The model for JAX execution; steps compiled in an earlier process come from XLA's persistent cache."""
     use_persistent_cache(user_cache_dir("xla"))
-    return load(model_dir(args), dtype=args.dtype, device_memory_budget=getattr(args, "device_memory_budget", None))
+    return load(model_dir(args), dtype=args.dtype, device_memory_budget=getattr(args, "device_memory_budget", None),
+                activations=args.activations)

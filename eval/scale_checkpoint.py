@@ -1,0 +1,81 @@
+"""Write a checkpoint with LLaDA-8B-Instruct's exact config, tensor names, shapes, bf16 storage and
+shard layout (from `eval/data/llada-8b-instruct`), filled with random values: the real workload's
+size without its weights, which cannot be fetched here. About 16 GB; one shard is held at a time.
+
+    python -m eval.scale_checkpoint --out /tmp/llada-8b-random [--seed 0]
+
+Values: N(0, 0.02) matrices drawn as rolls of one random pool (drawing 8e9 fresh normals costs minutes
+and changes nothing a benchmark measures), unit norm gains. The write is atomic: the directory
+appears complete or not at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+from safetensors.numpy import save_file
+
+from llada_jax.atomic import publish_permissions, replace_dir
+from llada_jax.config import read_config
+from llada_jax.params import hf_shapes
+from llada_jax.weights_io import INDEX_FILE
+
+METADATA_DIR = Path(__file__).resolve().parent / "data" / "llada-8b-instruct"
+POOL_SIZE = 1 << 24
+
+
+def random_tensor(shape: tuple[int, ...], pool: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    if len(shape) == 1:
+        return np.ones(shape, ml_dtypes.bfloat16)
+    size = int(np.prod(shape))
+    reps = -(-size // pool.size)
+    start = int(rng.integers(pool.size))
+    return np.tile(np.roll(pool, start), reps)[:size].reshape(shape)
+
+
+def write_scale_checkpoint(out_dir: Path, seed: int = 0, metadata_dir: Path = METADATA_DIR) -> Path:
+    config = read_config(metadata_dir)
+    shapes = hf_shapes(config)
+    weight_map = json.loads((metadata_dir / INDEX_FILE).read_text())["weight_map"]
+    rng = np.random.default_rng(seed)
+    pool = (rng.standard_normal(POOL_SIZE, np.float32) * 0.02).astype(ml_dtypes.bfloat16)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        for path in metadata_dir.iterdir():
+            shutil.copyfile(path, staging / path.name)
+        shards = sorted(set(weight_map.values()))
+        for number, shard in enumerate(shards, start=1):
+            started = time.perf_counter()
+            names = [name for name, file in weight_map.items() if file == shard]
+            save_file({name: random_tensor(shapes[name], pool, rng) for name in names}, str(staging / shard),
+                      metadata={"format": "pt"})
+            print(f"[{number}/{len(shards)}] {shard}: {len(names)} tensors in {time.perf_counter() - started:.0f} s",
+                  file=sys.stderr, flush=True)
+        publish_permissions(staging)
+        replace_dir(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="directory to write (replaced atomically)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    write_scale_checkpoint(args.out, args.seed)
+    print(args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+"""`llada quantize`: a checkpoint rewritten with int8 or int4 weights (compressed-tensors format)."""
+
+from __future__ import annotations
+
+import sys
+
+from llada_jax.cli.flags import model_dir
+from llada_jax.quantize import BITS, GROUP_SIZES, QuantScheme
+from llada_jax.quantize_checkpoint import quantize_checkpoint
+
+
+def cmd_quantize(args) -> None:
+    group = None if args.bits == 8 and args.group_size is None else (args.group_size or 128)
+    scheme = QuantScheme(args.bits, group)
+    out = quantize_checkpoint(model_dir(args), args.out, scheme,
+                              progress=lambda message: print(message, file=sys.stderr, flush=True))
+    print(f"{scheme.bits}-bit checkpoint written to {out}")
+
+
+def add_quantize(commands) -> None:
+    quant = commands.add_parser("quantize", help="write an int8 / int4 copy of a checkpoint (compressed-tensors)")
+    quant.add_argument("--model", help="HF LLaDA directory (default: the embedded tiny model)")
+    quant.add_argument("--out", required=True, help="directory to write (atomically)")
+    quant.add_argument("--bits", type=int, choices=BITS, required=True,
+                       help="8: one scale per output channel; 4: group-wise scales")
+    quant.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=None,
+                       help="input columns per scale (default: 128 for 4 bits, per channel for 8 bits)")
+    quant.set_defaults(run=cmd_quantize, check_weights=False)

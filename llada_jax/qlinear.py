@@ -1,0 +1,85 @@
+"""Quantized weights on the device and the matmuls that consume them.
+
+A `QuantizedWeight` is a pytree leaf pair: integer values (int8, or int4 that XLA stores two per
+byte) and float32 scales `[O, G]`. Its matmul never builds a dequantized copy of the whole model:
+- per-channel scales (G = 1) multiply the matmul's output: `(x @ q.T) * scale`;
+- group-wise scales are applied to the weights of one matrix at a time, inside the step;
+- with `activations="int8"` (W8A8, per-channel 8-bit weights only), each position's activations are
+  quantized to int8 on the fly (symmetric, one scale per position) and the matmul runs int8 x int8 with
+  int32 accumulation, XLA's fastest CPU matmul (measured 150 GFLOP/s at 32 rows x 4096 x 12288 against
+  105 for float32).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from llada_jax.errors import LladaError
+from llada_jax.quantize import HostQuantized
+
+ACTIVATIONS = ("float", "int8")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeight:
+    values: jax.Array  # [O, I] int8 or int4
+    scale: jax.Array   # [O, G] float32
+    activations: str = dataclasses.field(default="float", metadata={"static": True})
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.values.shape
+
+    @property
+    def group_size(self) -> int:
+        return self.values.shape[1] // self.scale.shape[1]
+
+
+def to_device(host: HostQuantized, activations: str = "float") -> QuantizedWeight:
+    if activations not in ACTIVATIONS:
+        raise LladaError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
+    per_channel_int8 = host.scheme.bits == 8 and host.scheme.group_size is None
+    mode = activations if per_channel_int8 else "float"
+    values = host.values if host.scheme.bits == 8 else host.values.astype(jnp.int4)
+    return QuantizedWeight(jnp.asarray(values), jnp.asarray(host.scale, jnp.float32), mode)
+
+
+def quantized_linear(x: jax.Array, w: QuantizedWeight) -> jax.Array:
+    """x `[B, W, I]` @ dequantized(w).T, float32 accumulation, in x's dtype."""
+    if w.activations == "int8":
+        return _int8_linear(x, w)
+    if w.scale.shape[1] == 1:
+        out = jnp.einsum("bwi,oi->bwo", x, w.values.astype(x.dtype), preferred_element_type=jnp.float32)
+        return (out * w.scale[:, 0]).astype(x.dtype)
+    rows, columns = w.shape
+    groups = w.scale.shape[1]
+    weight = w.values.astype(jnp.float32).reshape(rows, groups, columns // groups) * w.scale[..., None]
+    weight = weight.reshape(rows, columns).astype(x.dtype)
+    return jnp.einsum("bwi,oi->bwo", x, weight, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def _int8_linear(x: jax.Array, w: QuantizedWeight) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    absmax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
+    x_scale = jnp.where(absmax > 0, absmax / 127.0, 1.0)
+    x_q = jnp.clip(jnp.round(x32 / x_scale), -127, 127).astype(jnp.int8)
+    acc = jnp.einsum("bwi,oi->bwo", x_q, w.values, preferred_element_type=jnp.int32)
+    return (acc.astype(jnp.float32) * x_scale * w.scale[:, 0]).astype(x.dtype)
+
+
+def quantized_rows(w: QuantizedWeight, ids: jax.Array, dtype) -> jax.Array:
+    """Rows `ids` of a per-row quantized table (the embedding), dequantized to `dtype`."""
+    if w.scale.shape[1] != 1:
+        raise LladaError("a quantized embedding needs one scale per row")
+    return (w.values[ids].astype(jnp.float32) * w.scale[ids]).astype(dtype)
+
+
+def nbytes(leaf) -> int:
+    if isinstance(leaf, QuantizedWeight):
+        return int(np.prod(leaf.shape)) * (8 if leaf.values.dtype == jnp.int8 else 4) // 8 + leaf.scale.nbytes
+    return int(leaf.nbytes)

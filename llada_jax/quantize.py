@@ -1,0 +1,102 @@
+"""Symmetric integer weight quantization on the host (numpy, no JAX): the math and the int32 packing of
+the compressed-tensors "pack-quantized" format.
+
+A matrix `w` `[O, I]` becomes integers `q` (int8 storage, |q| <= 2**(bits-1) - 1) and scales `[O, G]`,
+one per output row and group of `group_size` input columns (G = I / group_size; per-channel: G = 1),
+with w ≈ q * scale repeated over each group. Scales are rounded to bfloat16 *before* the integers are
+chosen, so the stored (bf16) scale is exactly the one the integers were fitted to.
+
+Packing (the convention compressed-tensors, transformers and vLLM read): each value is offset by
+2**(bits-1) to make it unsigned, and 32 / bits consecutive values along a row fill one int32, the
+first value in the lowest bits; a row's last int32 is zero-padded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_dtypes
+import numpy as np
+
+from llada_jax.errors import LladaError
+
+BITS = (4, 8)
+GROUP_SIZES = (32, 64, 128)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantScheme:
+    bits: int
+    group_size: int | None = None  # None: one scale per output channel
+
+    def __post_init__(self):
+        if self.bits not in BITS:
+            raise LladaError(f"quantization bits must be one of {', '.join(map(str, BITS))}, got {self.bits}")
+        if self.group_size is not None and (not isinstance(self.group_size, int) or self.group_size <= 0):
+            raise LladaError(f"quantization group size must be a positive integer, got {self.group_size!r}")
+
+    @property
+    def qmax(self) -> int:
+        return (1 << (self.bits - 1)) - 1
+
+    def groups(self, columns: int) -> int:
+        if self.group_size is None:
+            return 1
+        if columns % self.group_size:
+            raise LladaError(f"group size {self.group_size} does not divide a matrix's {columns} input columns")
+        return columns // self.group_size
+
+
+def quantize_matrix(w: np.ndarray, scheme: QuantScheme) -> tuple[np.ndarray, np.ndarray]:
+    """(q int8 `[O, I]`, scale float32 `[O, G]`, bf16-representable). An all-zero group gets scale 1."""
+    rows, columns = w.shape
+    groups = scheme.groups(columns)
+    grouped = np.asarray(w, np.float32).reshape(rows, groups, columns // groups)
+    absmax = np.max(np.abs(grouped), axis=-1)
+    scale = np.where(absmax > 0, absmax / scheme.qmax, 1.0).astype(ml_dtypes.bfloat16).astype(np.float32)
+    q = np.clip(np.rint(grouped / scale[..., None]), -scheme.qmax, scheme.qmax).astype(np.int8)
+    return q.reshape(rows, columns), scale
+
+
+def dequantize(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """float32 `[O, I]` from integers and their `[O, G]` scales."""
+    rows, columns = q.shape
+    groups = scale.shape[1]
+    return (q.reshape(rows, groups, columns // groups).astype(np.float32) * scale[..., None]).reshape(rows, columns)
+
+
+def pack_int32(q: np.ndarray, bits: int) -> np.ndarray:
+    """int8 values `[O, I]` -> int32 `[O, ceil(I * bits / 32)]` (see the module docstring)."""
+    per_word = 32 // bits
+    rows, columns = q.shape
+    words = -(-columns // per_word)
+    unsigned = np.zeros((rows, words * per_word), np.uint32)
+    unsigned[:, :columns] = (q.astype(np.int32) + (1 << (bits - 1))).astype(np.uint32)
+    shifts = np.arange(per_word, dtype=np.uint32) * bits
+    packed = np.bitwise_or.reduce(unsigned.reshape(rows, words, per_word) << shifts, axis=-1)
+    return packed.view(np.int32)
+
+
+def unpack_int32(packed: np.ndarray, bits: int, columns: int) -> np.ndarray:
+    """The inverse of `pack_int32`: int8 `[O, columns]`."""
+    per_word = 32 // bits
+    shifts = np.arange(per_word, dtype=np.uint32) * bits
+    fields = (packed.view(np.uint32)[..., None] >> shifts) & np.uint32((1 << bits) - 1)
+    unsigned = fields.reshape(packed.shape[0], -1)[:, :columns]
+    return (unsigned.astype(np.int16) - (1 << (bits - 1))).astype(np.int8)
+
+
+@dataclasses.dataclass(frozen=True)
+class HostQuantized:
+    """One quantized matrix on the host: int8 values `[O, I]`, float32 scales `[O, G]`."""
+
+    values: np.ndarray
+    scale: np.ndarray
+    scheme: QuantScheme
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.values.shape
+
+    def dequantize(self) -> np.ndarray:
+        return dequantize(self.values, self.scale)

@@ -1,0 +1,118 @@
+"""`llada quantize`: an HF LLaDA checkpoint rewritten with integer weights (no JAX), streaming.
+
+Decoder-layer matrices get the chosen scheme (int8 per output channel, or int4 with group-wise
+scales); the LM head and the embedding get int8 per row (`quant_config.EDGE_SCHEME`); norm gains
+keep their stored dtype. Output: compressed-tensors "pack-quantized" safetensors, sharded, with its
+`quantization_config` in config.json, so transformers/vLLM-style loaders read the same files.
+Tensors are read, quantized and written one at a time (at most one shard, `shard_bytes`, is held);
+the directory appears atomically, complete or not at all.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import ml_dtypes
+import numpy as np
+from safetensors.numpy import save_file
+
+from llada_jax.atomic import publish_permissions, replace_dir
+from llada_jax.config import read_config, read_hf_dict
+from llada_jax.errors import LladaError
+from llada_jax.quant_config import EDGE_SCHEME, quantization_config
+from llada_jax.quantize import QuantScheme, pack_int32, quantize_matrix
+from llada_jax.weights_io import INDEX_FILE, checkpoint_quantization, iter_tensors
+
+SHARD_BYTES = 2_000_000_000
+WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json")
+
+
+def stored_tensors(name: str, array, scheme: QuantScheme | None) -> dict[str, np.ndarray]:
+    """What the checkpoint stores for one `.weight` tensor: itself, or its packed integers and scales."""
+    if scheme is None:
+        return {name: array}
+    q, scale = quantize_matrix(np.asarray(array, np.float32), scheme)
+    module = name[: -len(".weight")]
+    return {f"{module}.weight_packed": pack_int32(q, scheme.bits),
+            f"{module}.weight_scale": scale.astype(ml_dtypes.bfloat16),
+            f"{module}.weight_shape": np.asarray(q.shape, np.int64)}
+
+
+def module_scheme(name: str, shape: tuple[int, ...], scheme: QuantScheme) -> QuantScheme | None:
+    if len(shape) != 2:
+        return None
+    return scheme if ".blocks." in name else EDGE_SCHEME
+
+
+class ShardWriter:
+    """Writes tensors into shards of about `shard_bytes`, then names them `model-i-of-n` with an index."""
+
+    def __init__(self, out_dir: Path, shard_bytes: int):
+        self.out_dir, self.shard_bytes = out_dir, shard_bytes
+        self.pending: dict[str, np.ndarray] = {}
+        self.files: list[list[str]] = []
+        self.total = 0
+
+    def add(self, tensors: dict[str, np.ndarray]) -> None:
+        size = sum(a.nbytes for a in tensors.values())
+        if self.pending and sum(a.nbytes for a in self.pending.values()) + size > self.shard_bytes:
+            self.flush()
+        self.pending.update(tensors)
+        self.total += size
+
+    def flush(self) -> None:
+        if self.pending:
+            save_file(self.pending, str(self.out_dir / f"shard-{len(self.files)}.tmp"), metadata={"format": "pt"})
+            self.files.append(list(self.pending))
+            self.pending = {}
+
+    def finish(self) -> None:
+        self.flush()
+        weight_map = {}
+        for number, names in enumerate(self.files, start=1):
+            file = f"model-{number:05d}-of-{len(self.files):05d}.safetensors"
+            (self.out_dir / f"shard-{number - 1}.tmp").rename(self.out_dir / file)
+            weight_map.update({name: file for name in names})
+        index = {"metadata": {"total_size": self.total}, "weight_map": weight_map}
+        (self.out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def quantize_checkpoint(model_dir: Path, out_dir: Path, scheme: QuantScheme, shard_bytes: int = SHARD_BYTES,
+                        progress: Callable[[str], None] | None = None) -> Path:
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    config = read_config(model_dir)
+    if checkpoint_quantization(model_dir, config):
+        raise LladaError(f"{model_dir} is already quantized: quantize the original checkpoint")
+    if out_dir.resolve() == model_dir.resolve():
+        raise LladaError("--out must differ from --model (the original checkpoint is never overwritten)")
+    for name in ("d_model", "mlp_hidden_size"):
+        scheme.groups(getattr(config, name))
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        _copy_metadata(model_dir, staging, scheme)
+        writer = ShardWriter(staging, shard_bytes)
+        for name, array in iter_tensors(model_dir, config):
+            writer.add(stored_tensors(name, array, module_scheme(name, array.shape, scheme)))
+            if progress and name.endswith("ff_out.weight"):
+                progress(f"quantized {name[: -len('.weight')]}")
+        writer.finish()
+        publish_permissions(staging)
+        replace_dir(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _copy_metadata(model_dir: Path, out_dir: Path, scheme: QuantScheme) -> None:
+    """Every non-weight file (tokenizer, generation config), and config.json with its quantization."""
+    for path in model_dir.iterdir():
+        if path.is_file() and path.name != "config.json" and not path.name.endswith(WEIGHT_SUFFIXES):
+            shutil.copyfile(path, out_dir / path.name)
+    hf_config = dict(read_hf_dict(model_dir), quantization_config=quantization_config(scheme))
+    (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
