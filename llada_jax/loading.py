@@ -7,16 +7,19 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from llada_jax.checkpoint import compute_dtype, load_params
 from llada_jax.config import LLaDAConfig, read_config
 from llada_jax.errors import LladaError
-from llada_jax.params import hf_shapes
+from llada_jax.memory_plan import check_fits, resident_need, weight_bytes
+from llada_jax.quant_config import default_group_size, planned_modules
+from llada_jax.quantize import QuantScheme
 from llada_jax.staging import StagedWeights, pack_weights
 from llada_jax.tokenizer import Tokenizer, eot_id_from_files, load_tokenizer
-from llada_jax.weights_io import check_finite_weights, iter_tensors
+from llada_jax.weights_io import check_finite_weights, checkpoint_quantization, iter_tensors
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +35,7 @@ class Model:
     device_memory_budget: int | None = None
     staged: StagedWeights | None = None
     activations: str = "float"  # "int8": W8A8 matmuls for per-channel int8 weights (see qlinear)
+    quantized: dict = dataclasses.field(default_factory=dict)  # module -> QuantScheme of the checkpoint
 
     @property
     def jnp_dtype(self):
@@ -43,7 +47,7 @@ class Model:
 
     @property
     def weight_bytes(self) -> int:
-        return sum(int(np.prod(s)) for s in hf_shapes(self.config).values()) * self.itemsize
+        return weight_bytes(self.config, self.itemsize, self.quantized)
 
 
 def load(path, dtype: str = "float32", device_memory_budget: int | None = None, check_weights: bool = False,
@@ -64,8 +68,44 @@ def load(path, dtype: str = "float32", device_memory_budget: int | None = None, 
     config = read_config(model_dir, eot_token_id=eot)
     if check_weights:
         check_finite_weights(model_dir, config)
-    model = Model(config, None, tokenizer, dtype, model_dir, device_memory_budget, activations=activations)
-    if device_memory_budget is not None and model.weight_bytes > device_memory_budget:
+    quantized = checkpoint_quantization(model_dir, config)
+    model = Model(config, None, tokenizer, dtype, model_dir, device_memory_budget, activations=activations,
+                  quantized=quantized)
+    staged = device_memory_budget is not None and model.weight_bytes > device_memory_budget
+    check_memory(model, staged)
+    if staged:
         staged = pack_weights(iter_tensors(model_dir, config), config, np.dtype(model.jnp_dtype))
         return dataclasses.replace(model, staged=staged)
     return dataclasses.replace(model, params=load_params(model_dir, config, dtype, activations))
+
+
+def check_memory(model: Model, staged: bool) -> None:
+    """Refuse, before reading any weight, a model the memory cannot hold (see `memory_plan`)."""
+    config, itemsize, quantized = model.config, model.itemsize, model.quantized
+    if staged and quantized:
+        raise LladaError("staged execution (--device-memory-budget) of quantized checkpoints is not supported yet; "
+                         "run it resident")
+    need = resident_need(config, itemsize, quantized)
+    if staged:  # host-packed stages, plus the staging buffers (host memory on a CPU device)
+        need = dataclasses.replace(need, working=need.working + min(model.device_memory_budget, need.weights))
+    alternatives = []
+    if model.dtype == "float32":
+        alternatives.append(("--dtype bfloat16", resident_need(config, 2, quantized)))
+    if not quantized:
+        schemes = [QuantScheme(8)] + ([QuantScheme(4, group)] if (group := default_group_size(config)) else [])
+        for scheme in schemes:
+            alternatives.append((f"a checkpoint from `llada quantize --bits {scheme.bits}`",
+                                 resident_need(config, itemsize, planned_modules(config, scheme))))
+    mode = "staged" if staged else "resident"
+    check_fits(need, f"{model.path} ({model.dtype}, {mode})", alternatives, accelerator_memory())
+
+
+def accelerator_memory() -> int | None:
+    """Free memory of the first accelerator (GPU/TPU), where the weights live; None on a CPU device,
+    whose memory is the host's (checked instead)."""
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        return None
+    stats = device.memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    return None if limit is None else int(limit) - int(stats.get("bytes_in_use", 0))

@@ -14,7 +14,7 @@ import re
 from llada_jax.config import LLaDAConfig
 from llada_jax.errors import LladaError
 from llada_jax.params import BLOCK_TENSORS, HF_PREFIX, hf_shapes
-from llada_jax.quantize import QuantScheme
+from llada_jax.quantize import GROUP_SIZES, QuantScheme
 
 FORMAT = "pack-quantized"
 BLOCK_LINEARS = tuple(name for name in BLOCK_TENSORS if not name.endswith("norm"))
@@ -83,3 +83,15 @@ def _matches(target: str, module: str) -> bool:
     if target.startswith("re:"):
         return re.match(target[3:], module) is not None
     return target in (module, "Linear") and (target != "Linear" or module != EMBEDDING)
+
+
+def planned_modules(config: LLaDAConfig, scheme: QuantScheme) -> dict[str, QuantScheme]:
+    """Module -> scheme that `llada quantize` with `scheme` would write (for memory plans)."""
+    matrices = [name[: -len(".weight")] for name, shape in hf_shapes(config).items() if len(shape) == 2]
+    return {module: scheme if ".blocks." in module else EDGE_SCHEME for module in matrices}
+
+
+def default_group_size(config: LLaDAConfig) -> int | None:
+    """The largest of GROUP_SIZES dividing every matrix's input width (None if none does)."""
+    widths = (config.d_model, config.mlp_hidden_size)
+    return next((g for g in sorted(GROUP_SIZES, reverse=True) if all(w % g == 0 for w in widths)), None)

@@ -66,24 +66,24 @@ def dequantize(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
 
 
 def pack_int32(q: np.ndarray, bits: int) -> np.ndarray:
-    """int8 values `[O, I]` -> int32 `[O, ceil(I * bits / 32)]` (see the module docstring)."""
-    per_word = 32 // bits
+    """int8 values `[O, I]` -> int32 `[O, ceil(I * bits / 32)]` (see the module docstring). Built as
+    little-endian bytes (two 4-bit fields per byte, low nibble first), then read as int32 words."""
     rows, columns = q.shape
-    words = -(-columns // per_word)
-    unsigned = np.zeros((rows, words * per_word), np.uint32)
-    unsigned[:, :columns] = (q.astype(np.int32) + (1 << (bits - 1))).astype(np.uint32)
-    shifts = np.arange(per_word, dtype=np.uint32) * bits
-    packed = np.bitwise_or.reduce(unsigned.reshape(rows, words, per_word) << shifts, axis=-1)
-    return packed.view(np.int32)
+    words = -(-columns * bits // 32)
+    unsigned = np.zeros((rows, words * 32 // bits), np.uint8)
+    unsigned[:, :columns] = q.view(np.uint8) + np.uint8(1 << (bits - 1))  # two's complement + 2**(bits-1), mod 256
+    packed = unsigned if bits == 8 else unsigned[:, 0::2] | (unsigned[:, 1::2] << np.uint8(4))
+    return np.ascontiguousarray(packed).view("<i4").astype(np.int32, copy=False)
 
 
 def unpack_int32(packed: np.ndarray, bits: int, columns: int) -> np.ndarray:
     """The inverse of `pack_int32`: int8 `[O, columns]`."""
-    per_word = 32 // bits
-    shifts = np.arange(per_word, dtype=np.uint32) * bits
-    fields = (packed.view(np.uint32)[..., None] >> shifts) & np.uint32((1 << bits) - 1)
-    unsigned = fields.reshape(packed.shape[0], -1)[:, :columns]
-    return (unsigned.astype(np.int16) - (1 << (bits - 1))).astype(np.int8)
+    data = np.ascontiguousarray(packed.astype("<i4", copy=False)).view(np.uint8)
+    if bits == 4:
+        nibbles = np.empty((data.shape[0], data.shape[1] * 2), np.uint8)
+        nibbles[:, 0::2], nibbles[:, 1::2] = data & np.uint8(15), data >> np.uint8(4)
+        data = nibbles
+    return (data[:, :columns] - np.uint8(1 << (bits - 1))).view(np.int8)
 
 
 @dataclasses.dataclass(frozen=True)

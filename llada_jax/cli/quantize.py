@@ -5,14 +5,19 @@ from __future__ import annotations
 import sys
 
 from llada_jax.cli.flags import model_dir
+from llada_jax.config import read_config
+from llada_jax.quant_config import default_group_size
 from llada_jax.quantize import BITS, GROUP_SIZES, QuantScheme
 from llada_jax.quantize_checkpoint import quantize_checkpoint
 
 
 def cmd_quantize(args) -> None:
-    group = None if args.bits == 8 and args.group_size is None else (args.group_size or 128)
+    source = model_dir(args)
+    group = args.group_size
+    if args.bits == 4 and group is None:
+        group = default_group_size(read_config(source)) or GROUP_SIZES[0]
     scheme = QuantScheme(args.bits, group)
-    out = quantize_checkpoint(model_dir(args), args.out, scheme,
+    out = quantize_checkpoint(source, args.out, scheme,
                               progress=lambda message: print(message, file=sys.stderr, flush=True))
     print(f"{scheme.bits}-bit checkpoint written to {out}")
 
@@ -24,5 +29,6 @@ def add_quantize(commands) -> None:
     quant.add_argument("--bits", type=int, choices=BITS, required=True,
                        help="8: one scale per output channel; 4: group-wise scales")
     quant.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=None,
-                       help="input columns per scale (default: 128 for 4 bits, per channel for 8 bits)")
+                       help="input columns per scale (default for 4 bits: the largest that divides the model's widths, "
+                            "128 for LLaDA-8B; default for 8 bits: one scale per output channel)")
     quant.set_defaults(run=cmd_quantize, check_weights=False)

@@ -1,0 +1,70 @@
+"""The memory plan is honest (it counts exactly the weight bytes a loaded model holds) and a model that
+cannot fit is refused in one line, before any weight is read."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+import llada_jax
+from llada_jax.errors import LladaError
+from llada_jax.memory_plan import ENV_OVERRIDE, weight_bytes
+from llada_jax.qlinear import QuantizedWeight, nbytes
+from llada_jax.quantize import QuantScheme
+from llada_jax.quantize_checkpoint import quantize_checkpoint
+from tests.conftest import TINY
+
+
+def held_bytes(params: dict) -> int:
+    leaves = jax.tree_util.tree_leaves(params, is_leaf=lambda leaf: isinstance(leaf, QuantizedWeight))
+    return sum(nbytes(leaf) for leaf in leaves)
+
+
+@pytest.fixture(scope="module")
+def quantized_dirs(tiny_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("quantized")
+    return {bits: quantize_checkpoint(tiny_dir, out / f"q{bits}", QuantScheme(bits, None if bits == 8 else 16))
+            for bits in (8, 4)}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_plan_counts_the_float_weights_held(tiny_dir, dtype):
+    model = llada_jax.load(tiny_dir, dtype=dtype)
+    assert model.weight_bytes == held_bytes(model.params)
+    assert model.weight_bytes == weight_bytes(TINY, 4 if dtype == "float32" else 2, {})
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_plan_counts_the_quantized_weights_held(quantized_dirs, bits):
+    model = llada_jax.load(quantized_dirs[bits])
+    assert model.quantized and model.weight_bytes == held_bytes(model.params)
+
+
+def test_a_model_that_cannot_fit_is_refused_naming_what_fits(tiny_dir, monkeypatch):
+    need = llada_jax.load(tiny_dir).weight_bytes
+    monkeypatch.setenv(ENV_OVERRIDE, str(need // 2))
+    with pytest.raises(LladaError) as refused:
+        llada_jax.load(tiny_dir)
+    message = str(refused.value)
+    assert "needs" in message and "available" in message and "\n" not in message
+    monkeypatch.setenv(ENV_OVERRIDE, str(need * 100))
+    assert llada_jax.load(tiny_dir).params is not None
+
+
+def test_staging_refuses_quantized_checkpoints(quantized_dirs):
+    with pytest.raises(LladaError, match="staged execution"):
+        llada_jax.load(quantized_dirs[8], device_memory_budget=1000)
+
+
+@pytest.mark.parametrize("value", ["1000", "lots"])
+def test_cli_refusal_is_one_line(tiny_dir, value):
+    proc = subprocess.run([sys.executable, "-m", "llada_jax.cli", "generate", "--model", str(tiny_dir),
+                           "--prompt-ids", "1,2,3", "--json"], capture_output=True, text=True,
+                          env={**os.environ, ENV_OVERRIDE: value})
+    assert proc.returncode == 1 and proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("llada: error:"), proc.stderr
