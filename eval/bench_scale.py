@@ -29,7 +29,7 @@ from eval.bench import matmul_peak_gflops, step_flops
 from llada_jax.config import read_config
 
 CANVASES = ((16, 16), (32, 128))  # (prompt, generated) positions
-REPEATS = 3
+REPEATS = 2
 
 
 def forward_seconds(model, prompt: int, generated: int) -> tuple[float, dict]:

@@ -48,12 +48,15 @@ class QuantScheme:
 
 
 def quantize_matrix(w: np.ndarray, scheme: QuantScheme) -> tuple[np.ndarray, np.ndarray]:
-    """(q int8 `[O, I]`, scale float32 `[O, G]`, bf16-representable). An all-zero group gets scale 1."""
+    """(q int8 `[O, I]`, scale float32 `[O, G]`, bf16-representable). A group with no weight above ~1e-36
+    in magnitude gets scale 1 and zeros."""
     rows, columns = w.shape
     groups = scheme.groups(columns)
     grouped = np.asarray(w, np.float32).reshape(rows, groups, columns // groups)
     absmax = np.max(np.abs(grouped), axis=-1)
-    scale = np.where(absmax > 0, absmax / scheme.qmax, 1.0).astype(ml_dtypes.bfloat16).astype(np.float32)
+    scale = (absmax / scheme.qmax).astype(ml_dtypes.bfloat16).astype(np.float32)
+    # A group too small for a normal bf16 scale (absmax below ~1e-36, all zeros included) is stored as 0s.
+    scale = np.where(scale >= ml_dtypes.finfo(ml_dtypes.bfloat16).tiny, scale, np.float32(1.0))
     q = np.clip(np.rint(grouped / scale[..., None]), -scheme.qmax, scheme.qmax).astype(np.int8)
     return q.reshape(rows, columns), scale
 

@@ -61,9 +61,11 @@ class SafetensorsFile:
 
     def _entry(self, name: str, entry, data_size: int):
         try:
-            dtype, shape, (start, end) = entry["dtype"], [int(n) for n in entry["shape"]], entry["data_offsets"]
+            dtype, shape, (start, end) = entry["dtype"], list(entry["shape"]), entry["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise self._bad(f"tensor {name} has a malformed header entry") from None
+        if not isinstance(dtype, str) or not all(type(n) is int for n in (*shape, start, end)):
+            raise self._bad(f"tensor {name} has a malformed header entry")
         if dtype not in DTYPES:
             raise LladaError(f"{self.path}: tensor {name} has unsupported dtype {dtype}")
         nbytes = math.prod(shape) * np.dtype(DTYPES[dtype]).itemsize
