@@ -15,7 +15,6 @@ import argparse
 import json
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
-from llada_jax.atomic import publish_permissions, replace_dir
+from llada_jax.atomic import atomic_dir
 from llada_jax.config import read_config
 from llada_jax.params import hf_shapes
 from llada_jax.weights_io import INDEX_FILE
@@ -47,9 +46,7 @@ def write_scale_checkpoint(out_dir: Path, seed: int = 0, metadata_dir: Path = ME
     weight_map = json.loads((metadata_dir / INDEX_FILE).read_text())["weight_map"]
     rng = np.random.default_rng(seed)
     pool = (rng.standard_normal(POOL_SIZE, np.float32) * 0.02).astype(ml_dtypes.bfloat16)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    with atomic_dir(out_dir) as staging:
         for path in metadata_dir.iterdir():
             shutil.copyfile(path, staging / path.name)
         shards = sorted(set(weight_map.values()))
@@ -60,11 +57,6 @@ def write_scale_checkpoint(out_dir: Path, seed: int = 0, metadata_dir: Path = ME
                       metadata={"format": "pt"})
             print(f"[{number}/{len(shards)}] {shard}: {len(names)} tensors in {time.perf_counter() - started:.0f} s",
                   file=sys.stderr, flush=True)
-        publish_permissions(staging)
-        replace_dir(staging, out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return out_dir
 
 

@@ -2,9 +2,27 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import tempfile
 from pathlib import Path
+
+
+@contextlib.contextmanager
+def atomic_dir(out_dir: Path):
+    """Yield an empty temporary sibling of `out_dir` to fill; when the block ends without an error it
+    becomes `out_dir` (readable like any directory), else it is deleted and `out_dir` is left as it was."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        yield staging
+        publish_permissions(staging)
+        replace_dir(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 def replace_dir(staging: Path, out_dir: Path) -> None:

@@ -1,15 +1,14 @@
-"""HF LLaDA checkpoints (safetensors, single file or sharded) in and out, plus orbax save/restore.
+"""HF LLaDA checkpoints (safetensors, single file or sharded) in and out.
 
 Every tensor is checked against the shape-only description before use; any fault is a one-line
-`LladaError` naming the tensor, file or field. Tensors are read one at a time from memory-mapped
-files, so at most one full copy of the weights (the device one) is ever held.
+`LladaError` naming the tensor, file or field. Tensors are read one at a time (`weights_io`), so at
+most one full copy of the weights (the device one) is ever held.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -17,7 +16,7 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy so safetensors ca
 import numpy as np
 from safetensors.numpy import save_file
 
-from llada_jax.atomic import publish_permissions, replace_dir
+from llada_jax.atomic import atomic_dir
 from llada_jax.config import LLaDAConfig
 from llada_jax.errors import LladaError
 from llada_jax.params import hf_to_params, params_to_hf
@@ -53,20 +52,13 @@ def save_hf(params: dict, config: LLaDAConfig, out_dir: Path, *, stored_dtype: s
     if stored_dtype not in ("float32", "bfloat16"):
         raise LladaError(f"cannot store weights as {stored_dtype!r}; use float32 or bfloat16")
     np_dtype = np.float32 if stored_dtype == "float32" else ml_dtypes.bfloat16
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    with atomic_dir(out_dir) as staging:
         hf_config = dict(config.to_hf_dict(), torch_dtype=stored_dtype)
         (staging / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         tensors = {name: np.asarray(value).astype(np_dtype) for name, value in params_to_hf(params).items()}
         _write_weights(tensors, staging, shard_bytes)
         for name, source in (extra_files or {}).items():
             shutil.copyfile(source, staging / name)
-        publish_permissions(staging)
-        replace_dir(staging, out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return out_dir
 
 

@@ -15,6 +15,7 @@ from llada_jax.checkpoint import compute_dtype, load_params
 from llada_jax.config import LLaDAConfig, read_config
 from llada_jax.errors import LladaError
 from llada_jax.memory_plan import check_fits, resident_need, weight_bytes
+from llada_jax.qlinear import ACTIVATIONS
 from llada_jax.quant_config import default_group_size, planned_modules
 from llada_jax.quantize import QuantScheme
 from llada_jax.staging import StagedWeights, pack_weights
@@ -69,6 +70,7 @@ def load(path, dtype: str = "float32", device_memory_budget: int | None = None, 
     if check_weights:
         check_finite_weights(model_dir, config)
     quantized = checkpoint_quantization(model_dir, config)
+    check_activations(activations, quantized)
     model = Model(config, None, tokenizer, dtype, model_dir, device_memory_budget, activations=activations,
                   quantized=quantized)
     staged = device_memory_budget is not None and model.weight_bytes > device_memory_budget
@@ -77,6 +79,16 @@ def load(path, dtype: str = "float32", device_memory_budget: int | None = None, 
         staged = pack_weights(iter_tensors(model_dir, config), config, np.dtype(model.jnp_dtype))
         return dataclasses.replace(model, staged=staged)
     return dataclasses.replace(model, params=load_params(model_dir, config, dtype, activations))
+
+
+def check_activations(activations: str, quantized: dict) -> None:
+    """int8 activations need int8 per-channel decoder layers; anywhere else they would be ignored."""
+    if activations not in ACTIVATIONS:
+        raise LladaError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
+    blocks = [s for module, s in quantized.items() if ".blocks." in module]
+    if activations == "int8" and not (blocks and all(s.bits == 8 and s.group_size is None for s in blocks)):
+        raise LladaError("--activations int8 needs a checkpoint with int8 per-channel layers "
+                         "(`llada quantize --bits 8`)")
 
 
 def check_memory(model: Model, staged: bool) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -20,10 +19,10 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
-from llada_jax.atomic import publish_permissions, replace_dir
+from llada_jax.atomic import atomic_dir
 from llada_jax.config import read_config, read_hf_dict
 from llada_jax.errors import LladaError
-from llada_jax.quant_config import EDGE_SCHEME, quantization_config
+from llada_jax.quant_config import planned_modules, quantization_config
 from llada_jax.quantize import QuantScheme, pack_int32, quantize_matrix
 from llada_jax.weights_io import INDEX_FILE, checkpoint_quantization, iter_tensors
 
@@ -40,12 +39,6 @@ def stored_tensors(name: str, array, scheme: QuantScheme | None) -> dict[str, np
     return {f"{module}.weight_packed": pack_int32(q, scheme.bits),
             f"{module}.weight_scale": scale.astype(ml_dtypes.bfloat16),
             f"{module}.weight_shape": np.asarray(q.shape, np.int64)}
-
-
-def module_scheme(name: str, shape: tuple[int, ...], scheme: QuantScheme) -> QuantScheme | None:
-    if len(shape) != 2:
-        return None
-    return scheme if ".blocks." in name else EDGE_SCHEME
 
 
 class ShardWriter:
@@ -91,21 +84,15 @@ def quantize_checkpoint(model_dir: Path, out_dir: Path, scheme: QuantScheme, sha
         raise LladaError("--out must differ from --model (the original checkpoint is never overwritten)")
     for name in ("d_model", "mlp_hidden_size"):
         scheme.groups(getattr(config, name))
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    schemes = planned_modules(config, scheme)
+    with atomic_dir(out_dir) as staging:
         _copy_metadata(model_dir, staging, scheme)
         writer = ShardWriter(staging, shard_bytes)
         for name, array in iter_tensors(model_dir, config):
-            writer.add(stored_tensors(name, array, module_scheme(name, array.shape, scheme)))
+            writer.add(stored_tensors(name, array, schemes.get(name[: -len(".weight")])))
             if progress and name.endswith("ff_out.weight"):
                 progress(f"quantized {name[: -len('.weight')]}")
         writer.finish()
-        publish_permissions(staging)
-        replace_dir(staging, out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return out_dir
 
 

@@ -2,7 +2,7 @@
 
 Weights are packed once, at load time, into one contiguous aligned host buffer per stage (each
 decoder layer; each vocabulary chunk of the head, with the final norm, about a layer's size), straight
-from the memory-mapped checkpoint; the embedding stays on the host (a row gather). A forward pass
+from the checkpoint as it is read; the embedding stays on the host (a row gather). A forward pass
 streams the stages through two device buffers: while one stage computes, a background thread copies the
 next into the other buffer. Buffers the budget allows beyond those two pin the largest stages, copied once
 per generation, so a bigger budget copies fewer bytes per pass. The KV state stays resident; it must
@@ -30,7 +30,7 @@ from llada_jax.shapes import kv_shape
 
 @dataclasses.dataclass(frozen=True)
 class StagedWeights:
-    embedding: np.ndarray        # [E, D] host (memory-mapped or loaded), gathered on the host
+    embedding: np.ndarray        # [E, D] host, gathered on the host
     layers: tuple[np.ndarray, ...]
     head: tuple[np.ndarray, ...]  # chunks: final norm + a vocabulary slice of the LM head each
     dtype: object

@@ -68,3 +68,13 @@ def test_cli_refusal_is_one_line(tiny_dir, value):
     assert proc.returncode == 1 and proc.stdout == ""
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("llada: error:"), proc.stderr
+
+
+@pytest.mark.parametrize("source", ["float", 4])
+def test_int8_activations_need_int8_per_channel_layers(tiny_dir, quantized_dirs, source):
+    path = tiny_dir if source == "float" else quantized_dirs[source]
+    with pytest.raises(LladaError, match="--activations int8 needs a checkpoint with int8 per-channel layers"):
+        llada_jax.load(path, activations="int8")
+    with pytest.raises(LladaError, match="activations must be one of float, int8"):
+        llada_jax.load(path, activations="fp4")
+    assert llada_jax.load(quantized_dirs[8], activations="int8").params["blocks"][0]["q_proj"].activations == "int8"

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import llada_jax
 from llada_jax import kv_state
-from llada_jax.model import Context
+from llada_jax.model import Context, linear
 from llada_jax.readout import ReadoutSpec, StepOutput
 from llada_jax.steps import full_step, window_step
 from tests import reference
@@ -115,3 +115,18 @@ def test_bfloat16_compute_is_close_to_float32(tiny_dir, tiny_model):
     low, high = llada_jax.logits(model16, ids), llada_jax.logits(tiny_model, ids)
     assert low.dtype == np.float32
     assert np.abs(low - high).max() < 0.1 * np.abs(high).max()
+
+
+@settings(max_examples=20)
+@given(rows=st.integers(1, 5), inner=st.integers(1, 300), out=st.integers(1, 40), seed=st.integers(0, 10_000))
+def test_bfloat16_linear_accumulates_in_float32(rows, inner, out, seed):
+    """bf16 weights are consumed as stored and summed in float32: the result is the float32 product of
+    the bf16 values, rounded once to bf16 (a bf16 accumulator would drift far more over 300 terms)."""
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(1, rows, inner)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(out, inner)), jnp.bfloat16)
+    got = linear(x, w)
+    exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+    assert got.dtype == jnp.bfloat16
+    spacing = np.abs(exact) * 2.0 ** -8 + 1e-6 * np.sqrt(inner)  # one bf16 rounding of the float32 sum
+    assert np.all(np.abs(np.asarray(got, np.float64) - exact) <= spacing)
