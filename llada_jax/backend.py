@@ -45,6 +45,11 @@ class Backend(Protocol):
         """Where revision's side path should run concurrently; None: inline on this backend."""
         return None
 
+    def compiled_loop(self, spec) -> Callable | None:
+        """The whole decode loop of `spec` (a `llada_jax.loop_io.LoopSpec`) as one compiled call,
+        `LoopInputs -> LoopOutputs` (numpy); None: this backend runs only the host loop."""
+        return None
+
     def staging_stats(self) -> dict:
         """Weight-staging counters of this generation (bytes copied, hidden fraction, ...); {} if resident."""
         return {}

@@ -56,9 +56,12 @@ def check_finite(readout: Readout, positions: np.ndarray, valid: np.ndarray, ste
     values = readout.logits if readout.logits is not None else readout.logp[..., None]
     bad = (np.isnan(values) | np.isposinf(values)).any(axis=(0, 2)) & valid  # [W]
     if bad.any():
-        raise LladaError(f"step {step + 1} produced a non-finite score (NaN/Inf) at canvas position "
-                         f"{int(positions[np.argmax(bad)])}: the model's weights or inputs hold non-finite "
-                         "values (--check-weights scans the weights at load)")
+        raise nonfinite_error(step, int(positions[np.argmax(bad)]))
+
+
+def nonfinite_error(step: int, position: int) -> LladaError:
+    return LladaError(f"step {step + 1} produced a non-finite score (NaN/Inf) at canvas position {position}: the "
+                      "model's weights or inputs hold non-finite values (--check-weights scans the weights at load)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,4 +112,6 @@ def combine_head_chunks(parts: list, rows: int, vocab: int) -> Readout:
         rest = np.where(np.arange(len(parts))[:, None, None] == winner, 0.0, rest).sum(0)
         logp = -np.log1p(np.take_along_axis(stacked("others"), winner, 0)[0] + rest)
     x0 = np.take_along_axis(stacked("x0"), winner, 0)[0].astype(np.int64) + winner[0] * rows
-    return Readout(x0=x0.astype(np.int32), logp=np.where(np.isneginf(top), -np.inf, logp).astype(np.float32))
+    logp = np.where(np.isneginf(top), -np.inf, logp).astype(np.float32)
+    tiny = np.finfo(np.float32).tiny  # subnormals flushed to 0, as `steps.argmax_logprob` does
+    return Readout(x0=x0.astype(np.int32), logp=np.where(logp > -tiny, np.float32(0.0), logp))

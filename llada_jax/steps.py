@@ -41,8 +41,11 @@ def argmax_logprob(logits: jax.Array, confidence_bias: jax.Array) -> tuple[jax.A
     """x0 = argmax (first on ties) and log p(x0) under softmax(logits + confidence_bias), accurate
     near p = 1 where a float32 probability would round to 1."""
     x0, top, others = argmax_others(logits, confidence_bias)
-    # x0 left out of the confidence softmax: probability 0.
-    return x0, jnp.where(jnp.isneginf(top), -jnp.inf, -jnp.log1p(others))
+    logp = -jnp.log1p(others)
+    # Subnormal log-probabilities are flushed to 0 here, so a device that flushes them itself (XLA's
+    # CPU does) ranks them exactly as the host does. x0 left out of the confidence softmax: probability 0.
+    logp = jnp.where(logp > -jnp.finfo(jnp.float32).tiny, 0.0, logp)
+    return x0, jnp.where(jnp.isneginf(top), -jnp.inf, logp)
 
 
 def read_out(params: dict, hidden: jax.Array, cfg_scale, logit_bias, confidence_bias, readout_spec: ReadoutSpec) -> Readout:

@@ -21,14 +21,29 @@ from llada_jax.atomic import replace_dir
 from llada_jax.checkpoint import compute_dtype
 from llada_jax.config import read_config
 from llada_jax.errors import LladaError
+from llada_jax.loop_io import BakedLoops
 from llada_jax.safetensors_file import SafetensorsFile
 from llada_jax.tokenizer import eot_id_from_files
 from llada_jax.weights_io import INDEX_FILE, checkpoint_quantization, weight_files
 from lowering.bundle_format import FORMAT_VERSION, MANIFEST, TOKENIZER_FILES, VMFB, runs_staged, sha256
-from lowering.export import bundle_module, signature_manifest, staged_specs, step_specs
+from lowering.export import (
+    bundle_module,
+    canvas_sizes,
+    loop,
+    loop_manifest,
+    signature_manifest,
+    staged_specs,
+    step,
+    step_specs,
+)
+from lowering.run_script import write_run_script
 from lowering.targets import target
 
 COMPILE_TIMEOUT_S = 900
+# The driver compiled decode loops run on. IREE 3.13's asynchronous drivers (local-task, vulkan) run a loop
+# whose body allocates transient buffers wrongly (a crash, or the loop stopping after one pass with garbage;
+# tests/test_decode_loop_bundle.py); the synchronous CPU driver runs it correctly, on one thread.
+LOOP_DRIVER = "local-sync"
 
 
 def iree_version() -> str:
@@ -78,10 +93,11 @@ def compile_module(text: str, flags: tuple[str, ...], out: Path) -> float:
 
 def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, window: int = 64,
                    dtype: str = "float32", copy_weights: bool = True, device_memory_budget: int | None = None,
-                   progress=None) -> Path:
+                   loops: BakedLoops | None = None, progress=None) -> Path:
     """Compile every step for canvases up to `max_len` and windows up to `window` into a bundle; with a
     device memory budget smaller than the weights, the per-layer pieces that staged execution streams
-    weights through take the place of the resident steps."""
+    weights through take the place of the resident steps. `loops`: a decoding setting whose compiled
+    decode loops go beside the steps, with a `run.sh` that runs them without Python."""
     tgt = target(target_name)
     model_dir, out_dir = Path(model_dir).absolute(), Path(out_dir).absolute()
     if not model_dir.is_dir():
@@ -93,22 +109,23 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
     if window <= 0:
         raise LladaError(f"--window must be positive, got {window}")
     stored = stored_dtype(model_dir)
-    specs = step_specs(max_len, window)
-    if device_memory_budget is not None:
-        if device_memory_budget <= 0:
-            raise LladaError(f"device memory budget must be a positive number of bytes, got {device_memory_budget}")
-        if runs_staged(device_memory_budget, config):
-            # No resident steps: their weights would be loaded into device memory beyond the budget.
-            specs = staged_specs(specs) + [spec for spec in specs if spec.kind == "commit"]
+    specs, loops = _functions_to_compile(config, max_len, window, device_memory_budget, loops, tgt.driver,
+                                         progress)
+    loop_specs = loops.specs if loops is not None else ()
+    if any(spec.slots not in canvas_sizes(max_len) for spec in loop_specs):
+        raise LladaError(f"a decode loop's canvas is not one of this bundle's sizes {canvas_sizes(max_len)}")
     say = progress or (lambda message: None)
-    say(f"exporting {len(specs)} steps to StableHLO")
-    module = bundle_module(specs, config, stored, compute)
+    functions = [step(spec, config, compute) for spec in specs] + [loop(spec, config, compute) for spec in loop_specs]
+    say(f"exporting {len(specs)} steps{f' and {len(loop_specs)} decode loops' if loop_specs else ''} to StableHLO")
+    module = bundle_module(functions, config, stored)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
         say(f"compiling for {tgt.name} ({tgt.note or tgt.driver})")
         seconds = compile_module(module, tgt.flags, staging / VMFB)
         weights = _place_weights(model_dir, staging, copy_weights)
+        if loops is not None:
+            write_run_script(staging, loops, config, LOOP_DRIVER, weights)
         for name in TOKENIZER_FILES:
             if (model_dir / name).is_file():
                 shutil.copyfile(model_dir / name, staging / name)
@@ -119,6 +136,8 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
             "device_memory_budget": device_memory_budget,
             "compile_seconds": round(seconds, 2), "weights": weights,
             "steps": [signature_manifest(spec, config, compute) for spec in specs],
+            "loops": [loop_manifest(spec, function) for spec, function in zip(loop_specs, functions[len(specs):])],
+            "decoding": loops.manifest() if loops is not None else None, "loop_driver": LOOP_DRIVER,
             "files": {p.name: sha256(p) for p in sorted(staging.iterdir()) if p.is_file()},
         }
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
@@ -128,6 +147,28 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out_dir
+
+
+def _functions_to_compile(config, max_len: int, window: int, budget: int | None, loops: BakedLoops | None,
+                          driver: str, progress) -> tuple[list, BakedLoops | None]:
+    """The steps of every shape (per-layer pieces in place of the resident steps when the weights exceed
+    the device memory budget: they would not fit), and the decode loops unless the weights stream or the
+    target is a GPU."""
+    specs = step_specs(max_len, window)
+    if loops is not None and driver != "local-task":
+        (progress or print)(f"no compiled decode loop for {driver}: IREE {iree_version()} runs loops on it wrongly "
+                            "(transient buffers inside the loop); the bundle runs the host loop")
+        loops = None
+    if budget is None:
+        return specs, loops
+    if budget <= 0:
+        raise LladaError(f"device memory budget must be a positive number of bytes, got {budget}")
+    if not runs_staged(budget, config):
+        return specs, loops
+    if loops is not None:
+        (progress or print)("the weights are streamed per layer: the bundle runs the host loop only "
+                            "(no compiled decode loop, no run.sh)")
+    return staged_specs(specs) + [spec for spec in specs if spec.kind == "commit"], None
 
 
 def _place_weights(model_dir: Path, staging: Path, copy: bool) -> dict:

@@ -1,14 +1,16 @@
 """Export the fixed-shape steps with `jax.export` and merge them into one StableHLO module whose
 weights are IREE named parameters (`#flow.parameter.named<"model"::"<HF tensor name>">`), never constants.
 
-Each step is exported as a flat function `(weights..., inputs...) -> outputs`; a public wrapper named
-after the step loads every weight from its global and calls it. The runtime binds scope "model" to
+Each step, and each compiled decode loop, is exported as a flat function `(weights..., inputs...) ->
+outputs`; a public wrapper named after it loads every weight from its global and calls it. The runtime binds scope "model" to
 the checkpoint's own safetensors file(s), so one weights file serves every target.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +18,9 @@ import numpy as np
 from jax import export
 
 from llada_jax.config import LLaDAConfig
+from llada_jax.decode_loop import decode_loop
 from llada_jax.layered import head_chunk_step, layer_step
+from llada_jax.loop_io import LoopInputs, LoopOutputs, LoopSpec
 from llada_jax.model import Context
 from llada_jax.packing import PackedLayout, head_chunks, head_layout, layer_layout
 from llada_jax.params import hf_shapes, hf_to_params
@@ -46,11 +50,15 @@ def staged_specs(specs: list[StepSpec]) -> list[StepSpec]:
     return list(dict.fromkeys(out))
 
 
+def canvas_sizes(max_len: int) -> list[int]:
+    """The canvas shapes of a bundle whose longest canvas is `max_len`."""
+    return sorted({min(b, max_len) for b in LENGTH_BUCKETS if b < max_len} | {max_len})
+
+
 def step_specs(max_len: int, max_window: int, batch: int = 1) -> list[StepSpec]:
     """Every shape the decoders can ask for with canvases up to `max_len` and windows up to `max_window`."""
-    slot_sizes = sorted({min(b, max_len) for b in LENGTH_BUCKETS if b < max_len} | {max_len})
     specs = []
-    for slots in slot_sizes:
+    for slots in canvas_sizes(max_len):
         specs.append(StepSpec("full", batch, slots))
         specs.append(StepSpec("commit", batch, slots, slots))
         for width in sorted({min(b, slots) for b in LENGTH_BUCKETS if b < slots} | {slots}):
@@ -179,16 +187,49 @@ def mlir_type(sds: jax.ShapeDtypeStruct) -> str:
     return f"tensor<{dims}{MLIR_TYPES[str(sds.dtype)]}>"
 
 
-def export_step(spec: StepSpec, config: LLaDAConfig, stored_dtype, compute_dtype) -> str:
-    """StableHLO text of one step without debug locations; its entry is `@main`."""
+class Function(NamedTuple):
+    """One function of a bundle: its name, whether it reads the weights as named parameters, its
+    inputs and outputs as [(name, ShapeDtypeStruct)] (weights excluded) and the flat function to export."""
+
+    name: str
+    named_weights: bool
+    inputs: list
+    outputs: list
+    run: Callable
+
+
+def step(spec: StepSpec, config: LLaDAConfig, compute_dtype) -> Function:
+    inputs, outputs = io_signature(spec, config, compute_dtype)
+    return Function(spec.name, spec.kind in NAMED_WEIGHTS, inputs, outputs,
+                    step_function(spec, config, list(hf_shapes(config)), compute_dtype))
+
+
+def loop(spec: LoopSpec, config: LLaDAConfig, compute_dtype) -> Function:
+    """The whole decode loop of `spec` (`llada_jax.decode_loop`), weights as named parameters."""
+    s, g, e, m = spec.slots, spec.gen_length, config.embedding_size, spec.max_passes
+    inputs = [("prompt", _sds((s,), jnp.int32)), ("prompt_len", _sds((), jnp.int32)),
+              ("logit_bias", _sds((e,), jnp.float32)), ("confidence_bias", _sds((e,), jnp.float32)),
+              ("commit_cutoff", _sds((), jnp.float32)), ("draft_cutoff", _sds((), jnp.float32))]
+    shapes = {"generated": (g,), "nfe": (), "commit_nfe": (g,), "commit_logp": (g,), "step_block": (m,),
+              "step_width": (m,), "step_real": (m,), "step_useful": (m,), "bad_pass": (), "bad_position": ()}
+    outputs = [(name, _sds(shapes[name], jnp.float32 if name == "commit_logp" else jnp.int32))
+               for name in LoopOutputs._fields]
+    names = list(hf_shapes(config))
+
+    def run(weights, *loop_inputs):
+        params = hf_to_params({n: w.astype(compute_dtype) for n, w in zip(names, weights)}, config)
+        return tuple(decode_loop(params, LoopInputs(*loop_inputs), config=config, spec=spec, kv_dtype=compute_dtype))
+
+    return Function(spec.name, True, inputs, outputs, run)
+
+
+def export_function(function: Function, config: LLaDAConfig, stored_dtype) -> str:
+    """StableHLO text of one function without debug locations; its entry is `@main`."""
     from iree.compiler import ir
 
-    names = list(hf_shapes(config))
     weights = [_sds(shape, stored_dtype) for shape in hf_shapes(config).values()]
-    inputs = [sds for _, sds in io_signature(spec, config, compute_dtype)[0]]
-    run = step_function(spec, config, names, compute_dtype)
-    named = [weights] if spec.kind in NAMED_WEIGHTS else []
-    exported = export.export(jax.jit(run, keep_unused=True))(*named, *inputs)
+    named = [weights] if function.named_weights else []
+    exported = export.export(jax.jit(function.run, keep_unused=True))(*named, *[sds for _, sds in function.inputs])
     with ir.Context():
         return ir.Module.parse(exported.mlir_module()).operation.get_asm(enable_debug_info=False)
 
@@ -204,47 +245,53 @@ def _body_with_prefix(module_text: str, prefix: str) -> str:
     return "\n".join(lines[1:-1])
 
 
-def _wrapper(spec: StepSpec, config: LLaDAConfig, stored_dtype, compute_dtype, weight_globals: list[str]) -> str:
-    inputs, outputs = io_signature(spec, config, compute_dtype)
+def _wrapper(function: Function, config: LLaDAConfig, stored_dtype, weight_globals: list[str]) -> str:
     weight_types = [mlir_type(_sds(shape, stored_dtype)) for shape in hf_shapes(config).values()]
-    in_types = [mlir_type(sds) for _, sds in inputs]
-    out_types = [mlir_type(sds) for _, sds in outputs]
-    if spec.kind not in NAMED_WEIGHTS:
+    in_types = [mlir_type(sds) for _, sds in function.inputs]
+    out_types = [mlir_type(sds) for _, sds in function.outputs]
+    if not function.named_weights:
         weight_types = []
-    lines = [f"  func.func @{spec.name}({', '.join(f'%a{i}: {t}' for i, t in enumerate(in_types))})"
+    name = function.name
+    lines = [f"  func.func @{name}({', '.join(f'%a{i}: {t}' for i, t in enumerate(in_types))})"
              f" -> ({', '.join(out_types)}) {{"]
     lines += [f"    %w{i} = util.global.load @{g} : {t}" for i, (g, t) in enumerate(zip(weight_globals, weight_types))]
     call_args = [f"%w{i}" for i in range(len(weight_types))] + [f"%a{i}" for i in range(len(in_types))]
     call_types = weight_types + in_types
-    lines.append(f"    %r:{len(out_types)} = func.call @{spec.name}__main({', '.join(call_args)}) : "
+    lines.append(f"    %r:{len(out_types)} = func.call @{name}__main({', '.join(call_args)}) : "
                  f"({', '.join(call_types)}) -> ({', '.join(out_types)})")
     lines.append(f"    return {', '.join(f'%r#{i}' for i in range(len(out_types)))} : {', '.join(out_types)}")
     lines.append("  }")
     return "\n".join(lines)
 
 
-def bundle_module(specs: list[StepSpec], config: LLaDAConfig, stored_dtype, compute_dtype) -> str:
-    """One module holding every step, the weights declared once as named parameters (only if a step
-    reads them: a staged bundle's weights never live in device memory as a whole)."""
-    names = list(hf_shapes(config)) if any(spec.kind in NAMED_WEIGHTS for spec in specs) else []
+def bundle_module(functions: list[Function], config: LLaDAConfig, stored_dtype) -> str:
+    """One module holding every function, the weights declared once as named parameters (only if a
+    function reads them: a staged bundle's weights never live in device memory as a whole)."""
+    names = list(hf_shapes(config)) if any(function.named_weights for function in functions) else []
     globals_ = [f"weight_{i}" for i in range(len(names))]
     parts = ["module @llada_steps {"]
     for g, name, shape in zip(globals_, names, hf_shapes(config).values()):
         parts.append(f'  util.global private @{g} = #flow.parameter.named<"{PARAMETER_SCOPE}"::"{name}"> : '
                      f"{mlir_type(_sds(shape, stored_dtype))}")
-    for spec in specs:
-        parts.append(_body_with_prefix(export_step(spec, config, stored_dtype, compute_dtype), f"{spec.name}__"))
-        parts.append(_wrapper(spec, config, stored_dtype, compute_dtype, globals_))
+    for function in functions:
+        parts.append(_body_with_prefix(export_function(function, config, stored_dtype), f"{function.name}__"))
+        parts.append(_wrapper(function, config, stored_dtype, globals_))
     parts.append("}")
     return "\n".join(parts)
+
+
+def _describe(items) -> list[dict]:
+    return [{"name": n, "shape": list(s.shape), "dtype": str(np.dtype(s.dtype))} for n, s in items]
 
 
 def signature_manifest(spec: StepSpec, config: LLaDAConfig, compute_dtype) -> dict:
     """The manifest entry of a step: name, shapes and argument order."""
     inputs, outputs = io_signature(spec, config, compute_dtype)
-
-    def describe(items):
-        return [{"name": n, "shape": list(s.shape), "dtype": str(np.dtype(s.dtype))} for n, s in items]
-
     return {"name": spec.name, "kind": spec.kind, "batch": spec.batch, "slots": spec.slots, "width": spec.width,
-            "inputs": describe(inputs), "outputs": describe(outputs)}
+            "inputs": _describe(inputs), "outputs": _describe(outputs)}
+
+
+def loop_manifest(spec: LoopSpec, function: Function) -> dict:
+    """The manifest entry of a compiled decode loop: its setting, shapes and argument order."""
+    return {"name": function.name, "kind": "loop", "loop": dataclasses.asdict(spec),
+            "inputs": _describe(function.inputs), "outputs": _describe(function.outputs)}

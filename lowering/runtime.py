@@ -18,6 +18,7 @@ from llada_jax import kv_state
 from llada_jax.backend import Backend, SideBackend
 from llada_jax.config import LLaDAConfig
 from llada_jax.errors import LladaError
+from llada_jax.loop_io import LoopInputs, LoopOutputs, LoopSpec
 from llada_jax.readout import Readout, ReadoutSpec, StepOutput, TokenBiases
 from llada_jax.shapes import kv_shape
 from lowering.bundle_format import MANIFEST, PARAMETER_SCOPE, VMFB, StepSpec, check_files
@@ -123,11 +124,13 @@ class IreeBackend(Backend):
     runs (the caller may offer XLA on the host; this module never imports JAX)."""
 
     def __init__(self, bundle: Bundle, session: Session, readout_spec: ReadoutSpec, biases: TokenBiases,
-                 cfg_scale: float = 0.0, side: Callable[["IreeBackend"], SideBackend | None] | None = None):
+                 cfg_scale: float = 0.0, side: Callable[["IreeBackend"], SideBackend | None] | None = None,
+                 loop_session: Callable[[], Session] | None = None):
         if readout_spec != ReadoutSpec(kind="argmax") or cfg_scale != 0.0:
             raise LladaError("IREE bundles run argmax readouts without CFG: use temperature 0 and cfg-scale 0")
         self.bundle, self.session, self.config = bundle, session, bundle.config
         self.readout_spec, self.biases, self._side = readout_spec, biases, side
+        self._loop_session = loop_session or (lambda: session)
         # Uploaded once per generation; every step passes the same device buffers.
         self._extras = (np.asarray(cfg_scale, np.float32), session.upload(biases.logit_bias),
                         session.upload(biases.confidence_bias))
@@ -159,6 +162,19 @@ class IreeBackend(Backend):
 
     def side_backend(self) -> SideBackend | None:
         return self._side(self) if self._side is not None else None
+
+    def compiled_loop(self, spec: LoopSpec):
+        """The bundle's compiled decode loop for `spec`, if `llada compile` baked one."""
+        if spec.name not in {entry["name"] for entry in self.bundle.manifest.get("loops", [])}:
+            return None
+        session = self._loop_session()
+        invoker = session.invoker(spec.name)
+
+        def run(inputs: LoopInputs) -> LoopOutputs:
+            out = invoker(*(np.asarray(value) for value in inputs))  # 0-d stays 0-d (ascontiguousarray makes it 1-d)
+            return LoopOutputs(*(session.read(value) for value in out))
+
+        return run
 
     def empty_state(self, batch: int, slots: int) -> kv_state.KVState:
         dtype = np.float32 if self.bundle.manifest["compute_dtype"] == "float32" else _bfloat16()

@@ -12,10 +12,13 @@ from llada_jax.config import LLaDAConfig
 from llada_jax.errors import LladaError
 from llada_jax.readout import ReadoutSpec, TokenBiases
 from llada_jax.shapes import bucket
+from policies.compiled_loop import draft_threshold_of, loop_spec, run_compiled
 from policies.loop import decode
 from policies.registry import make_policy
 from policies.sampling import Sampler
 from policies.schedule import Schedule, make_rule
+
+LOOPS = ("auto", "host", "compiled")
 
 
 def check_token_ids(ids, config: LLaDAConfig, what: str, allow_mask: bool) -> np.ndarray:
@@ -37,10 +40,12 @@ def run_generation(make_backend: Callable, config: LLaDAConfig, prompt_ids, *, g
                    steps: int, temperature: float = 0.0, cfg_scale: float = 0.0, remasking: str = "low_confidence",
                    policy: str = "vanilla", threshold: float | None = None, seed: int = 0,
                    logits_eos_inf: bool = False, confidence_eos_eot_inf: bool = False,
-                   on_step: Callable | None = None, limit: int | None = None):
+                   on_step: Callable | None = None, limit: int | None = None, loop: str = "auto"):
     """Validate everything, then decode with `make_backend(readout, biases, cfg_scale, batch, slots)`
     (batch rows and canvas slots let a backend size its device memory before any step runs).
-    `limit`: a compiled bundle's longest canvas, when lower than the model's own."""
+    `limit`: a compiled bundle's longest canvas, when lower than the model's own. `loop`: "auto" runs the
+    compiled decode loop where the setting and backend offer it (not with a live `on_step`), "host" the
+    host loop, "compiled" insists on the compiled one."""
     if limit is not None:
         config = dataclasses.replace(config, max_sequence_length=min(limit, config.max_sequence_length))
     prompt = check_token_ids(prompt_ids, config, "prompt", allow_mask=False)
@@ -64,7 +69,19 @@ def run_generation(make_backend: Callable, config: LLaDAConfig, prompt_ids, *, g
     forbid = config.special_ids_in_vocab(config.eos_token_id) if logits_eos_inf else ()
     biases = TokenBiases.build(config.embedding_size, forbid, unconfident)
     batch, slots = (2 if cfg_scale > 0.0 else 1), bucket(total, config.max_sequence_length)
+    if loop not in LOOPS:
+        raise LladaError(f"unknown loop {loop!r}; choose one of {', '.join(LOOPS)}")
+    spec = loop_spec(decoding_policy, rule, sampler, cfg_scale > 0.0, schedule, slots)
+    if loop == "compiled" and spec is None:
+        raise LladaError("the compiled loop covers vanilla, prefix-cache and dual-cache (+speculative) at "
+                         "temperature 0 with low-confidence remasking and no CFG; use --loop host for this setting")
     backend = make_backend(readout_spec, biases, float(cfg_scale), batch, slots)
+    compiled = backend.compiled_loop(spec) if spec is not None and loop != "host" and on_step is None else None
+    if loop == "compiled" and compiled is None:
+        raise LladaError("this backend runs only the host loop (staged weights, a live canvas, or a bundle "
+                         "compiled without this loop); use --loop host")
+    if compiled is not None:
+        return run_compiled(compiled, spec, prompt, biases, threshold, draft_threshold_of(decoding_policy))
     result = decode(backend, prompt, schedule, decoding_policy, rule, sampler, mask_id=config.mask_token_id,
                     max_len=config.max_sequence_length, cfg=cfg_scale > 0.0, seed=seed, on_step=on_step)
     staging = backend.staging_stats()

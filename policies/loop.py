@@ -115,12 +115,14 @@ def _step(backend, canvas: Canvas, kv, plan: StepPlan, reviser: Reviser, block: 
     `at`: (step within the block, the fixed schedule's counts, forward passes so far)."""
     step, counts, nfe = at
     out, window, kv, revisions = dense_step(backend, canvas, kv, plan, reviser, nfe)
-    x0, confidence = canvas_wide(canvas, window, *sampler.choose(out.readout, rng))
+    x0, confidence, order = sampler.choose(out.readout, rng)
+    order = canvas_wide(canvas, window, x0, order)[1]
+    x0, confidence = canvas_wide(canvas, window, x0, confidence)
     useful = plan.useful(window, canvas, block)
     candidates = canvas.masked.copy()
     candidates[: block.start] = False
     candidates[block.end:] = False
-    chosen = select(confidence, candidates, step, counts)
+    chosen = select(confidence, order, candidates, step, counts)
     drafts = plan.draft_positions(confidence, canvas)
     committed = np.concatenate([chosen, drafts]).astype(np.int64)
     canvas.write(committed, x0[committed])

@@ -33,15 +33,19 @@ class Sampler:
     def readout_kind(self) -> str:
         return "argmax" if self.temperature == 0.0 else "logits"
 
-    def choose(self, readout: Readout, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-        """x0 and confidence (float64) for every position of row 0 of the readout."""
+    def choose(self, readout: Readout, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """x0, confidence (float64) and the order key candidates are ranked by, for every position of row 0
+        of the readout. The key is the confidence, except for an argmax readout ranked by confidence: there
+        it is the log-probability the device computed (see `policies.schedule`)."""
         if readout.logits is not None:
             x0, confidence = self._sample(readout.logits[0].astype(np.float64), rng)
+            order = confidence
         else:
-            x0, confidence = readout.x0[0].astype(np.int64), np.exp(readout.logp[0].astype(np.float64))
+            order = readout.logp[0].astype(np.float64)
+            x0, confidence = readout.x0[0].astype(np.int64), np.exp(order)
         if self.remasking == "random":
-            confidence = rng.random(x0.shape[0])
-        return x0, confidence
+            confidence = order = rng.random(x0.shape[0])
+        return x0, confidence, order
 
     def _sample(self, logits: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         # argmax of exp(l) / (-log u)^T, taken in log space so large logits cannot overflow.

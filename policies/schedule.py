@@ -1,7 +1,9 @@
 """The lengths of one generation, and which masked positions to commit in a step: LLaDA's fixed
 schedule or Fast-dLLM's threshold rule.
 
-Candidates are ranked by confidence, highest first; equal confidences go to the lower position.
+Candidates are ranked by an order key, highest first; equal keys go to the lower position. The key is
+the confidence itself, except at temperature 0 where it is the step's float32 log-probability: its order
+is exactly what a compiled loop on the device computes (exp in float64 can tie distinct values near 1).
 """
 
 from __future__ import annotations
@@ -55,11 +57,10 @@ def transfer_counts(masked: int, steps: int) -> np.ndarray:
     return counts
 
 
-def rank(confidence: np.ndarray, candidates: np.ndarray) -> np.ndarray:
-    """Candidate positions, most confident first (stable: ties keep position order)."""
+def rank(order: np.ndarray, candidates: np.ndarray) -> np.ndarray:
+    """Candidate positions, highest order key first (stable: ties keep position order)."""
     positions = np.flatnonzero(candidates)
-    order = np.argsort(-confidence[positions], kind="stable")
-    return positions[order]
+    return positions[np.argsort(-order[positions], kind="stable")]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,8 +74,9 @@ class FixedSchedule:
         """Steps a block takes under a policy that does not stop once the block is filled."""
         return self.steps_per_block
 
-    def select(self, confidence: np.ndarray, candidates: np.ndarray, step: int, counts: np.ndarray) -> np.ndarray:
-        return rank(confidence, candidates)[: int(counts[step])]
+    def select(self, confidence: np.ndarray, order: np.ndarray, candidates: np.ndarray, step: int,
+               counts: np.ndarray) -> np.ndarray:
+        return rank(order, candidates)[: int(counts[step])]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,8 +90,9 @@ class ThresholdRule:
         if not 0.0 < self.threshold <= 1.0:
             raise LladaError(f"threshold must be in (0, 1], got {self.threshold}")
 
-    def select(self, confidence: np.ndarray, candidates: np.ndarray, step: int, counts: np.ndarray) -> np.ndarray:
-        ranked = rank(confidence, candidates)
+    def select(self, confidence: np.ndarray, order: np.ndarray, candidates: np.ndarray, step: int,
+               counts: np.ndarray) -> np.ndarray:
+        ranked = rank(order, candidates)
         if ranked.size == 0:
             return ranked
         keep = confidence[ranked] >= self.threshold

@@ -12,6 +12,8 @@ import numpy as np
 from llada_jax import kv_state
 from llada_jax.backend import Backend
 from llada_jax.config import LLaDAConfig
+from llada_jax.decode_loop import decode_loop
+from llada_jax.loop_io import LoopInputs, LoopOutputs, LoopSpec
 from llada_jax.model import Context
 from llada_jax.readout import ReadoutSpec, StepOutput, TokenBiases
 from llada_jax.shapes import kv_shape
@@ -54,6 +56,14 @@ class JaxBackend(Backend):
 
     def empty_state(self, batch: int, slots: int) -> kv_state.KVState:
         return empty_on_device(self.config, batch, slots, self.dtype)
+
+    def compiled_loop(self, spec: LoopSpec):
+        def run(inputs: LoopInputs) -> LoopOutputs:
+            out = decode_loop(self.params, LoopInputs(*(jnp.asarray(value) for value in inputs)), config=self.config,
+                              spec=spec, kv_dtype=self.dtype)
+            return LoopOutputs(*(np.asarray(value) for value in out))
+
+        return run
 
 
 def commit_on_device(state: kv_state.KVState, positions, write, out: StepOutput, tokens, nfe: int):

@@ -1,19 +1,24 @@
-"""`llada compile`: a model's steps compiled into an IREE bundle for one target."""
+"""`llada compile`: a model's steps, and the decode loop of one decoding setting, compiled into an IREE
+bundle for one target."""
 
 from __future__ import annotations
 
 import sys
 
-from llada_jax.cli.flags import add_model_flags, model_dir
+from llada_jax.cli.flags import add_loop_flags, add_model_flags, baked_setting, model_dir
 from lowering.bundle import compile_bundle
+from lowering.export import canvas_sizes
+from lowering.run_script import SCRIPT
 
 
 def cmd_compile(args) -> None:
+    loops = baked_setting(args, canvas_sizes(args.max_len)) if args.max_len > 0 else None
     out = compile_bundle(model_dir(args), args.target, args.out, max_len=args.max_len,
                          window=args.window, dtype=args.dtype, copy_weights=not args.link_weights,
-                         device_memory_budget=args.device_memory_budget,
+                         device_memory_budget=args.device_memory_budget, loops=loops,
                          progress=lambda message: print(message, file=sys.stderr))
-    print(f"bundle written to {out}")
+    script = f"; run it without Python: {out / SCRIPT} ID,ID,..." if loops is not None else ""
+    print(f"bundle written to {out}{script}")
 
 
 def add_compile(commands) -> None:
@@ -27,4 +32,5 @@ def add_compile(commands) -> None:
     comp.add_argument("--link-weights", action="store_true", help="point at the model's weights instead of copying")
     comp.add_argument("--device-memory-budget", type=int, default=None, metavar="BYTES",
                       help="add per-layer pieces and stream weights through this much device memory")
+    add_loop_flags(comp)
     comp.set_defaults(run=cmd_compile)

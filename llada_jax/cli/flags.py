@@ -12,6 +12,7 @@ from llada_jax.errors import LladaError
 from llada_jax.locations import default_model_dir, user_cache_dir
 from llada_jax.qlinear import ACTIVATIONS
 from llada_jax.weights_io import check_finite_weights
+from policies.compiled_loop import baked_loops
 from policies.registry import DecoderSetting, with_modifier
 
 # The default decoder of generate and eval: on the embedded model's held-out tasks it scores as well as
@@ -46,6 +47,29 @@ def add_decoding_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--forbid-eos", action="store_true", help="never predict EOS (logits set to -inf)")
     parser.add_argument("--no-eos-confidence", action="store_true", help="EOS/EoT predictions get confidence 0")
+
+
+def add_loop_flags(parser: argparse.ArgumentParser) -> None:
+    """The decoding setting `llada compile` bakes into a bundle's compiled decode loop (temperature 0)."""
+    parser.add_argument("--gen-length", type=int, default=32)
+    parser.add_argument("--block-length", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=None, help="total denoising steps (default: gen-length)")
+    parser.add_argument("--policy", default=None,
+                        help=f"BASE[+speculative[:L[:T]]][@THRESHOLD] (default: {DEFAULT_POLICY})")
+    parser.add_argument("--lookahead", type=int, default=None, help="speculation: blocks ahead to draft")
+    parser.add_argument("--draft-threshold", type=float, default=None, help="speculation: commit a draft at this confidence")
+    parser.add_argument("--threshold", type=float, default=None, help="commit all tokens with confidence >= this")
+    parser.add_argument("--no-loop", action="store_true", help="steps only: no compiled decode loop, no run.sh")
+    parser.set_defaults(revise_threshold=None, confirmations=None)
+
+
+def baked_setting(args, slot_sizes):
+    """The compiled loops the flags of `add_loop_flags` ask for (None with --no-loop)."""
+    if args.no_loop:
+        return None
+    steps = args.steps if args.steps is not None else args.gen_length
+    return baked_loops(policy_spec(args), commit_threshold(args), args.gen_length, args.block_length, steps,
+                       slot_sizes)
 
 
 def policy_spec(args) -> str:

@@ -1,0 +1,235 @@
+"""The whole semi-autoregressive decode loop as one pure JAX function of fixed shapes: blocks in a
+`lax.while_loop`, steps in another, the canvas and the KV state as loop carry. It makes the decisions
+`policies.loop` makes on the host, in the same order, so both give the same tokens and forward passes
+(`tests/test_decode_loop.py`); `policies.compiled_loop` says which settings it covers.
+
+Per step: the plan (a full step at a block's start or on every step for vanilla, else a window against
+the cached K/V), the K/V commit of a full step (prefix-cache keeps the prefix, dual-cache everything),
+the commit rule over the block's masks (fixed schedule: the `counts[step]` best; threshold rule: every
+candidate at or above the cutoff, and the best), and speculation's confident drafts.
+
+Candidates are ranked by the step's float32 log-probability, ties to the lower position, exactly as the
+host ranks them; a confidence threshold is a log-probability cutoff the host computed
+(`llada_jax.loop_io.log_cutoff`). A non-finite readout stops the loop and is reported.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from llada_jax.config import LLaDAConfig
+from llada_jax.kv_state import HIDDEN
+from llada_jax.loop_io import NOT_COMMITTED, LoopInputs, LoopOutputs, LoopSpec
+from llada_jax.model import Context
+from llada_jax.readout import ReadoutSpec
+from llada_jax.shapes import kv_shape
+from llada_jax.steps import full_step, window_step
+
+ARGMAX = ReadoutSpec(kind="argmax")
+
+
+class Carry(NamedTuple):
+    tokens: jax.Array        # [S] the canvas
+    keys: jax.Array | None   # [N, 1, S, K, hd] cached K (None for vanilla)
+    values: jax.Array | None
+    filled: jax.Array        # [S] bool: slots holding K/V
+    nfe: jax.Array           # forward passes so far
+    commit_nfe: jax.Array    # [S]
+    commit_logp: jax.Array   # [S]
+    steps: jax.Array         # [4, max_passes]: block, padded width, real width, useful per pass
+    bad: jax.Array           # [2]: (pass, canvas position) of a non-finite readout, else NOT_COMMITTED
+
+
+class Computed(NamedTuple):
+    """One dense step over the canvas: predictions spread over canvas positions (mask / -inf where not
+    computed), the KV state after its commit, and what the trace records."""
+
+    x0: jax.Array
+    logp: jax.Array
+    keys: jax.Array | None
+    values: jax.Array | None
+    filled: jax.Array
+    width: jax.Array
+    computed: jax.Array      # [S] bool: real positions computed
+    bad_position: jax.Array  # first non-finite position in window order, else NOT_COMMITTED
+
+
+class Block(NamedTuple):
+    index: jax.Array
+    start: jax.Array
+    in_block: jax.Array      # [S] bool
+    drafts: jax.Array        # [S] bool: speculation's draft region
+    masked_at_start: jax.Array
+
+
+@functools.partial(jax.jit, static_argnames=("config", "spec", "kv_dtype"))
+def decode_loop(params: dict, inputs: LoopInputs, *, config: LLaDAConfig, spec: LoopSpec, kv_dtype) -> LoopOutputs:
+    """Generate `spec.gen_length` tokens after `inputs.prompt[:prompt_len]` (validated on the host)."""
+    s = spec.slots
+    positions = jnp.arange(s)
+    length = inputs.prompt_len + spec.gen_length
+    cached = spec.base != "vanilla"
+    zeros = jnp.zeros(kv_shape(config, 1, s), kv_dtype) if cached else None
+    carry = Carry(jnp.where(positions < inputs.prompt_len, inputs.prompt, config.mask_token_id).astype(jnp.int32),
+                  zeros, zeros, jnp.zeros(s, bool), jnp.int32(0), jnp.full(s, NOT_COMMITTED, jnp.int32),
+                  jnp.full(s, -jnp.inf, jnp.float32), jnp.zeros((4, spec.max_passes), jnp.int32),
+                  jnp.full(2, NOT_COMMITTED, jnp.int32))
+    run = _Run(params, inputs, config, spec, positions, length)
+
+    def more_blocks(state):
+        b, carry = state
+        return (b < spec.num_blocks) & (carry.bad[0] == NOT_COMMITTED)
+
+    def one_block(state):
+        b, carry = state
+        return b + 1, run.block(b, carry)
+
+    _, carry = jax.lax.while_loop(more_blocks, one_block, (jnp.int32(0), carry))
+    generated = jax.lax.dynamic_slice(carry.tokens, (inputs.prompt_len,), (spec.gen_length,))
+    return LoopOutputs(generated, carry.nfe,
+                       jax.lax.dynamic_slice(carry.commit_nfe, (inputs.prompt_len,), (spec.gen_length,)),
+                       jax.lax.dynamic_slice(carry.commit_logp, (inputs.prompt_len,), (spec.gen_length,)),
+                       *carry.steps, carry.bad[0], carry.bad[1])
+
+
+class _Run(NamedTuple):
+    """What every step of one generation shares (traced values and static settings)."""
+
+    params: dict
+    inputs: LoopInputs
+    config: LLaDAConfig
+    spec: LoopSpec
+    positions: jax.Array
+    length: jax.Array
+
+    def masked(self, tokens):
+        """[S] positions of the generated part still holding the mask."""
+        generated = (self.positions >= self.inputs.prompt_len) & (self.positions < self.length)
+        return generated & (tokens == self.config.mask_token_id)
+
+    def block(self, b, carry: Carry) -> Carry:
+        spec = self.spec
+        start = self.inputs.prompt_len + b * spec.block_length
+        end = start + spec.block_length
+        in_block = (self.positions >= start) & (self.positions < end)
+        draft_end = jnp.minimum(end + spec.lookahead * spec.block_length, self.length)
+        drafts = (self.positions >= end) & (self.positions < draft_end)
+        block = Block(b, start, in_block, drafts, jnp.sum(self.masked(carry.tokens) & in_block))
+
+        def more_steps(state):
+            step, carry = state
+            if spec.threshold_rule or spec.stops_when_filled:
+                going = jnp.any(self.masked(carry.tokens) & in_block)
+            else:
+                going = step < spec.steps_per_block
+            return going & (step < max(spec.steps_per_block, spec.block_length)) & (carry.bad[0] == NOT_COMMITTED)
+
+        def one_step(state):
+            step, carry = state
+            return step + 1, self.step(block, step, carry)
+
+        return jax.lax.while_loop(more_steps, one_step, (jnp.int32(0), carry))[1]
+
+    def step(self, block: Block, step, carry: Carry) -> Carry:
+        masked = self.masked(carry.tokens)
+        if self.spec.base == "vanilla":
+            out = self.full(block, carry)
+        else:
+            out = jax.lax.cond(step == 0, lambda: self.full(block, carry), lambda: self.window(block, carry, masked))
+        chosen = self.chosen(block, step, masked, out.logp)
+        commit = chosen | (block.drafts & masked & (out.logp >= self.inputs.draft_cutoff))
+        failed = out.bad_position != NOT_COMMITTED
+        commit = commit & ~failed
+        useful = jnp.sum(out.computed & masked & (block.in_block | block.drafts))
+        record = jnp.stack([block.index, out.width, jnp.sum(out.computed), useful]).astype(jnp.int32)
+        return Carry(jnp.where(commit, out.x0, carry.tokens), out.keys, out.values, out.filled, carry.nfe + 1,
+                     jnp.where(commit, carry.nfe, carry.commit_nfe), jnp.where(commit, out.logp, carry.commit_logp),
+                     jax.lax.dynamic_update_index_in_dim(carry.steps, record, carry.nfe, axis=1),
+                     jnp.where(failed, jnp.stack([carry.nfe, out.bad_position]), carry.bad))
+
+    def chosen(self, block: Block, step, masked, logp):
+        """The block's masks committed by the rule."""
+        candidates = masked & block.in_block
+        rank = _ranks(logp, candidates, self.positions)
+        if self.spec.threshold_rule:
+            return candidates & ((logp >= self.inputs.commit_cutoff) | (rank == 0))
+        per_step, extra = divmod(block.masked_at_start, self.spec.steps_per_block)
+        return candidates & (rank < per_step + (step < extra))
+
+    def full(self, block: Block, carry: Carry) -> Computed:
+        valid = self.positions < self.length
+        out, keys, values = full_step(self.params, carry.tokens[None], valid[None], jnp.float32(0.0),
+                                      self.inputs.logit_bias, self.inputs.confidence_bias, config=self.config,
+                                      readout_spec=ARGMAX)
+        x0, logp = out.x0[0], out.logp[0]
+        bad = valid & (jnp.isnan(logp) | jnp.isposinf(logp))
+        cached_keys, cached_values, filled = carry.keys, carry.values, carry.filled
+        if self.spec.base != "vanilla":
+            keep = valid & (self.positions < block.start) if self.spec.base == "prefix-cache" else valid
+            cached_keys = _keep(keep, keys, carry.keys)
+            cached_values = _keep(keep, values, carry.values)
+            filled = filled | keep
+        return Computed(jnp.where(valid, x0, self.config.mask_token_id), jnp.where(valid, logp, -jnp.inf),
+                        cached_keys, cached_values, filled, jnp.int32(self.spec.slots), valid,
+                        _first(bad, self.positions))
+
+    def window(self, block: Block, carry: Carry, masked) -> Computed:
+        """The block (prefix-cache: and everything after it; speculation: and its first drafts) against
+        the cached K/V of every other filled position."""
+        if self.spec.base == "prefix-cache":
+            widths = self.spec.prefix_windows()
+            distinct = sorted(set(widths))
+            branches = [functools.partial(self._window_of, width, carry, block, masked) for width in distinct]
+            which = jnp.asarray([distinct.index(width) for width in widths], jnp.int32)[block.index]
+            return jax.lax.switch(which, branches)
+        return self._window_of(self.spec.block_window(), carry, block, masked)
+
+    def _window_of(self, width: int, carry: Carry, block: Block, masked) -> Computed:
+        slot = jnp.arange(width)
+        if self.spec.base == "prefix-cache":
+            window_pos = block.start + slot
+            window_valid = window_pos < self.length
+        else:
+            length = self.spec.block_length
+            window_pos = jnp.where(slot < length, block.start + slot, 0)
+            window_valid = slot < length
+            if self.spec.lookahead:
+                drafting = block.drafts & masked
+                order = jnp.cumsum(drafting) - 1
+                taken = drafting & (order < width - length)
+                placed = (jnp.where(taken, length + order, width)[None, :] == slot[:, None])  # [W, S]
+                window_pos = jnp.where(slot < length, window_pos, jnp.sum(placed * self.positions, axis=1))
+                window_valid = slot < length + jnp.sum(taken)
+        window_pos = jnp.where(window_valid, window_pos, 0).astype(jnp.int32)
+        at = (window_pos[:, None] == self.positions[None, :]) & window_valid[:, None]  # [W, S]
+        computed = jnp.any(at, axis=0)
+        visible = (self.positions < self.length) & carry.filled & ~computed
+        context = Context(carry.keys, carry.values, jnp.where(visible, 0.0, HIDDEN).astype(jnp.float32)[None])
+        out, _, _ = window_step(self.params, context, carry.tokens[window_pos][None], window_pos[None],
+                                window_valid[None], jnp.float32(0.0), self.inputs.logit_bias,
+                                self.inputs.confidence_bias, config=self.config, readout_spec=ARGMAX)
+        x0, logp = out.x0[0], out.logp[0]
+        bad = window_valid & (jnp.isnan(logp) | jnp.isposinf(logp))
+        return Computed(jnp.where(computed, jnp.sum(at * x0[:, None], axis=0), self.config.mask_token_id),
+                        jnp.max(jnp.where(at, logp[:, None], -jnp.inf), axis=0),
+                        carry.keys, carry.values, carry.filled, jnp.int32(width), computed, _first(bad, window_pos))
+
+
+def _ranks(logp, candidates, positions):
+    """Each position's rank among the candidates: how many have a higher log-probability, or an equal
+    one at a lower position."""
+    higher = (logp[None, :] > logp[:, None]) | ((logp[None, :] == logp[:, None]) & (positions[None, :] < positions[:, None]))
+    return jnp.sum(candidates[None, :] & higher, axis=1)
+
+
+def _keep(keep, proposed, cached):
+    return jnp.where(keep[None, None, :, None, None], proposed.astype(cached.dtype), cached)
+
+
+def _first(bad, positions):
+    """The position of the first True entry of `bad`, else NOT_COMMITTED."""
+    return jnp.where(jnp.any(bad), positions[jnp.argmax(bad)], NOT_COMMITTED).astype(jnp.int32)

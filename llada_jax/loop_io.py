@@ -1,0 +1,139 @@
+"""The compiled decode loop's static structure, inputs and outputs: plain data shared by the JAX loop
+(`llada_jax.decode_loop`), the exporter and the bundle runtime. No JAX here.
+
+Its trace is compact: per generated position the forward pass that committed it and that pass's log-
+probability; per forward pass its block, padded and real width and useful positions. With no revision
+(a committed token never changes in the compiled loop) that is everything a host-loop `StepRecord` holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import numpy as np
+
+from llada_jax.shapes import bucket
+
+NOT_COMMITTED = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopSpec:
+    """The static structure of one compiled loop: a canvas of `slots` positions (prompt + gen_length
+    fit in it), the base policy, speculation's lookahead and window, and the commit rule's kind."""
+
+    base: str             # vanilla, prefix-cache or dual-cache
+    threshold_rule: bool  # Fast-dLLM's threshold rule (else LLaDA's fixed schedule)
+    lookahead: int        # speculation: following blocks drafted (0: none)
+    spec_width: int       # speculation over dual-cache: window slots asked for (0: twice the block)
+    gen_length: int
+    block_length: int
+    steps: int
+    slots: int
+
+    @property
+    def num_blocks(self) -> int:
+        return self.gen_length // self.block_length
+
+    @property
+    def steps_per_block(self) -> int:
+        return self.steps // self.num_blocks
+
+    @property
+    def stops_when_filled(self) -> bool:
+        return self.base != "vanilla" or self.lookahead > 0
+
+    @property
+    def max_passes(self) -> int:
+        """Forward passes at most: a block takes its fixed steps, or one commit at least per pass."""
+        return self.num_blocks * max(self.steps_per_block, self.block_length)
+
+    def block_window(self) -> int:
+        """Slots of a dual-cache window step: the block, or the block and its drafts."""
+        wanted = (self.spec_width or 2 * self.block_length) if self.lookahead else self.block_length
+        return bucket(wanted, self.slots)
+
+    def prefix_windows(self) -> tuple[int, ...]:
+        """Slots of prefix-cache's window step in each block: the block and everything after it."""
+        return tuple(bucket(self.gen_length - b * self.block_length, self.slots) for b in range(self.num_blocks))
+
+    @property
+    def name(self) -> str:
+        """The compiled function's name: the setting and shape in a symbol-safe form."""
+        rule = "thr" if self.threshold_rule else "fixed"
+        spec = f"_la{self.lookahead}w{self.spec_width}" if self.lookahead else ""
+        return (f"loop_{self.base.replace('-', '')}{spec}_{rule}_g{self.gen_length}_b{self.block_length}"
+                f"_n{self.steps}_s{self.slots}")
+
+
+@dataclasses.dataclass(frozen=True)
+class BakedLoops:
+    """A decoding setting compiled into a bundle: one loop per canvas size, and its thresholds (runtime
+    inputs of the loop, baked into the bundle's run.sh)."""
+
+    setting: str                 # POLICY[@THRESHOLD], as `--policy` takes it
+    specs: tuple[LoopSpec, ...]
+    threshold: float | None
+    draft_threshold: float
+
+    def manifest(self) -> dict:
+        """What a bundle's manifest records of the setting its loops were baked for."""
+        first = self.specs[0]
+        return {"setting": self.setting, "threshold": self.threshold, "draft_threshold": self.draft_threshold,
+                "gen_length": first.gen_length, "block_length": first.block_length, "steps": first.steps,
+                "commit_cutoff": float(log_cutoff(self.threshold if self.threshold is not None else 1.0)),
+                "draft_cutoff": float(log_cutoff(self.draft_threshold))}
+
+
+def log_cutoff(threshold: float) -> np.float32:
+    """The smallest float32 log-probability x with exp(float64(x)) >= threshold: on the device,
+    `logp >= cutoff` decides exactly what the host decides with `exp(logp) >= threshold`."""
+    if threshold <= 0.0:
+        return np.float32(-np.inf)
+    # Non-positive float32 values, as int32 bit patterns, grow with magnitude: bisect the pattern.
+    low, high = 0, int(np.float32(-np.inf).view(np.int32) & 0x7FFFFFFF)  # 0.0 passes; -inf does not
+
+    def passes(bits: int) -> bool:
+        value = np.int32(bits | -0x80000000).view(np.float32) if bits else np.float32(0.0)
+        return bool(np.exp(np.float64(value)) >= threshold)
+
+    while high - low > 1:  # invariant: passes(low), not passes(high)
+        middle = (low + high) // 2
+        low, high = (middle, high) if passes(middle) else (low, middle)
+    return np.int32(low | -0x80000000).view(np.float32) if low else np.float32(0.0)
+
+
+class LoopInputs(NamedTuple):
+    """The compiled loop's runtime inputs, in call order (weights come first, bound by the backend)."""
+
+    prompt: np.ndarray           # [slots] int32: the prompt, then anything
+    prompt_len: np.ndarray       # [] int32
+    logit_bias: np.ndarray       # [E] float32
+    confidence_bias: np.ndarray  # [E] float32
+    commit_cutoff: np.ndarray    # [] float32: the threshold rule's log_cutoff (unused by the fixed schedule)
+    draft_cutoff: np.ndarray     # [] float32: speculation's log_cutoff (unused without it)
+
+
+class LoopOutputs(NamedTuple):
+    """The compiled loop's outputs, in return order."""
+
+    generated: np.ndarray    # [gen_length] int32
+    nfe: np.ndarray          # [] int32
+    commit_nfe: np.ndarray   # [gen_length] int32: the pass that committed each position (0-based)
+    commit_logp: np.ndarray  # [gen_length] float32: its log-probability then
+    step_block: np.ndarray   # [max_passes] int32, per pass
+    step_width: np.ndarray   # [max_passes] int32: padded positions computed
+    step_real: np.ndarray    # [max_passes] int32: real positions computed
+    step_useful: np.ndarray  # [max_passes] int32
+    bad_pass: np.ndarray     # [] int32: the pass whose readout was not finite, else NOT_COMMITTED
+    bad_position: np.ndarray  # [] int32: its first such canvas position
+
+
+def loop_inputs(prompt: np.ndarray, spec: LoopSpec, biases, threshold: float | None,
+                draft_threshold: float) -> LoopInputs:
+    padded = np.zeros(spec.slots, np.int32)
+    padded[: len(prompt)] = prompt
+    return LoopInputs(padded, np.asarray(len(prompt), np.int32), biases.logit_bias, biases.confidence_bias,
+                      np.asarray(log_cutoff(threshold if threshold is not None else 1.0), np.float32),
+                      np.asarray(log_cutoff(draft_threshold), np.float32))

@@ -1,0 +1,99 @@
+"""The decode loop compiled into one function, from the decoding side: which settings it covers, the loops
+a bundle bakes for a setting, and the host loop's `Result` rebuilt from its outputs. No JAX here: bundles
+run it through IREE.
+
+The compiled loop (`llada_jax.decode_loop`) runs the same decoders as the host loop (`policies.loop`):
+vanilla, prefix-cache and dual-cache, optionally with multi-block speculation, under LLaDA's fixed
+schedule or the threshold rule, at temperature 0, low-confidence remasking, without CFG. Revision's side
+path, weight staging, CFG, temperature > 0 and random remasking stay on the host loop.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from llada_jax.errors import LladaError
+from llada_jax.loop_io import NOT_COMMITTED, BakedLoops, LoopOutputs, LoopSpec, loop_inputs
+from llada_jax.readout import nonfinite_error
+from policies.cache_policies import CACHE_POLICIES
+from policies.loop import Result, StepRecord
+from policies.registry import make_policy
+from policies.sampling import Sampler
+from policies.schedule import Schedule, ThresholdRule, make_rule, rank
+from policies.speculative import Speculative
+
+
+def loop_spec(policy, rule, sampler, cfg: bool, schedule: Schedule, slots: int) -> LoopSpec | None:
+    """The compiled loop of this setting, or None when only the host loop runs it."""
+    if cfg or sampler.temperature != 0.0 or sampler.remasking != "low_confidence":
+        return None
+    lookahead, width = 0, 0
+    if isinstance(policy, Speculative):
+        policy, lookahead, width = policy.base, policy.lookahead, policy.width
+    if type(policy) not in CACHE_POLICIES.values():
+        return None  # revision, or speculation over revision
+    return LoopSpec(policy.name, isinstance(rule, ThresholdRule), lookahead, width, schedule.gen_length,
+                    schedule.block_length, schedule.steps, slots)
+
+
+def baked_loops(policy: str, threshold: float | None, gen_length: int, block_length: int, steps: int,
+                slot_sizes) -> BakedLoops:
+    """The compiled loops a bundle needs to run this setting at temperature 0: one per canvas size that can
+    hold a prompt and the generated tokens. A setting only the host loop runs is a one-line error."""
+    schedule = Schedule(int(gen_length), int(block_length), int(steps))
+    decoding_policy = make_policy(policy)
+    rule = make_rule(schedule, threshold)
+    sizes = [size for size in sorted(set(slot_sizes)) if size > schedule.gen_length]
+    if not sizes:
+        raise LladaError(f"gen_length={schedule.gen_length} leaves no room for a prompt in canvases of at most "
+                         f"{max(slot_sizes)} positions (raise --max-len)")
+    specs = tuple(loop_spec(decoding_policy, rule, Sampler(), False, schedule, size) for size in sizes)
+    if specs[0] is None:
+        raise LladaError(f"policy {policy!r} runs only on the host loop: the compiled loop covers vanilla, "
+                         "prefix-cache and dual-cache (+speculative)")
+    setting = policy if threshold is None else f"{policy}@{threshold}"
+    return BakedLoops(setting, specs, threshold, draft_threshold_of(decoding_policy))
+
+
+def result_from(outputs: LoopOutputs, spec: LoopSpec, prompt_len: int, wall_s: float) -> Result:
+    """The `Result` the host loop would have returned: the trace rebuilt pass by pass (current-block
+    commits in rank order, then drafts in position order, as `policies.loop` records them)."""
+    nfe = int(outputs.nfe)
+    committed_by = np.asarray(outputs.commit_nfe)
+    logp = np.asarray(outputs.commit_logp, np.float64)
+    generated = np.asarray(outputs.generated, np.int64)
+    trace = []
+    for n in range(nfe):
+        block = int(outputs.step_block[n])
+        block_end = prompt_len + (block + 1) * spec.block_length
+        mine = np.zeros(spec.slots, bool)
+        mine[prompt_len: prompt_len + spec.gen_length] = committed_by == n
+        order = np.full(spec.slots, -np.inf)
+        order[prompt_len: prompt_len + spec.gen_length] = logp
+        chosen = rank(order, mine & (np.arange(spec.slots) < block_end))
+        drafts = np.flatnonzero(mine & (np.arange(spec.slots) >= block_end))
+        positions = np.concatenate([chosen, drafts])
+        offsets = positions - prompt_len
+        trace.append(StepRecord(n, block, "full" if int(outputs.step_width[n]) == spec.slots else "window",
+                                int(outputs.step_real[n]), int(outputs.step_width[n]), int(outputs.step_useful[n]),
+                                tuple(int(p) for p in positions), tuple(int(t) for t in generated[offsets]),
+                                tuple(float(c) for c in np.exp(logp[offsets])), len(drafts)))
+    return Result(generated, nfe, wall_s, tuple(trace), prompt_len, {"loop": "compiled"})
+
+
+def run_compiled(compiled, spec: LoopSpec, prompt: np.ndarray, biases, threshold: float | None,
+                 draft_threshold: float) -> Result:
+    """One generation through a backend's compiled loop; a non-finite readout is the host loop's error."""
+    started = time.perf_counter()
+    outputs = compiled(loop_inputs(prompt, spec, biases, threshold, draft_threshold))
+    wall_s = time.perf_counter() - started
+    if int(outputs.bad_pass) != NOT_COMMITTED:
+        raise nonfinite_error(int(outputs.bad_pass), int(outputs.bad_position))
+    return result_from(outputs, spec, len(prompt), wall_s)
+
+
+def draft_threshold_of(policy) -> float:
+    return policy.draft_threshold if isinstance(policy, Speculative) else 1.0
+
