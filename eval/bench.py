@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from eval.task_eval import BLOCK_LENGTH, GEN_LENGTH, answer_text
-from policies.registry import DecoderSetting
+from policies.compiled_loop import loop_covers
+from policies.registry import DecoderSetting, make_policy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,12 +54,13 @@ def step_flops(config, width: int, context: int) -> float:
 
 
 def run_setting(generate, config, setting: DecoderSetting, prompts: list[Prompt], tokenizer, steps: int,
-                block_length: int = BLOCK_LENGTH) -> dict:
+                block_length: int = BLOCK_LENGTH, loop: str = "auto", label: str | None = None) -> dict:
     latencies, nfes, utilisation, correct, revisions, flops, floor_flops = [], [], [], [], [], 0.0, 0.0
-    side_seconds, side_waited = [], []
+    side_seconds, side_waited, loops_used = [], [], set()
     for prompt in prompts:
         result = generate(prompt.ids, gen_length=GEN_LENGTH, block_length=block_length, steps=steps,
-                          policy=setting.policy, threshold=setting.threshold)
+                          policy=setting.policy, threshold=setting.threshold, loop=loop)
+        loops_used.add(result.stats.get("loop", "host"))
         side_seconds.append(result.stats.get("side_seconds", 0.0))
         side_waited.append(result.stats.get("side_wait_seconds", 0.0) if result.stats.get("side_concurrent")
                            else side_seconds[-1])
@@ -74,7 +76,7 @@ def run_setting(generate, config, setting: DecoderSetting, prompts: list[Prompt]
             text = answer_text(tokenizer, result.output_ids, config)
             correct.append(prompt.score(text, prompt.answer))
     total = sum(latencies)
-    return {"setting": str(setting), "median_latency_s": statistics.median(latencies), "total_s": total,
+    return {"setting": label or str(setting), "loop": "+".join(sorted(loops_used)), "median_latency_s": statistics.median(latencies), "total_s": total,
             "tokens_per_s": GEN_LENGTH * len(prompts) / total, "mean_nfe": float(np.mean(nfes)),
             "window_utilisation": float(np.mean(utilisation)), "revisions_per_answer": float(np.mean(revisions)),
             "accuracy": float(np.mean(correct)) if correct else None, "achieved_gflops": flops / total / 1e9,
@@ -90,21 +92,27 @@ def add_ratios(rows: list[dict], peak: float) -> None:
         floor_s = row.pop("floor_gflop") / peak
         row["times_floor"] = row["total_s"] / floor_s if floor_s > 0 else None
         for base in ("vanilla", "prefix-cache"):
-            if base in by_name:
-                row[f"speedup_vs_{base}"] = by_name[base]["median_latency_s"] / row["median_latency_s"]
+            reference = by_name.get(base) or by_name.get(f"{base} [host]")
+            if reference is not None:
+                row[f"speedup_vs_{base}"] = reference["median_latency_s"] / row["median_latency_s"]
 
 
 def bench(generate, config, tokenizer, settings: list[DecoderSetting], prompts: list[Prompt], steps: int,
-          progress=None, block_length: int = BLOCK_LENGTH) -> dict:
-    """Warm every setting once (compilation), then measure them all on the same prompts."""
-    for setting in settings:
+          progress=None, block_length: int = BLOCK_LENGTH, loops: tuple[str, ...] = ("auto",)) -> dict:
+    """Warm every setting once (compilation), then measure them all on the same prompts. `loops`: the
+    decode loops to run each setting with ("host", "compiled", "auto"); with several, every row is
+    labelled with its loop (a setting the compiled loop does not cover gets only its host row)."""
+    runs = [(setting, loop) for setting in settings for loop in loops
+            if loop != "compiled" or len(loops) == 1 or loop_covers(make_policy(setting.policy))]
+    for setting, loop in runs:
         generate(prompts[0].ids, gen_length=GEN_LENGTH, block_length=block_length, steps=steps,
-                 policy=setting.policy, threshold=setting.threshold)
+                 policy=setting.policy, threshold=setting.threshold, loop=loop)
     rows = []
-    for setting in settings:
+    for setting, loop in runs:
+        label = str(setting) if len(loops) == 1 else f"{setting} [{loop}]"
         if progress:
-            progress(f"bench {setting} over {len(prompts)} prompts")
-        rows.append(run_setting(generate, config, setting, prompts, tokenizer, steps, block_length))
+            progress(f"bench {label} over {len(prompts)} prompts")
+        rows.append(run_setting(generate, config, setting, prompts, tokenizer, steps, block_length, loop, label))
     peak = matmul_peak_gflops()
     add_ratios(rows, peak)
     return {"peak_gflops": peak, "prompts": len(prompts), "gen_length": GEN_LENGTH, "block_length": block_length,
@@ -112,7 +120,7 @@ def bench(generate, config, tokenizer, settings: list[DecoderSetting], prompts: 
 
 
 TABLE = [  # (field, header, width, decimals)
-    ("setting", "setting", 40, None), ("median_latency_s", "lat(s)", 8, 4), ("tokens_per_s", "tok/s", 7, 0),
+    ("setting", "setting", 40, None), ("loop", "loop", 8, None), ("median_latency_s", "lat(s)", 8, 4), ("tokens_per_s", "tok/s", 7, 0),
     ("mean_nfe", "NFE", 6, 1), ("window_utilisation", "util", 5, 2), ("accuracy", "acc", 6, 3),
     ("revisions_per_answer", "rev", 5, 2), ("side_seconds_per_answer", "side(s)", 8, 4),
     ("side_hidden_fraction", "hidden", 6, 2), ("speedup_vs_vanilla", "x/van", 6, 2),

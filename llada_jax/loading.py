@@ -20,7 +20,11 @@ from llada_jax.quant_config import default_group_size, planned_modules
 from llada_jax.quantize import QuantScheme
 from llada_jax.staging import StagedWeights, pack_weights
 from llada_jax.tokenizer import Tokenizer, eot_id_from_files, load_tokenizer
-from llada_jax.weights_io import check_finite_weights, checkpoint_quantization, iter_tensors
+from llada_jax.weights_io import (
+    check_finite_weights,
+    checkpoint_quantization,
+    iter_tensors,
+)
 
 
 @dataclasses.dataclass(frozen=True)

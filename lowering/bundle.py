@@ -93,11 +93,11 @@ def compile_module(text: str, flags: tuple[str, ...], out: Path) -> float:
 
 def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, window: int = 64,
                    dtype: str = "float32", copy_weights: bool = True, device_memory_budget: int | None = None,
-                   loops: BakedLoops | None = None, progress=None) -> Path:
+                   loops: tuple[BakedLoops, ...] = (), progress=None) -> Path:
     """Compile every step for canvases up to `max_len` and windows up to `window` into a bundle; with a
     device memory budget smaller than the weights, the per-layer pieces that staged execution streams
-    weights through take the place of the resident steps. `loops`: a decoding setting whose compiled
-    decode loops go beside the steps, with a `run.sh` that runs them without Python."""
+    weights through take the place of the resident steps. `loops`: decoding settings whose compiled
+    decode loops go beside the steps, with a `run.sh` that runs the first one without Python."""
     tgt = target(target_name)
     model_dir, out_dir = Path(model_dir).absolute(), Path(out_dir).absolute()
     if not model_dir.is_dir():
@@ -111,7 +111,7 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
     stored = stored_dtype(model_dir)
     specs, loops = _functions_to_compile(config, max_len, window, device_memory_budget, loops, tgt.driver,
                                          progress)
-    loop_specs = loops.specs if loops is not None else ()
+    loop_specs = list(dict.fromkeys(spec for baked in loops for spec in baked.specs))  # thresholds are inputs
     if any(spec.slots not in canvas_sizes(max_len) for spec in loop_specs):
         raise LladaError(f"a decode loop's canvas is not one of this bundle's sizes {canvas_sizes(max_len)}")
     say = progress or (lambda message: None)
@@ -124,8 +124,8 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
         say(f"compiling for {tgt.name} ({tgt.note or tgt.driver})")
         seconds = compile_module(module, tgt.flags, staging / VMFB)
         weights = _place_weights(model_dir, staging, copy_weights)
-        if loops is not None:
-            write_run_script(staging, loops, config, LOOP_DRIVER, weights)
+        if loops:
+            write_run_script(staging, loops[0], config, LOOP_DRIVER, weights)
         for name in TOKENIZER_FILES:
             if (model_dir / name).is_file():
                 shutil.copyfile(model_dir / name, staging / name)
@@ -137,7 +137,7 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
             "compile_seconds": round(seconds, 2), "weights": weights,
             "steps": [signature_manifest(spec, config, compute) for spec in specs],
             "loops": [loop_manifest(spec, function) for spec, function in zip(loop_specs, functions[len(specs):])],
-            "decoding": loops.manifest() if loops is not None else None, "loop_driver": LOOP_DRIVER,
+            "decoding": [baked.manifest() for baked in loops], "loop_driver": LOOP_DRIVER,
             "files": {p.name: sha256(p) for p in sorted(staging.iterdir()) if p.is_file()},
         }
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
@@ -149,26 +149,26 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
     return out_dir
 
 
-def _functions_to_compile(config, max_len: int, window: int, budget: int | None, loops: BakedLoops | None,
-                          driver: str, progress) -> tuple[list, BakedLoops | None]:
+def _functions_to_compile(config, max_len: int, window: int, budget: int | None, loops: tuple, driver: str,
+                          progress) -> tuple[list, tuple]:
     """The steps of every shape (per-layer pieces in place of the resident steps when the weights exceed
     the device memory budget: they would not fit), and the decode loops unless the weights stream or the
     target is a GPU."""
     specs = step_specs(max_len, window)
-    if loops is not None and driver != "local-task":
+    if loops and driver != "local-task":
         (progress or print)(f"no compiled decode loop for {driver}: IREE {iree_version()} runs loops on it wrongly "
                             "(transient buffers inside the loop); the bundle runs the host loop")
-        loops = None
+        loops = ()
     if budget is None:
         return specs, loops
     if budget <= 0:
         raise LladaError(f"device memory budget must be a positive number of bytes, got {budget}")
     if not runs_staged(budget, config):
         return specs, loops
-    if loops is not None:
+    if loops:
         (progress or print)("the weights are streamed per layer: the bundle runs the host loop only "
                             "(no compiled decode loop, no run.sh)")
-    return staged_specs(specs) + [spec for spec in specs if spec.kind == "commit"], None
+    return staged_specs(specs) + [spec for spec in specs if spec.kind == "commit"], ()
 
 
 def _place_weights(model_dir: Path, staging: Path, copy: bool) -> dict:

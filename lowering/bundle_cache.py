@@ -14,9 +14,10 @@ from lowering.bundle_format import FORMAT_VERSION, MANIFEST, sha256
 
 
 def cached_bundle(model_dir, target: str, *, dtype: str = "float32", max_len: int | None = None,
-                  window: int | None = None, device_memory_budget: int | None = None, progress=None) -> Path:
-    """A bundle for this model (by content), target, dtype, shapes, staged weight layouts and IREE version;
-    compiled if absent."""
+                  window: int | None = None, device_memory_budget: int | None = None, loops: tuple = (),
+                  progress=None) -> Path:
+    """A bundle for this model (by content), target, dtype, shapes, staged weight layouts, compiled decode
+    loops and IREE version; compiled if absent."""
     model_dir = Path(model_dir).absolute()
     config = read_config(model_dir)
     max_len = max_len or config.max_sequence_length
@@ -26,9 +27,10 @@ def cached_bundle(model_dir, target: str, *, dtype: str = "float32", max_len: in
                       "weights": [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in weights],
                       "target": target, "dtype": dtype, "max_len": max_len, "window": window,
                       "budget": device_memory_budget, "format": FORMAT_VERSION, "iree": iree_version(),
-                      "staged_layouts": [layer_layout(config).entries, head_layout(config).entries]}, sort_keys=True)
+                      "staged_layouts": [layer_layout(config).entries, head_layout(config).entries],
+                      "loops": sorted({spec.name for baked in loops for spec in baked.specs})}, sort_keys=True)
     out = user_cache_dir("bundles") / hashlib.sha256(key.encode()).hexdigest()[:20]
     if not (out / MANIFEST).is_file():
         compile_bundle(model_dir, target, out, max_len=max_len, window=window, dtype=dtype, copy_weights=False,
-                       device_memory_budget=device_memory_budget, progress=progress)
+                       device_memory_budget=device_memory_budget, loops=loops, progress=progress)
     return out

@@ -27,15 +27,19 @@ from policies.speculative import Speculative
 
 def loop_spec(policy, rule, sampler, cfg: bool, schedule: Schedule, slots: int) -> LoopSpec | None:
     """The compiled loop of this setting, or None when only the host loop runs it."""
-    if cfg or sampler.temperature != 0.0 or sampler.remasking != "low_confidence":
+    if cfg or sampler.temperature != 0.0 or sampler.remasking != "low_confidence" or not loop_covers(policy):
         return None
     lookahead, width = 0, 0
     if isinstance(policy, Speculative):
         policy, lookahead, width = policy.base, policy.lookahead, policy.width
-    if type(policy) not in CACHE_POLICIES.values():
-        return None  # revision, or speculation over revision
     return LoopSpec(policy.name, isinstance(rule, ThresholdRule), lookahead, width, schedule.gen_length,
                     schedule.block_length, schedule.steps, slots)
+
+
+def loop_covers(policy) -> bool:
+    """A cache policy, or speculation over one (not revision: its side path runs on the host)."""
+    base = policy.base if isinstance(policy, Speculative) else policy
+    return type(base) in CACHE_POLICIES.values()
 
 
 def baked_loops(policy: str, threshold: float | None, gen_length: int, block_length: int, steps: int,
@@ -49,10 +53,10 @@ def baked_loops(policy: str, threshold: float | None, gen_length: int, block_len
     if not sizes:
         raise LladaError(f"gen_length={schedule.gen_length} leaves no room for a prompt in canvases of at most "
                          f"{max(slot_sizes)} positions (raise --max-len)")
-    specs = tuple(loop_spec(decoding_policy, rule, Sampler(), False, schedule, size) for size in sizes)
-    if specs[0] is None:
+    if not loop_covers(decoding_policy):
         raise LladaError(f"policy {policy!r} runs only on the host loop: the compiled loop covers vanilla, "
                          "prefix-cache and dual-cache (+speculative)")
+    specs = tuple(loop_spec(decoding_policy, rule, Sampler(), False, schedule, size) for size in sizes)
     setting = policy if threshold is None else f"{policy}@{threshold}"
     return BakedLoops(setting, specs, threshold, draft_threshold_of(decoding_policy))
 

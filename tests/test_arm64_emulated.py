@@ -3,13 +3,18 @@ aarch64 runtime and give the host's outputs."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+
 import numpy as np
 import pytest
 
+from llada_jax.cli import main
 from llada_jax.locations import user_cache_dir
 from llada_jax.readout import ReadoutSpec, TokenBiases
 from lowering.bundle import compile_bundle
-from lowering.emulation import emulator_available, run_module, runtime_tools_dir
+from lowering.emulation import QEMU, SYSROOT, emulator_available, run_module, runtime_tools_dir
 from lowering.runtime import IreeBackend, Session, load_bundle
 from tests.conftest import TINY, require
 
@@ -37,3 +42,21 @@ def test_arm64_step_under_qemu_matches_host(tiny_dir, tmp_path, tools, target):
     assert x0[:, :13].tolist() == want.readout.x0[:, :13].tolist()
     np.testing.assert_allclose(logp[:, :13], want.readout.logp[:, :13], atol=1e-4)
     np.testing.assert_allclose(keys[:, :, :13], session.read(want.keys)[:, :, :13], atol=1e-4)
+
+
+def test_linux_arm64_run_script_under_qemu_prints_the_host_ids(tiny_dir, tmp_path, tools, capsys):
+    """No Python on the device: the bundle's run.sh drives IREE's aarch64 iree-run-module (here under qemu)
+    through the compiled decode loop and prints what `llada generate --json` gives on the host."""
+    setting = ["--policy", "dual-cache+speculative", "--threshold", "0.9", "--gen-length", "16", "--block-length", "8",
+               "--steps", "16"]
+    assert main(["compile", "--model", str(tiny_dir), "--target", "linux-arm64", "--out", str(tmp_path / "arm"),
+                 "--max-len", "32", "--window", "16", *setting]) == 0
+    capsys.readouterr()
+    command = f"{QEMU} -L {SYSROOT} {tools / 'iree-run-module'}"
+    for ids in ("1,2,3", "9,8,7,6,5,4,3,2,1,0,11,12,13"):
+        proc = subprocess.run([str(tmp_path / "arm" / "run.sh"), ids], capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "IREE_RUN_MODULE": command})
+        assert proc.returncode == 0, proc.stderr
+        assert main(["generate", "--model", str(tiny_dir), "--prompt-ids", ids, "--json", *setting]) == 0
+        want = json.loads(capsys.readouterr().out)["output_ids"]
+        assert proc.stdout.splitlines()[-1] == ",".join(map(str, want))

@@ -76,7 +76,9 @@ def _host_side_path(opened: OpenBundle):
     JAX is installed (a phone's runtime has none: the side path then runs inline on the IREE backend)."""
     def side(backend: IreeBackend) -> SideBackend | None:
         try:
-            from llada_jax.backends.host_side_path import host_side_backend  # imports JAX
+            from llada_jax.backends.host_side_path import (
+                host_side_backend,  # imports JAX
+            )
         except ImportError:
             return None
         return host_side_backend(backend, _weights_dir(opened.bundle))

@@ -18,7 +18,13 @@ from llada_jax.config import LLaDAConfig
 from llada_jax.layered import head_chunk_step, layer_step
 from llada_jax.packing import head_chunks, head_layout, layer_layout
 from llada_jax.readout import ReadoutSpec, StepOutput, TokenBiases, chunk_biases
-from llada_jax.staging import StagedWeights, StagingRing, StagingStats, staged_full, staged_window
+from llada_jax.staging import (
+    StagedWeights,
+    StagingRing,
+    StagingStats,
+    staged_full,
+    staged_window,
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,11 +12,13 @@ import numpy as np
 from eval.bench import Prompt, bench, format_table, plot
 from eval.bench_lowering import bench_model_dir
 from eval.gsm8k import extract_answer, load_problems, prompt_text, same_number
+from eval.task_eval import GEN_LENGTH
 from eval.tasks import exact_match, held_out
 from llada_jax.cli.flags import add_model_flags
 from llada_jax.cli.runner import add_runner_flags, generation_runner
 from llada_jax.errors import LladaError
-from policies.registry import DecoderSetting
+from policies.compiled_loop import loop_covers
+from policies.registry import DecoderSetting, make_policy
 
 DEFAULT_BENCH = ["vanilla", "prefix-cache", "dual-cache", "dual-cache@0.9", "dual-cache+speculative@0.9",
                  "dual-cache+speculative+revision@0.7"]
@@ -41,10 +43,12 @@ def cmd_bench(args) -> None:
     settings = [DecoderSetting.parse(spec) for spec in (args.policy or DEFAULT_BENCH)]
     if args.bench_size:
         args.model = str(bench_model_dir(Path(tempfile.gettempdir()) / "llada-bench"))
-    config, tokenizer, run = generation_runner(args)
+    loops = ("host", "compiled") if args.loop == "both" else (args.loop,)
+    baked = [(s.policy, s.threshold, GEN_LENGTH, args.block_length, args.steps) for s in settings
+             if loops != ("host",) and loop_covers(make_policy(s.policy))]
+    config, tokenizer, run = generation_runner(args, baked)
     report = bench(run, config, tokenizer, settings, bench_prompts(args, tokenizer, config), args.steps,
-                   progress=lambda m: print(m, file=sys.stderr),
-                   block_length=args.block_length)
+                   progress=lambda m: print(m, file=sys.stderr), block_length=args.block_length, loops=loops)
     if args.plot:
         plot(report, args.plot)
     print(json.dumps(report["rows"]) if args.json else format_table(report))
@@ -61,6 +65,8 @@ def add_bench(commands) -> None:
     be.add_argument("--limit", type=int, default=None, help="prompts (per family for the tasks)")
     be.add_argument("--steps", type=int, default=32)
     be.add_argument("--block-length", type=int, default=8, help="block length of the 32-token answers")
+    be.add_argument("--loop", choices=("auto", "host", "compiled", "both"), default="auto",
+                    help="decode loop per setting; both: a host-loop and a compiled-loop row for each")
     be.add_argument("--plot", default=None, help="PNG: latency vs accuracy")
     be.add_argument("--json", action="store_true")
     be.set_defaults(run=cmd_bench)

@@ -5,19 +5,24 @@ from __future__ import annotations
 
 import sys
 
-from llada_jax.cli.flags import add_loop_flags, add_model_flags, baked_setting, model_dir
+from llada_jax.cli.flags import (
+    add_loop_flags,
+    add_model_flags,
+    baked_setting,
+    model_dir,
+)
 from lowering.bundle import compile_bundle
 from lowering.export import canvas_sizes
 from lowering.run_script import SCRIPT
 
 
 def cmd_compile(args) -> None:
-    loops = baked_setting(args, canvas_sizes(args.max_len)) if args.max_len > 0 else None
+    loops = baked_setting(args, canvas_sizes(args.max_len)) if args.max_len > 0 else ()
     out = compile_bundle(model_dir(args), args.target, args.out, max_len=args.max_len,
                          window=args.window, dtype=args.dtype, copy_weights=not args.link_weights,
                          device_memory_budget=args.device_memory_budget, loops=loops,
                          progress=lambda message: print(message, file=sys.stderr))
-    script = f"; run it without Python: {out / SCRIPT} ID,ID,..." if loops is not None else ""
+    script = f"; run it without Python: {out / SCRIPT} ID,ID,..." if (out / SCRIPT).is_file() else ""
     print(f"bundle written to {out}{script}")
 
 

@@ -7,7 +7,13 @@ from pathlib import Path
 
 from eval import gsm8k, humaneval, task_eval
 from eval.sandbox import Limits
-from llada_jax.cli.flags import DEFAULT_POLICY, add_decoding_flags, add_model_flags, decoding_kwargs, load_model
+from llada_jax.cli.flags import (
+    DEFAULT_POLICY,
+    add_decoding_flags,
+    add_model_flags,
+    decoding_kwargs,
+    load_model,
+)
 from llada_jax.errors import LladaError
 from policies.registry import DecoderSetting
 

@@ -12,8 +12,9 @@ from llada_jax.errors import LladaError
 from llada_jax.locations import default_model_dir, user_cache_dir
 from llada_jax.qlinear import ACTIVATIONS
 from llada_jax.weights_io import check_finite_weights
-from policies.compiled_loop import baked_loops
-from policies.registry import DecoderSetting, with_modifier
+from policies.compiled_loop import baked_loops, loop_covers
+from policies.generation import LOOPS
+from policies.registry import DecoderSetting, make_policy, with_modifier
 
 # The default decoder of generate and eval: on the embedded model's held-out tasks it scores as well as
 # vanilla or better (94.5% vs 92.75% on 400 tasks) at ~20x its speed (README's speculation table).
@@ -45,6 +46,9 @@ def add_decoding_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--confirmations", type=int, default=None, help="revision: agreeing re-scorings to become stable")
     parser.add_argument("--threshold", type=float, default=None, help="commit all tokens with confidence >= this")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--loop", choices=LOOPS, default="auto",
+                        help="auto: the compiled decode loop where it covers the setting (temperature 0, no CFG, no "
+                             "revision, resident weights), else the host loop")
     parser.add_argument("--forbid-eos", action="store_true", help="never predict EOS (logits set to -inf)")
     parser.add_argument("--no-eos-confidence", action="store_true", help="EOS/EoT predictions get confidence 0")
 
@@ -64,12 +68,12 @@ def add_loop_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def baked_setting(args, slot_sizes):
-    """The compiled loops the flags of `add_loop_flags` ask for (None with --no-loop)."""
+    """The compiled loops the flags of `add_loop_flags` ask for (none with --no-loop)."""
     if args.no_loop:
-        return None
+        return ()
     steps = args.steps if args.steps is not None else args.gen_length
-    return baked_loops(policy_spec(args), commit_threshold(args), args.gen_length, args.block_length, steps,
-                       slot_sizes)
+    return (baked_loops(policy_spec(args), commit_threshold(args), args.gen_length, args.block_length, steps,
+                        slot_sizes),)
 
 
 def policy_spec(args) -> str:
@@ -99,7 +103,18 @@ def decoding_kwargs(args) -> dict:
             "steps": args.steps if args.steps is not None else args.gen_length,
             "temperature": args.temperature, "cfg_scale": args.cfg_scale, "remasking": args.remasking,
             "policy": policy_spec(args), "threshold": commit_threshold(args), "seed": args.seed,
-            "logits_eos_inf": args.forbid_eos, "confidence_eos_eot_inf": args.no_eos_confidence}
+            "logits_eos_inf": args.forbid_eos, "confidence_eos_eot_inf": args.no_eos_confidence, "loop": args.loop}
+
+
+def loop_settings(args) -> list[tuple]:
+    """The (policy, threshold, gen_length, block_length, steps) a bundle compiled on the fly should bake a
+    decode loop for: the decoding flags' setting, when the compiled loop can run it."""
+    kwargs = decoding_kwargs(args)
+    if kwargs["temperature"] != 0.0 or kwargs["cfg_scale"] != 0.0 or kwargs["remasking"] != "low_confidence":
+        return []
+    if args.loop == "host" or not loop_covers(make_policy(kwargs["policy"])):
+        return []
+    return [(kwargs["policy"], kwargs["threshold"], kwargs["gen_length"], kwargs["block_length"], kwargs["steps"])]
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:

@@ -10,7 +10,13 @@ import sys
 import numpy as np
 
 from eval.trace_plot import plot_trace
-from llada_jax.cli.flags import add_decoding_flags, add_model_flags, decoding_kwargs, policy_arg
+from llada_jax.cli.flags import (
+    add_decoding_flags,
+    add_model_flags,
+    decoding_kwargs,
+    loop_settings,
+    policy_arg,
+)
 from llada_jax.cli.runner import add_runner_flags, generation_runner
 from llada_jax.compilation import compile_clock
 from llada_jax.display import LiveCanvas
@@ -46,7 +52,7 @@ def compile_timing(args):
 
 
 def cmd_generate(args) -> None:
-    config, tokenizer, run = generation_runner(args)
+    config, tokenizer, run = generation_runner(args, loop_settings(args))
     ids = prompt_ids(args, tokenizer)
     live = sys.stderr.isatty() and not args.json and not args.no_visual
     canvas = LiveCanvas(tokenizer, config.special_ids_in_vocab(config.eos_token_id, config.eot_token_id))

@@ -9,8 +9,11 @@ import sys
 from llada_jax.api import generate
 from llada_jax.bundle_runner import bundle_runner
 from llada_jax.cli.flags import load_model, model_dir
+from llada_jax.config import read_config
 from llada_jax.errors import LladaError
 from lowering.bundle_cache import cached_bundle
+from lowering.export import canvas_sizes
+from policies.compiled_loop import baked_loops
 
 
 def add_runner_flags(parser: argparse.ArgumentParser) -> None:
@@ -22,9 +25,11 @@ def add_runner_flags(parser: argparse.ArgumentParser) -> None:
                         help="device memory for weights + KV state; smaller than the weights: stage them per layer")
 
 
-def generation_runner(args):
+def generation_runner(args, loops: list[tuple] = ()):
     """(config, tokenizer, generate(ids, **options)) for the chosen model and backend. A bundle runs through
-    the bundle runner: IREE steps, no JAX in the generation (the CLI process itself has JAX loaded)."""
+    the bundle runner: IREE steps, no JAX in the generation (the CLI process itself has JAX loaded). A bundle
+    compiled on the fly bakes a decode loop for each of `loops` (policy, threshold, gen_length, block_length,
+    steps)."""
     budget = getattr(args, "device_memory_budget", None)
     if budget is not None and args.bundle is not None:
         raise LladaError("a bundle's device memory budget is fixed when it is compiled (llada compile "
@@ -37,6 +42,9 @@ def generation_runner(args):
         model = load_model(args)
         return model.config, model.tokenizer, lambda ids, **options: generate(model, ids, **options)
     target = {"iree-host": "host", "iree-vulkan": "vulkan"}[args.backend]
-    bundle_dir = cached_bundle(model_dir(args), target, dtype=args.dtype,
+    config = read_config(model_dir(args))
+    sizes = canvas_sizes(config.max_sequence_length)
+    baked = tuple(baked_loops(*setting[:5], sizes) for setting in loops)
+    bundle_dir = cached_bundle(model_dir(args), target, dtype=args.dtype, loops=baked,
                                device_memory_budget=budget, progress=lambda m: print(m, file=sys.stderr))
     return bundle_runner(bundle_dir, args.backend)

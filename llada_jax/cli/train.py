@@ -3,7 +3,12 @@ exported."""
 
 from __future__ import annotations
 
-from llada_jax.training import TrainSettings, embedded_model_config, export_latest, train
+from llada_jax.training import (
+    TrainSettings,
+    embedded_model_config,
+    export_latest,
+    train,
+)
 
 
 def cmd_train(args) -> None:

@@ -1,0 +1,104 @@
+"""The compiled decode loop inside IREE bundles: the same generation as the bundle's host loop for every
+covered setting, and run.sh (IREE's own iree-run-module, no Python) printing the ids the host generates."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llada_jax.backends.select import open_bundle
+from llada_jax.bundle_runner import generate_with_bundle
+from llada_jax.cli import main
+from lowering import bundle as bundle_mod
+from lowering.bundle import compile_bundle
+from lowering.export import canvas_sizes
+from policies.compiled_loop import baked_loops
+from tests.conftest import TINY
+
+MAX_LEN, GEN, BLOCK = 32, 16, 8
+SETTINGS = [("vanilla", None, 8), ("prefix-cache", 0.3, 16), ("dual-cache", None, 8),
+            ("dual-cache+speculative:1:0.3", 0.5, 16), ("vanilla+speculative:1:0.3", None, 8),
+            ("prefix-cache+speculative:1:0.4", None, 16)]
+
+
+def host_iree_run_module() -> Path:
+    from iree import _runtime_libs
+
+    return Path(_runtime_libs.__file__).parent / "iree-run-module"
+
+
+@pytest.fixture(scope="module")
+def loop_bundle(tiny_dir, tmp_path_factory):
+    loops = tuple(baked_loops(policy, threshold, GEN, BLOCK, steps, canvas_sizes(MAX_LEN))
+                  for policy, threshold, steps in SETTINGS)
+    path = compile_bundle(tiny_dir, "host", tmp_path_factory.mktemp("loops") / "host", max_len=MAX_LEN, window=16,
+                          loops=loops)
+    return path, open_bundle(path)
+
+
+@settings(max_examples=15)
+@given(setting=st.sampled_from(SETTINGS), prompt_len=st.integers(1, MAX_LEN - GEN), seed=st.integers(0, 10_000))
+def test_bundle_loop_equals_the_bundle_host_loop(loop_bundle, setting, prompt_len, seed):
+    policy, threshold, steps = setting
+    ids = np.random.default_rng(seed).integers(0, TINY.mask_token_id, prompt_len)
+    options = dict(gen_length=GEN, block_length=BLOCK, steps=steps, policy=policy, threshold=threshold)
+    host = generate_with_bundle(loop_bundle[1], ids, loop="host", **options)
+    compiled = generate_with_bundle(loop_bundle[1], ids, loop="compiled", **options)
+    assert compiled.stats == {"loop": "compiled"}
+    assert compiled.output_ids.tolist() == host.output_ids.tolist() and compiled.nfe == host.nfe
+    assert ([dataclasses.replace(r, confidence=()) for r in compiled.trace]
+            == [dataclasses.replace(r, confidence=()) for r in host.trace])
+
+
+def run_script(bundle: Path, ids: str, command: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(bundle / "run.sh"), ids], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "IREE_RUN_MODULE": command})
+
+
+def host_ids(capsys, tiny_dir, ids: str, policy: str, steps: int) -> list[int]:
+    args = ["generate", "--model", str(tiny_dir), "--prompt-ids", ids, "--json", "--gen-length", str(GEN),
+            "--block-length", str(BLOCK), "--steps", str(steps), "--policy", policy]
+    assert main(args) == 0
+    return json.loads(capsys.readouterr().out)["output_ids"]
+
+
+def test_run_script_prints_the_ids_the_host_generates(loop_bundle, tiny_dir, capsys):
+    policy, _, steps = SETTINGS[0]  # run.sh runs the bundle's first setting
+    for ids in ("1,2,3", "7", ",".join(str(i) for i in range(40, 56))):
+        proc = run_script(loop_bundle[0], ids, str(host_iree_run_module()))
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.splitlines()[-1] == ",".join(map(str, host_ids(capsys, tiny_dir, ids, policy, steps)))
+
+
+@pytest.mark.parametrize("ids, message", [
+    ("", "comma-separated non-negative integers"), ("1,,2", "comma-separated"), ("1,x", "comma-separated"),
+    ("-1", "comma-separated"), (f"1,{TINY.embedding_size}", "outside the vocabulary"),
+    (f"{TINY.mask_token_id}", "mask token id"), (",".join(["3"] * (MAX_LEN - GEN + 1)), "longest canvas (32)"),
+    ("99999999999999999999", "outside the vocabulary"),
+])
+def test_run_script_refuses_bad_ids_in_one_line(loop_bundle, ids, message):
+    proc = run_script(loop_bundle[0], ids, str(host_iree_run_module()))
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.startswith("run.sh: error: ") and message in proc.stderr and proc.stderr.count("\n") == 1
+
+
+def test_run_script_names_a_missing_iree_run_module(loop_bundle):
+    proc = run_script(loop_bundle[0], "1,2", "/nonexistent/iree-run-module")
+    assert proc.returncode == 1 and "iree-run-module failed" in proc.stderr.splitlines()[-1]
+
+
+def test_gpu_and_staged_bundles_keep_the_host_loop(tiny_dir):
+    loops = (baked_loops("dual-cache", None, GEN, BLOCK, 8, canvas_sizes(MAX_LEN)),)
+    said = []
+    _, kept = bundle_mod._functions_to_compile(TINY, MAX_LEN, 16, None, loops, "vulkan", said.append)
+    assert kept == () and "no compiled decode loop for vulkan" in said[0]
+    specs, kept = bundle_mod._functions_to_compile(TINY, MAX_LEN, 16, 1000, loops, "local-task", said.append)
+    assert kept == () and "host loop only" in said[1] and all(spec.kind != "full" for spec in specs)
