@@ -28,9 +28,25 @@ def cached_bundle(model_dir, target: str, *, dtype: str = "float32", max_len: in
                       "target": target, "dtype": dtype, "max_len": max_len, "window": window,
                       "budget": device_memory_budget, "format": FORMAT_VERSION, "iree": iree_version(),
                       "staged_layouts": [layer_layout(config).entries, head_layout(config).entries],
-                      "loops": sorted({spec.name for baked in loops for spec in baked.specs})}, sort_keys=True)
+                      "loops": sorted({spec.name for baked in loops for spec in baked.specs}),
+                      "code": _exporting_code()}, sort_keys=True)
     out = user_cache_dir("bundles") / hashlib.sha256(key.encode()).hexdigest()[:20]
     if not (out / MANIFEST).is_file():
         compile_bundle(model_dir, target, out, max_len=max_len, window=window, dtype=dtype, copy_weights=False,
                        device_memory_budget=device_memory_budget, loops=loops, progress=progress)
     return out
+
+
+# The source files that decide what a bundle computes: a change to any of them compiles a new bundle.
+EXPORTING_CODE = ("model.py", "steps.py", "layered.py", "decode_loop.py", "loop_io.py", "qlinear.py", "params.py",
+                  "packing.py", "shapes.py", "kv_state.py", "readout.py")
+LOWERING_CODE = ("export.py", "bundle.py", "targets.py", "run_script.py")
+
+
+def _exporting_code() -> str:
+    root = Path(__file__).resolve().parent.parent
+    files = [root / "llada_jax" / name for name in EXPORTING_CODE] + [root / "lowering" / name for name in LOWERING_CODE]
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(file.read_bytes())
+    return digest.hexdigest()
