@@ -76,7 +76,9 @@ def run_generation(make_backend: Callable, config: LLaDAConfig, prompt_ids, *, g
         raise LladaError("the compiled loop covers vanilla, prefix-cache and dual-cache (+speculative) at "
                          "temperature 0 with low-confidence remasking and no CFG; use --loop host for this setting")
     backend = make_backend(readout_spec, biases, float(cfg_scale), batch, slots)
-    compiled = backend.compiled_loop(spec) if spec is not None and loop != "host" and on_step is None else None
+    wanted = loop == "compiled" or (loop == "auto" and on_step is None and spec is not None
+                                    and backend.compiled_loop_is_faster(spec))
+    compiled = backend.compiled_loop(spec) if wanted else None
     if loop == "compiled" and compiled is None:
         raise LladaError("this backend runs only the host loop (staged weights, a live canvas, or a bundle "
                          "compiled without this loop); use --loop host")

@@ -26,11 +26,13 @@ def poisoned(tmp_path, value: float, index=(3, 7)):
 
 
 @pytest.mark.parametrize("value", [np.nan, np.inf])
-@pytest.mark.parametrize("policy", ["vanilla", "dual-cache+speculative", "dual-cache+revision"])
-def test_nonfinite_weights_stop_generation_at_the_first_step(tmp_path, value, policy):
+@pytest.mark.parametrize("policy, loop", [("vanilla", "host"), ("vanilla", "compiled"),
+                                          ("dual-cache+speculative", "host"), ("dual-cache+speculative", "compiled"),
+                                          ("dual-cache+revision", "auto")])
+def test_nonfinite_weights_stop_generation_at_the_first_step(tmp_path, value, policy, loop):
     model = llada_jax.load(poisoned(tmp_path, value))
     with pytest.raises(LladaError, match=r"^step 1 produced a non-finite score \(NaN/Inf\) at canvas position 0:"):
-        llada_jax.generate(model, PROMPT, policy=policy, **OPTIONS)
+        llada_jax.generate(model, PROMPT, policy=policy, loop=loop, **OPTIONS)
 
 
 def test_nonfinite_logits_readout_is_refused_too(tmp_path):
