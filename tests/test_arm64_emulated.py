@@ -44,12 +44,14 @@ def test_arm64_step_under_qemu_matches_host(tiny_dir, tmp_path, tools, target):
     np.testing.assert_allclose(keys[:, :, :13], session.read(want.keys)[:, :, :13], atol=1e-4)
 
 
-def test_linux_arm64_run_script_under_qemu_prints_the_host_ids(tiny_dir, tmp_path, tools, capsys):
+@pytest.mark.parametrize("target", ["linux-arm64", "android-arm64"])
+def test_arm64_run_script_under_qemu_prints_the_host_ids(tiny_dir, tmp_path, tools, capsys, target):
     """No Python on the device: the bundle's run.sh drives IREE's aarch64 iree-run-module (here under qemu)
-    through the compiled decode loop and prints what `llada generate --json` gives on the host."""
+    through the compiled decode loop and prints what `llada generate --json` gives on the host (the Android
+    vmfb links its code embedded, so the aarch64 Linux runtime runs it too)."""
     setting = ["--policy", "dual-cache+speculative", "--threshold", "0.9", "--gen-length", "16", "--block-length", "8",
                "--steps", "16"]
-    assert main(["compile", "--model", str(tiny_dir), "--target", "linux-arm64", "--out", str(tmp_path / "arm"),
+    assert main(["compile", "--model", str(tiny_dir), "--target", target, "--out", str(tmp_path / "arm"),
                  "--max-len", "32", "--window", "16", *setting]) == 0
     capsys.readouterr()
     command = f"{QEMU} -L {SYSROOT} {tools / 'iree-run-module'}"
