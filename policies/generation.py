@@ -69,22 +69,35 @@ def run_generation(make_backend: Callable, config: LLaDAConfig, prompt_ids, *, g
     forbid = config.special_ids_in_vocab(config.eos_token_id) if logits_eos_inf else ()
     biases = TokenBiases.build(config.embedding_size, forbid, unconfident)
     batch, slots = (2 if cfg_scale > 0.0 else 1), bucket(total, config.max_sequence_length)
-    if loop not in LOOPS:
-        raise LladaError(f"unknown loop {loop!r}; choose one of {', '.join(LOOPS)}")
-    spec = loop_spec(decoding_policy, rule, sampler, cfg_scale > 0.0, schedule, slots)
-    if loop == "compiled" and spec is None:
-        raise LladaError("the compiled loop covers vanilla, prefix-cache and dual-cache (+speculative) at "
-                         "temperature 0 with low-confidence remasking and no CFG; use --loop host for this setting")
+    spec = _check_loop(loop, loop_spec(decoding_policy, rule, sampler, cfg_scale > 0.0, schedule, slots), on_step)
     backend = make_backend(readout_spec, biases, float(cfg_scale), batch, slots)
-    wanted = loop == "compiled" or (loop == "auto" and on_step is None and spec is not None
-                                    and backend.compiled_loop_is_faster(spec))
-    compiled = backend.compiled_loop(spec) if wanted else None
-    if loop == "compiled" and compiled is None:
-        raise LladaError("this backend runs only the host loop (staged weights, a live canvas, or a bundle "
-                         "compiled without this loop); use --loop host")
+    compiled = _compiled_loop(backend, loop, spec, on_step)
     if compiled is not None:
         return run_compiled(compiled, spec, prompt, biases, threshold, draft_threshold_of(decoding_policy))
     result = decode(backend, prompt, schedule, decoding_policy, rule, sampler, mask_id=config.mask_token_id,
                     max_len=config.max_sequence_length, cfg=cfg_scale > 0.0, seed=seed, on_step=on_step)
     staging = backend.staging_stats()
     return dataclasses.replace(result, stats={**result.stats, **staging}) if staging else result
+
+
+def _check_loop(loop: str, spec, on_step):
+    """The compiled loop's spec for this setting (None: host loop only), refusing what `loop` cannot give."""
+    if loop not in LOOPS:
+        raise LladaError(f"unknown loop {loop!r}; choose one of {', '.join(LOOPS)}")
+    if loop == "compiled" and spec is None:
+        raise LladaError("the compiled loop covers vanilla, prefix-cache and dual-cache (+speculative) at "
+                         "temperature 0 with low-confidence remasking and no CFG; use --loop host for this setting")
+    if loop == "compiled" and on_step is not None:
+        raise LladaError("the compiled loop reports no steps while it runs; use --loop host for a live canvas")
+    return spec
+
+
+def _compiled_loop(backend, loop: str, spec, on_step):
+    """The backend's compiled loop when `loop` asks for it (auto: where it is faster), else None."""
+    wanted = loop == "compiled" or (loop == "auto" and on_step is None and spec is not None
+                                    and backend.compiled_loop_is_faster(spec))
+    compiled = backend.compiled_loop(spec) if wanted else None
+    if loop == "compiled" and compiled is None:
+        raise LladaError("this backend runs only the host loop (staged weights, or a bundle compiled without "
+                         "this loop); use --loop host")
+    return compiled

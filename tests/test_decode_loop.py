@@ -92,3 +92,9 @@ def test_auto_uses_the_host_loop_where_the_compiled_loop_does_not_reach(tiny_mod
     assert result.stats.get("loop") != "compiled"
     with pytest.raises(LladaError, match="unknown loop 'fast'"):
         llada_jax.generate(tiny_model, np.array([3]), gen_length=8, block_length=8, steps=8, loop="fast")
+
+
+def test_compiled_loop_with_a_live_canvas_is_refused(tiny_model):
+    with pytest.raises(LladaError, match="--loop host for a live canvas"):
+        llada_jax.generate(tiny_model, np.array([3, 4, 5]), gen_length=8, block_length=8, steps=8, loop="compiled",
+                           on_step=lambda canvas, record: None)

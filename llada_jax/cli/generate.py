@@ -54,7 +54,7 @@ def compile_timing(args):
 def cmd_generate(args) -> None:
     config, tokenizer, run = generation_runner(args, loop_settings(args))
     ids = prompt_ids(args, tokenizer)
-    live = sys.stderr.isatty() and not args.json and not args.no_visual
+    live = sys.stderr.isatty() and not args.json and not args.no_visual and args.loop != "compiled"
     canvas = LiveCanvas(tokenizer, config.special_ids_in_vocab(config.eos_token_id, config.eot_token_id))
     with compile_timing(args) as clock:
         result = run(ids, **decoding_kwargs(args), on_step=canvas if live else None)
