@@ -1,6 +1,7 @@
 """`llada bench`: several decoders over the same prompts in one process and one run.
 
-Per decoder setting: median latency per answer, tokens/s, mean NFE, mean window utilisation,
+Per decoder setting: median latency per answer, tokens/s, mean NFE, host time per forward pass (the wall
+time outside the backend's step calls, or outside the compiled loop's one call, per pass), mean window utilisation,
 accuracy (when the prompts have answers), latency ratios against `vanilla` and `prefix-cache` (if in
 the run), revisions per answer, the revision side path's time per answer and the fraction of it
 hidden behind the dense path (0 when it runs inline); achieved GFLOP/s and step efficiency `eff` against
@@ -56,11 +57,12 @@ def step_flops(config, width: int, context: int) -> float:
 def run_setting(generate, config, setting: DecoderSetting, prompts: list[Prompt], tokenizer, steps: int,
                 block_length: int = BLOCK_LENGTH, loop: str = "auto", label: str | None = None) -> dict:
     latencies, nfes, utilisation, correct, revisions, flops, floor_flops = [], [], [], [], [], 0.0, 0.0
-    side_seconds, side_waited, loops_used = [], [], set()
+    side_seconds, side_waited, loops_used, call_seconds = [], [], set(), 0.0
     for prompt in prompts:
         result = generate(prompt.ids, gen_length=GEN_LENGTH, block_length=block_length, steps=steps,
                           policy=setting.policy, threshold=setting.threshold, loop=loop)
         loops_used.add(result.stats.get("loop", "host"))
+        call_seconds += result.stats.get("step_call_seconds", 0.0)
         side_seconds.append(result.stats.get("side_seconds", 0.0))
         side_waited.append(result.stats.get("side_wait_seconds", 0.0) if result.stats.get("side_concurrent")
                            else side_seconds[-1])
@@ -80,6 +82,7 @@ def run_setting(generate, config, setting: DecoderSetting, prompts: list[Prompt]
             "tokens_per_s": GEN_LENGTH * len(prompts) / total, "mean_nfe": float(np.mean(nfes)),
             "window_utilisation": float(np.mean(utilisation)), "revisions_per_answer": float(np.mean(revisions)),
             "accuracy": float(np.mean(correct)) if correct else None, "achieved_gflops": flops / total / 1e9,
+            "host_ms_per_step": 1e3 * max(total - call_seconds, 0.0) / max(sum(nfes), 1),
             "floor_gflop": floor_flops / 1e9,
             "side_seconds_per_answer": float(np.mean(side_seconds)),
             "side_hidden_fraction": 1.0 - sum(side_waited) / sum(side_seconds) if sum(side_seconds) else None}
@@ -124,7 +127,7 @@ TABLE = [  # (field, header, width, decimals)
     ("mean_nfe", "NFE", 6, 1), ("window_utilisation", "util", 5, 2), ("accuracy", "acc", 6, 3),
     ("revisions_per_answer", "rev", 5, 2), ("side_seconds_per_answer", "side(s)", 8, 4),
     ("side_hidden_fraction", "hidden", 6, 2), ("speedup_vs_vanilla", "x/van", 6, 2),
-    ("speedup_vs_prefix-cache", "x/pfx", 6, 2), ("achieved_gflops", "GFLOP/s", 8, 1),
+    ("speedup_vs_prefix-cache", "x/pfx", 6, 2), ("achieved_gflops", "GFLOP/s", 8, 1), ("host_ms_per_step", "host(ms)", 8, 3),
     ("step_efficiency", "eff", 6, 3), ("times_floor", "xfloor", 7, 2),
 ]
 

@@ -10,6 +10,7 @@ path, weight staging, CFG, temperature > 0 and random remasking stay on the host
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -91,11 +92,15 @@ def run_compiled(compiled, spec: LoopSpec, prompt: np.ndarray, biases, threshold
                  draft_threshold: float) -> Result:
     """One generation through a backend's compiled loop; a non-finite readout is the host loop's error."""
     started = time.perf_counter()
-    outputs = compiled(loop_inputs(prompt, spec, biases, threshold, draft_threshold))
-    wall_s = time.perf_counter() - started
+    inputs = loop_inputs(prompt, spec, biases, threshold, draft_threshold)
+    called = time.perf_counter()
+    outputs = compiled(inputs)
+    call_s = time.perf_counter() - called
     if int(outputs.bad_pass) != NOT_COMMITTED:
         raise nonfinite_error(int(outputs.bad_pass), int(outputs.bad_position))
-    return result_from(outputs, spec, len(prompt), wall_s)
+    result = result_from(outputs, spec, len(prompt), 0.0)
+    return dataclasses.replace(result, wall_s=time.perf_counter() - started,
+                               stats={**result.stats, "step_call_seconds": call_s})
 
 
 def draft_threshold_of(policy) -> float:

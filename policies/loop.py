@@ -8,6 +8,7 @@ picks masked positions of the current block (plus confident drafts) and the canv
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from typing import Callable
 
@@ -70,6 +71,7 @@ def decode(backend, prompt_ids: np.ndarray, schedule: Schedule, policy: Policy, 
            on_step: Callable[[Canvas, StepRecord], None] | None = None) -> Result:
     """Generate `schedule.gen_length` tokens after `prompt_ids` (already validated on the host)."""
     started = time.perf_counter()
+    backend = TimedBackend(backend)
     rng = np.random.default_rng(seed)
     canvas = Canvas.start(prompt_ids, schedule.gen_length, mask_id, cfg, max_len)
     kv: kv_state.KVState | None = None  # allocated by the first step that reads or commits K/V
@@ -89,11 +91,39 @@ def decode(backend, prompt_ids: np.ndarray, schedule: Schedule, policy: Policy, 
                     on_step(canvas, record)
                 step += 1
         kv, revisions = reviser.finish(kv)
-        stats = reviser.stats()
+        stats = {**reviser.stats(), "step_call_seconds": backend.seconds}
     if revisions:
         trace[-1] = dataclasses.replace(trace[-1], revisions=trace[-1].revisions + tuple(revisions))
     return Result(canvas.generated(), len(trace), time.perf_counter() - started, tuple(trace), canvas.prompt_len,
                   stats)
+
+
+class TimedBackend:
+    """The backend, counting the seconds its step calls take on the decoding thread (device work, transfers
+    and argument marshalling): the rest of a generation's wall time is the host loop's own work."""
+
+    def __init__(self, backend):
+        self.backend, self.seconds, self._thread = backend, 0.0, threading.get_ident()
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+    def _timed(self, method, *args):
+        started = time.perf_counter()
+        try:
+            return method(*args)
+        finally:
+            if threading.get_ident() == self._thread:  # revision's side thread runs beside, not in series
+                self.seconds += time.perf_counter() - started
+
+    def full(self, *args):
+        return self._timed(self.backend.full, *args)
+
+    def window(self, *args):
+        return self._timed(self.backend.window, *args)
+
+    def commit(self, *args):
+        return self._timed(self.backend.commit, *args)
 
 
 def dense_step(backend, canvas: Canvas, kv, plan: StepPlan, reviser: Reviser, nfe: int):

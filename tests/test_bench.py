@@ -22,6 +22,17 @@ def test_bench_rows_ratios_and_plot(capsys, tiny_dir, tmp_path):
     # The floor counts real positions only, so it is never above what the padded steps executed.
     assert all(r["times_floor"] * r["step_efficiency"] >= 1 - 1e-9 for r in rows)
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert all(r["host_ms_per_step"] >= 0 for r in rows)
+
+
+def test_bench_loop_both_gives_a_host_and_a_compiled_row(capsys, tiny_dir):
+    code = main(["bench", "--model", str(tiny_dir), "--limit", "2", "--policy", "dual-cache@0.5", "--policy",
+                 "dual-cache+revision", "--loop", "both", "--json"])
+    rows = json.loads(capsys.readouterr().out)
+    assert code == 0 and [(r["setting"], r["loop"]) for r in rows] == [
+        ("dual-cache@0.5 [host]", "host"), ("dual-cache@0.5 [compiled]", "compiled"),
+        ("dual-cache+revision [host]", "host")]  # revision runs only on the host loop
+    assert rows[0]["mean_nfe"] == rows[1]["mean_nfe"]
 
 
 def test_step_flops_counts_matmuls_and_attention():

@@ -52,7 +52,7 @@ def test_bundle_loop_equals_the_bundle_host_loop(loop_bundle, setting, prompt_le
     options = dict(gen_length=GEN, block_length=BLOCK, steps=steps, policy=policy, threshold=threshold)
     host = generate_with_bundle(loop_bundle[1], ids, loop="host", **options)
     compiled = generate_with_bundle(loop_bundle[1], ids, loop="compiled", **options)
-    assert compiled.stats == {"loop": "compiled"}
+    assert compiled.stats["loop"] == "compiled" and compiled.stats["step_call_seconds"] > 0
     assert compiled.output_ids.tolist() == host.output_ids.tolist() and compiled.nfe == host.nfe
     assert ([dataclasses.replace(r, confidence=()) for r in compiled.trace]
             == [dataclasses.replace(r, confidence=()) for r in host.trace])

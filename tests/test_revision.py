@@ -181,6 +181,7 @@ def test_generate_reports_revisions_and_side_path(tiny_model):
     result = llada_jax.generate(tiny_model, prompt(1), gen_length=24, block_length=8, steps=24,
                                 policy="dual-cache+revision:0.2")
     assert set(result.stats) == {"refreshes", "probes", "side_seconds", "side_wait_seconds",
-                                 "side_hidden_fraction", "side_concurrent"}
+                                 "side_hidden_fraction", "side_concurrent", "step_call_seconds"}
+    assert 0 < result.stats["step_call_seconds"] < result.wall_s
     assert result.stats["refreshes"] > 0 and result.stats["probes"] > 0 and not result.stats["side_concurrent"]
     assert result.revisions == sum(len(r.revisions) for r in result.trace)
