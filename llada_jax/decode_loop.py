@@ -166,7 +166,6 @@ class _Run(NamedTuple):
                                       self.inputs.logit_bias, self.inputs.confidence_bias, config=self.config,
                                       readout_spec=ARGMAX)
         x0, logp = out.x0[0], out.logp[0]
-        bad = valid & (jnp.isnan(logp) | jnp.isposinf(logp))
         cached_keys, cached_values, filled = carry.keys, carry.values, carry.filled
         if self.spec.base != "vanilla":
             keep = valid & (self.positions < block.start) if self.spec.base == "prefix-cache" else valid
@@ -179,7 +178,7 @@ class _Run(NamedTuple):
             filled = filled | valid
         return Computed(jnp.where(valid, x0, self.config.mask_token_id), jnp.where(valid, logp, -jnp.inf),
                         cached_keys, cached_values, filled, jnp.int32(self.spec.slots), valid,
-                        _first(bad, self.positions))
+                        _first_nonfinite(logp, valid, self.positions))
 
     def window(self, block: Block, carry: Carry, masked) -> Computed:
         """The block (prefix-cache: and everything after it; speculation: and its first drafts) against
@@ -220,10 +219,9 @@ class _Run(NamedTuple):
                                 window_valid[None], jnp.float32(0.0), self.inputs.logit_bias,
                                 self.inputs.confidence_bias, config=self.config, readout_spec=ARGMAX)
         x0, logp = out.x0[0], out.logp[0]
-        bad = window_valid & (jnp.isnan(logp) | jnp.isposinf(logp))
         return (jnp.where(computed, jnp.sum(at * x0[:, None], axis=0), self.config.mask_token_id),
                 jnp.max(jnp.where(at, logp[:, None], -jnp.inf), axis=0), jnp.int32(width), computed,
-                _first(bad, window_pos))
+                _first_nonfinite(logp, window_valid, window_pos))
 
 
 def _switch(index, branches):
@@ -244,6 +242,8 @@ def _keep(keep, proposed, cached):
     return jnp.where(keep[None, None, :, None, None], proposed.astype(cached.dtype), cached)
 
 
-def _first(bad, positions):
-    """The position of the first True entry of `bad`, else NOT_COMMITTED."""
+def _first_nonfinite(logp, valid, positions):
+    """The canvas position of the first valid entry whose log-probability is NaN or +inf (as
+    `readout.check_finite` finds it on the host), else NOT_COMMITTED."""
+    bad = valid & (jnp.isnan(logp) | jnp.isposinf(logp))
     return jnp.where(jnp.any(bad), positions[jnp.argmax(bad)], NOT_COMMITTED).astype(jnp.int32)

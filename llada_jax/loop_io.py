@@ -9,6 +9,7 @@ probability; per forward pass its block, padded and real width and useful positi
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -80,12 +81,18 @@ class BakedLoops:
     def manifest(self) -> dict:
         """What a bundle's manifest records of the setting its loops were baked for."""
         first = self.specs[0]
+        commit_cutoff, draft_cutoff = cutoffs(self.threshold, self.draft_threshold)
         return {"setting": self.setting, "threshold": self.threshold, "draft_threshold": self.draft_threshold,
                 "gen_length": first.gen_length, "block_length": first.block_length, "steps": first.steps,
-                "commit_cutoff": float(log_cutoff(self.threshold if self.threshold is not None else 1.0)),
-                "draft_cutoff": float(log_cutoff(self.draft_threshold))}
+                "commit_cutoff": float(commit_cutoff), "draft_cutoff": float(draft_cutoff)}
 
 
+def cutoffs(threshold: float | None, draft_threshold: float) -> tuple[np.float32, np.float32]:
+    """The loop's two cutoff inputs: the threshold rule's (unused by the fixed schedule) and speculation's."""
+    return log_cutoff(threshold if threshold is not None else 1.0), log_cutoff(draft_threshold)
+
+
+@functools.lru_cache(maxsize=64)  # a bisection of ~30 steps; every generation asks for the same few
 def log_cutoff(threshold: float) -> np.float32:
     """The smallest float32 log-probability x with exp(float64(x)) >= threshold: on the device,
     `logp >= cutoff` decides exactly what the host decides with `exp(logp) >= threshold`."""
@@ -134,6 +141,6 @@ def loop_inputs(prompt: np.ndarray, spec: LoopSpec, biases, threshold: float | N
                 draft_threshold: float) -> LoopInputs:
     padded = np.zeros(spec.slots, np.int32)
     padded[: len(prompt)] = prompt
+    commit_cutoff, draft_cutoff = cutoffs(threshold, draft_threshold)
     return LoopInputs(padded, np.asarray(len(prompt), np.int32), biases.logit_bias, biases.confidence_bias,
-                      np.asarray(log_cutoff(threshold if threshold is not None else 1.0), np.float32),
-                      np.asarray(log_cutoff(draft_threshold), np.float32))
+                      np.asarray(commit_cutoff, np.float32), np.asarray(draft_cutoff, np.float32))

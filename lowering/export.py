@@ -163,7 +163,7 @@ def step_function(spec: StepSpec, config: LLaDAConfig, weight_names: list[str], 
         return _staged_function(spec, config)
 
     def params_from(weights):
-        return hf_to_params({n: w.astype(compute_dtype) for n, w in zip(weight_names, weights)}, config)
+        return params_of(weights, weight_names, config, compute_dtype)
 
     if spec.kind == "full":
         def run(weights, tokens, valid, cfg_scale, logit_bias, confidence_bias):
@@ -207,20 +207,27 @@ def step(spec: StepSpec, config: LLaDAConfig, compute_dtype) -> Function:
 def loop(spec: LoopSpec, config: LLaDAConfig, compute_dtype) -> Function:
     """The whole decode loop of `spec` (`llada_jax.decode_loop`), weights as named parameters."""
     s, g, e, m = spec.slots, spec.gen_length, config.embedding_size, spec.max_passes
-    inputs = [("prompt", _sds((s,), jnp.int32)), ("prompt_len", _sds((), jnp.int32)),
-              ("logit_bias", _sds((e,), jnp.float32)), ("confidence_bias", _sds((e,), jnp.float32)),
-              ("commit_cutoff", _sds((), jnp.float32)), ("draft_cutoff", _sds((), jnp.float32))]
-    shapes = {"generated": (g,), "nfe": (), "commit_nfe": (g,), "commit_logp": (g,), "step_block": (m,),
-              "step_width": (m,), "step_real": (m,), "step_useful": (m,), "bad_pass": (), "bad_position": ()}
-    outputs = [(name, _sds(shapes[name], jnp.float32 if name == "commit_logp" else jnp.int32))
-               for name in LoopOutputs._fields]
+    shapes = {"prompt": (s,), "prompt_len": (), "logit_bias": (e,), "confidence_bias": (e,), "commit_cutoff": (),
+              "draft_cutoff": (), "generated": (g,), "nfe": (), "commit_nfe": (g,), "commit_logp": (g,),
+              "step_block": (m,), "step_width": (m,), "step_real": (m,), "step_useful": (m,), "bad_pass": (),
+              "bad_position": ()}
+    floats = ("logit_bias", "confidence_bias", "commit_cutoff", "draft_cutoff", "commit_logp")
+
+    def signature(fields):
+        return [(name, _sds(shapes[name], jnp.float32 if name in floats else jnp.int32)) for name in fields]
+
     names = list(hf_shapes(config))
 
     def run(weights, *loop_inputs):
-        params = hf_to_params({n: w.astype(compute_dtype) for n, w in zip(names, weights)}, config)
+        params = params_of(weights, names, config, compute_dtype)
         return tuple(decode_loop(params, LoopInputs(*loop_inputs), config=config, spec=spec, kv_dtype=compute_dtype))
 
-    return Function(spec.name, True, inputs, outputs, run)
+    return Function(spec.name, True, signature(LoopInputs._fields), signature(LoopOutputs._fields), run)
+
+
+def params_of(weights, names: list[str], config: LLaDAConfig, compute_dtype) -> dict:
+    """The params pytree from weights in their stored dtype (named parameters), cast to the compute dtype."""
+    return hf_to_params({n: w.astype(compute_dtype) for n, w in zip(names, weights)}, config)
 
 
 def export_function(function: Function, config: LLaDAConfig, stored_dtype) -> str:

@@ -28,7 +28,7 @@ from policies.speculative import Speculative
 
 def loop_spec(policy, rule, sampler, cfg: bool, schedule: Schedule, slots: int) -> LoopSpec | None:
     """The compiled loop of this setting, or None when only the host loop runs it."""
-    if cfg or sampler.temperature != 0.0 or sampler.remasking != "low_confidence" or not loop_covers(policy):
+    if not loop_covers(policy, sampler, cfg):
         return None
     lookahead, width = 0, 0
     if isinstance(policy, Speculative):
@@ -37,8 +37,11 @@ def loop_spec(policy, rule, sampler, cfg: bool, schedule: Schedule, slots: int) 
                     schedule.block_length, schedule.steps, slots)
 
 
-def loop_covers(policy) -> bool:
-    """A cache policy, or speculation over one (not revision: its side path runs on the host)."""
+def loop_covers(policy, sampler: Sampler = Sampler(), cfg: bool = False) -> bool:
+    """A cache policy, or speculation over one (not revision: its side path runs on the host), at
+    temperature 0 with low-confidence remasking and no CFG."""
+    if cfg or sampler.temperature != 0.0 or sampler.remasking != "low_confidence":
+        return False
     base = policy.base if isinstance(policy, Speculative) else policy
     return type(base) in CACHE_POLICIES.values()
 
@@ -69,14 +72,14 @@ def result_from(outputs: LoopOutputs, spec: LoopSpec, prompt_len: int, wall_s: f
     committed_by = np.asarray(outputs.commit_nfe)
     logp = np.asarray(outputs.commit_logp, np.float64)
     generated = np.asarray(outputs.generated, np.int64)
+    order = np.full(spec.slots, -np.inf)  # the rank key over canvas positions, as the step had it
+    order[prompt_len: prompt_len + spec.gen_length] = logp
     trace = []
     for n in range(nfe):
         block = int(outputs.step_block[n])
         block_end = prompt_len + (block + 1) * spec.block_length
         mine = np.zeros(spec.slots, bool)
         mine[prompt_len: prompt_len + spec.gen_length] = committed_by == n
-        order = np.full(spec.slots, -np.inf)
-        order[prompt_len: prompt_len + spec.gen_length] = logp
         chosen = rank(order, mine & (np.arange(spec.slots) < block_end))
         drafts = np.flatnonzero(mine & (np.arange(spec.slots) >= block_end))
         positions = np.concatenate([chosen, drafts])

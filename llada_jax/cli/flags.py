@@ -15,6 +15,7 @@ from llada_jax.weights_io import check_finite_weights
 from policies.compiled_loop import baked_loops, loop_covers
 from policies.generation import LOOPS
 from policies.registry import DecoderSetting, make_policy, with_modifier
+from policies.sampling import Sampler
 
 # The default decoder of generate and eval: on the embedded model's held-out tasks it scores as well as
 # vanilla or better (94.5% vs 92.75% on 400 tasks) at ~20x its speed (README's speculation table).
@@ -110,9 +111,8 @@ def loop_settings(args) -> list[tuple]:
     """The (policy, threshold, gen_length, block_length, steps) a bundle compiled on the fly should bake a
     decode loop for: the decoding flags' setting, when the compiled loop can run it."""
     kwargs = decoding_kwargs(args)
-    if kwargs["temperature"] != 0.0 or kwargs["cfg_scale"] != 0.0 or kwargs["remasking"] != "low_confidence":
-        return []
-    if args.loop == "host" or not loop_covers(make_policy(kwargs["policy"])):
+    sampler = Sampler(kwargs["temperature"], kwargs["remasking"])
+    if args.loop == "host" or not loop_covers(make_policy(kwargs["policy"]), sampler, kwargs["cfg_scale"] > 0.0):
         return []
     return [(kwargs["policy"], kwargs["threshold"], kwargs["gen_length"], kwargs["block_length"], kwargs["steps"])]
 
