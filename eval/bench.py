@@ -7,7 +7,7 @@ the run), revisions per answer, the revision side path's time per answer and the
 hidden behind the dense path (0 when it runs inline); achieved GFLOP/s and step efficiency `eff` against
 this machine's matmul peak measured in the same run (model FLOPs the steps executed, padding included,
 / time / peak); and `xfloor`, the time against the floor: the FLOPs the decoder must run (real positions
-only, padding excluded) / peak.
+only, padding excluded; the LM head only where the decoder reads predictions) / peak.
 """
 
 from __future__ import annotations
@@ -21,8 +21,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from eval.task_eval import BLOCK_LENGTH, GEN_LENGTH, answer_text
+from llada_jax.config import LLaDAConfig
 from policies.compiled_loop import loop_covers
 from policies.registry import DecoderSetting, make_policy
+
+# `llada bench --bench-size`: random weights where steps are compute-bound (issue #17's size), and its workload.
+ENGINE_CONFIG = LLaDAConfig(d_model=1024, n_layers=12, n_heads=16, n_kv_heads=16, mlp_hidden_size=2816,
+                            vocab_size=32768, embedding_size=32768, max_sequence_length=256, mask_token_id=32767,
+                            eos_token_id=32766, eot_token_id=32765)
+ENGINE_WORKLOAD = {"gen_length": 128, "block_length": 32, "steps": 128, "prompt_length": 64}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +39,7 @@ class Prompt:
     score: object = None       # callable(output_text, answer) -> bool
 
 
-def matmul_peak_gflops(size: int = 1024, repeats: int = 10) -> float:
+def matmul_peak_gflops(size: int = 2048, repeats: int = 5) -> float:
     """This machine's float32 matmul throughput through XLA (the roofline's peak)."""
     a = jnp.asarray(np.random.default_rng(0).normal(size=(size, size)), jnp.float32)
     product = jax.jit(lambda x: x @ x)
@@ -45,21 +52,24 @@ def matmul_peak_gflops(size: int = 1024, repeats: int = 10) -> float:
     return 2 * size ** 3 / min(times) / 1e9
 
 
-def step_flops(config, width: int, context: int) -> float:
-    """Model FLOPs of one step computing `width` positions that attend to `context` keys in all."""
+def step_flops(config, width: int, context: int, head_rows: int | None = None) -> float:
+    """Model FLOPs of one step computing `width` positions that attend to `context` keys in all, with
+    the LM head on `head_rows` of them (None: all)."""
     d, h = config.d_model, config.mlp_hidden_size
     kv = config.n_kv_heads * config.head_dim
     per_token = 2 * (2 * d * d + 2 * d * kv + 3 * d * h)
     attention = 4 * context * d
-    return config.n_layers * width * (per_token + attention) + 2 * width * d * config.embedding_size
+    head_rows = width if head_rows is None else head_rows
+    return config.n_layers * width * (per_token + attention) + 2 * head_rows * d * config.embedding_size
 
 
 def run_setting(generate, config, setting: DecoderSetting, prompts: list[Prompt], tokenizer, steps: int,
-                block_length: int = BLOCK_LENGTH, loop: str = "auto", label: str | None = None) -> dict:
+                block_length: int = BLOCK_LENGTH, loop: str = "auto", label: str | None = None,
+                gen_length: int = GEN_LENGTH) -> dict:
     latencies, nfes, utilisation, correct, revisions, flops, floor_flops = [], [], [], [], [], 0.0, 0.0
     side_seconds, side_waited, loops_used, call_seconds = [], [], set(), 0.0
     for prompt in prompts:
-        result = generate(prompt.ids, gen_length=GEN_LENGTH, block_length=block_length, steps=steps,
+        result = generate(prompt.ids, gen_length=gen_length, block_length=block_length, steps=steps,
                           policy=setting.policy, threshold=setting.threshold, loop=loop)
         loops_used.add(result.stats.get("loop", "host"))
         call_seconds += result.stats.get("step_call_seconds", 0.0)
@@ -70,16 +80,18 @@ def run_setting(generate, config, setting: DecoderSetting, prompts: list[Prompt]
         nfes.append(result.nfe)
         utilisation.append(result.mean_utilisation)
         revisions.append(result.revisions)
-        canvas = len(prompt.ids) + GEN_LENGTH
-        flops += sum(step_flops(config, r.shape_width, canvas if r.kind == "full" else canvas + r.shape_width)
-                     for r in result.trace)
-        floor_flops += sum(step_flops(config, r.width, canvas) for r in result.trace)  # padding excluded
+        canvas = len(prompt.ids) + gen_length
+        flops += sum(step_flops(config, r.shape_width, canvas if r.kind == "full" else canvas + r.shape_width,
+                                r.head_rows) for r in result.trace)
+        # The floor: real positions only (padding excluded), the LM head on the positions read out.
+        floor_flops += sum(step_flops(config, r.width, canvas, min(r.width, r.head_rows or r.width))
+                           for r in result.trace)
         if prompt.answer is not None:
             text = answer_text(tokenizer, result.output_ids, config)
             correct.append(prompt.score(text, prompt.answer))
     total = sum(latencies)
     return {"setting": label or str(setting), "loop": "+".join(sorted(loops_used)), "median_latency_s": statistics.median(latencies), "total_s": total,
-            "tokens_per_s": GEN_LENGTH * len(prompts) / total, "mean_nfe": float(np.mean(nfes)),
+            "tokens_per_s": gen_length * len(prompts) / total, "mean_nfe": float(np.mean(nfes)),
             "window_utilisation": float(np.mean(utilisation)), "revisions_per_answer": float(np.mean(revisions)),
             "accuracy": float(np.mean(correct)) if correct else None, "achieved_gflops": flops / total / 1e9,
             "host_ms_per_step": 1e3 * max(total - call_seconds, 0.0) / max(sum(nfes), 1),
@@ -101,24 +113,26 @@ def add_ratios(rows: list[dict], peak: float) -> None:
 
 
 def bench(generate, config, tokenizer, settings: list[DecoderSetting], prompts: list[Prompt], steps: int,
-          progress=None, block_length: int = BLOCK_LENGTH, loops: tuple[str, ...] = ("auto",)) -> dict:
+          progress=None, block_length: int = BLOCK_LENGTH, loops: tuple[str, ...] = ("auto",),
+          gen_length: int = GEN_LENGTH) -> dict:
     """Warm every setting once (compilation), then measure them all on the same prompts. `loops`: the
     decode loops to run each setting with ("host", "compiled", "auto"); with several, every row is
     labelled with its loop (a setting the compiled loop does not cover gets only its host row)."""
     runs = [(setting, loop) for setting in settings for loop in loops
             if loop != "compiled" or len(loops) == 1 or loop_covers(make_policy(setting.policy))]
     for setting, loop in runs:
-        generate(prompts[0].ids, gen_length=GEN_LENGTH, block_length=block_length, steps=steps,
+        generate(prompts[0].ids, gen_length=gen_length, block_length=block_length, steps=steps,
                  policy=setting.policy, threshold=setting.threshold, loop=loop)
     rows = []
     for setting, loop in runs:
         label = str(setting) if len(loops) == 1 else f"{setting} [{loop}]"
         if progress:
             progress(f"bench {label} over {len(prompts)} prompts")
-        rows.append(run_setting(generate, config, setting, prompts, tokenizer, steps, block_length, loop, label))
+        rows.append(run_setting(generate, config, setting, prompts, tokenizer, steps, block_length, loop, label,
+                                gen_length))
     peak = matmul_peak_gflops()
     add_ratios(rows, peak)
-    return {"peak_gflops": peak, "prompts": len(prompts), "gen_length": GEN_LENGTH, "block_length": block_length,
+    return {"peak_gflops": peak, "prompts": len(prompts), "gen_length": gen_length, "block_length": block_length,
             "steps": steps, "rows": rows}
 
 

@@ -43,11 +43,12 @@ def median_seconds(run, repeats: int) -> float:
     return statistics.median(times)
 
 
-def bench_model_dir(cache: Path) -> Path:
-    """A random-weights checkpoint of BENCH_CONFIG, written once."""
-    out = cache / "bench-d1024"
+def bench_model_dir(cache: Path, config: LLaDAConfig = BENCH_CONFIG) -> Path:
+    """A random-weights checkpoint of `config`, written once per shape."""
+    out = cache / (f"bench-d{config.d_model}-l{config.n_layers}-h{config.mlp_hidden_size}"
+                   f"-v{config.embedding_size}")
     if not (out / "config.json").is_file():
-        save_hf(init_params(BENCH_CONFIG, seed=0), BENCH_CONFIG, out)
+        save_hf(init_params(config, seed=0), config, out)
     return out
 
 

@@ -13,7 +13,7 @@ from typing import Callable, NamedTuple, Protocol
 import numpy as np
 
 from llada_jax.kv_state import KVState
-from llada_jax.readout import StepOutput
+from llada_jax.readout import Reads, StepOutput
 
 
 class SideBackend(NamedTuple):
@@ -26,11 +26,15 @@ class SideBackend(NamedTuple):
 
 
 class Backend(Protocol):
-    def full(self, tokens: np.ndarray, valid: np.ndarray) -> StepOutput:
+    """`reads` (start, width): the step's readout covers only its columns [start, start + width) (the
+    positions whose prediction the decoder uses); None: every column. A backend may compute the LM head
+    on those columns only."""
+
+    def full(self, tokens: np.ndarray, valid: np.ndarray, reads: Reads | None = None) -> StepOutput:
         """The whole canvas `[B, S]`; `valid` marks real (non-padding) positions."""
 
     def window(self, state: KVState, visible: np.ndarray, window_ids: np.ndarray, window_pos: np.ndarray,
-               window_valid: np.ndarray) -> StepOutput:
+               window_valid: np.ndarray, reads: Reads | None = None) -> StepOutput:
         """W positions `[B, W]` against the cached slots `visible` `[B, S]` and each other."""
 
     def commit(self, state: KVState, positions: np.ndarray, write: np.ndarray, out: StepOutput,

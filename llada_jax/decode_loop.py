@@ -162,10 +162,15 @@ class _Run(NamedTuple):
 
     def full(self, block: Block, carry: Carry) -> Computed:
         valid = self.positions < self.length
+        width = None if self.spec.lookahead else self.spec.block_length  # read out the block alone
         out, keys, values = full_step(self.params, carry.tokens[None], valid[None], jnp.float32(0.0),
-                                      self.inputs.logit_bias, self.inputs.confidence_bias, config=self.config,
-                                      readout_spec=ARGMAX)
+                                      self.inputs.logit_bias, self.inputs.confidence_bias, block.start,
+                                      config=self.config, readout_spec=ARGMAX, head_width=width)
         x0, logp = out.x0[0], out.logp[0]
+        if width is not None:  # spread over the canvas: mask / -inf outside the block
+            x0 = jax.lax.dynamic_update_slice(jnp.full(self.spec.slots, self.config.mask_token_id, x0.dtype), x0,
+                                              (block.start,))
+            logp = jax.lax.dynamic_update_slice(jnp.full(self.spec.slots, -jnp.inf, logp.dtype), logp, (block.start,))
         cached_keys, cached_values, filled = carry.keys, carry.values, carry.filled
         if self.spec.base != "vanilla":
             keep = valid & (self.positions < block.start) if self.spec.base == "prefix-cache" else valid
@@ -215,13 +220,16 @@ class _Run(NamedTuple):
         computed = jnp.any(at, axis=0)
         visible = (self.positions < self.length) & carry.filled & ~computed
         context = Context(carry.keys, carry.values, jnp.where(visible, 0.0, HIDDEN).astype(jnp.float32)[None])
+        # Without drafts only the block is read out: the first block_length columns of the window.
+        reads = width if self.spec.lookahead else min(width, self.spec.block_length)
         out, _, _ = window_step(self.params, context, carry.tokens[window_pos][None], window_pos[None],
                                 window_valid[None], jnp.float32(0.0), self.inputs.logit_bias,
-                                self.inputs.confidence_bias, config=self.config, readout_spec=ARGMAX)
-        x0, logp = out.x0[0], out.logp[0]
-        return (jnp.where(computed, jnp.sum(at * x0[:, None], axis=0), self.config.mask_token_id),
+                                self.inputs.confidence_bias, 0, config=self.config, readout_spec=ARGMAX,
+                                head_width=None if reads == width else reads)
+        x0, logp, at = out.x0[0], out.logp[0], at[:reads]
+        return (jnp.where(jnp.any(at, axis=0), jnp.sum(at * x0[:, None], axis=0), self.config.mask_token_id),
                 jnp.max(jnp.where(at, logp[:, None], -jnp.inf), axis=0), jnp.int32(width), computed,
-                _first_nonfinite(logp, window_valid, window_pos))
+                _first_nonfinite(logp, window_valid[:reads], window_pos[:reads]))
 
 
 def _switch(index, branches):

@@ -40,6 +40,18 @@ class HeadChunkReadout(NamedTuple):
     ssum: object
 
 
+Reads = tuple  # (start, width): a step's readout columns, window columns [start, start + width); None: all
+
+
+def read_columns(readout: Readout, reads: Reads | None) -> Readout:
+    """The readout at columns [start, start + width) only: what a backend that computed every column
+    returns when a step asked for `reads`."""
+    if reads is None:
+        return readout
+    start, width = reads
+    return Readout(*(None if value is None else value[:, start:start + width] for value in readout))
+
+
 @dataclasses.dataclass(frozen=True)
 class StepOutput:
     """What every backend's step returns: the readout on the host, proposed K/V on the device."""

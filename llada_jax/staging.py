@@ -24,7 +24,7 @@ from llada_jax.errors import LladaError
 from llada_jax.kv_state import HIDDEN, KVState, visible_bias
 from llada_jax.packing import head_chunk_tensors, head_chunks, head_layout, layer_layout
 from llada_jax.params import HF_PREFIX
-from llada_jax.readout import StepOutput, combine_head_chunks
+from llada_jax.readout import Reads, StepOutput, combine_head_chunks, read_columns
 from llada_jax.shapes import kv_shape
 
 
@@ -203,9 +203,11 @@ class StagedDevice(Protocol):
 
 
 def staged_forward(device: StagedDevice, ring: StagingRing, weights: StagedWeights, config: LLaDAConfig,
-                   ids: np.ndarray, positions: np.ndarray, key_bias: np.ndarray, state) -> StepOutput:
+                   ids: np.ndarray, positions: np.ndarray, key_bias: np.ndarray, state,
+                   reads: Reads | None = None) -> StepOutput:
     """The forward pass stage by stage through the ring: embedding on the host, each layer, then each
-    head chunk, whose partial readouts merge on the host into the readout of the whole head."""
+    head chunk, whose partial readouts merge on the host into the readout of the whole head (cut to
+    `reads` there: staged head chunks are compiled for the whole step width)."""
     x = device.embed(weights.embedding[np.asarray(ids)])
     keys, values, parts = [], [], []
 
@@ -220,22 +222,23 @@ def staged_forward(device: StagedDevice, ring: StagingRing, weights: StagedWeigh
 
     ring.run(compute)
     readout = combine_head_chunks(parts, head_chunks(config)[1], config.embedding_size)
-    return StepOutput(readout, device.stack(keys), device.stack(values))
+    return StepOutput(read_columns(readout, reads), device.stack(keys), device.stack(values))
 
 
 def staged_full(device: StagedDevice, ring: StagingRing, weights: StagedWeights, config: LLaDAConfig,
-                tokens: np.ndarray, valid: np.ndarray) -> StepOutput:
+                tokens: np.ndarray, valid: np.ndarray, reads: Reads | None = None) -> StepOutput:
     """A full step `[B, S]` through the ring."""
     positions = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape).copy()
-    return staged_forward(device, ring, weights, config, tokens, positions, hidden_bias(valid), None)
+    return staged_forward(device, ring, weights, config, tokens, positions, hidden_bias(valid), None, reads)
 
 
 def staged_window(device: StagedDevice, ring: StagingRing, weights: StagedWeights, config: LLaDAConfig,
-                  state: KVState, visible, window_ids, window_pos, window_valid) -> StepOutput:
+                  state: KVState, visible, window_ids, window_pos, window_valid,
+                  reads: Reads | None = None) -> StepOutput:
     """A window step `[B, W]` against the KV state through the ring (keys: cached slots, then the window)."""
     bias = np.concatenate([visible_bias(state, visible), hidden_bias(window_valid)], axis=1)
     return staged_forward(device, ring, weights, config, np.asarray(window_ids), np.asarray(window_pos, np.int32),
-                          bias, state)
+                          bias, state, reads)
 
 
 def hidden_bias(valid: np.ndarray) -> np.ndarray:

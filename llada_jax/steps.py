@@ -2,7 +2,8 @@
 
 Each returns a readout of the computed positions plus the proposed K/V (never committed here).
 The readout is either full float32 logits or, cheaper to read back, the argmax token and its
-log-probability per position.
+log-probability per position. With a static `head_width`, only the `head_width` positions from
+`head_start` on are read out: the LM head runs on the positions whose prediction the decoder uses.
 """
 
 from __future__ import annotations
@@ -48,6 +49,14 @@ def argmax_logprob(logits: jax.Array, confidence_bias: jax.Array) -> tuple[jax.A
     return x0, jnp.where(jnp.isneginf(top), -jnp.inf, logp)
 
 
+def head_rows(hidden: jax.Array, head_start, head_width: int | None) -> jax.Array:
+    """The hidden rows `[B, head_width, D]` from `head_start` on (all rows when `head_width` is None).
+    The caller keeps `head_start + head_width` within the rows: a slice past the end would shift."""
+    if head_width is None:
+        return hidden
+    return jax.lax.dynamic_slice_in_dim(hidden, jnp.asarray(head_start, jnp.int32), head_width, axis=1)
+
+
 def read_out(params: dict, hidden: jax.Array, cfg_scale, logit_bias, confidence_bias, readout_spec: ReadoutSpec) -> Readout:
     logits = guided_logits(lm_logits(params, hidden), cfg_scale, logit_bias, readout_spec)
     if readout_spec.kind == "logits":
@@ -56,24 +65,27 @@ def read_out(params: dict, hidden: jax.Array, cfg_scale, logit_bias, confidence_
     return Readout(x0=x0, logp=logp)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "readout_spec"))
+@functools.partial(jax.jit, static_argnames=("config", "readout_spec", "head_width"))
 def full_step(params: dict, tokens: jax.Array, valid: jax.Array, cfg_scale: jax.Array, logit_bias: jax.Array,
-              confidence_bias: jax.Array, *, config: LLaDAConfig, readout_spec: ReadoutSpec):
+              confidence_bias: jax.Array, head_start=0, *, config: LLaDAConfig, readout_spec: ReadoutSpec,
+              head_width: int | None = None):
     """Whole canvas `[B, L]`; `valid` marks real (non-padding) positions. Returns (readout, K, V)."""
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     bias = jnp.where(valid, 0.0, HIDDEN).astype(jnp.float32)
     out = forward(params, tokens, positions, bias, None, config)
-    return read_out(params, out.hidden, cfg_scale, logit_bias, confidence_bias, readout_spec), out.keys, out.values
+    hidden = head_rows(out.hidden, head_start, head_width)
+    return read_out(params, hidden, cfg_scale, logit_bias, confidence_bias, readout_spec), out.keys, out.values
 
 
-@functools.partial(jax.jit, static_argnames=("config", "readout_spec"))
+@functools.partial(jax.jit, static_argnames=("config", "readout_spec", "head_width"))
 def window_step(params: dict, context: Context, window_ids: jax.Array, window_pos: jax.Array,
                 window_valid: jax.Array, cfg_scale: jax.Array, logit_bias: jax.Array, confidence_bias: jax.Array,
-                *, config: LLaDAConfig, readout_spec: ReadoutSpec):
+                head_start=0, *, config: LLaDAConfig, readout_spec: ReadoutSpec, head_width: int | None = None):
     """W positions `[B, W]` attending to the visible cached slots and to the valid window positions."""
     bias = jnp.where(window_valid, 0.0, HIDDEN).astype(jnp.float32)
     out = forward(params, window_ids, window_pos, bias, context, config)
-    return read_out(params, out.hidden, cfg_scale, logit_bias, confidence_bias, readout_spec), out.keys, out.values
+    hidden = head_rows(out.hidden, head_start, head_width)
+    return read_out(params, hidden, cfg_scale, logit_bias, confidence_bias, readout_spec), out.keys, out.values
 
 
 @jax.jit

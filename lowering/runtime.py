@@ -21,7 +21,7 @@ from llada_jax.config import LLaDAConfig
 from llada_jax.errors import LladaError
 from llada_jax.loop_io import LoopInputs, LoopOutputs, LoopSpec
 from llada_jax.params import HF_PREFIX, hf_shapes
-from llada_jax.readout import Readout, ReadoutSpec, StepOutput, TokenBiases
+from llada_jax.readout import Readout, ReadoutSpec, Reads, StepOutput, TokenBiases, read_columns
 from llada_jax.shapes import kv_shape
 from lowering.bundle_format import MANIFEST, PARAMETER_SCOPE, VMFB, StepSpec, check_files
 
@@ -142,18 +142,24 @@ class IreeBackend(Backend):
     def _call(self, name: str, *args):
         return self.session.call(name, *args)
 
-    def full(self, tokens: np.ndarray, valid: np.ndarray) -> StepOutput:
+    def full(self, tokens: np.ndarray, valid: np.ndarray, reads: Reads | None = None) -> StepOutput:
         batch, slots = tokens.shape
         out = self._call(StepSpec("full", batch, slots).name, tokens.astype(np.int32), valid.astype(np.int32),
                          *self._extras)
-        return StepOutput(Readout(x0=self.session.read(out[0]), logp=self.session.read(out[1])), out[2], out[3])
+        return self._output(out, reads)
 
-    def window(self, state: kv_state.KVState, visible, window_ids, window_pos, window_valid) -> StepOutput:
+    def window(self, state: kv_state.KVState, visible, window_ids, window_pos, window_valid,
+               reads: Reads | None = None) -> StepOutput:
         batch, width = window_ids.shape
         out = self._call(StepSpec("window", batch, state.slots, width).name, state.keys, state.values,
                          kv_state.visible_bias(state, visible), np.asarray(window_ids, np.int32),
                          np.asarray(window_pos, np.int32), np.asarray(window_valid, np.int32), *self._extras)
-        return StepOutput(Readout(x0=self.session.read(out[0]), logp=self.session.read(out[1])), out[2], out[3])
+        return self._output(out, reads)
+
+    def _output(self, out, reads: Reads | None) -> StepOutput:
+        """The step's readout on the host (cut to `reads`: bundle steps read out every column) and K/V."""
+        readout = Readout(x0=self.session.read(out[0]), logp=self.session.read(out[1]))
+        return StepOutput(read_columns(readout, reads), out[2], out[3])
 
     def commit(self, state: kv_state.KVState, positions, write, out: StepOutput, tokens, nfe: int):
         targets = kv_state.write_targets(state, positions, write)

@@ -12,7 +12,7 @@ import numpy as np
 
 from llada_jax.errors import LladaError
 from llada_jax.packing import PackedLayout, head_chunks, head_layout, layer_layout
-from llada_jax.readout import HeadChunkReadout, StepOutput, chunk_biases
+from llada_jax.readout import HeadChunkReadout, Reads, StepOutput, chunk_biases
 from llada_jax.safetensors_file import SafetensorsFile
 from llada_jax.staging import (
     StagedWeights,
@@ -100,12 +100,12 @@ class IreeStagedBackend(IreeBackend):
         return self._call(StepSpec("stack", batch, 0, width).name, *per_layer)
 
     # The backend.
-    def full(self, tokens: np.ndarray, valid: np.ndarray) -> StepOutput:
-        return staged_full(self, self.ring, self.weights, self.config, tokens, valid)
+    def full(self, tokens: np.ndarray, valid: np.ndarray, reads: Reads | None = None) -> StepOutput:
+        return staged_full(self, self.ring, self.weights, self.config, tokens, valid, reads)
 
-    def window(self, state, visible, window_ids, window_pos, window_valid) -> StepOutput:
+    def window(self, state, visible, window_ids, window_pos, window_valid, reads: Reads | None = None) -> StepOutput:
         return staged_window(self, self.ring, self.weights, self.config, state, visible, window_ids, window_pos,
-                             window_valid)
+                             window_valid, reads)
 
     def staging_stats(self) -> dict:
         return self.stats.as_dict()

@@ -1,7 +1,8 @@
 """What each step computes: the whole canvas (vanilla), or a window against cached K/V.
 
 K/V enter the cache only where a plan says so (`keep_kv`), here at block starts: Fast-dLLM's caches
-are refreshed by one full step per block.
+are refreshed by one full step per block. Every step reads out only the current block: the rule commits
+nothing else, so the LM head runs on the block's positions alone.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ class Vanilla(WithoutSidePath):
     stops_when_filled: ClassVar[bool] = False
 
     def plan(self, canvas: Canvas, block: Block, step: int, kv) -> StepPlan:
-        return StepPlan()
+        return StepPlan(reads=(block.start, block.end))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,8 +38,8 @@ class PrefixCache(WithoutSidePath):
 
     def plan(self, canvas: Canvas, block: Block, step: int, kv) -> StepPlan:
         if step == 0:
-            return StepPlan(keep_kv=np.arange(canvas.padded_length) < block.start)
-        return StepPlan(np.arange(block.start, canvas.length))
+            return StepPlan(keep_kv=np.arange(canvas.padded_length) < block.start, reads=(block.start, block.end))
+        return StepPlan(np.arange(block.start, canvas.length), reads=(block.start, block.end))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,8 +52,8 @@ class DualCache(WithoutSidePath):
 
     def plan(self, canvas: Canvas, block: Block, step: int, kv) -> StepPlan:
         if step == 0:
-            return StepPlan(keep_kv=np.ones(canvas.padded_length, bool))
-        return StepPlan(np.arange(block.start, block.end))
+            return StepPlan(keep_kv=np.ones(canvas.padded_length, bool), reads=(block.start, block.end))
+        return StepPlan(np.arange(block.start, block.end), reads=(block.start, block.end))
 
 
 CACHE_POLICIES = {policy.name: policy for policy in (Vanilla, PrefixCache, DualCache)}

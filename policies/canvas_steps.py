@@ -10,15 +10,15 @@ from llada_jax.readout import StepOutput
 from policies.canvas import Canvas, Window
 
 
-def window_step(backend, canvas: Canvas, kv: kv_state.KVState, window: Window) -> StepOutput:
+def window_step(backend, canvas: Canvas, kv: kv_state.KVState, window: Window, reads=None) -> StepOutput:
     """Compute the window's positions against every other filled position of the canvas (the window's
-    own positions are computed in it, never read from the cache)."""
+    own positions are computed in it, never read from the cache); read out the columns `reads`."""
     rows = canvas.tokens.shape[0]
     visible = canvas.valid.copy()
     visible[:, window.positions[window.valid]] = False
     positions = np.broadcast_to(window.positions, (rows, len(window.positions)))
     valid = np.broadcast_to(window.valid, positions.shape)
-    return backend.window(kv, visible, canvas.tokens[:, window.positions], positions, valid)
+    return backend.window(kv, visible, canvas.tokens[:, window.positions], positions, valid, reads)
 
 
 def commit_window(backend, kv: kv_state.KVState, window: Window, keep: np.ndarray, out: StepOutput,

@@ -16,7 +16,7 @@ import numpy as np
 
 from llada_jax import kv_state
 from llada_jax.readout import check_finite
-from policies.canvas import Block, Canvas
+from policies.canvas import Block, Canvas, Window
 from policies.canvas_steps import canvas_wide, commit_window, window_step
 from policies.policy import Policy, Reviser, StepPlan
 from policies.sampling import Sampler
@@ -38,6 +38,7 @@ class StepRecord:
     confidence: tuple[float, ...]
     drafts: int = 0           # of `positions`, committed early in a later block
     revisions: tuple = ()     # (position, old token, new token) changed during this step
+    head_rows: int | None = None  # positions the LM head ran on (padding included); None: all shape_width
 
     @property
     def utilisation(self) -> float:
@@ -128,15 +129,20 @@ class TimedBackend:
 
 def dense_step(backend, canvas: Canvas, kv, plan: StepPlan, reviser: Reviser, nfe: int):
     """Compute the plan, merge the reviser's side work (it ran beside this step), commit the plan's K/V.
-    Returns (step output, window, KV state, revisions the merge made)."""
+    Returns (step output, window, the window's read-out part, KV state, revisions the merge made)."""
     window = plan.window(canvas)
+    reads = plan.read_columns(window)
     inputs = canvas.tokens[:, window.positions]  # a copy (fancy indexing): the tokens the step ran on
-    out = backend.full(canvas.tokens, canvas.valid) if plan.full else window_step(backend, canvas, kv, window)
-    check_finite(out.readout, window.positions, window.valid, nfe)
+    if plan.full:
+        out = backend.full(canvas.tokens, canvas.valid, reads)
+    else:
+        out = window_step(backend, canvas, kv, window, reads)
+    read = window if reads is None else Window(*(part[reads[0]:reads[0] + reads[1]] for part in window))
+    check_finite(out.readout, read.positions, read.valid, nfe)
     kv, revisions = reviser.merge(kv, nfe)
     if plan.keep_kv is not None:
         kv = commit_window(backend, kv, window, plan.keep_kv[window.positions], out, inputs, nfe)
-    return out, window, kv, revisions
+    return out, window, read, kv, revisions
 
 
 def _step(backend, canvas: Canvas, kv, plan: StepPlan, reviser: Reviser, block: Block, select: Callable, sampler,
@@ -144,10 +150,10 @@ def _step(backend, canvas: Canvas, kv, plan: StepPlan, reviser: Reviser, block: 
     """One step: the dense step, then token commits in the block (and drafts), then the next side job.
     `at`: (step within the block, the fixed schedule's counts, forward passes so far)."""
     step, counts, nfe = at
-    out, window, kv, revisions = dense_step(backend, canvas, kv, plan, reviser, nfe)
+    out, window, read, kv, revisions = dense_step(backend, canvas, kv, plan, reviser, nfe)
     x0, confidence, order = sampler.choose(out.readout, rng)
-    order = canvas_wide(canvas, window, x0, order)[1]
-    x0, confidence = canvas_wide(canvas, window, x0, confidence)
+    order = canvas_wide(canvas, read, x0, order)[1]
+    x0, confidence = canvas_wide(canvas, read, x0, confidence)
     useful = plan.useful(window, canvas, block)
     candidates = canvas.masked.copy()
     candidates[: block.start] = False
@@ -160,7 +166,7 @@ def _step(backend, canvas: Canvas, kv, plan: StepPlan, reviser: Reviser, block: 
     record = StepRecord(nfe, block.index, "full" if window.valid.size == canvas.padded_length else "window",
                         int(window.valid.sum()), int(window.valid.size), useful,
                         tuple(int(p) for p in committed), tuple(int(t) for t in x0[committed]),
-                        tuple(float(c) for c in confidence[committed]), len(drafts), revisions)
+                        tuple(float(c) for c in confidence[committed]), len(drafts), revisions, read.valid.size)
     return kv, record
 
 

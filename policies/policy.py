@@ -30,6 +30,7 @@ class StepPlan:
     keep_kv: np.ndarray | None = None   # [S] bool: canvas positions whose computed K/V the step commits
     drafts: tuple[int, int] = (0, 0)    # canvas positions [start, end) whose masks may be committed early
     draft_threshold: float = 1.0        # ... at this confidence or above
+    reads: tuple[int, int] | None = None  # canvas positions [start, end) whose predictions are used; None: all
 
     @property
     def full(self) -> bool:
@@ -37,6 +38,19 @@ class StepPlan:
 
     def window(self, canvas: Canvas) -> Window:
         return canvas.full_window() if self.full else canvas.window(self.positions, self.width)
+
+    def read_columns(self, window: Window) -> tuple[int, int] | None:
+        """The window columns (start, width) the step reads out, when fewer than all: the positions of
+        `reads` sit in consecutive columns (a block is contiguous in every window that holds it)."""
+        if self.reads is None:
+            return None
+        start, end = self.reads
+        columns = np.flatnonzero((window.positions >= start) & (window.positions < end) & window.valid)
+        if columns.size == window.positions.size:
+            return None
+        if columns.size != end - start or columns[-1] - columns[0] != columns.size - 1:
+            raise AssertionError(f"positions [{start}, {end}) are not consecutive columns of the step's window")
+        return int(columns[0]), int(columns.size)
 
     def draft_positions(self, confidence: np.ndarray, canvas: Canvas) -> np.ndarray:
         """Masked positions of the draft region confident enough to commit now."""

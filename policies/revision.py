@@ -79,9 +79,9 @@ class Revision:
         base = self.base.plan(canvas, block, max(step, 1), kv)
         everything = np.ones(canvas.padded_length, bool)
         if kv is None or not kv.filled.any():
-            return dataclasses.replace(base, positions=None, width=None, keep_kv=everything)
+            return dataclasses.replace(base, positions=None, width=None, keep_kv=everything, reads=None)
         positions, width = _with_carry(canvas, kv, block, base)
-        return dataclasses.replace(base, positions=positions, width=width, keep_kv=everything)
+        return dataclasses.replace(base, positions=positions, width=width, keep_kv=everything, reads=None)
 
     @contextlib.contextmanager
     def side_path(self, backend, canvas: Canvas) -> Iterator["RevisionSession"]:

@@ -57,7 +57,8 @@ class Speculative:
             drafts = start + np.flatnonzero(canvas.masked[start:end])
             plan = dataclasses.replace(plan, width=width,
                                        positions=np.concatenate([plan.positions, drafts[: max(0, width - length)]]))
-        return dataclasses.replace(plan, drafts=(start, end), draft_threshold=self.draft_threshold)
+        reads = None if self.lookahead else plan.reads  # drafts are read out beyond the block
+        return dataclasses.replace(plan, drafts=(start, end), draft_threshold=self.draft_threshold, reads=reads)
 
     def draft_region(self, canvas: Canvas, block: Block) -> tuple[int, int]:
         """Canvas positions [start, end) whose masks may be drafted while `block` is current."""

@@ -39,6 +39,8 @@ def test_step_flops_counts_matmuls_and_attention():
     one = step_flops(TINY, width=1, context=1)
     assert step_flops(TINY, width=8, context=1) == 8 * one
     assert step_flops(TINY, width=1, context=11) - one == TINY.n_layers * 4 * 10 * TINY.d_model
+    head = 2 * TINY.d_model * TINY.embedding_size  # per row the LM head runs on
+    assert step_flops(TINY, width=8, context=1, head_rows=3) == 8 * one - 5 * head
 
 
 def test_trace_picture(capsys, tiny_dir, tmp_path):

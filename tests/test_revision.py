@@ -73,11 +73,11 @@ class WatchingBackend:
     def side_backend(self):
         return SideBackend(self.inner, lambda kv: kv, lambda out: out)
 
-    def full(self, tokens, valid):
+    def full(self, tokens, valid, reads=None):
         self.previous = np.array(tokens)
-        return self.inner.full(tokens, valid)
+        return self.inner.full(tokens, valid, reads)
 
-    def window(self, state, visible, ids, positions, valid):
+    def window(self, state, visible, ids, positions, valid, reads=None):
         tokens = self.canvas_ref[0].tokens
         shown = np.asarray(visible) & state.filled
         stale = shown & (state.slot_token != tokens)
@@ -85,7 +85,7 @@ class WatchingBackend:
         self.stale_seen += int(stale.sum())
         self.previous = tokens.copy()
         self.windows += 1
-        return self.inner.window(state, visible, ids, positions, valid)
+        return self.inner.window(state, visible, ids, positions, valid, reads)
 
 
 @settings(max_examples=8)
@@ -136,17 +136,17 @@ def test_revision_replaces_a_token_the_model_now_rejects(tiny_model):
     unsure = np.zeros(canvas.padded_length)
     with policy.side_path(backend, canvas) as session:
         kv = backend.empty_state(1, canvas.padded_length)
-        out, window, kv, merged = dense(backend, canvas, policy, session, block, kv, 0)
+        out, window, _, kv, merged = dense(backend, canvas, policy, session, block, kv, 0)
         expected = int(out.readout.x0[0][block.start])  # the probe's canvas is exactly the prefill's canvas
         wrong = (expected + 7) % TINY.mask_token_id
         canvas.write(np.array([block.start]), np.array([wrong]))
         session.submit(kv, window, unsure, 0)
         assert merged == () and canvas.tokens[0, block.start] == wrong
-        out, window, kv, merged = dense(backend, canvas, policy, session, block, kv, 1)
+        out, window, _, kv, merged = dense(backend, canvas, policy, session, block, kv, 1)
         assert merged == ((block.start, wrong, expected),) and canvas.tokens[0, block.start] == expected
         assert kv.slot_token[0, block.start] != expected  # stale until the side path's next merge
         session.submit(kv, window, unsure, 1)
-        out, window, kv, merged = dense(backend, canvas, policy, session, block, kv, 2)
+        out, window, _, kv, merged = dense(backend, canvas, policy, session, block, kv, 2)
         assert kv.slot_token[0, block.start] == expected
 
 
@@ -160,7 +160,7 @@ def test_a_final_revision_is_settled_by_another_rescore(tiny_model, rounds):
     block = Block(0, canvas.prompt_len, canvas.prompt_len + 8)
     with policy.side_path(backend, canvas) as session:
         kv = backend.empty_state(1, canvas.padded_length)
-        out, window, kv, _ = dense(backend, canvas, policy, session, block, kv, 0)
+        out, window, _, kv, _ = dense(backend, canvas, policy, session, block, kv, 0)
         expected = int(out.readout.x0[0][block.start])
         wrong = (expected + 7) % TINY.mask_token_id
         canvas.write(np.array([block.start]), np.array([wrong]))

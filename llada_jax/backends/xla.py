@@ -15,7 +15,7 @@ from llada_jax.config import LLaDAConfig
 from llada_jax.decode_loop import decode_loop
 from llada_jax.loop_io import LoopInputs, LoopOutputs, LoopSpec
 from llada_jax.model import Context
-from llada_jax.readout import ReadoutSpec, StepOutput, TokenBiases
+from llada_jax.readout import ReadoutSpec, Reads, StepOutput, TokenBiases
 from llada_jax.shapes import kv_shape
 from llada_jax.steps import full_step, scatter_slots, window_step
 
@@ -37,17 +37,19 @@ class JaxBackend(Backend):
         return (jnp.float32(self.cfg_scale), jnp.asarray(self.biases.logit_bias),
                 jnp.asarray(self.biases.confidence_bias))
 
-    def full(self, tokens: np.ndarray, valid: np.ndarray) -> StepOutput:
+    def full(self, tokens: np.ndarray, valid: np.ndarray, reads: Reads | None = None) -> StepOutput:
         out, keys, values = full_step(self.params, jnp.asarray(tokens, jnp.int32), jnp.asarray(valid),
-                                      *self._common, config=self.config, readout_spec=self.readout_spec)
+                                      *self._common, *_head(reads), config=self.config,
+                                      readout_spec=self.readout_spec, head_width=_head_width(reads))
         return StepOutput(to_host(out), keys, values)
 
     def window(self, state: kv_state.KVState, visible: np.ndarray, window_ids: np.ndarray,
-               window_pos: np.ndarray, window_valid: np.ndarray) -> StepOutput:
+               window_pos: np.ndarray, window_valid: np.ndarray, reads: Reads | None = None) -> StepOutput:
         context = Context(state.keys, state.values, jnp.asarray(kv_state.visible_bias(state, visible)))
         out, keys, values = window_step(
             self.params, context, jnp.asarray(window_ids, jnp.int32), jnp.asarray(window_pos, jnp.int32),
-            jnp.asarray(window_valid), *self._common, config=self.config, readout_spec=self.readout_spec)
+            jnp.asarray(window_valid), *self._common, *_head(reads), config=self.config,
+            readout_spec=self.readout_spec, head_width=_head_width(reads))
         return StepOutput(to_host(out), keys, values)
 
     def commit(self, state: kv_state.KVState, positions: np.ndarray, write: np.ndarray, out: StepOutput,
@@ -64,6 +66,14 @@ class JaxBackend(Backend):
             return LoopOutputs(*(np.asarray(value) for value in out))
 
         return run
+
+
+def _head(reads: Reads | None) -> tuple:
+    return () if reads is None else (jnp.int32(reads[0]),)
+
+
+def _head_width(reads: Reads | None) -> int | None:
+    return None if reads is None else int(reads[1])
 
 
 def commit_on_device(state: kv_state.KVState, positions, write, out: StepOutput, tokens, nfe: int):

@@ -17,7 +17,7 @@ from llada_jax.backends.xla import commit_on_device, empty_on_device, to_host
 from llada_jax.config import LLaDAConfig
 from llada_jax.layered import head_chunk_step, layer_step
 from llada_jax.packing import head_chunks, head_layout, layer_layout
-from llada_jax.readout import ReadoutSpec, StepOutput, TokenBiases, chunk_biases
+from llada_jax.readout import ReadoutSpec, Reads, StepOutput, TokenBiases, chunk_biases
 from llada_jax.staging import (
     StagedWeights,
     StagingRing,
@@ -76,12 +76,13 @@ class StagedJaxBackend(Backend):
         return jnp.stack(per_layer)
 
     # The backend.
-    def full(self, tokens: np.ndarray, valid: np.ndarray) -> StepOutput:
-        return staged_full(self, self._ring, self.weights, self.config, tokens, valid)
+    def full(self, tokens: np.ndarray, valid: np.ndarray, reads: Reads | None = None) -> StepOutput:
+        return staged_full(self, self._ring, self.weights, self.config, tokens, valid, reads)
 
-    def window(self, state: kv_state.KVState, visible, window_ids, window_pos, window_valid) -> StepOutput:
+    def window(self, state: kv_state.KVState, visible, window_ids, window_pos, window_valid,
+               reads: Reads | None = None) -> StepOutput:
         return staged_window(self, self._ring, self.weights, self.config, state, visible, window_ids, window_pos,
-                             window_valid)
+                             window_valid, reads)
 
     def commit(self, state, positions, write, out: StepOutput, tokens, nfe: int):
         return commit_on_device(state, positions, write, out, tokens, nfe)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eval.bench import Prompt, bench, format_table, plot
+from eval.bench import ENGINE_CONFIG, ENGINE_WORKLOAD, Prompt, bench, format_table, plot
 from eval.bench_lowering import bench_model_dir
 from eval.gsm8k import extract_answer, load_problems, prompt_text, same_number
 from eval.task_eval import GEN_LENGTH
@@ -30,7 +30,7 @@ def bench_prompts(args, tokenizer, config):
         raise LladaError(f"--limit must be positive, got {args.limit}")
     if tokenizer is None:
         rng = np.random.default_rng(0)
-        return [Prompt(rng.integers(0, config.mask_token_id, 32)) for _ in range(args.limit or 4)]
+        return [Prompt(rng.integers(0, config.mask_token_id, args.prompt_length)) for _ in range(args.limit or 4)]
     if args.data is not None:
         return [Prompt(np.array(tokenizer.encode(prompt_text(p["question"], [], tokenizer))), p["gold"],
                        lambda text, gold: same_number(extract_answer(text), gold))
@@ -39,16 +39,27 @@ def bench_prompts(args, tokenizer, config):
             for e in held_out(args.limit or 25)]
 
 
+def resolve_workload(args) -> None:
+    """--bench-size: the engine-size checkpoint and its workload, for every shape flag not given."""
+    workload = ENGINE_WORKLOAD if args.bench_size else {"gen_length": GEN_LENGTH, "block_length": 8, "steps": 32,
+                                                        "prompt_length": 32}
+    for name, value in workload.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.bench_size:
+        args.model = str(bench_model_dir(Path(tempfile.gettempdir()) / "llada-bench", ENGINE_CONFIG))
+
+
 def cmd_bench(args) -> None:
     settings = [DecoderSetting.parse(spec) for spec in (args.policy or DEFAULT_BENCH)]
-    if args.bench_size:
-        args.model = str(bench_model_dir(Path(tempfile.gettempdir()) / "llada-bench"))
+    resolve_workload(args)
     loops = ("host", "compiled") if args.loop == "both" else (args.loop,)
-    baked = [(s.policy, s.threshold, GEN_LENGTH, args.block_length, args.steps) for s in settings
+    baked = [(s.policy, s.threshold, args.gen_length, args.block_length, args.steps) for s in settings
              if loops != ("host",) and loop_covers(make_policy(s.policy))]
     config, tokenizer, run = generation_runner(args, baked)
     report = bench(run, config, tokenizer, settings, bench_prompts(args, tokenizer, config), args.steps,
-                   progress=lambda m: print(m, file=sys.stderr), block_length=args.block_length, loops=loops)
+                   progress=lambda m: print(m, file=sys.stderr), block_length=args.block_length, loops=loops,
+                   gen_length=args.gen_length)
     if args.plot:
         plot(report, args.plot)
     print(json.dumps(report["rows"]) if args.json else format_table(report))
@@ -59,12 +70,17 @@ def add_bench(commands) -> None:
     be = commands.add_parser("bench", help="several decoders over the same prompts, in one run")
     add_model_flags(be)
     add_runner_flags(be)
-    be.add_argument("--bench-size", action="store_true", help="random weights, d_model 1024, 126464 vocab")
+    be.add_argument("--bench-size", action="store_true",
+                    help="random weights at a compute-bound size (d_model 1024, 12 layers, vocab 32768), "
+                         "64-token prompts, 128-token answers in blocks of 32, 128 steps")
     be.add_argument("--policy", action="append", help="POLICY or POLICY@THRESHOLD; repeat (default: a standard set)")
     be.add_argument("--data", default=None, help="GSM8K JSONL instead of the held-out tasks")
     be.add_argument("--limit", type=int, default=None, help="prompts (per family for the tasks)")
-    be.add_argument("--steps", type=int, default=32)
-    be.add_argument("--block-length", type=int, default=8, help="block length of the 32-token answers")
+    be.add_argument("--steps", type=int, default=None, help="denoising steps per answer (default 32)")
+    be.add_argument("--gen-length", type=int, default=None, help="answer length (default 32)")
+    be.add_argument("--block-length", type=int, default=None, help="block length of the answers (default 8)")
+    be.add_argument("--prompt-length", type=int, default=None,
+                    help="random prompt ids per prompt, for a model without tokenizer (default 32)")
     be.add_argument("--loop", choices=("auto", "host", "compiled", "both"), default="auto",
                     help="decode loop per setting; both: a host-loop and a compiled-loop row for each")
     be.add_argument("--plot", default=None, help="PNG: latency vs accuracy")
