@@ -56,6 +56,10 @@ def test_non_positive_limits_are_one_line_errors(capsys, tiny_dir):
         assert main(command) == 1
         err = capsys.readouterr().err
         assert err.startswith("llada: error: --limit must be") and err.count("\n") == 1
+    for flag in ("--gen-length", "--steps", "--block-length", "--prompt-length"):
+        assert main(["bench", "--model", str(tiny_dir), flag, "0"]) == 1
+        err = capsys.readouterr().err
+        assert err == f"llada: error: {flag} must be positive, got 0\n"
 
 
 def test_block_length_that_does_not_divide_the_answer_is_a_one_line_error(capsys, tiny_dir):

@@ -46,6 +46,8 @@ def resolve_workload(args) -> None:
     for name, value in workload.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+        elif getattr(args, name) <= 0:
+            raise LladaError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.bench_size:
         args.model = str(bench_model_dir(Path(tempfile.gettempdir()) / "llada-bench", ENGINE_CONFIG))
 
