@@ -162,7 +162,8 @@ class _Run(NamedTuple):
 
     def full(self, block: Block, carry: Carry) -> Computed:
         valid = self.positions < self.length
-        width = None if self.spec.lookahead else self.spec.block_length  # read out the block alone
+        rows = self.spec.head_rows(self.spec.slots)
+        width = None if rows == self.spec.slots else rows  # the block's rows, from its start
         out, keys, values = full_step(self.params, carry.tokens[None], valid[None], jnp.float32(0.0),
                                       self.inputs.logit_bias, self.inputs.confidence_bias, block.start,
                                       config=self.config, readout_spec=ARGMAX, head_width=width)
@@ -220,8 +221,7 @@ class _Run(NamedTuple):
         computed = jnp.any(at, axis=0)
         visible = (self.positions < self.length) & carry.filled & ~computed
         context = Context(carry.keys, carry.values, jnp.where(visible, 0.0, HIDDEN).astype(jnp.float32)[None])
-        # Without drafts only the block is read out: the first block_length columns of the window.
-        reads = width if self.spec.lookahead else min(width, self.spec.block_length)
+        reads = self.spec.head_rows(width)  # the window's first columns
         out, _, _ = window_step(self.params, context, carry.tokens[window_pos][None], window_pos[None],
                                 window_valid[None], jnp.float32(0.0), self.inputs.logit_bias,
                                 self.inputs.confidence_bias, 0, config=self.config, readout_spec=ARGMAX,

@@ -55,6 +55,12 @@ class LoopSpec:
         wanted = (self.spec_width or 2 * self.block_length) if self.lookahead else self.block_length
         return bucket(wanted, self.slots)
 
+    def head_rows(self, width: int) -> int:
+        """The rows of a `width`-slot pass the LM head runs on: the block alone (the first block_length
+        columns of a window, the block's positions of a full step), or every row when drafts are read out.
+        The host loop's plans read out the same (`policies.policy.StepPlan.reads`)."""
+        return width if self.lookahead else min(width, self.block_length)
+
     def prefix_windows(self) -> tuple[int, ...]:
         """Slots of prefix-cache's window step in each block: the block and everything after it."""
         return tuple(bucket(self.gen_length - b * self.block_length, self.slots) for b in range(self.num_blocks))

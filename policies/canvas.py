@@ -22,6 +22,13 @@ class Window(NamedTuple):
     positions: np.ndarray  # [W] int
     valid: np.ndarray      # [W] bool
 
+    def columns(self, reads: tuple[int, int] | None) -> "Window":
+        """The part of the window in columns (start, width); None: all of it."""
+        if reads is None:
+            return self
+        start, width = reads
+        return Window(self.positions[start:start + width], self.valid[start:start + width])
+
 
 @dataclasses.dataclass
 class Canvas:

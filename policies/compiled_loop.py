@@ -88,14 +88,8 @@ def result_from(outputs: LoopOutputs, spec: LoopSpec, prompt_len: int, wall_s: f
                                 int(outputs.step_real[n]), int(outputs.step_width[n]), int(outputs.step_useful[n]),
                                 tuple(int(p) for p in positions), tuple(int(t) for t in generated[offsets]),
                                 tuple(float(c) for c in np.exp(logp[offsets])), len(drafts),
-                                head_rows=_head_rows(spec, int(outputs.step_width[n]))))
+                                head_rows=spec.head_rows(int(outputs.step_width[n]))))
     return Result(generated, nfe, wall_s, tuple(trace), prompt_len, {"loop": "compiled"})
-
-
-def _head_rows(spec: LoopSpec, width: int) -> int:
-    """The LM head's rows in a pass of `width` slots: the block alone, except when drafts are read too
-    (`decode_loop` reads out as the host loop's plans do)."""
-    return width if spec.lookahead else min(width, spec.block_length)
 
 
 def run_compiled(compiled, spec: LoopSpec, prompt: np.ndarray, biases, threshold: float | None,

@@ -16,7 +16,7 @@ import numpy as np
 
 from llada_jax import kv_state
 from llada_jax.readout import check_finite
-from policies.canvas import Block, Canvas, Window
+from policies.canvas import Block, Canvas
 from policies.canvas_steps import canvas_wide, commit_window, window_step
 from policies.policy import Policy, Reviser, StepPlan
 from policies.sampling import Sampler
@@ -137,7 +137,7 @@ def dense_step(backend, canvas: Canvas, kv, plan: StepPlan, reviser: Reviser, nf
         out = backend.full(canvas.tokens, canvas.valid, reads)
     else:
         out = window_step(backend, canvas, kv, window, reads)
-    read = window if reads is None else Window(*(part[reads[0]:reads[0] + reads[1]] for part in window))
+    read = window.columns(reads)
     check_finite(out.readout, read.positions, read.valid, nfe)
     kv, revisions = reviser.merge(kv, nfe)
     if plan.keep_kv is not None:

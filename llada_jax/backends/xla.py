@@ -39,8 +39,8 @@ class JaxBackend(Backend):
 
     def full(self, tokens: np.ndarray, valid: np.ndarray, reads: Reads | None = None) -> StepOutput:
         out, keys, values = full_step(self.params, jnp.asarray(tokens, jnp.int32), jnp.asarray(valid),
-                                      *self._common, *_head(reads), config=self.config,
-                                      readout_spec=self.readout_spec, head_width=_head_width(reads))
+                                      *self._common, **_head(reads), config=self.config,
+                                      readout_spec=self.readout_spec)
         return StepOutput(to_host(out), keys, values)
 
     def window(self, state: kv_state.KVState, visible: np.ndarray, window_ids: np.ndarray,
@@ -48,8 +48,8 @@ class JaxBackend(Backend):
         context = Context(state.keys, state.values, jnp.asarray(kv_state.visible_bias(state, visible)))
         out, keys, values = window_step(
             self.params, context, jnp.asarray(window_ids, jnp.int32), jnp.asarray(window_pos, jnp.int32),
-            jnp.asarray(window_valid), *self._common, *_head(reads), config=self.config,
-            readout_spec=self.readout_spec, head_width=_head_width(reads))
+            jnp.asarray(window_valid), *self._common, **_head(reads), config=self.config,
+            readout_spec=self.readout_spec)
         return StepOutput(to_host(out), keys, values)
 
     def commit(self, state: kv_state.KVState, positions: np.ndarray, write: np.ndarray, out: StepOutput,
@@ -68,12 +68,10 @@ class JaxBackend(Backend):
         return run
 
 
-def _head(reads: Reads | None) -> tuple:
-    return () if reads is None else (jnp.int32(reads[0]),)
-
-
-def _head_width(reads: Reads | None) -> int | None:
-    return None if reads is None else int(reads[1])
+def _head(reads: Reads | None) -> dict:
+    """The steps' head_start / head_width arguments for `reads` (None: the head on every row)."""
+    start, width = (0, None) if reads is None else reads
+    return {"head_start": jnp.int32(start), "head_width": None if width is None else int(width)}
 
 
 def commit_on_device(state: kv_state.KVState, positions, write, out: StepOutput, tokens, nfe: int):
