@@ -61,3 +61,16 @@ class Backend(Protocol):
     def staging_stats(self) -> dict:
         """Weight-staging counters of this generation (bytes copied, hidden fraction, ...); {} if resident."""
         return {}
+
+    # Batching (`llada_jax.step_batcher`): rows of several generations stacked into one step.
+    def batch_sizes(self) -> tuple[int, ...] | None:
+        """The row counts a step can take (a bundle's compiled ones); None: any."""
+        return None
+
+    def join_rows(self, arrays: list, axis: int):
+        """Device arrays (K/V) concatenated along their batch `axis`."""
+        return np.concatenate([np.asarray(array) for array in arrays], axis=axis)
+
+    def take_rows(self, array, start: int, count: int, axis: int):
+        """Rows [start, start + count) of a device array along its batch `axis`."""
+        return np.take(np.asarray(array), np.arange(start, start + count), axis=axis)

@@ -227,8 +227,8 @@ def staged_forward(device: StagedDevice, ring: StagingRing, weights: StagedWeigh
 
 def staged_full(device: StagedDevice, ring: StagingRing, weights: StagedWeights, config: LLaDAConfig,
                 tokens: np.ndarray, valid: np.ndarray, reads: Reads | None = None) -> StepOutput:
-    """A full step `[B, S]` through the ring."""
-    positions = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape).copy()
+    """A full step `[B, S]` through the ring (rotary positions as `llada_jax.steps.full_step` gives them)."""
+    positions = np.maximum(np.cumsum(valid, axis=1, dtype=np.int32) - 1, 0)
     return staged_forward(device, ring, weights, config, tokens, positions, hidden_bias(valid), None, reads)
 
 

@@ -20,9 +20,11 @@ from llada_jax.readout import Readout, ReadoutSpec
 
 
 def guided_logits(logits: jax.Array, cfg_scale: jax.Array, logit_bias: jax.Array, readout_spec: ReadoutSpec) -> jax.Array:
-    """Apply CFG, then the per-token bias, to float32 logits `[B, W, E]`."""
+    """Apply CFG, then the per-token bias, to float32 logits `[B, W, E]`. Under CFG rows come in
+    (conditional, unconditional) pairs, one per canvas of a batch, and each pair gives one row."""
     if readout_spec.cfg:
-        cond, uncond = logits[0:1], logits[1:2]
+        pairs = logits.reshape(logits.shape[0] // 2, 2, *logits.shape[1:])
+        cond, uncond = pairs[:, 0], pairs[:, 1]
         logits = uncond + (cfg_scale + 1.0) * (cond - uncond)
     return logits + logit_bias
 
@@ -69,8 +71,9 @@ def read_out(params: dict, hidden: jax.Array, cfg_scale, logit_bias, confidence_
 def full_step(params: dict, tokens: jax.Array, valid: jax.Array, cfg_scale: jax.Array, logit_bias: jax.Array,
               confidence_bias: jax.Array, head_start=0, *, config: LLaDAConfig, readout_spec: ReadoutSpec,
               head_width: int | None = None):
-    """Whole canvas `[B, L]`; `valid` marks real (non-padding) positions. Returns (readout, K, V)."""
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    """Whole canvas `[B, L]`; `valid` marks real (non-padding) positions. Returns (readout, K, V).
+    A real position's rotary position counts the real ones before it: left padding shifts nothing."""
+    positions = jnp.maximum(jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1, 0)
     bias = jnp.where(valid, 0.0, HIDDEN).astype(jnp.float32)
     out = forward(params, tokens, positions, bias, None, config)
     hidden = head_rows(out.hidden, head_start, head_width)

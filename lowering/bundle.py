@@ -93,8 +93,9 @@ def compile_module(text: str, flags: tuple[str, ...], out: Path) -> float:
 
 def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, window: int = 64,
                    dtype: str = "float32", copy_weights: bool = True, device_memory_budget: int | None = None,
-                   loops: tuple[BakedLoops, ...] = (), progress=None) -> Path:
-    """Compile every step for canvases up to `max_len` and windows up to `window` into a bundle; with a
+                   loops: tuple[BakedLoops, ...] = (), batch_sizes: tuple[int, ...] = (1,), progress=None) -> Path:
+    """Compile every step for canvases up to `max_len`, windows up to `window` and each of `batch_sizes`
+    rows (a batch of prompts runs in steps of these sizes) into a bundle; with a
     device memory budget smaller than the weights, the per-layer pieces that staged execution streams
     weights through take the place of the resident steps. `loops`: decoding settings whose compiled
     decode loops go beside the steps, with a `run.sh` that runs the first one without Python."""
@@ -109,8 +110,9 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
     if window <= 0:
         raise LladaError(f"--window must be positive, got {window}")
     stored = stored_dtype(model_dir)
-    specs, loops = _functions_to_compile(config, max_len, window, device_memory_budget, loops, tgt.driver,
-                                         progress)
+    batch_sizes = check_batch_sizes(batch_sizes)
+    specs, loops = _functions_to_compile(config, max_len, window, batch_sizes, device_memory_budget, loops,
+                                         tgt.driver, progress)
     loop_specs = list(dict.fromkeys(spec for baked in loops for spec in baked.specs))  # thresholds are inputs
     if any(spec.slots not in canvas_sizes(max_len) for spec in loop_specs):
         raise LladaError(f"a decode loop's canvas is not one of this bundle's sizes {canvas_sizes(max_len)}")
@@ -133,6 +135,7 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
             "format": FORMAT_VERSION, "model_config": config.to_hf_dict(), "eot_token_id": config.eot_token_id,
             "target": tgt.name, "driver": tgt.driver, "flags": list(tgt.flags), "iree_version": iree_version(),
             "compute_dtype": dtype, "stored_dtype": stored, "max_len": max_len, "window": window,
+            "batch_sizes": list(batch_sizes),
             "device_memory_budget": device_memory_budget,
             "compile_seconds": round(seconds, 2), "weights": weights,
             "steps": [signature_manifest(spec, config, compute) for spec in specs],
@@ -149,12 +152,20 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
     return out_dir
 
 
-def _functions_to_compile(config, max_len: int, window: int, budget: int | None, loops: tuple, driver: str,
-                          progress) -> tuple[list, tuple]:
+def check_batch_sizes(batch_sizes) -> tuple[int, ...]:
+    """Distinct positive batch sizes, sorted; 1 always among them (a lone prompt, and a batch's rest)."""
+    sizes = tuple(batch_sizes)
+    if not sizes or any(not isinstance(size, int) or size < 1 for size in sizes):
+        raise LladaError(f"batch sizes must be positive integers, got {list(sizes)}")
+    return tuple(sorted(set(sizes) | {1}))
+
+
+def _functions_to_compile(config, max_len: int, window: int, batch_sizes: tuple[int, ...], budget: int | None,
+                          loops: tuple, driver: str, progress) -> tuple[list, tuple]:
     """The steps of every shape (per-layer pieces in place of the resident steps when the weights exceed
     the device memory budget: they would not fit), and the decode loops unless the weights stream or the
     target is a GPU."""
-    specs = step_specs(max_len, window)
+    specs = step_specs(max_len, window, batch_sizes)
     if loops and driver != "local-task":
         (progress or print)(f"no compiled decode loop for {driver}: IREE {iree_version()} runs loops on it wrongly "
                             "(transient buffers inside the loop); the bundle runs the host loop")

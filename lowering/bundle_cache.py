@@ -15,7 +15,7 @@ from lowering.bundle_format import FORMAT_VERSION, MANIFEST, sha256
 
 def cached_bundle(model_dir, target: str, *, dtype: str = "float32", max_len: int | None = None,
                   window: int | None = None, device_memory_budget: int | None = None, loops: tuple = (),
-                  progress=None) -> Path:
+                  batch_sizes: tuple[int, ...] = (1,), progress=None) -> Path:
     """A bundle for this model (by content), target, dtype, shapes, staged weight layouts, compiled decode
     loops and IREE version; compiled if absent."""
     model_dir = Path(model_dir).absolute()
@@ -29,11 +29,13 @@ def cached_bundle(model_dir, target: str, *, dtype: str = "float32", max_len: in
                       "budget": device_memory_budget, "format": FORMAT_VERSION, "iree": iree_version(),
                       "staged_layouts": [layer_layout(config).entries, head_layout(config).entries],
                       "loops": sorted({spec.name for baked in loops for spec in baked.specs}),
+                      "batch_sizes": sorted(set(batch_sizes) | {1}),
                       "code": _exporting_code()}, sort_keys=True)
     out = user_cache_dir("bundles") / hashlib.sha256(key.encode()).hexdigest()[:20]
     if not (out / MANIFEST).is_file():
         compile_bundle(model_dir, target, out, max_len=max_len, window=window, dtype=dtype, copy_weights=False,
-                       device_memory_budget=device_memory_budget, loops=loops, progress=progress)
+                       device_memory_budget=device_memory_budget, loops=loops, batch_sizes=batch_sizes,
+                       progress=progress)
     return out
 
 

@@ -55,8 +55,13 @@ def canvas_sizes(max_len: int) -> list[int]:
     return sorted({min(b, max_len) for b in LENGTH_BUCKETS if b < max_len} | {max_len})
 
 
-def step_specs(max_len: int, max_window: int, batch: int = 1) -> list[StepSpec]:
-    """Every shape the decoders can ask for with canvases up to `max_len` and windows up to `max_window`."""
+def step_specs(max_len: int, max_window: int, batch_sizes: tuple[int, ...] = (1,)) -> list[StepSpec]:
+    """Every shape the decoders can ask for with canvases up to `max_len` and windows up to `max_window`,
+    for each batch size (rows of a batched step, `llada_jax.step_batcher`)."""
+    return [spec for batch in batch_sizes for spec in _step_specs(max_len, max_window, batch)]
+
+
+def _step_specs(max_len: int, max_window: int, batch: int) -> list[StepSpec]:
     specs = []
     for slots in canvas_sizes(max_len):
         specs.append(StepSpec("full", batch, slots))

@@ -69,8 +69,8 @@ class Session:
     def read(self, device_array) -> np.ndarray:
         """Copy a device array to host memory. On Vulkan through a mapped staging buffer: IREE's own
         read-back imports a numpy allocation, which Vulkan refuses unless page-aligned in address and size."""
-        if not self.vulkan:
-            return np.asarray(device_array.to_host())
+        if not self.vulkan:  # a copy: to_host() can map the device buffer, which a later call may reuse
+            return np.array(device_array.to_host(), copy=True)
         rt = self._rt
         view = device_array._buffer_view
         source = view.get_buffer()
@@ -172,6 +172,20 @@ class IreeBackend(Backend):
 
     def side_backend(self) -> SideBackend | None:
         return self._side(self) if self._side is not None else None
+
+    def batch_sizes(self) -> tuple[int, ...]:
+        """The batch sizes `llada compile --batch-sizes` compiled steps for."""
+        return tuple(sorted({step["batch"] for step in self.bundle.manifest["steps"]
+                             if step["kind"] in ("full", "layer_full")}))
+
+    def join_rows(self, arrays: list, axis: int):
+        return np.concatenate([self._host(array) for array in arrays], axis=axis)
+
+    def take_rows(self, array, start: int, count: int, axis: int):
+        return np.take(self._host(array), np.arange(start, start + count), axis=axis)
+
+    def _host(self, array) -> np.ndarray:
+        return array if isinstance(array, np.ndarray) else self.session.read(array)
 
     def compiled_loop_is_faster(self, spec: LoopSpec) -> bool:
         """The compiled loop runs on one thread (`local-sync`, see `lowering.bundle.LOOP_DRIVER`), the host

@@ -34,21 +34,27 @@ class Window(NamedTuple):
 class Canvas:
     """Token rows `[B, S]`: row 0 is the canvas; under CFG row 1 is the same with the prompt masked.
 
-    Positions >= `length` are padding up to the shape bucket S and are hidden from attention.
+    Columns are canvas positions. The first `offset` columns are left padding (a batch aligns its rows'
+    answers by it, as LLaDA's reference does) and columns >= `length` are padding up to the shape bucket
+    S: both are hidden from attention. The prompt fills [offset, prompt_len), the answer
+    [prompt_len, length); a column's rotary position is `column - offset`, as if unpadded.
     """
 
     tokens: np.ndarray
     length: int
     prompt_len: int
     mask_id: int
+    offset: int = 0
 
     @classmethod
-    def start(cls, prompt_ids: np.ndarray, gen_length: int, mask_id: int, cfg: bool, max_len: int) -> "Canvas":
-        length = len(prompt_ids) + gen_length
+    def start(cls, prompt_ids: np.ndarray, gen_length: int, mask_id: int, cfg: bool, max_len: int,
+              offset: int = 0) -> "Canvas":
+        prompt_len = offset + len(prompt_ids)
+        length = prompt_len + gen_length
         padded = bucket(length, max_len)
         rows = np.full((2 if cfg else 1, padded), mask_id, np.int32)
-        rows[0, : len(prompt_ids)] = prompt_ids
-        return cls(rows, length, len(prompt_ids), mask_id)
+        rows[0, offset:prompt_len] = prompt_ids
+        return cls(rows, length, prompt_len, mask_id, offset)
 
     @property
     def padded_length(self) -> int:
@@ -58,7 +64,12 @@ class Canvas:
     @property
     def valid(self) -> np.ndarray:
         """[B, S]: real canvas positions."""
-        return np.broadcast_to(np.arange(self.padded_length) < self.length, self.tokens.shape)
+        columns = np.arange(self.padded_length)
+        return np.broadcast_to((columns >= self.offset) & (columns < self.length), self.tokens.shape)
+
+    def rotary_positions(self, columns: np.ndarray) -> np.ndarray:
+        """The positions the model sees at these columns: as in the unpadded canvas (0 on left padding)."""
+        return np.maximum(np.asarray(columns) - self.offset, 0)
 
     @property
     def masked(self) -> np.ndarray:
@@ -84,4 +95,4 @@ class Canvas:
         return Window(padded, np.arange(width) < len(positions))
 
     def full_window(self) -> Window:
-        return Window(np.arange(self.padded_length), np.arange(self.padded_length) < self.length)
+        return Window(np.arange(self.padded_length), self.valid[0])

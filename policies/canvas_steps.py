@@ -16,7 +16,7 @@ def window_step(backend, canvas: Canvas, kv: kv_state.KVState, window: Window, r
     rows = canvas.tokens.shape[0]
     visible = canvas.valid.copy()
     visible[:, window.positions[window.valid]] = False
-    positions = np.broadcast_to(window.positions, (rows, len(window.positions)))
+    positions = np.broadcast_to(canvas.rotary_positions(window.positions), (rows, len(window.positions)))
     valid = np.broadcast_to(window.valid, positions.shape)
     return backend.window(kv, visible, canvas.tokens[:, window.positions], positions, valid, reads)
 

@@ -4,6 +4,7 @@ and policy, then run the decode loop. No JAX here: bundles run through this modu
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import numpy as np
@@ -12,6 +13,7 @@ from llada_jax.config import LLaDAConfig
 from llada_jax.errors import LladaError
 from llada_jax.readout import ReadoutSpec, TokenBiases
 from llada_jax.shapes import bucket
+from policies.batch import decode_batch
 from policies.compiled_loop import draft_threshold_of, loop_spec, run_compiled
 from policies.loop import decode
 from policies.registry import make_policy
@@ -36,6 +38,26 @@ def check_token_ids(ids, config: LLaDAConfig, what: str, allow_mask: bool) -> np
     return ids.astype(np.int32)
 
 
+def prompt_rows(prompt_ids, config: LLaDAConfig) -> tuple[list[np.ndarray], bool]:
+    """(prompts, batched): one sequence (`[L]`, or the reference's `[1, L]`), or a batch: a list of
+    sequences of any lengths, or an `[N, L]` array."""
+    if isinstance(prompt_ids, (list, tuple)) and prompt_ids and not np.isscalar(prompt_ids[0]):
+        return [_one_prompt(ids, config, f"prompt {index}") for index, ids in enumerate(prompt_ids)], True
+    prompt = check_token_ids(prompt_ids, config, "prompt", allow_mask=False)
+    if prompt.ndim == 2 and prompt.shape[0] > 1:
+        return [_one_prompt(row, config, f"prompt {index}") for index, row in enumerate(prompt)], True
+    return [_one_prompt(prompt, config, "prompt")], False
+
+
+def _one_prompt(ids, config: LLaDAConfig, what: str) -> np.ndarray:
+    prompt = check_token_ids(ids, config, what, allow_mask=False)
+    if prompt.ndim == 2 and prompt.shape[0] == 1:  # the reference's [1, L] prompt shape
+        prompt = prompt[0]
+    if prompt.ndim != 1:
+        raise LladaError(f"{what} must be one sequence [length], got shape {list(prompt.shape)}")
+    return prompt
+
+
 def run_generation(make_backend: Callable, config: LLaDAConfig, prompt_ids, *, gen_length: int, block_length: int,
                    steps: int, temperature: float = 0.0, cfg_scale: float = 0.0, remasking: str = "low_confidence",
                    policy: str = "vanilla", threshold: float | None = None, seed: int = 0,
@@ -43,20 +65,19 @@ def run_generation(make_backend: Callable, config: LLaDAConfig, prompt_ids, *, g
                    on_step: Callable | None = None, limit: int | None = None, loop: str = "auto"):
     """Validate everything, then decode with `make_backend(readout, biases, cfg_scale, batch, slots)`
     (batch rows and canvas slots let a backend size its device memory before any step runs).
+    `prompt_ids`: one prompt (returns a `Result`) or a batch (see `prompt_rows`; returns a list of them,
+    each row as that prompt alone would decode; `on_step(row, canvas, record)`).
     `limit`: a compiled bundle's longest canvas, when lower than the model's own. `loop`: "auto" runs the
-    compiled decode loop where the setting and backend offer it (not with a live `on_step`), "host" the
+    compiled decode loop where the setting and backend offer it (one prompt, no live `on_step`), "host" the
     host loop, "compiled" insists on the compiled one."""
     if limit is not None:
         config = dataclasses.replace(config, max_sequence_length=min(limit, config.max_sequence_length))
-    prompt = check_token_ids(prompt_ids, config, "prompt", allow_mask=False)
-    if prompt.ndim == 2 and prompt.shape[0] == 1:  # the reference's [1, L] prompt shape
-        prompt = prompt[0]
-    if prompt.ndim != 1:
-        raise LladaError(f"prompt_ids must be one sequence [length], got shape {list(prompt.shape)}")
+    prompts, batched = prompt_rows(prompt_ids, config)
     schedule = Schedule(int(gen_length), int(block_length), int(steps))
-    total = len(prompt) + schedule.gen_length
+    longest = max(len(prompt) for prompt in prompts)
+    total = longest + schedule.gen_length
     if total > config.max_sequence_length:
-        raise LladaError(f"prompt ({len(prompt)}) + gen_length ({schedule.gen_length}) = {total} exceeds "
+        raise LladaError(f"prompt ({longest}) + gen_length ({schedule.gen_length}) = {total} exceeds "
                          f"max_sequence_length={config.max_sequence_length}"
                          f"{' (the bundle was compiled with --max-len ' + str(limit) + ')' if limit else ''}")
     if not cfg_scale >= 0.0:
@@ -68,22 +89,33 @@ def run_generation(make_backend: Callable, config: LLaDAConfig, prompt_ids, *, g
     readout_spec = ReadoutSpec(kind=sampler.readout_kind, cfg=cfg_scale > 0.0)
     forbid = config.special_ids_in_vocab(config.eos_token_id) if logits_eos_inf else ()
     biases = TokenBiases.build(config.embedding_size, forbid, unconfident)
-    batch, slots = (2 if cfg_scale > 0.0 else 1), bucket(total, config.max_sequence_length)
-    spec = _check_loop(loop, loop_spec(decoding_policy, rule, sampler, cfg_scale > 0.0, schedule, slots), on_step)
-    backend = make_backend(readout_spec, biases, float(cfg_scale), batch, slots)
+    rows, slots = (2 if cfg_scale > 0.0 else 1) * len(prompts), bucket(total, config.max_sequence_length)
+    spec = _check_loop(loop, loop_spec(decoding_policy, rule, sampler, cfg_scale > 0.0, schedule, slots), on_step,
+                       batched)
+    backend = make_backend(readout_spec, biases, float(cfg_scale), rows, slots)
+    decode_row = functools.partial(decode, schedule=schedule, policy=decoding_policy, rule=rule, sampler=sampler,
+                                   mask_id=config.mask_token_id, max_len=config.max_sequence_length,
+                                   cfg=cfg_scale > 0.0, seed=seed)
+    if batched:
+        return [_with_staging(result, backend) for result in decode_batch(backend, prompts, decode_row, on_step)]
     compiled = _compiled_loop(backend, loop, spec, on_step)
     if compiled is not None:
-        return run_compiled(compiled, spec, prompt, biases, threshold, draft_threshold_of(decoding_policy))
-    result = decode(backend, prompt, schedule, decoding_policy, rule, sampler, mask_id=config.mask_token_id,
-                    max_len=config.max_sequence_length, cfg=cfg_scale > 0.0, seed=seed, on_step=on_step)
+        return run_compiled(compiled, spec, prompts[0], biases, threshold, draft_threshold_of(decoding_policy))
+    return _with_staging(decode_row(backend, prompts[0], on_step=on_step), backend)
+
+
+def _with_staging(result, backend):
+    """The result with the backend's weight-staging counters, when it streams weights."""
     staging = backend.staging_stats()
     return dataclasses.replace(result, stats={**result.stats, **staging}) if staging else result
 
 
-def _check_loop(loop: str, spec, on_step):
+def _check_loop(loop: str, spec, on_step, batched: bool):
     """The compiled loop's spec for this setting (None: host loop only), refusing what `loop` cannot give."""
     if loop not in LOOPS:
         raise LladaError(f"unknown loop {loop!r}; choose one of {', '.join(LOOPS)}")
+    if loop == "compiled" and batched:
+        raise LladaError("the compiled loop decodes one prompt at a time; use --loop host for a batch")
     if loop == "compiled" and spec is None:
         raise LladaError("the compiled loop covers vanilla, prefix-cache and dual-cache (+speculative) at "
                          "temperature 0 with low-confidence remasking and no CFG; use --loop host for this setting")

@@ -68,13 +68,14 @@ class Result:
 
 
 def decode(backend, prompt_ids: np.ndarray, schedule: Schedule, policy: Policy, rule, sampler: Sampler, *,
-           mask_id: int, max_len: int, cfg: bool = False, seed: int = 0,
+           mask_id: int, max_len: int, cfg: bool = False, seed: int = 0, offset: int = 0,
            on_step: Callable[[Canvas, StepRecord], None] | None = None) -> Result:
-    """Generate `schedule.gen_length` tokens after `prompt_ids` (already validated on the host)."""
+    """Generate `schedule.gen_length` tokens after `prompt_ids` (already validated on the host), the
+    canvas left-padded by `offset` columns (a batch's alignment). Trace positions are unpadded."""
     started = time.perf_counter()
     backend = TimedBackend(backend)
     rng = np.random.default_rng(seed)
-    canvas = Canvas.start(prompt_ids, schedule.gen_length, mask_id, cfg, max_len)
+    canvas = Canvas.start(prompt_ids, schedule.gen_length, mask_id, cfg, max_len, offset)
     kv: kv_state.KVState | None = None  # allocated by the first step that reads or commits K/V
     trace: list[StepRecord] = []
     with policy.side_path(backend, canvas) as reviser:
@@ -94,9 +95,14 @@ def decode(backend, prompt_ids: np.ndarray, schedule: Schedule, policy: Policy, 
         kv, revisions = reviser.finish(kv)
         stats = {**reviser.stats(), "step_call_seconds": backend.seconds}
     if revisions:
-        trace[-1] = dataclasses.replace(trace[-1], revisions=trace[-1].revisions + tuple(revisions))
-    return Result(canvas.generated(), len(trace), time.perf_counter() - started, tuple(trace), canvas.prompt_len,
-                  stats)
+        trace[-1] = dataclasses.replace(trace[-1], revisions=trace[-1].revisions + unpadded(canvas, revisions))
+    return Result(canvas.generated(), len(trace), time.perf_counter() - started, tuple(trace),
+                  canvas.prompt_len - canvas.offset, stats)
+
+
+def unpadded(canvas: Canvas, revisions) -> tuple:
+    """Revisions (column, old, new) with the column as the position in the unpadded canvas."""
+    return tuple((int(column) - canvas.offset, old, new) for column, old, new in revisions)
 
 
 class TimedBackend:
@@ -165,8 +171,9 @@ def _step(backend, canvas: Canvas, kv, plan: StepPlan, reviser: Reviser, block: 
     reviser.submit(kv, window, confidence, nfe)
     record = StepRecord(nfe, block.index, "full" if window.valid.size == canvas.padded_length else "window",
                         int(window.valid.sum()), int(window.valid.size), useful,
-                        tuple(int(p) for p in committed), tuple(int(t) for t in x0[committed]),
-                        tuple(float(c) for c in confidence[committed]), len(drafts), revisions, read.valid.size)
+                        tuple(int(p) - canvas.offset for p in committed), tuple(int(t) for t in x0[committed]),
+                        tuple(float(c) for c in confidence[committed]), len(drafts), unpadded(canvas, revisions),
+                        read.valid.size)
     return kv, record
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -20,8 +21,18 @@ from llada_jax.shapes import kv_shape
 from llada_jax.steps import full_step, scatter_slots, window_step
 
 
+class DeviceRows:
+    """Batch rows of XLA device arrays joined and taken on the device (`Backend.join_rows/take_rows`)."""
+
+    def join_rows(self, arrays: list, axis: int):
+        return jnp.concatenate(arrays, axis=axis)
+
+    def take_rows(self, array, start: int, count: int, axis: int):
+        return jax.lax.slice_in_dim(array, start, start + count, axis=axis)
+
+
 @dataclasses.dataclass(frozen=True)
-class JaxBackend(Backend):
+class JaxBackend(DeviceRows, Backend):
     """Runs the jitted steps with XLA. Params are device arrays already; nothing is re-uploaded per step."""
 
     params: dict

@@ -13,7 +13,7 @@ import numpy as np
 
 from llada_jax import kv_state
 from llada_jax.backend import Backend
-from llada_jax.backends.xla import commit_on_device, empty_on_device, to_host
+from llada_jax.backends.xla import DeviceRows, commit_on_device, empty_on_device, to_host
 from llada_jax.config import LLaDAConfig
 from llada_jax.layered import head_chunk_step, layer_step
 from llada_jax.packing import head_chunks, head_layout, layer_layout
@@ -28,7 +28,7 @@ from llada_jax.staging import (
 
 
 @dataclasses.dataclass(frozen=True)
-class StagedJaxBackend(Backend):
+class StagedJaxBackend(DeviceRows, Backend):
     weights: StagedWeights
     config: LLaDAConfig
     readout_spec: ReadoutSpec

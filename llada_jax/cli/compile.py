@@ -9,6 +9,7 @@ from llada_jax.cli.flags import (
     add_loop_flags,
     add_model_flags,
     baked_setting,
+    batch_sizes_arg,
     model_dir,
 )
 from lowering.bundle import compile_bundle
@@ -21,7 +22,7 @@ def cmd_compile(args) -> None:
     out = compile_bundle(model_dir(args), args.target, args.out, max_len=args.max_len,
                          window=args.window, dtype=args.dtype, copy_weights=not args.link_weights,
                          device_memory_budget=args.device_memory_budget, loops=loops,
-                         progress=lambda message: print(message, file=sys.stderr))
+                         batch_sizes=args.batch_sizes, progress=lambda message: print(message, file=sys.stderr))
     script = f"; run it without Python: {out / SCRIPT} ID,ID,..." if (out / SCRIPT).is_file() else ""
     print(f"bundle written to {out}{script}")
 
@@ -37,5 +38,7 @@ def add_compile(commands) -> None:
     comp.add_argument("--link-weights", action="store_true", help="point at the model's weights instead of copying")
     comp.add_argument("--device-memory-budget", type=int, default=None, metavar="BYTES",
                       help="add per-layer pieces and stream weights through this much device memory")
+    comp.add_argument("--batch-sizes", type=batch_sizes_arg, default=(1,), metavar="N,N,...",
+                      help="rows a step takes: a batch of prompts runs in steps of these sizes (1 always included)")
     add_loop_flags(comp)
     comp.set_defaults(run=cmd_compile)

@@ -117,6 +117,17 @@ def loop_settings(args) -> list[tuple]:
     return [(kwargs["policy"], kwargs["threshold"], kwargs["gen_length"], kwargs["block_length"], kwargs["steps"])]
 
 
+def batch_sizes_arg(text: str) -> tuple[int, ...]:
+    """`--batch-sizes 1,4,16`."""
+    try:
+        sizes = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if any(size < 1 for size in sizes):
+        raise argparse.ArgumentTypeError(f"batch sizes must be positive, got {text!r}")
+    return sizes
+
+
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="HF LLaDA directory (default: the embedded tiny model)")
     parser.add_argument("--dtype", default="float32", help="compute dtype: float32 or bfloat16")

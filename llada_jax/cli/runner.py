@@ -25,11 +25,11 @@ def add_runner_flags(parser: argparse.ArgumentParser) -> None:
                         help="device memory for weights + KV state; smaller than the weights: stage them per layer")
 
 
-def generation_runner(args, loops: list[tuple] = ()):
+def generation_runner(args, loops: list[tuple] = (), batch_sizes: tuple[int, ...] = (1,)):
     """(config, tokenizer, generate(ids, **options)) for the chosen model and backend. A bundle runs through
     the bundle runner: IREE steps, no JAX in the generation (the CLI process itself has JAX loaded). A bundle
     compiled on the fly bakes a decode loop for each of `loops` (policy, threshold, gen_length, block_length,
-    steps)."""
+    steps) and steps for each of `batch_sizes` rows."""
     budget = getattr(args, "device_memory_budget", None)
     if budget is not None and args.bundle is not None:
         raise LladaError("a bundle's device memory budget is fixed when it is compiled (llada compile "
@@ -45,6 +45,6 @@ def generation_runner(args, loops: list[tuple] = ()):
     config = read_config(model_dir(args))
     sizes = canvas_sizes(config.max_sequence_length)
     baked = tuple(baked_loops(*setting[:5], sizes) for setting in loops)
-    bundle_dir = cached_bundle(model_dir(args), target, dtype=args.dtype, loops=baked,
+    bundle_dir = cached_bundle(model_dir(args), target, dtype=args.dtype, loops=baked, batch_sizes=batch_sizes,
                                device_memory_budget=budget, progress=lambda m: print(m, file=sys.stderr))
     return bundle_runner(bundle_dir, args.backend)
