@@ -77,7 +77,7 @@ def run_generation(make_backend: Callable, config: LLaDAConfig, prompt_ids, *, g
     longest = max(len(prompt) for prompt in prompts)
     total = longest + schedule.gen_length
     if total > config.max_sequence_length:
-        raise LladaError(f"prompt ({longest}) + gen_length ({schedule.gen_length}) = {total} exceeds "
+        raise LladaError(f"{'the longest ' if batched else ''}prompt ({longest}) + gen_length ({schedule.gen_length}) = {total} exceeds "
                          f"max_sequence_length={config.max_sequence_length}"
                          f"{' (the bundle was compiled with --max-len ' + str(limit) + ')' if limit else ''}")
     if not cfg_scale >= 0.0:

@@ -75,6 +75,18 @@ def sharded_bf16_dir(tmp_path_factory) -> Path:
                             shard_bytes=20_000)
 
 
+BUNDLE_MAX_LEN = 32  # the shared host bundle's longest canvas
+
+
+@pytest.fixture(scope="session")
+def host_bundle(tiny_dir, tmp_path_factory) -> Path:
+    """The tiny model compiled for the host, steps for batches of 1 and 2 rows."""
+    from lowering.bundle import compile_bundle
+
+    return compile_bundle(tiny_dir, "host", tmp_path_factory.mktemp("bundles") / "host", max_len=BUNDLE_MAX_LEN,
+                          window=BUNDLE_MAX_LEN, batch_sizes=(1, 2))
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tiny_dir):
     import llada_jax

@@ -98,7 +98,7 @@ def test_run_script_names_a_missing_iree_run_module(loop_bundle):
 def test_gpu_and_staged_bundles_keep_the_host_loop(tiny_dir):
     loops = (baked_loops("dual-cache", None, GEN, BLOCK, 8, canvas_sizes(MAX_LEN)),)
     said = []
-    _, kept = bundle_mod._functions_to_compile(TINY, MAX_LEN, 16, None, loops, "vulkan", said.append)
+    _, kept = bundle_mod._functions_to_compile(TINY, MAX_LEN, 16, (1,), None, loops, "vulkan", said.append)
     assert kept == () and "no compiled decode loop for vulkan" in said[0]
-    specs, kept = bundle_mod._functions_to_compile(TINY, MAX_LEN, 16, 1000, loops, "local-task", said.append)
+    specs, kept = bundle_mod._functions_to_compile(TINY, MAX_LEN, 16, (1,), 1000, loops, "local-task", said.append)
     assert kept == () and "host loop only" in said[1] and all(spec.kind != "full" for spec in specs)

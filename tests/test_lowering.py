@@ -21,16 +21,10 @@ from llada_jax.readout import ReadoutSpec, TokenBiases
 from lowering import bundle as bundle_mod
 from lowering.bundle import compile_bundle
 from lowering.runtime import IreeBackend, Session, load_bundle
-from tests.conftest import TINY, jax_backend, require, vulkan_available
+from tests.conftest import BUNDLE_MAX_LEN, TINY, jax_backend, require, vulkan_available
 
-MAX_LEN, WINDOW = 32, 32
+MAX_LEN = BUNDLE_MAX_LEN
 POLICIES = ["vanilla", "prefix-cache", "dual-cache"]
-
-
-@pytest.fixture(scope="session")
-def host_bundle(tiny_dir, tmp_path_factory):
-    return compile_bundle(tiny_dir, "host", tmp_path_factory.mktemp("bundles") / "host", max_len=MAX_LEN,
-                          window=WINDOW)
 
 
 @pytest.fixture(scope="session")
