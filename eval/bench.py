@@ -63,41 +63,51 @@ def step_flops(config, width: int, context: int, head_rows: int | None = None) -
     return config.n_layers * width * (per_token + attention) + 2 * head_rows * d * config.embedding_size
 
 
+def generate_all(generate, prompts: list[Prompt], batch: int, options: dict) -> tuple[list, float]:
+    """Every prompt's result, `batch` prompts per generate call; and the seconds the calls took."""
+    results, seconds = [], 0.0
+    for start in range(0, len(prompts), batch):
+        chunk = [prompt.ids for prompt in prompts[start: start + batch]]
+        began = time.perf_counter()
+        results += generate(chunk, **options) if batch > 1 else [generate(chunk[0], **options)]
+        seconds += time.perf_counter() - began
+    return results, seconds
+
+
 def run_setting(generate, config, setting: DecoderSetting, prompts: list[Prompt], tokenizer, steps: int,
                 block_length: int = BLOCK_LENGTH, loop: str = "auto", label: str | None = None,
-                gen_length: int = GEN_LENGTH) -> dict:
-    latencies, nfes, utilisation, correct, revisions, flops, floor_flops = [], [], [], [], [], 0.0, 0.0
-    side_seconds, side_waited, loops_used, call_seconds = [], [], set(), 0.0
-    for prompt in prompts:
-        result = generate(prompt.ids, gen_length=gen_length, block_length=block_length, steps=steps,
-                          policy=setting.policy, threshold=setting.threshold, loop=loop)
-        loops_used.add(result.stats.get("loop", "host"))
-        call_seconds += result.stats.get("step_call_seconds", 0.0)
-        side_seconds.append(result.stats.get("side_seconds", 0.0))
-        side_waited.append(result.stats.get("side_wait_seconds", 0.0) if result.stats.get("side_concurrent")
-                           else side_seconds[-1])
-        latencies.append(result.wall_s)
-        nfes.append(result.nfe)
-        utilisation.append(result.mean_utilisation)
-        revisions.append(result.revisions)
-        canvas = len(prompt.ids) + gen_length
-        flops += sum(step_flops(config, r.shape_width, canvas if r.kind == "full" else canvas + r.shape_width,
+                gen_length: int = GEN_LENGTH, batch: int = 1) -> dict:
+    options = dict(gen_length=gen_length, block_length=block_length, steps=steps, policy=setting.policy,
+                   threshold=setting.threshold, loop=loop)
+    results, total = generate_all(generate, prompts, batch, options)
+    flops, floor_flops, correct = 0.0, 0.0, []
+    canvas = len(max(prompts, key=lambda prompt: len(prompt.ids)).ids) + gen_length if batch > 1 else None
+    for prompt, result in zip(prompts, results):
+        length = canvas or len(prompt.ids) + gen_length
+        flops += sum(step_flops(config, r.shape_width, length if r.kind == "full" else length + r.shape_width,
                                 r.head_rows) for r in result.trace)
         # The floor: real positions only (padding excluded), the LM head on the positions read out.
-        floor_flops += sum(step_flops(config, r.width, canvas, min(r.width, r.head_rows or r.width))
-                           for r in result.trace)
+        floor_flops += sum(step_flops(config, r.width, len(prompt.ids) + gen_length,
+                                      min(r.width, r.head_rows or r.width)) for r in result.trace)
         if prompt.answer is not None:
-            text = answer_text(tokenizer, result.output_ids, config)
-            correct.append(prompt.score(text, prompt.answer))
-    total = sum(latencies)
-    return {"setting": label or str(setting), "loop": "+".join(sorted(loops_used)), "median_latency_s": statistics.median(latencies), "total_s": total,
-            "tokens_per_s": gen_length * len(prompts) / total, "mean_nfe": float(np.mean(nfes)),
-            "window_utilisation": float(np.mean(utilisation)), "revisions_per_answer": float(np.mean(revisions)),
+            correct.append(prompt.score(answer_text(tokenizer, result.output_ids, config), prompt.answer))
+    side_seconds = [result.stats.get("side_seconds", 0.0) for result in results]
+    side_waited = sum(result.stats.get("side_wait_seconds", 0.0) if result.stats.get("side_concurrent") else side
+                      for result, side in zip(results, side_seconds))
+    nfes = [result.nfe for result in results]
+    call_seconds = sum(result.stats.get("step_call_seconds", 0.0) for result in results)
+    return {"setting": label or str(setting), "batch": batch,
+            "loop": "+".join(sorted({result.stats.get("loop", "host") for result in results})),
+            "median_latency_s": statistics.median(result.wall_s for result in results), "total_s": total,
+            "answers_per_s": len(prompts) / total, "tokens_per_s": gen_length * len(prompts) / total,
+            "mean_nfe": float(np.mean(nfes)),
+            "window_utilisation": float(np.mean([result.mean_utilisation for result in results])),
+            "revisions_per_answer": float(np.mean([result.revisions for result in results])),
             "accuracy": float(np.mean(correct)) if correct else None, "achieved_gflops": flops / total / 1e9,
-            "host_ms_per_step": 1e3 * max(total - call_seconds, 0.0) / max(sum(nfes), 1),
-            "floor_gflop": floor_flops / 1e9,
-            "side_seconds_per_answer": float(np.mean(side_seconds)),
-            "side_hidden_fraction": 1.0 - sum(side_waited) / sum(side_seconds) if sum(side_seconds) else None}
+            # a batch row's step calls include waiting for the others: host time is reported unbatched only
+            "host_ms_per_step": 1e3 * max(total - call_seconds, 0.0) / max(sum(nfes), 1) if batch == 1 else None,
+            "floor_gflop": floor_flops / 1e9, "side_seconds_per_answer": float(np.mean(side_seconds)),
+            "side_hidden_fraction": 1.0 - side_waited / sum(side_seconds) if sum(side_seconds) else None}
 
 
 def add_ratios(rows: list[dict], peak: float) -> None:
@@ -107,29 +117,36 @@ def add_ratios(rows: list[dict], peak: float) -> None:
         floor_s = row.pop("floor_gflop") / peak
         row["times_floor"] = row["total_s"] / floor_s if floor_s > 0 else None
         for base in ("vanilla", "prefix-cache"):
-            reference = by_name.get(base) or by_name.get(f"{base} [host]")
+            reference = by_name.get(base) or by_name.get(f"{base} [host]") or by_name.get(f"{base} [b=1]")
             if reference is not None:
                 row[f"speedup_vs_{base}"] = reference["median_latency_s"] / row["median_latency_s"]
 
 
 def bench(generate, config, tokenizer, settings: list[DecoderSetting], prompts: list[Prompt], steps: int,
           progress=None, block_length: int = BLOCK_LENGTH, loops: tuple[str, ...] = ("auto",),
-          gen_length: int = GEN_LENGTH) -> dict:
+          gen_length: int = GEN_LENGTH, batch_sizes: tuple[int, ...] = (1,)) -> dict:
     """Warm every setting once (compilation), then measure them all on the same prompts. `loops`: the
     decode loops to run each setting with ("host", "compiled", "auto"); with several, every row is
-    labelled with its loop (a setting the compiled loop does not cover gets only its host row)."""
-    runs = [(setting, loop) for setting in settings for loop in loops
-            if loop != "compiled" or len(loops) == 1 or loop_covers(make_policy(setting.policy))]
-    for setting, loop in runs:
-        generate(prompts[0].ids, gen_length=gen_length, block_length=block_length, steps=steps,
-                 policy=setting.policy, threshold=setting.threshold, loop=loop)
+    labelled with its loop (a setting the compiled loop does not cover gets only its host row).
+    `batch_sizes`: prompts per generate call (a batch runs the host loop); with several, a row per size."""
+    runs = [(setting, loop, batch) for setting in settings for loop in loops for batch in batch_sizes
+            if (loop != "compiled" or len(loops) == 1 or loop_covers(make_policy(setting.policy)))
+            and (batch == 1 or loop != "compiled")]
+    for setting, loop, batch in runs:
+        generate_all(generate, prompts[:batch], batch, dict(gen_length=gen_length, block_length=block_length,
+                                                            steps=steps, policy=setting.policy,
+                                                            threshold=setting.threshold, loop=loop))
     rows = []
-    for setting, loop in runs:
-        label = str(setting) if len(loops) == 1 else f"{setting} [{loop}]"
+    for setting, loop, batch in runs:
+        label = str(setting) + (f" [{loop}]" if len(loops) > 1 else "") + (f" [b={batch}]" if len(batch_sizes) > 1 else "")
         if progress:
             progress(f"bench {label} over {len(prompts)} prompts")
         rows.append(run_setting(generate, config, setting, prompts, tokenizer, steps, block_length, loop, label,
-                                gen_length))
+                                gen_length, batch))
+    single = {(setting, loop): row for (setting, loop, batch), row in zip(runs, rows) if batch == 1}
+    for (setting, loop, batch), row in zip(runs, rows):
+        if (setting, loop) in single:
+            row["batch_gain"] = row["answers_per_s"] / single[setting, loop]["answers_per_s"]
     peak = matmul_peak_gflops()
     add_ratios(rows, peak)
     return {"peak_gflops": peak, "prompts": len(prompts), "gen_length": gen_length, "block_length": block_length,
@@ -137,7 +154,8 @@ def bench(generate, config, tokenizer, settings: list[DecoderSetting], prompts: 
 
 
 TABLE = [  # (field, header, width, decimals)
-    ("setting", "setting", 40, None), ("loop", "loop", 8, None), ("median_latency_s", "lat(s)", 8, 4), ("tokens_per_s", "tok/s", 7, 0),
+    ("setting", "setting", 40, None), ("loop", "loop", 8, None), ("median_latency_s", "lat(s)", 8, 4),
+    ("answers_per_s", "ans/s", 7, 2), ("batch_gain", "x/b1", 5, 2), ("tokens_per_s", "tok/s", 7, 0),
     ("mean_nfe", "NFE", 6, 1), ("window_utilisation", "util", 5, 2), ("accuracy", "acc", 6, 3),
     ("revisions_per_answer", "rev", 5, 2), ("side_seconds_per_answer", "side(s)", 8, 4),
     ("side_hidden_fraction", "hidden", 6, 2), ("speedup_vs_vanilla", "x/van", 6, 2),

@@ -25,7 +25,8 @@ from policies.schedule import Schedule, transfer_counts
 
 @dataclasses.dataclass(frozen=True)
 class StepRecord:
-    """One forward pass of the dense path: what it computed and what it committed (canvas positions)."""
+    """One forward pass of the dense path: what it computed and what it committed (positions in the
+    unpadded canvas: the prompt from 0, whatever left padding a batch gave the row)."""
 
     nfe: int
     block: int

@@ -203,3 +203,30 @@ def test_a_bad_later_setting_stops_the_run_before_any_work(capsys, tmp_path, com
     code = main([*command, "--model", str(tmp_path / "absent"), "--policy", "vanilla", "--policy", "turbo@0.9"])
     err = capsys.readouterr().err
     assert code != 0 and err.startswith("llada: error: unknown policy 'turbo'") and err.count("\n") == 1
+
+
+def test_prompt_file_answers_each_line_as_alone(capsys, tmp_path, tiny_dir):
+    """Three prompts in batches of 2: an answer per line, in order, each as `--prompt-ids` alone gives it."""
+    lines = ["1,2,3", "7,8,9,10,11", "4"]
+    (tmp_path / "prompts.txt").write_text("\n".join(lines) + "\n\n")
+    options = ["--gen-length", "16", "--block-length", "8", "--steps", "8", "--policy", "dual-cache", "--json"]
+    code, out, _ = run(capsys, "--model", str(tiny_dir), "--prompt-file", str(tmp_path / "prompts.txt"), "--ids",
+                       "--batch-size", "2", *options)
+    assert code == 0
+    answers = [json.loads(line)["output_ids"] for line in out.splitlines()]
+    alone = [json.loads(run(capsys, "--model", str(tiny_dir), "--prompt-ids", ids, *options)[1])["output_ids"]
+             for ids in lines]
+    assert answers == alone
+
+
+@pytest.mark.parametrize("content, args, expected", [
+    ("1,2\n1,x\n", ["--ids"], "line 2 of"), ("\n\n", ["--ids"], "holds no prompt"),
+    ("1,2\n", ["--ids", "--batch-size", "0"], "--batch-size must be positive"),
+    ("1,2\n", ["--ids", "--prompt-ids", "3"], "either --prompt-file or a prompt"),
+])
+def test_bad_prompt_files_are_one_line_errors(capsys, tmp_path, tiny_dir, content, args, expected):
+    (tmp_path / "prompts.txt").write_text(content)
+    code, out, err = run(capsys, "--model", str(tiny_dir), "--prompt-file", str(tmp_path / "prompts.txt"), *args,
+                         "--gen-length", "16", "--block-length", "8", "--steps", "8")
+    assert code == 1 and out == ""
+    assert err.startswith("llada: error: ") and expected in err and err.count("\n") == 1

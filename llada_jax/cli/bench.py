@@ -14,7 +14,7 @@ from eval.bench_lowering import bench_model_dir
 from eval.gsm8k import extract_answer, load_problems, prompt_text, same_number
 from eval.task_eval import GEN_LENGTH
 from eval.tasks import exact_match, held_out
-from llada_jax.cli.flags import add_model_flags
+from llada_jax.cli.flags import add_model_flags, batch_sizes_arg
 from llada_jax.cli.runner import add_runner_flags, generation_runner
 from llada_jax.errors import LladaError
 from policies.compiled_loop import loop_covers
@@ -30,7 +30,8 @@ def bench_prompts(args, tokenizer, config):
         raise LladaError(f"--limit must be positive, got {args.limit}")
     if tokenizer is None:
         rng = np.random.default_rng(0)
-        return [Prompt(rng.integers(0, config.mask_token_id, args.prompt_length)) for _ in range(args.limit or 4)]
+        count = max(args.limit or 4, max(args.batch_sizes))  # a full batch of the largest size at least
+        return [Prompt(rng.integers(0, config.mask_token_id, args.prompt_length)) for _ in range(count)]
     if args.data is not None:
         return [Prompt(np.array(tokenizer.encode(prompt_text(p["question"], [], tokenizer))), p["gold"],
                        lambda text, gold: same_number(extract_answer(text), gold))
@@ -58,10 +59,10 @@ def cmd_bench(args) -> None:
     loops = ("host", "compiled") if args.loop == "both" else (args.loop,)
     baked = [(s.policy, s.threshold, args.gen_length, args.block_length, args.steps) for s in settings
              if loops != ("host",) and loop_covers(make_policy(s.policy))]
-    config, tokenizer, run = generation_runner(args, baked)
+    config, tokenizer, run = generation_runner(args, baked, args.batch_sizes)
     report = bench(run, config, tokenizer, settings, bench_prompts(args, tokenizer, config), args.steps,
                    progress=lambda m: print(m, file=sys.stderr), block_length=args.block_length, loops=loops,
-                   gen_length=args.gen_length)
+                   gen_length=args.gen_length, batch_sizes=args.batch_sizes)
     if args.plot:
         plot(report, args.plot)
     print(json.dumps(report["rows"]) if args.json else format_table(report))
@@ -85,6 +86,8 @@ def add_bench(commands) -> None:
                     help="random prompt ids per prompt, for a model without tokenizer (default 32)")
     be.add_argument("--loop", choices=("auto", "host", "compiled", "both"), default="auto",
                     help="decode loop per setting; both: a host-loop and a compiled-loop row for each")
+    be.add_argument("--batch-sizes", type=batch_sizes_arg, default=(1,), metavar="N,N,...",
+                    help="prompts per generate call; a row per size with answers/s and its gain over 1 (x/b1)")
     be.add_argument("--plot", default=None, help="PNG: latency vs accuracy")
     be.add_argument("--json", action="store_true")
     be.set_defaults(run=cmd_bench)

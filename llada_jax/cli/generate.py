@@ -34,14 +34,36 @@ def prompt_ids(args, tokenizer) -> np.ndarray:
     if (args.prompt is None) == (args.prompt_ids is None):
         raise LladaError("give exactly one of a prompt text (positional or --prompt) and --prompt-ids")
     if args.prompt_ids is not None:
-        try:
-            return np.array([int(part) for part in args.prompt_ids.split(",") if part.strip()], np.int64)
-        except ValueError:
-            raise LladaError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
+        return ids_from_text(args.prompt_ids, "--prompt-ids")
+    return encoded(args.prompt, args.chat, tokenizer)
+
+
+def ids_from_text(text: str, what: str) -> np.ndarray:
+    try:
+        return np.array([int(part) for part in text.split(",") if part.strip()], np.int64)
+    except ValueError:
+        raise LladaError(f"{what} must be comma-separated integers, got {text.strip()!r}") from None
+
+
+def encoded(text: str, chat: bool, tokenizer) -> np.ndarray:
     if tokenizer is None:
-        raise LladaError("this model has no tokenizer.json; pass --prompt-ids instead of text")
-    text = tokenizer.chat_prompt(args.prompt) if args.chat else args.prompt
-    return np.array(tokenizer.encode(text), np.int64)
+        raise LladaError("this model has no tokenizer.json; give token ids instead of text")
+    return np.array(tokenizer.encode(tokenizer.chat_prompt(text) if chat else text), np.int64)
+
+
+def file_prompts(args, tokenizer) -> list[np.ndarray]:
+    """--prompt-file: one prompt per non-empty line, text (or comma-separated ids with --ids)."""
+    if args.prompt is not None or args.prompt_ids is not None:
+        raise LladaError("give either --prompt-file or a prompt, not both")
+    try:
+        lines = [line.rstrip("\n") for line in open(args.prompt_file, encoding="utf-8") if line.strip()]
+    except (OSError, UnicodeDecodeError) as err:
+        raise LladaError(f"cannot read --prompt-file {args.prompt_file}: {err}") from None
+    if not lines:
+        raise LladaError(f"--prompt-file {args.prompt_file} holds no prompt")
+    if args.ids:
+        return [ids_from_text(line, f"line {number} of {args.prompt_file}") for number, line in enumerate(lines, 1)]
+    return [encoded(line, args.chat, tokenizer) for line in lines]
 
 
 def compile_timing(args):
@@ -51,8 +73,28 @@ def compile_timing(args):
     return compile_clock()
 
 
+def cmd_generate_file(args, tokenizer, run) -> None:
+    """Every prompt of --prompt-file, --batch-size at a time: one line (text, or JSON with --json) each."""
+    if args.batch_size <= 0:
+        raise LladaError(f"--batch-size must be positive, got {args.batch_size}")
+    prompts = file_prompts(args, tokenizer)
+    for start in range(0, len(prompts), args.batch_size):
+        batch = prompts[start: start + args.batch_size]
+        results = run(batch, **decoding_kwargs(args)) if len(batch) > 1 else [run(batch[0], **decoding_kwargs(args))]
+        for result in results:
+            text = tokenizer.decode(result.output_ids) if tokenizer is not None else None
+            if args.json:
+                print(json.dumps({"output_ids": result.output_ids.tolist(), "nfe": result.nfe, "wall_s": result.wall_s,
+                                  **({"text": text} if text is not None else {})}), flush=True)
+            else:
+                print(text.replace("\n", " ") if text is not None else " ".join(map(str, result.output_ids)), flush=True)
+        print(f"[{min(start + len(batch), len(prompts))}/{len(prompts)} prompts]", file=sys.stderr)
+
+
 def cmd_generate(args) -> None:
-    config, tokenizer, run = generation_runner(args, loop_settings(args))
+    config, tokenizer, run = generation_runner(args, loop_settings(args), batch_sizes=(1, args.batch_size))
+    if args.prompt_file is not None:
+        return cmd_generate_file(args, tokenizer, run)
     ids = prompt_ids(args, tokenizer)
     live = sys.stderr.isatty() and not args.json and not args.no_visual and args.loop != "compiled"
     canvas = LiveCanvas(tokenizer, config.special_ids_in_vocab(config.eos_token_id, config.eot_token_id))
@@ -92,6 +134,9 @@ def add_generate(commands) -> None:
     add_runner_flags(gen)
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.add_argument("--no-visual", action="store_true", help="no live canvas even on a terminal")
+    gen.add_argument("--prompt-file", default=None, help="one prompt per line; an answer per line on stdout")
+    gen.add_argument("--ids", action="store_true", help="--prompt-file lines are comma-separated token ids")
+    gen.add_argument("--batch-size", type=int, default=8, help="--prompt-file prompts generated together")
     add_decoding_flags(gen)
     gen.set_defaults(run=cmd_generate)
 
