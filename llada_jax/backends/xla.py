@@ -22,7 +22,12 @@ from llada_jax.steps import full_step, scatter_slots, window_step
 
 
 class DeviceRows:
-    """Batch rows of XLA device arrays joined and taken on the device (`Backend.join_rows/take_rows`)."""
+    """Batch rows of XLA device arrays joined and taken on the device (`Backend.join_rows/take_rows`), in
+    steps of power-of-two row counts: XLA compiles once per shape, and rows of a batch leave at different
+    steps, so a free row count would compile a step for every count on the way down."""
+
+    def batch_sizes(self) -> tuple[int, ...]:
+        return tuple(1 << power for power in range(13))
 
     def join_rows(self, arrays: list, axis: int):
         return jnp.concatenate(arrays, axis=axis)
