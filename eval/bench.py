@@ -63,27 +63,32 @@ def step_flops(config, width: int, context: int, head_rows: int | None = None) -
     return config.n_layers * width * (per_token + attention) + 2 * head_rows * d * config.embedding_size
 
 
-def generate_all(generate, prompts: list[Prompt], batch: int, options: dict) -> tuple[list, float]:
-    """Every prompt's result, `batch` prompts per generate call; and the seconds the calls took."""
-    results, seconds = [], 0.0
+def generate_all(generate, prompts: list[Prompt], batch: int, options: dict) -> tuple[list, list[int], float]:
+    """Every prompt's result, `batch` prompts per generate call; each one's canvas length without the
+    answer (its batch's longest prompt: rows are left-padded to it); and the seconds the calls took."""
+    results, canvases, seconds = [], [], 0.0
     for start in range(0, len(prompts), batch):
         chunk = [prompt.ids for prompt in prompts[start: start + batch]]
         began = time.perf_counter()
-        results += generate(chunk, **options) if batch > 1 else [generate(chunk[0], **options)]
+        results += generate(chunk, **options)
         seconds += time.perf_counter() - began
-    return results, seconds
+        canvases += [max(len(ids) for ids in chunk)] * len(chunk)
+    return results, canvases, seconds
+
+
+def setting_options(setting: DecoderSetting, loop: str, gen_length: int, block_length: int, steps: int) -> dict:
+    return dict(gen_length=gen_length, block_length=block_length, steps=steps, policy=setting.policy,
+                threshold=setting.threshold, loop=loop)
 
 
 def run_setting(generate, config, setting: DecoderSetting, prompts: list[Prompt], tokenizer, steps: int,
                 block_length: int = BLOCK_LENGTH, loop: str = "auto", label: str | None = None,
                 gen_length: int = GEN_LENGTH, batch: int = 1) -> dict:
-    options = dict(gen_length=gen_length, block_length=block_length, steps=steps, policy=setting.policy,
-                   threshold=setting.threshold, loop=loop)
-    results, total = generate_all(generate, prompts, batch, options)
+    options = setting_options(setting, loop, gen_length, block_length, steps)
+    results, canvases, total = generate_all(generate, prompts, batch, options)
     flops, floor_flops, correct = 0.0, 0.0, []
-    canvas = len(max(prompts, key=lambda prompt: len(prompt.ids)).ids) + gen_length if batch > 1 else None
-    for prompt, result in zip(prompts, results):
-        length = canvas or len(prompt.ids) + gen_length
+    for prompt, result, canvas in zip(prompts, results, canvases):
+        length = canvas + gen_length
         flops += sum(step_flops(config, r.shape_width, length if r.kind == "full" else length + r.shape_width,
                                 r.head_rows) for r in result.trace)
         # The floor: real positions only (padding excluded), the LM head on the positions read out.
@@ -133,12 +138,11 @@ def bench(generate, config, tokenizer, settings: list[DecoderSetting], prompts: 
             if (loop != "compiled" or len(loops) == 1 or loop_covers(make_policy(setting.policy)))
             and (batch == 1 or loop != "compiled")]
     for setting, loop, batch in runs:
-        generate_all(generate, prompts[:batch], batch, dict(gen_length=gen_length, block_length=block_length,
-                                                            steps=steps, policy=setting.policy,
-                                                            threshold=setting.threshold, loop=loop))
+        generate_all(generate, prompts[:batch], batch, setting_options(setting, loop, gen_length, block_length, steps))
     rows = []
     for setting, loop, batch in runs:
-        label = str(setting) + (f" [{loop}]" if len(loops) > 1 else "") + (f" [b={batch}]" if len(batch_sizes) > 1 else "")
+        label = (str(setting) + (f" [{loop}]" if len(loops) > 1 else "")
+                 + (f" [b={batch}]" if len(batch_sizes) > 1 else ""))
         if progress:
             progress(f"bench {label} over {len(prompts)} prompts")
         rows.append(run_setting(generate, config, setting, prompts, tokenizer, steps, block_length, loop, label,

@@ -71,6 +71,6 @@ class Backend(Protocol):
         """Device arrays (K/V) concatenated along their batch `axis`."""
         return np.concatenate([np.asarray(array) for array in arrays], axis=axis)
 
-    def take_rows(self, array, start: int, count: int, axis: int):
-        """Rows [start, start + count) of a device array along its batch `axis`."""
-        return np.take(np.asarray(array), np.arange(start, start + count), axis=axis)
+    def split_rows(self, array, parts: int, axis: int) -> list:
+        """A device array cut into `parts` equal runs of rows along its batch `axis`."""
+        return np.split(np.asarray(array), parts, axis=axis)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Callable
 
 import numpy as np
 
@@ -38,7 +37,7 @@ class _Call:
 
     @property
     def rows(self) -> int:
-        """Canvas rows of this call (2 under CFG)."""
+        """Canvas rows of this call (2 under CFG): of the tokens (full), window ids (window), write mask (commit)."""
         return np.shape(self.args[0 if self.method == "full" else 2])[0]
 
     def key(self, row: int) -> tuple:
@@ -57,6 +56,7 @@ class StepBatcher:
 
     def __init__(self, backend):
         self.backend = backend
+        self._sizes = backend.batch_sizes()
         self.calls = 0    # backend step calls made (full and window; commits not counted)
         self.steps = 0    # row steps they computed
         self._cond = threading.Condition()
@@ -138,7 +138,7 @@ class StepBatcher:
         for row in sorted(pending):
             groups.setdefault(pending[row].key(row), []).append(pending[row])
         for calls in groups.values():
-            for chunk in _chunks(calls, self.backend.batch_sizes()):
+            for chunk in _chunks(calls, self._sizes):
                 self._run(chunk)
 
     def _run(self, chunk: list[_Call]) -> None:
@@ -147,7 +147,7 @@ class StepBatcher:
             if len(chunk) == 1:
                 results = [getattr(self.backend, chunk[0].method)(*chunk[0].args)]
             else:
-                results = _split(self.backend, _stacked_call(self.backend, chunk), len(chunk), chunk[0].rows)
+                results = _split(self.backend, _stacked_call(self.backend, chunk), len(chunk))
             for call, result in zip(chunk, results):
                 call.result = result
         except Exception as error:  # every row of the call sees it
@@ -161,9 +161,10 @@ class StepBatcher:
 
 
 def _chunks(calls: list[_Call], sizes: tuple[int, ...] | None) -> list[list[_Call]]:
-    """The calls cut into runs whose stacked rows are a batch size the backend has (any: one run)."""
-    if calls[0].method == "commit" or sizes is None:
-        return [calls] if calls[0].method != "commit" else [[call] for call in calls]
+    """The calls cut into runs whose stacked rows are a batch size the backend has (any: one run). A
+    commit's group holds only that commit (see `_Call.key`)."""
+    if sizes is None:
+        return [calls]
     rows, chunks, at = calls[0].rows, [], 0
     while at < len(calls):
         fits = [size // rows for size in sizes if size % rows == 0 and size // rows <= len(calls) - at]
@@ -189,13 +190,12 @@ def _stacked_call(backend, chunk: list[_Call]) -> StepOutput:
                                    for arrays in (visible, window_ids, window_pos, window_valid)), reads[0])
 
 
-def _split(backend, out: StepOutput, parts: int, rows: int) -> list[StepOutput]:
-    """Each call's share of a stacked step: its readout row(s) and its `rows` rows of K/V."""
+def _split(backend, out: StepOutput, parts: int) -> list[StepOutput]:
+    """Each call's share of a stacked step (calls of equal row counts): its readout row(s) and K/V rows."""
     readouts = [Readout(*parts_of) for parts_of in zip(*(
         [None] * parts if value is None else np.split(np.asarray(value), parts) for value in out.readout))]
-    return [StepOutput(readout, backend.take_rows(out.keys, part * rows, rows, axis=1),
-                       backend.take_rows(out.values, part * rows, rows, axis=1))
-            for part, readout in enumerate(readouts)]
+    return [StepOutput(readout, keys, values) for readout, keys, values in
+            zip(readouts, backend.split_rows(out.keys, parts, axis=1), backend.split_rows(out.values, parts, axis=1))]
 
 
 class RowBackend:
@@ -216,12 +216,6 @@ class RowBackend:
 
     def commit(self, state, positions, write, out, tokens, nfe: int):
         return self.batcher.call(self.row, "commit", (state, positions, write, out, tokens, nfe))
-
-    def compiled_loop(self, spec) -> Callable | None:
-        return None
-
-    def staging_stats(self) -> dict:
-        return {}
 
     def leave(self) -> None:
         self.batcher.leave(self.row)

@@ -9,7 +9,7 @@ from pathlib import Path
 from llada_jax.config import read_config
 from llada_jax.locations import user_cache_dir
 from llada_jax.packing import head_layout, layer_layout
-from lowering.bundle import compile_bundle, iree_version
+from lowering.bundle import check_batch_sizes, compile_bundle, iree_version
 from lowering.bundle_format import FORMAT_VERSION, MANIFEST, sha256
 
 
@@ -29,7 +29,7 @@ def cached_bundle(model_dir, target: str, *, dtype: str = "float32", max_len: in
                       "budget": device_memory_budget, "format": FORMAT_VERSION, "iree": iree_version(),
                       "staged_layouts": [layer_layout(config).entries, head_layout(config).entries],
                       "loops": sorted({spec.name for baked in loops for spec in baked.specs}),
-                      "batch_sizes": sorted(set(batch_sizes) | {1}),
+                      "batch_sizes": check_batch_sizes(batch_sizes),
                       "code": _exporting_code()}, sort_keys=True)
     out = user_cache_dir("bundles") / hashlib.sha256(key.encode()).hexdigest()[:20]
     if not (out / MANIFEST).is_file():

@@ -181,8 +181,8 @@ class IreeBackend(Backend):
     def join_rows(self, arrays: list, axis: int):
         return np.concatenate([self._host(array) for array in arrays], axis=axis)
 
-    def take_rows(self, array, start: int, count: int, axis: int):
-        return np.take(self._host(array), np.arange(start, start + count), axis=axis)
+    def split_rows(self, array, parts: int, axis: int) -> list:
+        return np.split(self._host(array), parts, axis=axis)  # one read of the device array for every part
 
     def _host(self, array) -> np.ndarray:
         return array if isinstance(array, np.ndarray) else self.session.read(array)

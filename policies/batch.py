@@ -13,14 +13,14 @@ from typing import Callable
 
 import numpy as np
 
-from llada_jax.errors import LladaError
 from llada_jax.step_batcher import StepBatcher
 from policies.loop import Result
 
 RowStep = Callable[[int, object, object], None]  # on_step(row, canvas, record)
 
 
-def decode_batch(backend, prompts: list[np.ndarray], decode_row: Callable, on_step: RowStep | None = None) -> list[Result]:
+def decode_batch(backend, prompts: list[np.ndarray], decode_row: Callable,
+                 on_step: RowStep | None = None) -> list[Result]:
     """`decode_row(row_backend, prompt, offset=..., on_step=...)` for every prompt at once; results in prompt
     order. The first row error is raised once every row has stopped (the others run to the end)."""
     batcher = StepBatcher(backend)
@@ -57,10 +57,4 @@ def decode_batch(backend, prompts: list[np.ndarray], decode_row: Callable, on_st
     if failed is not None:
         raise failed
     stats = {"batch_rows": len(prompts), "batched_calls": batcher.calls, "row_steps": batcher.steps}
-    return [_with_stats(result, stats) for result in results]
-
-
-def _with_stats(result: Result | None, stats: dict) -> Result:
-    if result is None:
-        raise LladaError("a batch row ended without a result")
-    return dataclasses.replace(result, stats={**result.stats, **stats})
+    return [dataclasses.replace(result, stats={**result.stats, **stats}) for result in results]

@@ -66,7 +66,8 @@ def run_generation(make_backend: Callable, config: LLaDAConfig, prompt_ids, *, g
     """Validate everything, then decode with `make_backend(readout, biases, cfg_scale, batch, slots)`
     (batch rows and canvas slots let a backend size its device memory before any step runs).
     `prompt_ids`: one prompt (returns a `Result`) or a batch (see `prompt_rows`; returns a list of them,
-    each row as that prompt alone would decode; `on_step(row, canvas, record)`).
+    each row as that prompt alone would decode; `on_step(row, canvas, record)`). A batch of one prompt
+    decodes as that prompt alone (the compiled loop included).
     `limit`: a compiled bundle's longest canvas, when lower than the model's own. `loop`: "auto" runs the
     compiled decode loop where the setting and backend offer it (one prompt, no live `on_step`), "host" the
     host loop, "compiled" insists on the compiled one."""
@@ -77,8 +78,8 @@ def run_generation(make_backend: Callable, config: LLaDAConfig, prompt_ids, *, g
     longest = max(len(prompt) for prompt in prompts)
     total = longest + schedule.gen_length
     if total > config.max_sequence_length:
-        raise LladaError(f"{'the longest ' if batched else ''}prompt ({longest}) + gen_length ({schedule.gen_length}) = {total} exceeds "
-                         f"max_sequence_length={config.max_sequence_length}"
+        raise LladaError(f"{'the longest ' if batched else ''}prompt ({longest}) + gen_length "
+                         f"({schedule.gen_length}) = {total} exceeds max_sequence_length={config.max_sequence_length}"
                          f"{' (the bundle was compiled with --max-len ' + str(limit) + ')' if limit else ''}")
     if not cfg_scale >= 0.0:
         raise LladaError(f"cfg_scale must be >= 0, got {cfg_scale}")
@@ -91,17 +92,21 @@ def run_generation(make_backend: Callable, config: LLaDAConfig, prompt_ids, *, g
     biases = TokenBiases.build(config.embedding_size, forbid, unconfident)
     rows, slots = (2 if cfg_scale > 0.0 else 1) * len(prompts), bucket(total, config.max_sequence_length)
     spec = _check_loop(loop, loop_spec(decoding_policy, rule, sampler, cfg_scale > 0.0, schedule, slots), on_step,
-                       batched)
+                       len(prompts) > 1)
     backend = make_backend(readout_spec, biases, float(cfg_scale), rows, slots)
     decode_row = functools.partial(decode, schedule=schedule, policy=decoding_policy, rule=rule, sampler=sampler,
                                    mask_id=config.mask_token_id, max_len=config.max_sequence_length,
                                    cfg=cfg_scale > 0.0, seed=seed)
-    if batched:
+    if len(prompts) > 1:
         return [_with_staging(result, backend) for result in decode_batch(backend, prompts, decode_row, on_step)]
+    if batched and on_step is not None:  # a batch of one: the lone prompt's path, its steps reported as row 0
+        on_step = functools.partial(on_step, 0)
     compiled = _compiled_loop(backend, loop, spec, on_step)
     if compiled is not None:
-        return run_compiled(compiled, spec, prompts[0], biases, threshold, draft_threshold_of(decoding_policy))
-    return _with_staging(decode_row(backend, prompts[0], on_step=on_step), backend)
+        result = run_compiled(compiled, spec, prompts[0], biases, threshold, draft_threshold_of(decoding_policy))
+    else:
+        result = _with_staging(decode_row(backend, prompts[0], on_step=on_step), backend)
+    return [result] if batched else result
 
 
 def _with_staging(result, backend):
@@ -110,11 +115,11 @@ def _with_staging(result, backend):
     return dataclasses.replace(result, stats={**result.stats, **staging}) if staging else result
 
 
-def _check_loop(loop: str, spec, on_step, batched: bool):
+def _check_loop(loop: str, spec, on_step, several: bool):
     """The compiled loop's spec for this setting (None: host loop only), refusing what `loop` cannot give."""
     if loop not in LOOPS:
         raise LladaError(f"unknown loop {loop!r}; choose one of {', '.join(LOOPS)}")
-    if loop == "compiled" and batched:
+    if loop == "compiled" and several:
         raise LladaError("the compiled loop decodes one prompt at a time; use --loop host for a batch")
     if loop == "compiled" and spec is None:
         raise LladaError("the compiled loop covers vanilla, prefix-cache and dual-cache (+speculative) at "

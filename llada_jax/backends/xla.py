@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -22,7 +21,7 @@ from llada_jax.steps import full_step, scatter_slots, window_step
 
 
 class DeviceRows:
-    """Batch rows of XLA device arrays joined and taken on the device (`Backend.join_rows/take_rows`), in
+    """Batch rows of XLA device arrays joined and split on the device (`Backend.join_rows/split_rows`), in
     steps of power-of-two row counts: XLA compiles once per shape, and rows of a batch leave at different
     steps, so a free row count would compile a step for every count on the way down."""
 
@@ -32,8 +31,8 @@ class DeviceRows:
     def join_rows(self, arrays: list, axis: int):
         return jnp.concatenate(arrays, axis=axis)
 
-    def take_rows(self, array, start: int, count: int, axis: int):
-        return jax.lax.slice_in_dim(array, start, start + count, axis=axis)
+    def split_rows(self, array, parts: int, axis: int) -> list:
+        return jnp.split(array, parts, axis=axis)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -53,8 +53,6 @@ def encoded(text: str, chat: bool, tokenizer) -> np.ndarray:
 
 def file_prompts(args, tokenizer) -> list[np.ndarray]:
     """--prompt-file: one prompt per non-empty line, text (or comma-separated ids with --ids)."""
-    if args.prompt is not None or args.prompt_ids is not None:
-        raise LladaError("give either --prompt-file or a prompt, not both")
     try:
         lines = [line.rstrip("\n") for line in open(args.prompt_file, encoding="utf-8") if line.strip()]
     except (OSError, UnicodeDecodeError) as err:
@@ -75,24 +73,33 @@ def compile_timing(args):
 
 def cmd_generate_file(args, tokenizer, run) -> None:
     """Every prompt of --prompt-file, --batch-size at a time: one line (text, or JSON with --json) each."""
-    if args.batch_size <= 0:
-        raise LladaError(f"--batch-size must be positive, got {args.batch_size}")
     prompts = file_prompts(args, tokenizer)
     for start in range(0, len(prompts), args.batch_size):
         batch = prompts[start: start + args.batch_size]
-        results = run(batch, **decoding_kwargs(args)) if len(batch) > 1 else [run(batch[0], **decoding_kwargs(args))]
-        for result in results:
+        for result in run(batch, **decoding_kwargs(args)):
             text = tokenizer.decode(result.output_ids) if tokenizer is not None else None
             if args.json:
                 print(json.dumps({"output_ids": result.output_ids.tolist(), "nfe": result.nfe, "wall_s": result.wall_s,
                                   **({"text": text} if text is not None else {})}), flush=True)
             else:
-                print(text.replace("\n", " ") if text is not None else " ".join(map(str, result.output_ids)), flush=True)
+                answer = text.replace("\n", " ") if text is not None else " ".join(map(str, result.output_ids))
+                print(answer, flush=True)
         print(f"[{min(start + len(batch), len(prompts))}/{len(prompts)} prompts]", file=sys.stderr)
 
 
+def check_prompt_file_flags(args) -> None:
+    """The --prompt-file flags' own errors, before any model loads."""
+    if args.prompt is not None or args.prompt_ids is not None:
+        raise LladaError("give either --prompt-file or a prompt, not both")
+    if args.batch_size <= 0:
+        raise LladaError(f"--batch-size must be positive, got {args.batch_size}")
+
+
 def cmd_generate(args) -> None:
-    config, tokenizer, run = generation_runner(args, loop_settings(args), batch_sizes=(1, args.batch_size))
+    if args.prompt_file is not None:
+        check_prompt_file_flags(args)
+    batch_sizes = (1, args.batch_size) if args.prompt_file is not None else (1,)  # a bundle's compiled sizes
+    config, tokenizer, run = generation_runner(args, loop_settings(args), batch_sizes=batch_sizes)
     if args.prompt_file is not None:
         return cmd_generate_file(args, tokenizer, run)
     ids = prompt_ids(args, tokenizer)
