@@ -44,10 +44,14 @@ class Tokenizer:
 
     def chat_prompt(self, user_text: str) -> str:
         """One user turn rendered with the checkpoint's chat template and the generation prompt."""
+        return self.chat([{"role": "user", "content": user_text}])
+
+    def chat(self, messages: list[dict]) -> str:
+        """A conversation (`{"role", "content"}` turns) rendered with the chat template and the generation
+        prompt."""
         if not self.chat_template:
             raise LladaError("this model's tokenizer_config.json has no chat_template; drop --chat")
-        return render_chat_template(self.chat_template, [{"role": "user", "content": user_text}],
-                                    self.special_tokens)
+        return render_chat_template(self.chat_template, messages, self.special_tokens)
 
 
 @functools.lru_cache(maxsize=8)

@@ -16,7 +16,7 @@ from llada_jax.shapes import bucket
 from policies.batch import decode_batch
 from policies.compiled_loop import draft_threshold_of, loop_spec, run_compiled
 from policies.loop import decode
-from policies.registry import make_policy
+from policies.registry import make_policy, parse_policy
 from policies.sampling import Sampler
 from policies.schedule import Schedule, make_rule
 
@@ -58,19 +58,40 @@ def _one_prompt(ids, config: LLaDAConfig, what: str) -> np.ndarray:
     return prompt
 
 
-def run_generation(make_backend: Callable, config: LLaDAConfig, prompt_ids, *, gen_length: int, block_length: int,
-                   steps: int, temperature: float = 0.0, cfg_scale: float = 0.0, remasking: str = "low_confidence",
-                   policy: str = "vanilla", threshold: float | None = None, seed: int = 0,
-                   logits_eos_inf: bool = False, confidence_eos_eot_inf: bool = False,
-                   on_step: Callable | None = None, limit: int | None = None, loop: str = "auto"):
-    """Validate everything, then decode with `make_backend(readout, biases, cfg_scale, batch, slots)`
-    (batch rows and canvas slots let a backend size its device memory before any step runs).
-    `prompt_ids`: one prompt (returns a `Result`) or a batch (see `prompt_rows`; returns a list of them,
-    each row as that prompt alone would decode; `on_step(row, canvas, record)`). A batch of one prompt
-    decodes as that prompt alone (the compiled loop included).
-    `limit`: a compiled bundle's longest canvas, when lower than the model's own. `loop`: "auto" runs the
-    compiled decode loop where the setting and backend offer it (one prompt, no live `on_step`), "host" the
-    host loop, "compiled" insists on the compiled one."""
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """One validated generation request: its prompts, what its backend must read out, and `decode_row`:
+    `(backend, prompt, offset=0, on_step=None) -> Result`, one prompt's host loop."""
+
+    prompts: list[np.ndarray]
+    batched: bool                 # a batch was given (a list of results comes back)
+    readout_spec: ReadoutSpec
+    biases: TokenBiases
+    cfg_scale: float
+    slots: int                    # canvas positions, padded to the shape bucket
+    decode_row: Callable
+    loop_spec: object             # the compiled loop's spec for this setting (None: host loop only)
+    threshold: float | None
+    draft_threshold: float
+    revisable: bool               # committed tokens may still change (revision): settled only at the end
+
+    @property
+    def rows(self) -> int:
+        """Canvas rows of the whole request (2 per prompt under CFG)."""
+        return (2 if self.cfg_scale > 0.0 else 1) * len(self.prompts)
+
+    def backend_args(self) -> tuple:
+        """`make_backend`'s arguments: (readout, biases, cfg_scale, rows, slots)."""
+        return self.readout_spec, self.biases, self.cfg_scale, self.rows, self.slots
+
+
+def prepare_generation(config: LLaDAConfig, prompt_ids, *, gen_length: int, block_length: int, steps: int,
+                       temperature: float = 0.0, cfg_scale: float = 0.0, remasking: str = "low_confidence",
+                       policy: str = "vanilla", threshold: float | None = None, seed: int = 0,
+                       logits_eos_inf: bool = False, confidence_eos_eot_inf: bool = False,
+                       limit: int | None = None) -> Prepared:
+    """Validate every input on the host and pick readout, sampler, commit rule and policy (see
+    `run_generation`); nothing runs yet."""
     if limit is not None:
         config = dataclasses.replace(config, max_sequence_length=min(limit, config.max_sequence_length))
     prompts, batched = prompt_rows(prompt_ids, config)
@@ -87,26 +108,45 @@ def run_generation(make_backend: Callable, config: LLaDAConfig, prompt_ids, *, g
     rule = make_rule(schedule, threshold)
     unconfident = config.special_ids_in_vocab(config.eos_token_id, config.eot_token_id) if confidence_eos_eot_inf else ()
     sampler = Sampler(float(temperature), remasking, unconfident)
-    readout_spec = ReadoutSpec(kind=sampler.readout_kind, cfg=cfg_scale > 0.0)
+    cfg = cfg_scale > 0.0
     forbid = config.special_ids_in_vocab(config.eos_token_id) if logits_eos_inf else ()
-    biases = TokenBiases.build(config.embedding_size, forbid, unconfident)
-    rows, slots = (2 if cfg_scale > 0.0 else 1) * len(prompts), bucket(total, config.max_sequence_length)
-    spec = _check_loop(loop, loop_spec(decoding_policy, rule, sampler, cfg_scale > 0.0, schedule, slots), on_step,
-                       len(prompts) > 1)
-    backend = make_backend(readout_spec, biases, float(cfg_scale), rows, slots)
+    slots = bucket(total, config.max_sequence_length)
     decode_row = functools.partial(decode, schedule=schedule, policy=decoding_policy, rule=rule, sampler=sampler,
-                                   mask_id=config.mask_token_id, max_len=config.max_sequence_length,
-                                   cfg=cfg_scale > 0.0, seed=seed)
+                                   mask_id=config.mask_token_id, max_len=config.max_sequence_length, cfg=cfg, seed=seed)
+    return Prepared(prompts, batched, ReadoutSpec(kind=sampler.readout_kind, cfg=cfg),
+                    TokenBiases.build(config.embedding_size, forbid, unconfident), float(cfg_scale), slots, decode_row,
+                    loop_spec(decoding_policy, rule, sampler, cfg, schedule, slots), threshold,
+                    draft_threshold_of(decoding_policy), "revision" in parse_policy(policy)[1])
+
+
+def run_generation(make_backend: Callable, config: LLaDAConfig, prompt_ids, *, on_step: Callable | None = None,
+                   loop: str = "auto", **options):
+    """Validate everything, then decode with `make_backend(readout, biases, cfg_scale, batch, slots)`
+    (batch rows and canvas slots let a backend size its device memory before any step runs).
+    `prompt_ids`: one prompt (returns a `Result`) or a batch (see `prompt_rows`; returns a list of them,
+    each row as that prompt alone would decode; `on_step(row, canvas, record)`). A batch of one prompt
+    decodes as that prompt alone (the compiled loop included).
+    `options`: gen_length, block_length, steps, temperature, cfg_scale, remasking, policy, threshold, seed,
+    logits_eos_inf, confidence_eos_eot_inf, and `limit`: a compiled bundle's longest canvas, when lower than
+    the model's own (see `prepare_generation`). `loop`: "auto" runs the compiled decode loop where the
+    setting and backend offer it (one prompt, no live `on_step`), "host" the host loop, "compiled" insists
+    on the compiled one."""
+    prepared = prepare_generation(config, prompt_ids, **options)
+    prompts = prepared.prompts
+    spec = _check_loop(loop, prepared.loop_spec, on_step, len(prompts) > 1)
+    backend = make_backend(*prepared.backend_args())
     if len(prompts) > 1:
-        return [_with_staging(result, backend) for result in decode_batch(backend, prompts, decode_row, on_step)]
-    if batched and on_step is not None:  # a batch of one: the lone prompt's path, its steps reported as row 0
+        return [_with_staging(result, backend)
+                for result in decode_batch(backend, prompts, prepared.decode_row, on_step)]
+    if prepared.batched and on_step is not None:  # a batch of one: the lone prompt's path, its steps as row 0
         on_step = functools.partial(on_step, 0)
     compiled = _compiled_loop(backend, loop, spec, on_step)
     if compiled is not None:
-        result = run_compiled(compiled, spec, prompts[0], biases, threshold, draft_threshold_of(decoding_policy))
+        result = run_compiled(compiled, spec, prompts[0], prepared.biases, prepared.threshold,
+                              prepared.draft_threshold)
     else:
-        result = _with_staging(decode_row(backend, prompts[0], on_step=on_step), backend)
-    return [result] if batched else result
+        result = _with_staging(prepared.decode_row(backend, prompts[0], on_step=on_step), backend)
+    return [result] if prepared.batched else result
 
 
 def _with_staging(result, backend):

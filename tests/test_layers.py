@@ -30,6 +30,7 @@ LAYERS = (
     ("decoding", ("policies.*",)),
     ("api", ("llada_jax", "llada_jax.api", "llada_jax.bundle_runner")),
     ("eval", ("eval.*",)),
+    ("serving", ("llada_jax.server.*",)),
     ("apps", ("llada_jax.cli.*", "llada_jax.training", "llada_jax.display")),
 )
 # Lower layers a layer may still not import: (importer's layer, imported layer) -> why.
@@ -52,6 +53,7 @@ LOCAL_IMPORTS = {
     ("eval.bench", "matplotlib.pyplot"): "after matplotlib.use('Agg')",
     ("eval.trace_plot", "matplotlib"): "heavy, only for `llada trace`",
     ("eval.trace_plot", "matplotlib.pyplot"): "after matplotlib.use('Agg')",
+    ("llada_jax.cli.serve", "llada_jax.server.app"): "FastAPI loads only for `llada serve`, not every `llada` command",
     ("llada_jax.training", "orbax.checkpoint"): "heavy (~0.4 s), only for a training run, not every `llada` command",
 }
 # The bundle runtime runs on a phone: numpy + iree.runtime. Nothing these import at module level, directly or

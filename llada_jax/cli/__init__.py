@@ -11,6 +11,7 @@ from llada_jax.cli.compile import add_compile
 from llada_jax.cli.evaluate import add_eval
 from llada_jax.cli.generate import add_generate, add_trace
 from llada_jax.cli.quantize import add_quantize
+from llada_jax.cli.serve import add_serve
 from llada_jax.cli.train import add_train
 from llada_jax.errors import LladaError
 
@@ -18,7 +19,7 @@ from llada_jax.errors import LladaError
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llada", description="Diffusion LLM (LLaDA) inference in JAX")
     commands = parser.add_subparsers(dest="command", required=True)
-    for add in (add_generate, add_compile, add_quantize, add_eval, add_bench, add_trace, add_train):
+    for add in (add_generate, add_serve, add_compile, add_quantize, add_eval, add_bench, add_trace, add_train):
         add(commands)
     return parser
 

@@ -4,13 +4,16 @@ bundle (given, or compiled on first use and cached)."""
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 from llada_jax.api import generate
-from llada_jax.bundle_runner import bundle_runner
+from llada_jax.backends.select import OpenBundle, open_bundle
+from llada_jax.bundle_runner import generate_with_bundle
 from llada_jax.cli.flags import load_model, model_dir
 from llada_jax.config import read_config
 from llada_jax.errors import LladaError
+from llada_jax.tokenizer import load_tokenizer
 from lowering.bundle_cache import cached_bundle
 from lowering.export import canvas_sizes
 from policies.compiled_loop import baked_loops
@@ -26,10 +29,19 @@ def add_runner_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def generation_runner(args, loops: list[tuple] = (), batch_sizes: tuple[int, ...] = (1,)):
-    """(config, tokenizer, generate(ids, **options)) for the chosen model and backend. A bundle runs through
-    the bundle runner: IREE steps, no JAX in the generation (the CLI process itself has JAX loaded). A bundle
-    compiled on the fly bakes a decode loop for each of `loops` (policy, threshold, gen_length, block_length,
-    steps) and steps for each of `batch_sizes` rows."""
+    """(config, tokenizer, generate(ids, **options)) for the chosen model and backend (see `opened_source`).
+    A bundle runs through the bundle runner: IREE steps, no JAX in the generation (the CLI process itself has
+    JAX loaded)."""
+    source = opened_source(args, loops, batch_sizes)
+    if isinstance(source, OpenBundle):
+        return source.config, load_tokenizer(source.bundle.path), functools.partial(generate_with_bundle, source)
+    return source.config, source.tokenizer, lambda ids, **options: generate(source, ids, **options)
+
+
+def opened_source(args, loops: list[tuple] = (), batch_sizes: tuple[int, ...] = (1,)):
+    """What runs the steps: a loaded model (JAX) or an open bundle (IREE: given, or compiled on first use and
+    cached, baking a decode loop for each of `loops` (policy, threshold, gen_length, block_length, steps)
+    and steps for each of `batch_sizes` rows)."""
     budget = getattr(args, "device_memory_budget", None)
     if budget is not None and args.bundle is not None:
         raise LladaError("a bundle's device memory budget is fixed when it is compiled (llada compile "
@@ -37,14 +49,13 @@ def generation_runner(args, loops: list[tuple] = (), batch_sizes: tuple[int, ...
     if args.bundle is not None:
         if args.model is not None:
             raise LladaError("give either --model or --bundle, not both")
-        return bundle_runner(args.bundle, args.backend)
+        return open_bundle(args.bundle, args.backend)
     if args.backend == "jax":
-        model = load_model(args)
-        return model.config, model.tokenizer, lambda ids, **options: generate(model, ids, **options)
+        return load_model(args)
     target = {"iree-host": "host", "iree-vulkan": "vulkan"}[args.backend]
     config = read_config(model_dir(args))
     sizes = canvas_sizes(config.max_sequence_length)
     baked = tuple(baked_loops(*setting[:5], sizes) for setting in loops)
     bundle_dir = cached_bundle(model_dir(args), target, dtype=args.dtype, loops=baked, batch_sizes=batch_sizes,
                                device_memory_budget=budget, progress=lambda m: print(m, file=sys.stderr))
-    return bundle_runner(bundle_dir, args.backend)
+    return open_bundle(bundle_dir, args.backend)

@@ -1,0 +1,87 @@
+"""`llada serve`: the OpenAI-compatible server (see `llada_jax.server.app`) on uvicorn."""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+from llada_jax.backends.select import OpenBundle, select_backend
+from llada_jax.cli.flags import add_decoding_flags, add_model_flags, commit_threshold, model_dir, policy_spec
+from llada_jax.cli.runner import add_runner_flags, opened_source
+from llada_jax.errors import LladaError
+from llada_jax.server.engine import Engine
+from llada_jax.server.requests import Defaults, Served
+from llada_jax.shapes import bucket
+from llada_jax.tokenizer import load_tokenizer
+from policies.registry import DecoderSetting
+from policies.schedule import Schedule
+
+
+def serving_defaults(args) -> Defaults:
+    """The decoder flags as the server's defaults, checked now rather than at the first request."""
+    steps = args.steps if args.steps is not None else args.gen_length
+    Schedule(args.gen_length, args.block_length, steps)
+    policy, threshold = policy_spec(args), commit_threshold(args)
+    DecoderSetting(policy, threshold)
+    if args.temperature < 0 or args.cfg_scale < 0:
+        raise LladaError("--temperature and --cfg-scale must be >= 0")
+    return Defaults(args.gen_length, args.block_length, steps, args.temperature, args.cfg_scale, args.remasking,
+                    policy, threshold, args.seed, args.forbid_eos, args.no_eos_confidence)
+
+
+def check_serve_flags(args) -> None:
+    if not 0 < args.port < 65536:
+        raise LladaError(f"--port must be in 1..65535, got {args.port}")
+    if args.max_batch < 1 or args.max_queue < 0:
+        raise LladaError(f"--max-batch must be >= 1 and --max-queue >= 0, got {args.max_batch} and {args.max_queue}")
+    if args.loop == "compiled":
+        raise LladaError("llada serve batches generations on the host loop; drop --loop compiled")
+
+
+def served_model(args) -> tuple[Served, Engine]:
+    """The model (JAX, or an IREE bundle compiled for batches up to --max-batch) and its engine."""
+    defaults = serving_defaults(args)
+    sizes = tuple(sorted({1 << k for k in range(args.max_batch.bit_length())} | {args.max_batch}))
+    source = opened_source(args, batch_sizes=sizes)
+    if isinstance(source, OpenBundle):
+        tokenizer, limit, name = load_tokenizer(source.bundle.path), source.bundle.manifest["max_len"], args.bundle
+    else:
+        tokenizer, limit, name = source.tokenizer, None, str(model_dir(args))
+    if tokenizer is None:
+        raise LladaError(f"{name} has no tokenizer.json: the server needs one to read prompts and write answers")
+    served = Served(args.served_model_name or _short_name(name), source.config, tokenizer, defaults, limit)
+    engine = Engine(functools.partial(select_backend, source), bucket(served.context), args.max_batch,
+                    args.max_queue)
+    return served, engine
+
+
+def _short_name(path: str) -> str:
+    return path.rstrip("/").rsplit("/", 1)[-1] or path
+
+
+def cmd_serve(args) -> None:
+    check_serve_flags(args)
+    served, engine = served_model(args)
+    import uvicorn  # the server itself, only for this command
+
+    from llada_jax.server.app import create_app
+
+    print(f"llada: serving {served.name} on http://{args.host}:{args.port}/v1 ({args.max_batch} generations at "
+          f"once, {args.max_queue} waiting; context {served.context} tokens)", file=sys.stderr)
+    uvicorn.run(create_app(served, engine), host=args.host, port=args.port, log_level=args.log_level)
+
+
+def add_serve(commands) -> None:
+    """`llada serve`."""
+    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming)")
+    add_model_flags(serve)
+    add_runner_flags(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None, help="the model id clients send (default: the "
+                       "model directory's name)")
+    serve.add_argument("--max-batch", type=int, default=8, help="generations decoded together (rows of one batch)")
+    serve.add_argument("--max-queue", type=int, default=32, help="requests waiting for a row; beyond: 429")
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_decoding_flags(serve)
+    serve.set_defaults(run=cmd_serve)

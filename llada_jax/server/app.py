@@ -1,0 +1,137 @@
+"""The OpenAI-compatible HTTP server (FastAPI on uvicorn): `/v1/completions`, `/v1/chat/completions`
+(streamed as server-sent events with `stream=true`), `/v1/models` and `/health`.
+
+Errors come as OpenAI error bodies: 400 for a bad field (named in `param`), 404 for an unknown model, 429
+when every row runs and the queue is full, 500 when a generation fails. A client that goes away cancels
+its generations at their next step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from llada_jax.server.engine import Busy, Engine
+from llada_jax.server.protocol import ChatRequest, CompletionRequest
+from llada_jax.server.requests import RequestError, Served, jobs_of
+from llada_jax.server.responses import DONE, Response, error_body, sse
+from llada_jax.server.runs import Run
+
+RETRY_AFTER_S = 1
+
+
+def create_app(served: Served, engine: Engine) -> FastAPI:
+    """The server's ASGI app; `engine` is closed when the app shuts down."""
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        yield
+        engine.close()
+
+    app = FastAPI(title="llada-jax", lifespan=lifespan)
+    _add_error_handlers(app)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": served.name, **engine.load}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": served.name, "object": "model", "created": 0, "owned_by": "llada-jax",
+                                            "max_model_len": served.context}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await _answer(served, engine, body, request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request):
+        return await _answer(served, engine, body, request, chat=True)
+
+    return app
+
+
+async def _answer(served: Served, engine: Engine, body, request: Request, chat: bool):
+    jobs = jobs_of(served, body)
+    run = Run(engine, jobs, served.tokenizer, body.canvas)
+    response = Response(served.name, chat, sum(job.prompt_tokens for job in jobs[:: body.n]))
+    if body.stream:
+        return StreamingResponse(_stream(run, response, body.include_usage, request), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    texts, lasts = [""] * len(jobs), [None] * len(jobs)
+    async for update in run.updates(poll=request.is_disconnected):
+        texts[update.index] += update.delta
+        if update.last:
+            lasts[update.index] = update
+    failed = next((last.error for last in lasts if last is not None and last.error is not None), None)
+    if None in lasts or failed is not None:  # the client went away (nobody reads this), or a generation failed
+        return JSONResponse(error_body(f"generation failed: {failed or 'cancelled'}", "server_error"), status_code=500)
+    return JSONResponse(response.whole(list(zip(texts, lasts))))
+
+
+async def _stream(run: Run, response: Response, include_usage: bool, request: Request):
+    """The SSE body: the chat role, then each settled piece of text per choice, usage, [DONE]. A failed
+    generation ends the stream with an error event (the `openai` client raises it)."""
+    for chunk in response.opening(len(run.jobs)):
+        yield chunk
+    tokens = 0
+    async for update in run.updates(poll=request.is_disconnected):
+        if update.error is not None:
+            yield sse(error_body(f"generation failed: {update.error}", "server_error"))
+            return
+        tokens += update.tokens if update.last else 0
+        yield response.chunk(update)
+    if include_usage:
+        yield response.usage_chunk(tokens)
+    yield DONE
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_request, error: RequestValidationError):
+        return JSONResponse(error_body(*_validation_message(error.errors())), status_code=400)
+
+    @app.exception_handler(RequestError)
+    async def refused(_request, error: RequestError):
+        return JSONResponse(error_body(str(error), error.kind, error.param, error.code), status_code=error.status)
+
+    @app.exception_handler(Busy)
+    async def busy(_request, error: Busy):
+        return JSONResponse(error_body(str(error), "rate_limit_error", None, "server_busy"), status_code=429,
+                            headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    @app.exception_handler(HTTPException)
+    async def http(_request, error: HTTPException):
+        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(error.detail), kind), status_code=error.status_code)
+
+
+def _validation_message(errors: list[dict]) -> tuple[str, str, str | None]:
+    """(message, kind, param) of the first bad field."""
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}", \
+            "invalid_request_error", None
+    location = [str(part) for part in first["loc"][1:]] if first["loc"][:1] == ("body",) else []
+    if not location:
+        return f"the request body is invalid: {first['msg']}", "invalid_request_error", None
+    param = location[0]
+    if len(location) > 1 and _type_tag(location[1]):  # pydantic names a union's alternatives in the location
+        return f"{param}: {UNION_HINTS.get(param, 'has the wrong type')}", "invalid_request_error", param
+    message = first["msg"].removeprefix("Value error, ")
+    if first.get("type") == "extra_forbidden":
+        message = "unknown field (not part of the API, nor a llada-jax extension)"
+    elif first.get("type") == "missing":
+        message = "field required"
+    return f"{'.'.join(part for part in location if not _type_tag(part))}: {message}", "invalid_request_error", param
+
+
+UNION_HINTS = {"prompt": "must be a string, a list of strings, a list of token ids or a list of such lists",
+               "stop": "must be a string or a list of strings"}
+
+
+def _type_tag(part: str) -> bool:
+    return part in ("str", "int", "float", "bool") or part.startswith(("list[", "dict["))
