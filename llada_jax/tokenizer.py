@@ -46,12 +46,12 @@ class Tokenizer:
         """One user turn rendered with the checkpoint's chat template and the generation prompt."""
         return self.chat([{"role": "user", "content": user_text}])
 
-    def chat(self, messages: list[dict]) -> str:
-        """A conversation (`{"role", "content"}` turns) rendered with the chat template and the generation
-        prompt."""
+    def chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """A conversation (`{"role", "content"}` turns) rendered with the chat template (and the assistant's
+        generation prompt)."""
         if not self.chat_template:
             raise LladaError("this model's tokenizer_config.json has no chat_template; drop --chat")
-        return render_chat_template(self.chat_template, messages, self.special_tokens)
+        return render_chat_template(self.chat_template, messages, self.special_tokens, add_generation_prompt)
 
 
 @functools.lru_cache(maxsize=8)
@@ -71,12 +71,14 @@ def _compiled_template(template: str):
         raise LladaError(f"chat template does not parse: {err}") from None
 
 
-def render_chat_template(template: str, messages: list[dict], special_tokens: dict) -> str:
+def render_chat_template(template: str, messages: list[dict], special_tokens: dict,
+                         add_generation_prompt: bool = True) -> str:
     """Render a jinja chat template with the variables HF passes."""
     from jinja2 import TemplateError
 
     try:
-        return _compiled_template(template).render(messages=messages, add_generation_prompt=True, **special_tokens)
+        return _compiled_template(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                   **special_tokens)
     except TemplateError as err:
         raise LladaError(f"chat template failed: {err}") from None
 

@@ -1,0 +1,173 @@
+"""lm-evaluation-harness adapter: the model `llada-jax`.
+
+    python -m eval.lm_harness --model llada-jax --model_args pretrained=DIR,policy=dual-cache --tasks llada_tasks
+
+(or `llada-lm-eval ...`) is lm-eval's own command line with this adapter registered and the local task
+definitions of `eval/lm_tasks` included: lm-eval 0.4 finds only models imported before its command line
+runs (it has no plugin entry points). From Python: `import eval.lm_harness`, then
+`lm_eval.simple_evaluate(model="llada-jax", ...)`.
+
+- `generate_until`: batched `llada_jax.generate` (any policy; `batch_size` prompts at a time), the answer
+  cut at EOS / EoT and then at the request's stop strings (`until`).
+- `loglikelihood`: LLaDA's Monte Carlo estimate (its `mc_num`), see `eval.mc_likelihood`; whether the
+  continuation is the greedy answer is checked by decoding it with LLaDA's reference decoder.
+- `loglikelihood_rolling` is refused: a diffusion model gives a bound on a text's likelihood, not the
+  exact per-token likelihood perplexity tasks need.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+from lm_eval.api.model import LM
+from lm_eval.api.registry import register_model
+from tqdm import tqdm
+
+import llada_jax
+from eval.mc_likelihood import greedy_matches, mc_log_likelihood, request_rng
+from eval.task_eval import answer_text
+from llada_jax.errors import LladaError
+from llada_jax.locations import default_model_dir
+from policies.registry import DecoderSetting
+
+TASKS_DIR = Path(__file__).resolve().parent / "lm_tasks"
+
+
+def _flag(value) -> bool:
+    return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
+
+
+@register_model("llada-jax")
+class LladaLM(LM):
+    """LLaDA through llada-jax (model arguments: see `__init__`)."""
+
+    def __init__(self, pretrained: str | None = None, dtype: str = "float32", batch_size=8, gen_length=None,
+                 block_length: int = 32, steps=None, policy: str = "vanilla", threshold=None, cfg_scale: float = 0.0,
+                 remasking: str = "low_confidence", mc_num: int = 128, mc_batch_size: int = 32,
+                 check_greedy=True, seed: int = 1234, device=None, max_batch_size=None, **unknown):
+        super().__init__()
+        if unknown:
+            raise LladaError(f"unknown llada-jax model arguments: {', '.join(sorted(unknown))}")
+        self.model = llada_jax.load(Path(pretrained) if pretrained else default_model_dir(), dtype=dtype)
+        if self.model.tokenizer is None:
+            raise LladaError(f"{pretrained}: lm-eval needs a model with a tokenizer.json")
+        self.batch_size = 8 if str(batch_size).startswith("auto") else int(batch_size)
+        self.gen_length = None if gen_length is None else int(gen_length)
+        self.block_length, self.steps = int(block_length), None if steps is None else int(steps)
+        setting = DecoderSetting.parse(policy)
+        self.policy = setting.policy
+        self.threshold = float(threshold) if threshold is not None else setting.threshold
+        self.cfg_scale, self.remasking = float(cfg_scale), remasking
+        self.mc_num, self.mc_batch_size = int(mc_num), int(mc_batch_size)
+        if self.batch_size < 1 or self.mc_batch_size < 1 or self.mc_num % self.mc_batch_size:
+            raise LladaError(f"need batch_size >= 1 and mc_num ({mc_num}) a multiple of mc_batch_size ({mc_batch_size})")
+        self.check_greedy, self.seed = _flag(check_greedy), int(seed)
+
+    @property
+    def tokenizer_name(self) -> str:
+        return str(self.model.path)
+
+    def apply_chat_template(self, chat_history: list[dict], add_generation_prompt: bool = True) -> str:
+        return self.model.tokenizer.chat(chat_history, add_generation_prompt)
+
+    def chat_template(self, chat_template=False) -> str | None:
+        return self.model.tokenizer.chat_template
+
+    def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """(context ids, continuation ids) as the whole text tokenizes: the context's trailing spaces belong to
+        the continuation, and the continuation is what the whole text has past the context's tokens."""
+        spaces = len(context) - len(context.rstrip())
+        if spaces:
+            context, continuation = context[:-spaces], context[-spaces:] + continuation
+        encode = self.model.tokenizer.encode
+        whole, prefix = encode(context + continuation), encode(context)
+        return prefix, whole[len(prefix):]
+
+    def loglikelihood(self, requests) -> list[tuple[float, bool]]:
+        results = []
+        for instance in tqdm(requests, desc="llada-jax loglikelihood", disable=len(requests) < 2):
+            context, continuation = instance.args
+            prefix, target = self.encode_pair(context, continuation)
+            if not target:
+                raise LladaError(f"the continuation {continuation!r} adds no token to its context")
+            rng = request_rng(self.seed, context, continuation)
+            ll = mc_log_likelihood(self.model, prefix, target, self.mc_num, self.mc_batch_size, rng, self.cfg_scale)
+            greedy = self.check_greedy and greedy_matches(self.model, prefix, target, self.cfg_scale)
+            results.append((ll, greedy))
+            self.cache_hook.add_partial("loglikelihood", (context, continuation), (ll, greedy))
+        return results
+
+    def loglikelihood_rolling(self, requests):
+        raise LladaError("llada-jax gives no rolling log-likelihood: a diffusion model bounds a text's likelihood "
+                         "rather than scoring it token by token; use loglikelihood or generate_until tasks")
+
+    def generate_until(self, requests) -> list[str]:
+        """Requests of one generation setting at a time, `batch_size` prompts per batch, in request order."""
+        answers: list[str | None] = [None] * len(requests)
+        groups: dict[tuple, list[int]] = {}
+        for index, instance in enumerate(requests):
+            groups.setdefault(self._gen_setting(instance.args[1]), []).append(index)
+        progress = tqdm(total=len(requests), desc="llada-jax generate_until", disable=len(requests) < 2)
+        for (gen_length, temperature), indices in groups.items():
+            for start in range(0, len(indices), self.batch_size):
+                chunk = indices[start: start + self.batch_size]
+                prompts = [self._prompt(requests[i].args[0], gen_length) for i in chunk]
+                results = llada_jax.generate(self.model, prompts, **self._options(gen_length, temperature))
+                for index, result in zip(chunk, results):
+                    answers[index] = self._cut(result.output_ids, requests[index].args[1])
+                    self.cache_hook.add_partial("generate_until", requests[index].args, answers[index])
+                progress.update(len(chunk))
+        progress.close()
+        return answers
+
+    def _gen_setting(self, gen_kwargs: dict) -> tuple[int, float]:
+        """(answer length in whole blocks, temperature) of a request."""
+        wanted = self.gen_length or int(gen_kwargs.get("max_gen_toks", 256))
+        do_sample = _flag(gen_kwargs.get("do_sample", False))
+        return -(-wanted // self.block_length) * self.block_length, float(gen_kwargs.get("temperature", 0.0)) \
+            if do_sample else 0.0
+
+    def _options(self, gen_length: int, temperature: float) -> dict:
+        steps = self.steps if self.steps is not None else gen_length
+        return dict(gen_length=gen_length, block_length=self.block_length, steps=steps, temperature=temperature,
+                    cfg_scale=self.cfg_scale, remasking=self.remasking, policy=self.policy, threshold=self.threshold,
+                    seed=self.seed, loop="host")
+
+    def _prompt(self, context: str, gen_length: int) -> np.ndarray:
+        """The context's tokens; a context too long for the canvas keeps its last tokens (lm-eval's rule)."""
+        ids = self.model.tokenizer.encode(context)
+        room = self.model.config.max_sequence_length - gen_length
+        if room <= 0:
+            raise LladaError(f"gen_length {gen_length} leaves no room for a prompt in the model's "
+                             f"{self.model.config.max_sequence_length} positions")
+        return np.array(ids[-room:], np.int64)
+
+    def _cut(self, output_ids: np.ndarray, gen_kwargs: dict) -> str:
+        """The answer before EOS / EoT, then before the first of the request's stop strings."""
+        text = answer_text(self.model.tokenizer, output_ids, self.model.config)
+        until = gen_kwargs.get("until") or []
+        for stop in [until] if isinstance(until, str) else until:
+            if stop:
+                text = text.split(stop)[0]
+        return text
+
+
+def main(argv: list[str] | None = None) -> None:
+    """lm-eval's command line, with `llada-jax` registered and the local tasks included."""
+    from lm_eval.__main__ import cli_evaluate
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--include_path" not in argv:
+        argv += ["--include_path", str(TASKS_DIR)]
+    sys.argv = [sys.argv[0]] + argv
+    try:
+        cli_evaluate()
+    except LladaError as error:
+        print(f"llada-lm-eval: error: {error}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""The lm-evaluation-harness adapter on the embedded model and the local tasks: lm-eval's own command line
+end to end, `generate_until` answers equal to `generate` alone (batched, cut at stop strings), and the
+Monte Carlo log-likelihood against plain computations."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import llada_jax
+from eval.lm_harness import LladaLM
+from eval.mc_likelihood import mask_counts, masked_copies, mc_log_likelihood
+from eval.task_eval import answer_text
+from eval.tasks import held_out
+from llada_jax.errors import LladaError
+
+MASK = 5
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return LladaLM(batch_size=3, block_length=8, policy="dual-cache@0.9", mc_num=8, mc_batch_size=4)
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    logits = logits.astype(np.float64)
+    return logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - logits.max(-1, keepdims=True)
+
+
+@settings(max_examples=100, deadline=None)
+@given(length=st.integers(1, 40), rows=st.integers(1, 40), prefix=st.integers(0, 5), seed=st.integers(0, 10**6))
+def test_masked_copies_cover_every_ratio(length, rows, prefix, seed):
+    rng = np.random.default_rng(seed)
+    counts = mask_counts(rng, length, rows)
+    assert counts.min() >= 1 and counts.max() <= length
+    if rows == length:
+        assert sorted(counts.tolist()) == list(range(1, length + 1))
+    sequence = np.arange(10, 10 + prefix + length)
+    copies = masked_copies(rng, sequence, prefix, counts, MASK)
+    assert ((copies == MASK).sum(1) == counts).all()
+    assert (copies[:, :prefix] == sequence[:prefix]).all()
+    assert ((copies == sequence) | (copies == MASK)).all()
+
+
+def test_one_token_likelihood_is_the_masked_prediction(lm):
+    """A one-token continuation is masked in every copy with weight 1: the estimate is exactly its log-prob."""
+    prefix, target = [1, 20, 21, 22], [23]
+    estimate = mc_log_likelihood(lm.model, prefix, target, 8, 4, np.random.default_rng(0))
+    plain = log_softmax(llada_jax.logits(lm.model, np.array([prefix + [MASK]]))[0, -1])[target[0]]
+    assert estimate == pytest.approx(plain, abs=1e-5)
+
+
+def test_two_token_likelihood_weights_each_mask_ratio(lm):
+    """Two tokens, copies in pairs: one with both masked (weight 1), one with one of them masked (weight 2).
+    Whatever position the draws mask, the estimate lies between the plain bounds."""
+    prefix, target = [1, 30, 31], [32, 33]
+    canvas = lambda *tokens: np.array([prefix + list(tokens)])  # noqa: E731
+    both = log_softmax(llada_jax.logits(lm.model, canvas(MASK, MASK))[0, -2:])
+    first = log_softmax(llada_jax.logits(lm.model, canvas(MASK, 33))[0, -2])[32]
+    second = log_softmax(llada_jax.logits(lm.model, canvas(32, MASK))[0, -1])[33]
+    joint = both[0, 32] + both[1, 33]
+    estimate = mc_log_likelihood(lm.model, prefix, target, 64, 2, np.random.default_rng(3))
+    low, high = sorted((first, second))
+    assert (joint + 2 * low) / 2 - 1e-5 <= estimate <= (joint + 2 * high) / 2 + 1e-5
+
+
+def test_generate_until_answers_as_generate_alone(lm):
+    """Batched answers equal each prompt alone, cut at EOS / EoT and then at the request's stop strings."""
+    tokenizer = lm.model.tokenizer
+    examples = held_out(2)[:5]
+    stops = [{"until": ["<|eot_id|>"]}, {"until": ["5"]}, {"until": "7"}, {}, {"until": ["9 9", "1"]}]
+    requests = [SimpleNamespace(args=(tokenizer.chat_prompt(e.prompt), {**stop, "max_gen_toks": 30}))
+                for e, stop in zip(examples, stops)]
+    answers = lm.generate_until(requests)
+    for example, stop, answer in zip(examples, stops, answers):
+        ids = np.array(tokenizer.encode(tokenizer.chat_prompt(example.prompt)))
+        result = llada_jax.generate(lm.model, ids, gen_length=32, block_length=8, steps=32, policy="dual-cache",
+                                    threshold=0.9)
+        want = answer_text(tokenizer, result.output_ids, lm.model.config)
+        for text in [stop.get("until", [])] if isinstance(stop.get("until"), str) else stop.get("until", []):
+            want = want.split(text)[0]
+        assert answer == want
+
+
+def test_bad_model_arguments_are_one_line_errors():
+    with pytest.raises(LladaError, match="unknown llada-jax model arguments: colour"):
+        LladaLM(colour="blue")
+    with pytest.raises(LladaError, match="multiple of mc_batch_size"):
+        LladaLM(mc_num=10, mc_batch_size=4)
+    with pytest.raises(LladaError, match="rolling"):
+        LladaLM().loglikelihood_rolling([])
+
+
+def test_lm_eval_runs_the_local_tasks_end_to_end(tmp_path):
+    """`python -m eval.lm_harness` is lm-eval's command line: both local tasks, results written as lm-eval writes them."""
+    command = [sys.executable, "-m", "eval.lm_harness", "--model", "llada-jax", "--model_args",
+               "policy=dual-cache@0.9,block_length=8,mc_num=8,mc_batch_size=8,check_greedy=false",
+               "--tasks", "llada_tasks,llada_choice", "--apply_chat_template", "--limit", "6", "--batch_size", "4",
+               "--output_path", str(tmp_path)]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    written = list(tmp_path.rglob("results_*.json"))
+    assert len(written) == 1, run.stdout
+    results = json.loads(written[0].read_text())["results"]
+    assert results["llada_tasks"]["exact_match,none"] >= 5 / 6
+    assert results["llada_choice"]["acc,none"] >= 4 / 6
+
+
+def test_the_harness_command_line_refuses_bad_arguments_in_one_line():
+    run = subprocess.run([sys.executable, "-m", "eval.lm_harness", "--model", "llada-jax", "--model_args",
+                          "colour=blue", "--tasks", "llada_tasks", "--limit", "1"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1
+    assert run.stderr.strip().splitlines()[-1] == "llada-lm-eval: error: unknown llada-jax model arguments: colour"

@@ -1,0 +1,53 @@
+"""Streaming text as it settles: whatever order tokens are committed in, the pieces streamed add up to the
+final answer, which is the decoded answer cut at its first EOS / EoT and then at its first stop sequence;
+under revision nothing is streamed before the end."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llada_jax.config import read_config
+from llada_jax.locations import EMBEDDED_DIR
+from llada_jax.server.answer import SettledAnswer
+from llada_jax.server.requests import end_ids
+from llada_jax.tokenizer import eot_id_from_files, load_tokenizer
+
+TOKENIZER, CONFIG = load_tokenizer(EMBEDDED_DIR), read_config(EMBEDDED_DIR, eot_id_from_files(EMBEDDED_DIR))
+ENDS = end_ids(CONFIG)
+WORDS = [CONFIG.eos_token_id, CONFIG.eot_token_id] + list(range(8, 40))
+
+
+def reference(ids: list[int], stops: tuple[str, ...]) -> tuple[str, str]:
+    """(text, finish reason) computed plainly from the whole answer."""
+    ended = next((index for index, token in enumerate(ids) if token in ENDS), None)
+    text = TOKENIZER.decode(ids if ended is None else ids[:ended])
+    cuts = [text.find(stop) for stop in stops if stop in text]
+    if cuts:
+        return text[: min(cuts)], "stop"
+    return text, "stop" if ended is not None else "length"
+
+
+@settings(max_examples=200, deadline=None)
+@given(ids=st.lists(st.sampled_from(WORDS), min_size=1, max_size=24), data=st.data(), revisable=st.booleans())
+def test_streamed_pieces_add_up_to_the_answer(ids, data, revisable):
+    order = data.draw(st.permutations(range(len(ids))))
+    text = TOKENIZER.decode(ids)
+    stops = tuple(data.draw(st.lists(st.sampled_from([text[i:j] for i in range(len(text))
+                                                      for j in range(i + 1, min(len(text), i + 4) + 1)] or ["zz"]),
+                                     max_size=2)))
+    answer = SettledAnswer(TOKENIZER, CONFIG.mask_token_id, ENDS, stops, revisable)
+    canvas = np.full(len(ids), CONFIG.mask_token_id)
+    streamed = ""
+    for position in order:  # commit one token at a time, in the drawn order
+        canvas[position] = ids[position]
+        delta, settled = answer.update(canvas, final=False)
+        streamed += delta
+        assert not (revisable and delta)
+        if settled.finish_reason is not None:
+            break
+    delta, settled = answer.update(canvas, final=True)
+    streamed += delta
+    assert (streamed, settled.finish_reason) == reference(ids, stops)
+    assert TOKENIZER.decode(ids[: settled.tokens]).startswith(streamed)
