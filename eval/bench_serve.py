@@ -2,8 +2,9 @@
 
 Starts `llada serve` (the embedded model unless serve flags say otherwise) on a free local port, then, per
 concurrency level, sends the held-out tasks as streamed chat requests from that many clients at once (after
-one untimed round that compiles the level's batch shapes) and reports medians of the time to the first streamed text and of the whole answer, answers/s and the answers'
-exactness. The client side is plain HTTP (http.client): what is measured is the server.
+one untimed round that compiles the level's batch shapes) and reports medians of the time to the first
+streamed text and of the whole answer, answers/s and the answers' exactness. The client side is plain
+HTTP (http.client): what is measured is the server.
 """
 
 from __future__ import annotations

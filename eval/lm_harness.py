@@ -62,7 +62,8 @@ class LladaLM(LM):
         self.cfg_scale, self.remasking = float(cfg_scale), remasking
         self.mc_num, self.mc_batch_size = int(mc_num), int(mc_batch_size)
         if self.batch_size < 1 or self.mc_batch_size < 1 or self.mc_num % self.mc_batch_size:
-            raise LladaError(f"need batch_size >= 1 and mc_num ({mc_num}) a multiple of mc_batch_size ({mc_batch_size})")
+            raise LladaError(f"need batch_size >= 1 and mc_num ({mc_num}) a multiple of mc_batch_size "
+                             f"({mc_batch_size})")
         self.check_greedy, self.seed = _flag(check_greedy), int(seed)
 
     @property

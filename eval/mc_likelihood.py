@@ -56,8 +56,8 @@ def target_log_probs(model, copies: np.ndarray, sequence: np.ndarray, prefix_len
         logits = logits[:, prefix_len:]
         top = logits.max(-1, keepdims=True)
         log_norm = top[..., 0] + np.log(np.exp(logits - top).sum(-1))
-        truth = np.take_along_axis(logits, np.broadcast_to(sequence[prefix_len:], rows[:, prefix_len:].shape)[..., None],
-                                   -1)[..., 0]
+        tokens = np.broadcast_to(sequence[prefix_len:], logits.shape[:2])
+        truth = np.take_along_axis(logits, tokens[..., None], -1)[..., 0]
         out.append(truth - log_norm)
     return np.concatenate(out)
 

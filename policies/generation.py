@@ -106,7 +106,8 @@ def prepare_generation(config: LLaDAConfig, prompt_ids, *, gen_length: int, bloc
         raise LladaError(f"cfg_scale must be >= 0, got {cfg_scale}")
     decoding_policy = make_policy(policy)
     rule = make_rule(schedule, threshold)
-    unconfident = config.special_ids_in_vocab(config.eos_token_id, config.eot_token_id) if confidence_eos_eot_inf else ()
+    unconfident = (config.special_ids_in_vocab(config.eos_token_id, config.eot_token_id) if confidence_eos_eot_inf
+                   else ())
     sampler = Sampler(float(temperature), remasking, unconfident)
     cfg = cfg_scale > 0.0
     forbid = config.special_ids_in_vocab(config.eos_token_id) if logits_eos_inf else ()

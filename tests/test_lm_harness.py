@@ -100,7 +100,8 @@ def test_bad_model_arguments_are_one_line_errors():
 
 
 def test_lm_eval_runs_the_local_tasks_end_to_end(tmp_path):
-    """`python -m eval.lm_harness` is lm-eval's command line: both local tasks, results written as lm-eval writes them."""
+    """`python -m eval.lm_harness` is lm-eval's command line: both local tasks, results written as lm-eval
+    writes them."""
     command = [sys.executable, "-m", "eval.lm_harness", "--model", "llada-jax", "--model_args",
                "policy=dual-cache@0.9,block_length=8,mc_num=8,mc_batch_size=8,check_greedy=false",
                "--tasks", "llada_tasks,llada_choice", "--apply_chat_template", "--limit", "6", "--batch_size", "4",
