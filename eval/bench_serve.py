@@ -2,7 +2,7 @@
 
 Starts `llada serve` (the embedded model unless serve flags say otherwise) on a free local port, then, per
 concurrency level, sends the held-out tasks as streamed chat requests from that many clients at once (after
-one untimed round that compiles the level's batch shapes) and reports medians of the time to the first
+an untimed pass that compiles the level's batch shapes) and reports medians of the time to the first
 streamed text and of the whole answer, answers/s and the answers' exactness. The client side is plain
 HTTP (http.client): what is measured is the server.
 """
@@ -117,8 +117,8 @@ def main(argv: list[str] | None = None) -> None:
     server = start_server(port, serve_flags)
     try:
         rows = []
-        for streams in levels:  # each level warmed up first: its batch shapes compile outside the timing
-            run_level(port, examples[:streams], streams)
+        for streams in levels:  # each level runs once untimed first: its batch shapes compile outside the timing
+            run_level(port, examples, streams)
             rows.append(run_level(port, examples, streams))
     finally:
         server.terminate()
