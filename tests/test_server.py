@@ -202,6 +202,7 @@ def test_a_client_that_disconnects_cancels_its_generation(embedded):
                                                 stream=True, max_tokens=64, extra_body={"policy": "vanilla"})
         next(iter(stream))
         stream.close()
+        client.close()  # the connection itself: a closed stream may leave it to the pool
         assert wait_for(lambda: engine.cancelled == 1)
         gate.set()
         assert wait_for(lambda: engine.load == {"running": 0, "waiting": 0})

@@ -9,6 +9,7 @@ its generations at their next step.
 from __future__ import annotations
 
 import contextlib
+import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -22,6 +23,7 @@ from llada_jax.server.responses import DONE, Response, error_body, sse
 from llada_jax.server.runs import Run
 
 RETRY_AFTER_S = 1
+log = logging.getLogger("llada.serve")
 
 
 def create_app(served: Served, engine: Engine) -> FastAPI:
@@ -59,8 +61,7 @@ async def _answer(served: Served, engine: Engine, body, request: Request, chat: 
     run = Run(engine, jobs, served.tokenizer, body.canvas)
     response = Response(served.name, chat, sum(job.prompt_tokens for job in jobs[:: body.n]))
     if body.stream:
-        return StreamingResponse(_stream(run, response, body.include_usage, request), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return EventStream(_stream(run, response, body.include_usage), run)
     texts, lasts = [""] * len(jobs), [None] * len(jobs)
     async for update in run.updates(poll=request.is_disconnected):
         texts[update.index] += update.delta
@@ -72,13 +73,28 @@ async def _answer(served: Served, engine: Engine, body, request: Request, chat: 
     return JSONResponse(response.whole(list(zip(texts, lasts))))
 
 
-async def _stream(run: Run, response: Response, include_usage: bool, request: Request):
+class EventStream(StreamingResponse):
+    """Server-sent events that cancel their run however the response ends: a client that disconnects stops
+    the response at any await, where the body's generators may be left suspended, not closed."""
+
+    def __init__(self, body, run: Run):
+        super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.run = run
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.run.cancel()
+
+
+async def _stream(run: Run, response: Response, include_usage: bool):
     """The SSE body: the chat role, then each settled piece of text per choice, usage, [DONE]. A failed
     generation ends the stream with an error event (the `openai` client raises it)."""
     for chunk in response.opening(len(run.jobs)):
         yield chunk
     tokens = 0
-    async for update in run.updates(poll=request.is_disconnected):
+    async for update in run.updates():
         if update.error is not None:
             yield sse(error_body(f"generation failed: {update.error}", "server_error"))
             return
@@ -107,6 +123,12 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def http(_request, error: HTTPException):
         kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
         return JSONResponse(error_body(str(error.detail), kind), status_code=error.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal(_request, error: Exception):  # a defect: logged with its traceback, answered in one line
+        log.error("request failed", exc_info=error)
+        return JSONResponse(error_body(f"internal error: {type(error).__name__}: {error}", "server_error"),
+                            status_code=500)
 
 
 def _validation_message(errors: list[dict]) -> tuple[str, str, str | None]:
