@@ -61,7 +61,7 @@ async def _answer(served: Served, engine: Engine, body, request: Request, chat: 
     run = Run(engine, jobs, served.tokenizer, body.canvas)
     response = Response(served.name, chat, sum(job.prompt_tokens for job in jobs[:: body.n]))
     if body.stream:
-        return EventStream(_stream(run, response, body.include_usage), run)
+        return EventStream(_stream(run, response, body.include_usage, request), run)
     texts, lasts = [""] * len(jobs), [None] * len(jobs)
     async for update in run.updates(poll=request.is_disconnected):
         texts[update.index] += update.delta
@@ -88,13 +88,13 @@ class EventStream(StreamingResponse):
             self.run.cancel()
 
 
-async def _stream(run: Run, response: Response, include_usage: bool):
+async def _stream(run: Run, response: Response, include_usage: bool, request: Request):
     """The SSE body: the chat role, then each settled piece of text per choice, usage, [DONE]. A failed
     generation ends the stream with an error event (the `openai` client raises it)."""
     for chunk in response.opening(len(run.jobs)):
         yield chunk
     tokens = 0
-    async for update in run.updates():
+    async for update in run.updates(poll=request.is_disconnected):  # polling also resumes reading the socket
         if update.error is not None:
             yield sse(error_body(f"generation failed: {update.error}", "server_error"))
             return
