@@ -130,7 +130,11 @@ class StepBatcher:
                     self._cond.notify_all()
                     return
                 pending, self._pending = self._pending, {}
-                self._run_round(pending)
+                self._cond.release()  # joins, leaves and cancels need not wait for the device
+                try:
+                    self._run_round(pending)
+                finally:
+                    self._cond.acquire()
                 self._cond.notify_all()
 
     def _run_round(self, pending: dict[int, _Call]) -> None:

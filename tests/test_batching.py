@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -172,6 +173,32 @@ def test_a_failed_call_fails_its_rows_and_cancel_stops_a_row():
     with pytest.raises(Cancelled):
         row.full(np.zeros((1, 4), int), np.ones((1, 4), bool))
     batcher.close()
+
+
+def test_joins_and_cancels_do_not_wait_for_a_running_step():
+    """A server cancels from its event loop: that must not wait for the device step a round is running."""
+    gate = threading.Event()
+
+    class Slow(CountingBackend):
+        def full(self, *args):
+            gate.wait(30)
+            return super().full(*args)
+
+    batcher = StepBatcher(Slow())
+    row = batcher.join()
+    running = threading.Thread(target=lambda: run_rows(batcher, [row], lambda r, i: r.full(
+        np.zeros((1, 4), int), np.ones((1, 4), bool))))
+    running.start()
+    while not batcher._dispatcher or batcher._pending:  # the round has taken the call
+        time.sleep(0.01)
+    others = threading.Thread(target=lambda: (batcher.join().leave(), batcher.cancel(row.row)))
+    others.start()
+    others.join(timeout=10)
+    stuck = others.is_alive()
+    gate.set()
+    running.join()
+    batcher.close()
+    assert not stuck
 
 
 def test_chunks_follow_the_compiled_batch_sizes():
