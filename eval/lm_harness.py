@@ -39,9 +39,21 @@ def _flag(value) -> bool:
     return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
 
 
+def _number(name: str, value, kind=int, minimum=None):
+    """A model argument as a number (lm-eval passes them as text), or a one-line error naming it."""
+    try:
+        number = kind(value)
+    except (TypeError, ValueError):
+        raise LladaError(f"model argument {name} must be a {kind.__name__}, got {value!r}") from None
+    if minimum is not None and number < minimum:
+        raise LladaError(f"model argument {name} must be >= {minimum}, got {value!r}")
+    return number
+
+
 @register_model("llada-jax")
 class LladaLM(LM):
-    """LLaDA through llada-jax (model arguments: see `__init__`)."""
+    """LLaDA through llada-jax (model arguments: see `__init__`). Every argument is checked before the model
+    loads."""
 
     def __init__(self, pretrained: str | None = None, dtype: str = "float32", batch_size=8, gen_length=None,
                  block_length: int = 32, steps=None, policy: str = "vanilla", threshold=None, cfg_scale: float = 0.0,
@@ -50,21 +62,25 @@ class LladaLM(LM):
         super().__init__()
         if unknown:
             raise LladaError(f"unknown llada-jax model arguments: {', '.join(sorted(unknown))}")
+        self.batch_size = 8 if str(batch_size).startswith("auto") else _number("batch_size", batch_size, minimum=1)
+        self.gen_length = None if gen_length is None else _number("gen_length", gen_length, minimum=1)
+        self.block_length = _number("block_length", block_length, minimum=1)
+        self.steps = None if steps is None else _number("steps", steps, minimum=1)
+        setting = DecoderSetting.parse(policy)
+        if setting.threshold is not None and threshold is not None:
+            raise LladaError("give the commit threshold once: policy=POLICY@T or threshold=T")
+        self.policy = setting.policy
+        self.threshold = setting.threshold if threshold is None else DecoderSetting(
+            setting.policy, _number("threshold", threshold, float)).threshold
+        self.cfg_scale, self.remasking = _number("cfg_scale", cfg_scale, float, 0.0), remasking
+        self.mc_batch_size = _number("mc_batch_size", mc_batch_size, minimum=1)
+        self.mc_num = _number("mc_num", mc_num, minimum=self.mc_batch_size)
+        if self.mc_num % self.mc_batch_size:
+            raise LladaError(f"mc_num ({mc_num}) must be a multiple of mc_batch_size ({mc_batch_size})")
+        self.check_greedy, self.seed = _flag(check_greedy), _number("seed", seed, minimum=0)
         self.model = llada_jax.load(Path(pretrained) if pretrained else default_model_dir(), dtype=dtype)
         if self.model.tokenizer is None:
             raise LladaError(f"{pretrained}: lm-eval needs a model with a tokenizer.json")
-        self.batch_size = 8 if str(batch_size).startswith("auto") else int(batch_size)
-        self.gen_length = None if gen_length is None else int(gen_length)
-        self.block_length, self.steps = int(block_length), None if steps is None else int(steps)
-        setting = DecoderSetting.parse(policy)
-        self.policy = setting.policy
-        self.threshold = float(threshold) if threshold is not None else setting.threshold
-        self.cfg_scale, self.remasking = float(cfg_scale), remasking
-        self.mc_num, self.mc_batch_size = int(mc_num), int(mc_batch_size)
-        if self.batch_size < 1 or self.mc_batch_size < 1 or self.mc_num % self.mc_batch_size:
-            raise LladaError(f"need batch_size >= 1 and mc_num ({mc_num}) a multiple of mc_batch_size "
-                             f"({mc_batch_size})")
-        self.check_greedy, self.seed = _flag(check_greedy), int(seed)
 
     @property
     def tokenizer_name(self) -> str:
@@ -126,9 +142,8 @@ class LladaLM(LM):
     def _gen_setting(self, gen_kwargs: dict) -> tuple[int, float]:
         """(answer length in whole blocks, temperature) of a request."""
         wanted = self.gen_length or int(gen_kwargs.get("max_gen_toks", 256))
-        do_sample = _flag(gen_kwargs.get("do_sample", False))
-        return -(-wanted // self.block_length) * self.block_length, float(gen_kwargs.get("temperature", 0.0)) \
-            if do_sample else 0.0
+        temperature = float(gen_kwargs.get("temperature", 0.0)) if _flag(gen_kwargs.get("do_sample", False)) else 0.0
+        return -(-wanted // self.block_length) * self.block_length, temperature
 
     def _options(self, gen_length: int, temperature: float) -> dict:
         steps = self.steps if self.steps is not None else gen_length

@@ -76,13 +76,13 @@ class Prepared:
     revisable: bool               # committed tokens may still change (revision): settled only at the end
 
     @property
-    def rows(self) -> int:
-        """Canvas rows of the whole request (2 per prompt under CFG)."""
-        return (2 if self.cfg_scale > 0.0 else 1) * len(self.prompts)
+    def rows_per_prompt(self) -> int:
+        """Canvas rows of one prompt: 2 under CFG (conditional, unconditional)."""
+        return 2 if self.cfg_scale > 0.0 else 1
 
     def backend_args(self) -> tuple:
         """`make_backend`'s arguments: (readout, biases, cfg_scale, rows, slots)."""
-        return self.readout_spec, self.biases, self.cfg_scale, self.rows, self.slots
+        return self.readout_spec, self.biases, self.cfg_scale, self.rows_per_prompt * len(self.prompts), self.slots
 
 
 def prepare_generation(config: LLaDAConfig, prompt_ids, *, gen_length: int, block_length: int, steps: int,

@@ -95,6 +95,10 @@ def test_bad_model_arguments_are_one_line_errors():
         LladaLM(colour="blue")
     with pytest.raises(LladaError, match="multiple of mc_batch_size"):
         LladaLM(mc_num=10, mc_batch_size=4)
+    with pytest.raises(LladaError, match="batch_size must be a int, got 'many'"):
+        LladaLM(batch_size="many")
+    with pytest.raises(LladaError, match="mc_num must be >= 32"):
+        LladaLM(mc_num=0)
     with pytest.raises(LladaError, match="rolling"):
         LladaLM().loglikelihood_rolling([])
 

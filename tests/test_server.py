@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 import llada_jax
 from eval.task_eval import answer_text
 from llada_jax.backends.select import select_backend
+from llada_jax.cli import main
 from llada_jax.locations import EMBEDDED_DIR
 from llada_jax.server.app import create_app
 from llada_jax.server.engine import Busy, Engine
@@ -193,6 +194,15 @@ def test_bad_prompts_and_models(client, server):
     with pytest.raises(urllib.error.HTTPError) as caught:
         urllib.request.urlopen(raw, timeout=30)
     assert caught.value.code == 400 and "not valid JSON" in json.loads(caught.value.read())["error"]["message"]
+
+
+def test_serve_refuses_a_taken_port_in_one_line(capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        assert main(["serve", "--port", str(taken.getsockname()[1])]) == 1
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("llada: error: cannot listen on 127.0.0.1:") and "\n" not in error
 
 
 def test_a_client_that_disconnects_cancels_its_generation(embedded):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import socket
 import sys
 
 from llada_jax.backends.select import OpenBundle, select_backend
@@ -59,8 +60,22 @@ def _short_name(path: str) -> str:
     return path.rstrip("/").rsplit("/", 1)[-1] or path
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads: a taken port is a one-line error at once (uvicorn
+    would log it and exit with status 0)."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as err:
+        raise LladaError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+    return sock
+
+
 def cmd_serve(args) -> None:
     check_serve_flags(args)
+    sock = listening_socket(args.host, args.port)
     served, engine = served_model(args)
     import uvicorn  # the server itself, only for this command
 
@@ -68,7 +83,8 @@ def cmd_serve(args) -> None:
 
     print(f"llada: serving {served.name} on http://{args.host}:{args.port}/v1 ({args.max_batch} generations at "
           f"once, {args.max_queue} waiting; context {served.context} tokens)", file=sys.stderr)
-    uvicorn.run(create_app(served, engine), host=args.host, port=args.port, log_level=args.log_level)
+    server = uvicorn.Server(uvicorn.Config(create_app(served, engine), log_level=args.log_level))
+    server.run(sockets=[sock])
 
 
 def add_serve(commands) -> None:

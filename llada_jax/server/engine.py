@@ -67,6 +67,7 @@ class Engine:
         self._threads = concurrent.futures.ThreadPoolExecutor(max_batch, thread_name_prefix="llada-request")
         self._lock = threading.Lock()
         self._device = threading.Lock()
+        self._making = threading.Lock()
         self._admitted = 0
         self._running = 0
         self._batchers: dict[tuple, StepBatcher] = {}
@@ -116,15 +117,16 @@ class Engine:
                 self._running -= 1
 
     def _batcher(self, prepared: Prepared) -> StepBatcher:
-        """The batcher of the backend that reads out what `prepared` needs (made on first use)."""
+        """The batcher of the backend that reads out what `prepared` needs (made on first use, under a lock of
+        its own: admission and `load`, which the server's event loop calls, never wait for a backend)."""
         key = (prepared.readout_spec, prepared.biases.logit_bias.tobytes(), prepared.biases.confidence_bias.tobytes(),
                prepared.cfg_scale)
-        with self._lock:
+        with self._making:
             if key not in self._batchers:
-                rows = (2 if prepared.cfg_scale > 0.0 else 1) * self.max_batch
-                backend = self.make_backend(prepared.readout_spec, prepared.biases, prepared.cfg_scale, rows,
-                                            self.max_slots)
-                self._batchers[key] = StepBatcher(DeviceTurns(backend, self._device))
+                backend = self.make_backend(prepared.readout_spec, prepared.biases, prepared.cfg_scale,
+                                            prepared.rows_per_prompt * self.max_batch, self.max_slots)
+                with self._lock:
+                    self._batchers[key] = StepBatcher(DeviceTurns(backend, self._device))
             return self._batchers[key]
 
     def close(self) -> None:

@@ -14,7 +14,7 @@ from llada_jax.errors import LladaError
 from llada_jax.server.answer import SettledAnswer
 from llada_jax.server.protocol import ChatRequest, CompletionRequest, GenerationFields
 from policies.generation import Prepared, check_token_ids, prepare_generation
-from policies.registry import DecoderSetting, make_policy
+from policies.registry import DecoderSetting
 from policies.schedule import Schedule
 
 
@@ -140,7 +140,7 @@ def decoder_of(served: Served, request: GenerationFields) -> tuple[str, float | 
     if request.policy is None:
         return defaults.policy, request.threshold if request.threshold is not None else defaults.threshold
     with about("policy"):
-        setting = DecoderSetting.parse(request.policy)
+        setting = DecoderSetting.parse(request.policy)  # checks the policy
     if setting.threshold is not None and request.threshold is not None:
         raise RequestError("give the commit threshold once: in policy (POLICY@T) or in threshold", "threshold")
     return setting.policy, setting.threshold if setting.threshold is not None else request.threshold
@@ -158,8 +158,6 @@ def jobs_of(served: Served, request: CompletionRequest | ChatRequest) -> list[Jo
         steps = request.steps or (gen_length // block) * max(1, round(block / defaults.tokens_per_step))
         with about("steps" if request.steps else "block_length"):
             Schedule(gen_length, block, steps)
-        with about("policy"):
-            make_policy(policy)
         for choice in range(request.n):
             with about(None):
                 prepared = prepare_generation(
