@@ -138,20 +138,40 @@ def test_bundle_canvas_limit_is_a_clear_error(host_session):
         generate_with_bundle(OpenBundle(bundle, session, None), np.arange(20), gen_length=16, block_length=8, steps=8)
 
 
+VULKAN_CHILD = """
+import json, sys
+import numpy as np
+from llada_jax.backends.select import OpenBundle
+from llada_jax.bundle_runner import generate_with_bundle
+from llada_jax.readout import ReadoutSpec, TokenBiases
+from lowering.runtime import IreeBackend, Session, load_bundle
+path, policies, tokens, valid = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), json.loads(sys.argv[4])
+bundle = load_bundle(path, "vulkan")
+session = Session(bundle.path, bundle.manifest, "vulkan")
+ids = {policy: generate_with_bundle(OpenBundle(bundle, session, None), np.arange(3, 9), gen_length=8, block_length=4,
+                                    steps=4, policy=policy).output_ids.tolist() for policy in policies}
+readout = IreeBackend(bundle, session, ReadoutSpec(), TokenBiases.build(bundle.config.embedding_size)).full(
+    np.array(tokens), np.array(valid)).readout
+print(json.dumps({"ids": ids, "logp": np.asarray(readout.logp).tolist()}))
+"""
+
+
 def test_vulkan_matches_jax(tiny_dir, tiny_model, tmp_path):
+    """In a process of its own: once a Vulkan device exists, Mesa's lavapipe keeps threads spinning until the
+    process ends (about one core here), which would slow every later test."""
     require(vulkan_available(), "a Vulkan driver (Mesa's mesa-vulkan-drivers and libvulkan1)")
     path = compile_bundle(tiny_dir, "vulkan", tmp_path / "vk", max_len=16, window=16)
-    bundle = load_bundle(path, "vulkan")
-    session = Session(bundle.path, bundle.manifest, "vulkan")
-    for policy in POLICIES:
-        prompt = np.arange(3, 9)
-        options = dict(gen_length=8, block_length=4, steps=4, policy=policy)
-        got = generate_with_bundle(OpenBundle(bundle, session, None), prompt, **options)
-        assert got.output_ids.tolist() == llada_jax.generate(tiny_model, prompt, **options).output_ids.tolist()
     tokens, valid = random_canvas(3, 16, 12)
-    got = IreeBackend(bundle, session, ReadoutSpec(), TokenBiases.build(TINY.embedding_size)).full(tokens, valid)
+    child = subprocess.run([sys.executable, "-c", VULKAN_CHILD, str(path), json.dumps(POLICIES),
+                            json.dumps(tokens.tolist()), json.dumps(valid.tolist())],
+                           capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0, child.stderr[-3000:]
+    got = json.loads(child.stdout)
+    for policy in POLICIES:
+        options = dict(gen_length=8, block_length=4, steps=4, policy=policy)
+        assert got["ids"][policy] == llada_jax.generate(tiny_model, np.arange(3, 9), **options).output_ids.tolist()
     want = jax_backend(tiny_model).full(tokens, valid)
-    assert_close(got.readout.logp[:, :12], want.readout.logp[:, :12])
+    assert_close(np.array(got["logp"])[:, :12], want.readout.logp[:, :12])
 
 
 @pytest.mark.parametrize("target", ["android-arm64", "android-adreno", "android-mali"])
