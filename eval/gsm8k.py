@@ -1,17 +1,20 @@
 """GSM8K accuracy (`llada eval gsm8k`), answers extracted as the common harnesses do it (`#### N`, else the
 last number; `$` and commas dropped; compared as numbers). Each problem's row is appended to `--out` as it
-finishes; a rerun with the same file skips the problems already there."""
+finishes; a rerun with the same file skips the problems already there. Over several hosts, each solves its
+share into its own part file (`eval.hosts`)."""
 
 from __future__ import annotations
 
 import re
 import sys
+import time
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
+from eval.hosts import HostShare
 from eval.jsonl import RowWriter, finished_rows, read_jsonl
 from eval.task_eval import answer_text
 from llada_jax.api import generate
@@ -80,49 +83,69 @@ def prompt_text(question: str, shots: list[dict], tokenizer=None) -> str:
     return tokenizer.chat_prompt(text) if tokenizer is not None else text
 
 
-def solve(model, index: int, prompt: str, gold: str, decoding: dict) -> dict:
-    """Generate for one prompt and score it: one result row."""
-    row = {"index": index, "prompt": prompt, "gold": gold}
-    try:
-        ids = np.array(model.tokenizer.encode(prompt))
-    except LladaError as err:  # text the vocabulary lacks: scored wrong, with the reason; the run goes on
-        return {**row, "output": "", "extracted": None, "correct": False, "nfe": 0, "latency_s": 0.0,
-                "error": str(err)}
-    result = generate(model, ids, **decoding)
-    output = answer_text(model.tokenizer, result.output_ids, model.config).split(STOP_TEXT)[0]
-    extracted = extract_answer(output)
-    return {**row, "output": output, "extracted": extracted, "correct": same_number(extracted, gold),
-            "nfe": result.nfe, "latency_s": result.wall_s}
+def run_setting(decoding: dict, shots: int, chat: bool) -> dict:
+    """What a results row was generated under: rows of another setting never mix into a run's file."""
+    return {"suite": "gsm8k", "shots": shots, "chat": chat,
+            **{key: value for key, value in decoding.items() if key != "loop"}}
+
+
+def solve(model, batch: list[int], prompts: dict[int, str], golds: dict[int, str], decoding: dict) -> list[dict]:
+    """Generate for a batch of problems (one batched `generate`) and score them: their result rows."""
+    rows, encoded = {}, {}
+    for index in batch:
+        rows[index] = {"index": index, "prompt": prompts[index], "gold": golds[index]}
+        try:
+            encoded[index] = np.array(model.tokenizer.encode(prompts[index]))
+        except LladaError as err:  # text the vocabulary lacks: scored wrong, with the reason; the run goes on
+            rows[index].update(output="", extracted=None, correct=False, nfe=0, latency_s=0.0, error=str(err))
+    if encoded:
+        started = time.perf_counter()
+        results = generate(model, list(encoded.values()), **decoding)
+        share = (time.perf_counter() - started) / len(encoded)  # the batch's time, per problem
+        for index, result in zip(encoded, results):
+            output = answer_text(model.tokenizer, result.output_ids, model.config).split(STOP_TEXT)[0]
+            extracted = extract_answer(output)
+            rows[index].update(output=output, extracted=extracted, correct=same_number(extracted, golds[index]),
+                               nfe=result.nfe, latency_s=result.wall_s, share_s=share)
+    return [rows[index] for index in batch]
 
 
 def evaluate(model, problems: list[dict], shots: list[dict], decoding: dict, *, chat: bool = False,
-             out: Path | None = None, progress: bool = True) -> dict:
-    """Solve every problem not already in `out` (appending its row), then summarize all of them."""
+             out: Path | None = None, progress: bool = True, batch_size: int = 1,
+             share: HostShare = HostShare()) -> dict:
+    """Solve every problem of this host's `share` not already in its results file (`share.part(out)`),
+    `batch_size` at a time, appending each row; then summarize the share."""
     if model.tokenizer is None:
         raise LladaError("GSM8K needs a model with a tokenizer (tokenizer.json)")
+    if batch_size < 1:
+        raise LladaError(f"--batch-size must be >= 1, got {batch_size}")
     prompts = {index: prompt_text(p["question"], shots, model.tokenizer if chat else None)
-               for index, p in enumerate(problems)}
-    rows = finished_rows(out, "prompt", prompts)
-    with RowWriter(out) as writer, tqdm(total=len(problems), initial=len(rows), desc="gsm8k", file=sys.stderr,
-                                        disable=not progress, dynamic_ncols=True) as bar:
-        for index, problem in enumerate(problems):
-            if index in rows:
-                continue
-            rows[index] = solve(model, index, prompts[index], problem["gold"], decoding)
-            writer.write(rows[index])
-            bar.update()
+               for index, p in enumerate(problems) if share.owns(index)}
+    run = run_setting(decoding, len(shots), chat)
+    path = share.part(out)
+    rows = finished_rows(path, "prompt", prompts, run)
+    todo = [index for index in prompts if index not in rows]
+    golds = {index: problems[index]["gold"] for index in todo}
+    with RowWriter(path) as writer, tqdm(total=len(prompts), initial=len(rows), desc="gsm8k", file=sys.stderr,
+                                         disable=not progress, dynamic_ncols=True) as bar:
+        for start in range(0, len(todo), batch_size):
+            for row in solve(model, todo[start: start + batch_size], prompts, golds, decoding):
+                rows[row["index"]] = row = {**row, "run": run, "problems": len(problems)}
+                writer.write(row)
+                bar.update()
             bar.set_postfix(accuracy=f"{np.mean([row['correct'] for row in rows.values()]):.3f}")
-    return summarize([rows[index] for index in sorted(rows)], decoding, len(shots), chat)
+    return summarize([rows[index] for index in sorted(rows)], run)
 
 
-def summarize(rows: list[dict], decoding: dict, shots: int, chat: bool) -> dict:
+def summarize(rows: list[dict], run: dict) -> dict:
     """Accuracy over every problem; speed over the generated ones (`errors`: prompts the model's
-    vocabulary cannot represent, scored wrong)."""
+    vocabulary cannot represent, scored wrong); the setting of `run` (see `run_setting`)."""
     generated = [row for row in rows if "error" not in row]
-    correct, seconds = sum(row["correct"] for row in rows), sum(row["latency_s"] for row in generated)
-    return {"accuracy": correct / len(rows), "correct": correct, "problems": len(rows),
+    correct = sum(row["correct"] for row in rows)
+    seconds = sum(row.get("share_s", row["latency_s"]) for row in generated)
+    return {"accuracy": correct / len(rows) if rows else 0.0, "correct": correct, "problems": len(rows),
             "errors": len(rows) - len(generated),
             "mean_nfe": float(np.mean([row["nfe"] for row in generated])) if generated else 0.0,
-            "tokens_per_s": len(generated) * decoding["gen_length"] / seconds if seconds else 0.0,
-            "shots": shots, "chat": chat, **{key: decoding[key] for key in
+            "tokens_per_s": len(generated) * run["gen_length"] / seconds if seconds else 0.0,
+            "shots": run["shots"], "chat": run["chat"], **{key: run[key] for key in
                                              ("gen_length", "block_length", "steps", "policy", "threshold")}}

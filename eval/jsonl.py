@@ -92,9 +92,10 @@ class RowWriter:
         self.close()
 
 
-def finished_rows(path: Path | None, key: str, expected: dict) -> dict:
-    """Rows already in `path` by their `index`; a row whose `key` differs from `expected[index]` means
-    the file belongs to another run, which is an error (mixing them would corrupt the results)."""
+def finished_rows(path: Path | None, key: str, expected: dict, run: dict | None = None) -> dict:
+    """Rows already in `path` by their `index`; a row whose `key` differs from `expected[index]`, or whose
+    run setting (`run`, where the row has one) differs, means the file belongs to another run, which is an
+    error (mixing them would corrupt the results)."""
     done = {}
     for row in read_rows(path):
         index = row.get("index")
@@ -102,5 +103,9 @@ def finished_rows(path: Path | None, key: str, expected: dict) -> dict:
             continue
         if row.get(key) != expected[index]:
             raise LladaError(f"{path}: row {index} was written for a different {key}; use a new --out file")
+        if run is not None and row.get("run", run) != run:
+            changed = sorted(name for name in {*run, *row["run"]} if run.get(name) != row["run"].get(name))
+            raise LladaError(f"{path}: row {index} was written with another setting ({', '.join(changed)}); "
+                             "use a new --out file")
         done[index] = row
     return done

@@ -45,3 +45,19 @@ def publish_permissions(directory: Path) -> None:
     directory.chmod(0o777 & ~umask)
     for path in directory.iterdir():
         path.chmod(0o666 & ~umask)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write `path` whole or not at all: a temporary sibling, flushed to disk, renamed over it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, staging = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as out:
+            out.write(text)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(staging, path)
+    except BaseException:
+        Path(staging).unlink(missing_ok=True)
+        raise

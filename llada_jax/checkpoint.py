@@ -7,6 +7,7 @@ most one full copy of the weights (the device one) is ever held.
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -19,7 +20,8 @@ from safetensors.numpy import save_file
 from llada_jax.atomic import atomic_dir
 from llada_jax.config import LLaDAConfig
 from llada_jax.errors import LladaError
-from llada_jax.params import hf_to_params, params_to_hf
+from llada_jax.mesh import place_weight
+from llada_jax.params import hf_to_params, params_to_hf, tensor_role
 from llada_jax.qlinear import to_device
 from llada_jax.quantize import HostQuantized
 from llada_jax.weights_io import INDEX_FILE, SINGLE_FILE, iter_tensors
@@ -33,15 +35,22 @@ def compute_dtype(name: str):
     return COMPUTE_DTYPES[name]
 
 
-def read_tensors(model_dir: Path, config: LLaDAConfig, dtype, activations: str = "float") -> dict:
-    """Load and validate every tensor, converting each to the compute dtype on the device (quantized
-    matrices stay integers, see `qlinear`)."""
-    return {name: to_device(array, activations) if isinstance(array, HostQuantized) else jnp.asarray(array, dtype=dtype)
-            for name, array in iter_tensors(model_dir, config)}
+def read_tensors(model_dir: Path, config: LLaDAConfig, dtype, activations: str = "float", mesh=None) -> dict:
+    """Load and validate every tensor, converting each to the compute dtype on the device, or with a
+    `jax.sharding.Mesh`, straight into its shards there (quantized matrices stay integers, see `qlinear`)."""
+    tensors = {}
+    for name, array in iter_tensors(model_dir, config):
+        put = jnp.asarray if mesh is None else functools.partial(place_weight, name=tensor_role(name), mesh=mesh)
+        if isinstance(array, HostQuantized):
+            tensors[name] = to_device(array, activations, put)
+        else:
+            tensors[name] = jnp.asarray(array, dtype=dtype) if mesh is None else put(np.asarray(array, dtype))
+    return tensors
 
 
-def load_params(model_dir: Path, config: LLaDAConfig, dtype="float32", activations: str = "float") -> dict:
-    return hf_to_params(read_tensors(Path(model_dir), config, compute_dtype(dtype), activations), config)
+def load_params(model_dir: Path, config: LLaDAConfig, dtype="float32", activations: str = "float",
+                mesh=None) -> dict:
+    return hf_to_params(read_tensors(Path(model_dir), config, compute_dtype(dtype), activations, mesh), config)
 
 
 def save_hf(params: dict, config: LLaDAConfig, out_dir: Path, *, stored_dtype: str = "float32",

@@ -15,6 +15,7 @@ from llada_jax.checkpoint import compute_dtype, load_params
 from llada_jax.config import LLaDAConfig, read_config
 from llada_jax.errors import LladaError
 from llada_jax.memory_plan import check_fits, resident_need, weight_bytes
+from llada_jax.mesh import MODEL, check_fits_model_axis
 from llada_jax.qlinear import ACTIVATIONS
 from llada_jax.quant_config import default_group_size, planned_modules
 from llada_jax.quantize import QuantScheme
@@ -41,6 +42,7 @@ class Model:
     staged: StagedWeights | None = None
     activations: str = "float"  # "int8": W8A8 matmuls for per-channel int8 weights (see qlinear)
     quantized: dict = dataclasses.field(default_factory=dict)  # module -> QuantScheme of the checkpoint
+    mesh: object = None  # a `jax.sharding.Mesh` the params are sharded over (see `llada_jax.mesh`); None: one device
 
     @property
     def jnp_dtype(self):
@@ -56,10 +58,12 @@ class Model:
 
 
 def load(path, dtype: str = "float32", device_memory_budget: int | None = None, check_weights: bool = False,
-         activations: str = "float") -> Model:
+         activations: str = "float", mesh=None) -> Model:
     """Load an HF LLaDA directory (config.json + safetensors weights [+ tokenizer files]). With a device
     memory budget smaller than the weights, they are packed per layer on the host for staged execution.
-    `check_weights` first scans every tensor for NaN/Inf (a pass over all weights)."""
+    `check_weights` first scans every tensor for NaN/Inf (a pass over all weights). With a `mesh`
+    (`llada_jax.mesh.MeshSpec(...).build()`), the weights are sharded over its model axis (replicated over
+    its data axis) and every step's rows are split over its data axis."""
     model_dir = Path(path)
     if not model_dir.is_dir():
         raise LladaError(f"model directory {model_dir} does not exist")
@@ -76,13 +80,18 @@ def load(path, dtype: str = "float32", device_memory_budget: int | None = None, 
     quantized = checkpoint_quantization(model_dir, config)
     check_activations(activations, quantized)
     model = Model(config, None, tokenizer, dtype, model_dir, device_memory_budget, activations=activations,
-                  quantized=quantized)
+                  quantized=quantized, mesh=mesh)
     staged = device_memory_budget is not None and model.weight_bytes > device_memory_budget
+    if mesh is not None:
+        check_fits_model_axis(config, mesh)
+        if staged:
+            raise LladaError("staged execution (--device-memory-budget) runs on one device; drop --mesh, or shard "
+                             "the weights over a model axis (--mesh model=N) instead of staging them")
     check_memory(model, staged)
     if staged:
         staged = pack_weights(iter_tensors(model_dir, config), config, np.dtype(model.jnp_dtype))
         return dataclasses.replace(model, staged=staged)
-    return dataclasses.replace(model, params=load_params(model_dir, config, dtype, activations))
+    return dataclasses.replace(model, params=load_params(model_dir, config, dtype, activations, mesh))
 
 
 def check_activations(activations: str, quantized: dict) -> None:
@@ -113,7 +122,11 @@ def check_memory(model: Model, staged: bool) -> None:
             alternatives.append((f"a checkpoint from `llada quantize --bits {scheme.bits}`",
                                  resident_need(config, itemsize, planned_modules(config, scheme))))
     mode = "staged" if staged else "resident"
-    check_fits(need, f"{model.path} ({model.dtype}, {mode})", alternatives, accelerator_memory())
+    accelerator = accelerator_memory()
+    if accelerator is not None and model.mesh is not None:  # each accelerator holds its model-axis share
+        need = dataclasses.replace(need, weights=need.weights // model.mesh.shape[MODEL])
+        mode += f", weights split over {model.mesh.shape[MODEL]} devices"
+    check_fits(need, f"{model.path} ({model.dtype}, {mode})", alternatives, accelerator)
 
 
 def accelerator_memory() -> int | None:

@@ -44,6 +44,15 @@ def hf_shapes(config: LLaDAConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def tensor_role(hf_name: str) -> str:
+    """A checkpoint tensor's short name: `q_proj` for `...blocks.3.q_proj.weight`, `lm_head` for the top-level
+    `ff_out.weight` (not the blocks' `ff_out`)."""
+    for short, full in _TOP_LEVEL.items():
+        if hf_name == HF_PREFIX + full:
+            return short
+    return hf_name.removesuffix(".weight").rsplit(".", 1)[-1]
+
+
 def hf_to_params(tensors: dict[str, object], config: LLaDAConfig) -> dict:
     """Arrange tensors keyed by HF name into the params pytree (no copies)."""
     def get(name):

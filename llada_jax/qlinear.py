@@ -40,13 +40,14 @@ class QuantizedWeight:
         return self.values.shape[1] // self.scale.shape[1]
 
 
-def to_device(host: HostQuantized, activations: str = "float") -> QuantizedWeight:
+def to_device(host: HostQuantized, activations: str = "float", put=jnp.asarray) -> QuantizedWeight:
+    """The weight on the device; `put(host_array)` places each part (default: the default device)."""
     if activations not in ACTIVATIONS:
         raise LladaError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
     per_channel_int8 = host.scheme.bits == 8 and host.scheme.group_size is None
     mode = activations if per_channel_int8 else "float"
     values = host.values if host.scheme.bits == 8 else host.values.astype(jnp.int4)
-    return QuantizedWeight(jnp.asarray(values), jnp.asarray(host.scale, jnp.float32), mode)
+    return QuantizedWeight(put(values), put(np.asarray(host.scale, np.float32)), mode)
 
 
 def quantized_linear(x: jax.Array, w: QuantizedWeight) -> jax.Array:

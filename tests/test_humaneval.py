@@ -200,7 +200,8 @@ def test_writes_outside_the_work_dir_fail_and_leave_nothing(tmp_path, capsys, wr
     assert not any(path.exists() for path in targets.values() if path.is_absolute())
     written = [json.loads(line) for line in results.read_text().splitlines()]  # one complete row per sample
     assert [(row["index"], row["completion"]) for row in written] == list(enumerate(text for _, text in samples))
-    assert all(row.keys() == {"index", "task_id", "completion", "passed", "result", "sandbox"} for row in written)
+    assert all(row.keys() == {"index", "task_id", "completion", "passed", "result", "sandbox", "run", "problems"}
+               for row in written)
     assert written == rows and summary["samples"] == len(samples)
 
 

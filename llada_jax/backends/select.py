@@ -104,5 +104,5 @@ def _xla_backend(model, readout_spec, biases, cfg_scale, batch, slots) -> Backen
         raise LladaError(f"resident weights ({model.weight_bytes} bytes) plus the KV state ({kv} bytes) exceed "
                          f"the device memory budget {model.device_memory_budget}; load with a smaller budget "
                          "to stage the weights, or shorten the canvas")
-    return xla.JaxBackend(model.params, model.config, readout_spec, biases, cfg_scale, model.jnp_dtype)
+    return xla.JaxBackend(model.params, model.config, readout_spec, biases, cfg_scale, model.jnp_dtype, model.mesh)
 

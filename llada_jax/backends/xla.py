@@ -14,6 +14,7 @@ from llada_jax.backend import Backend
 from llada_jax.config import LLaDAConfig
 from llada_jax.decode_loop import decode_loop
 from llada_jax.loop_io import LoopInputs, LoopOutputs, LoopSpec
+from llada_jax.mesh import put_kv, put_rows
 from llada_jax.model import Context
 from llada_jax.readout import ReadoutSpec, Reads, StepOutput, TokenBiases
 from llada_jax.shapes import kv_shape
@@ -45,6 +46,15 @@ class JaxBackend(DeviceRows, Backend):
     biases: TokenBiases
     cfg_scale: float = 0.0
     dtype: object = jnp.float32
+    mesh: object = None  # a `jax.sharding.Mesh`: every step's rows split over its data axis (`llada_jax.mesh`)
+
+    def _rows(self, array, axis: int = 0):
+        """A batch array on the device: with a mesh, its rows (axis `axis`) split over the data axis."""
+        return jnp.asarray(array) if self.mesh is None else put_rows(array, self.mesh, axis)
+
+    def _kv(self, array):
+        """K or V on the device: with a mesh, rows on the data axis and heads on the model axis."""
+        return array if self.mesh is None else put_kv(array, self.mesh)
 
     @functools.cached_property
     def _common(self) -> tuple:
@@ -53,17 +63,18 @@ class JaxBackend(DeviceRows, Backend):
                 jnp.asarray(self.biases.confidence_bias))
 
     def full(self, tokens: np.ndarray, valid: np.ndarray, reads: Reads | None = None) -> StepOutput:
-        out, keys, values = full_step(self.params, jnp.asarray(tokens, jnp.int32), jnp.asarray(valid),
+        out, keys, values = full_step(self.params, self._rows(np.asarray(tokens, np.int32)), self._rows(valid),
                                       *self._common, **_head(reads), config=self.config,
                                       readout_spec=self.readout_spec)
         return StepOutput(to_host(out), keys, values)
 
     def window(self, state: kv_state.KVState, visible: np.ndarray, window_ids: np.ndarray,
                window_pos: np.ndarray, window_valid: np.ndarray, reads: Reads | None = None) -> StepOutput:
-        context = Context(state.keys, state.values, jnp.asarray(kv_state.visible_bias(state, visible)))
+        context = Context(self._kv(state.keys), self._kv(state.values), self._rows(kv_state.visible_bias(state, visible)))
         out, keys, values = window_step(
-            self.params, context, jnp.asarray(window_ids, jnp.int32), jnp.asarray(window_pos, jnp.int32),
-            jnp.asarray(window_valid), *self._common, **_head(reads), config=self.config,
+            self.params, context, self._rows(np.asarray(window_ids, np.int32)),
+            self._rows(np.asarray(window_pos, np.int32)), self._rows(window_valid), *self._common, **_head(reads),
+            config=self.config,
             readout_spec=self.readout_spec)
         return StepOutput(to_host(out), keys, values)
 
@@ -72,7 +83,8 @@ class JaxBackend(DeviceRows, Backend):
         return commit_on_device(state, positions, write, out, tokens, nfe)
 
     def empty_state(self, batch: int, slots: int) -> kv_state.KVState:
-        return empty_on_device(self.config, batch, slots, self.dtype)
+        state = empty_on_device(self.config, batch, slots, self.dtype)
+        return state._replace(keys=self._kv(state.keys), values=self._kv(state.values))
 
     def compiled_loop(self, spec: LoopSpec):
         def run(inputs: LoopInputs) -> LoopOutputs:

@@ -12,12 +12,15 @@ from llada_jax.cli.flags import (
     batch_sizes_arg,
     model_dir,
 )
+from llada_jax.errors import LladaError
 from lowering.bundle import compile_bundle
 from lowering.export import canvas_sizes
 from lowering.run_script import SCRIPT
 
 
 def cmd_compile(args) -> None:
+    if args.mesh:
+        raise LladaError("--mesh shards a model over JAX devices; a bundle runs on one device (drop --mesh)")
     loops = baked_setting(args, canvas_sizes(args.max_len)) if args.max_len > 0 else ()
     out = compile_bundle(model_dir(args), args.target, args.out, max_len=args.max_len,
                          window=args.window, dtype=args.dtype, copy_weights=not args.link_weights,

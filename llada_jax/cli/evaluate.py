@@ -1,11 +1,13 @@
-"""`llada eval tasks|gsm8k|humaneval`: the evaluation suites' flags and printing; the suites live in `eval/`."""
+"""`llada eval tasks|gsm8k|humaneval|merge`: the evaluation suites' flags and printing; the suites live in `eval/`."""
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from eval import gsm8k, humaneval, task_eval
+from eval.hosts import HostShare, merge
 from eval.sandbox import Limits
 from llada_jax.cli.flags import (
     DEFAULT_POLICY,
@@ -14,7 +16,9 @@ from llada_jax.cli.flags import (
     decoding_kwargs,
     load_model,
 )
+from llada_jax.cli.hosts import add_host_flags, host_share
 from llada_jax.errors import LladaError
+from llada_jax.mesh import DATA
 from policies.registry import DecoderSetting
 
 
@@ -39,40 +43,73 @@ def cmd_gsm8k(args) -> None:
     problems = gsm8k.load_problems(args.data, args.limit)
     shots = gsm8k.load_shots(args.train_data, args.shots)
     decoding = decoding_kwargs(args)
+    share = host_share(args)
     model = load_model(args)
-    summary = gsm8k.evaluate(model, problems, shots, decoding, chat=args.chat,
-                             out=Path(args.out) if args.out else None)
-    if args.json:
+    summary = gsm8k.evaluate(model, problems, shots, decoding, chat=args.chat, out=Path(args.out) if args.out else None,
+                             batch_size=batch_size(args, model), share=share)
+    print_gsm8k(summary, args.json, share)
+
+
+def print_gsm8k(summary: dict, as_json: bool, share: HostShare = HostShare()) -> None:
+    if as_json:
         print(json.dumps(summary))
         return
-    print(f"accuracy {summary['accuracy']:.3f} ({summary['correct']}/{summary['problems']})  "
+    print(f"{_whose(share)}accuracy {summary['accuracy']:.3f} ({summary['correct']}/{summary['problems']})  "
           f"mean NFE {summary['mean_nfe']:.1f}  {summary['tokens_per_s']:.1f} tok/s")
 
 
-def humaneval_jobs(args, problems: list[dict]) -> dict:
-    """Index -> (problem, make_sample): the samples file's completions, or the model's (one per problem)."""
+def _whose(share: HostShare) -> str:
+    return "" if share.count == 1 else f"host {share.index} of {share.count}, its share: "
+
+
+def batch_size(args, model) -> int:
+    """--batch-size, else one row per device of the mesh's data axis."""
+    if args.batch_size is not None:
+        return args.batch_size
+    return 1 if model.mesh is None else model.mesh.shape[DATA]
+
+
+def humaneval_jobs(args, problems: list[dict]) -> tuple[humaneval.Jobs, int]:
+    """The jobs (the samples file's completions, or the model's, one per problem) and their batch size."""
     if args.limit is not None and args.limit <= 0:
         raise LladaError(f"--limit must be > 0, got {args.limit}")
     if args.samples:
-        return humaneval.sample_jobs(args.samples, problems, args.limit)
+        return humaneval.sample_jobs(args.samples, problems, args.limit), args.batch_size or 1
     model = load_model(args)
-    return humaneval.model_jobs(model, problems[: args.limit], decoding_kwargs(args))
+    return humaneval.model_jobs(model, problems[: args.limit], decoding_kwargs(args)), batch_size(args, model)
 
 
 def cmd_humaneval(args) -> None:
-    jobs = humaneval_jobs(args, humaneval.load_problems(args.data))
-    if not jobs:
+    problems = humaneval.load_problems(args.data)
+    share = host_share(args)
+    jobs, size = humaneval_jobs(args, problems)
+    if not jobs.problems:
         raise LladaError(f"{args.samples} holds no samples")
     summary = humaneval.evaluate(jobs, out=Path(args.out) if args.out else None, workers=args.workers,
-                                 limits=Limits(timeout_s=args.timeout))
-    if args.json:
+                                 limits=Limits(timeout_s=args.timeout), batch_size=size, share=share)
+    print_humaneval(summary, args.json, share)
+
+
+def print_humaneval(summary: dict, as_json: bool, share: HostShare = HostShare()) -> None:
+    if as_json:
         print(json.dumps(summary))
         return
     speed = ""
     if "mean_nfe" in summary:
         speed = f"  mean NFE {summary['mean_nfe']:.1f}  {summary['tokens_per_s']:.1f} tok/s"
-    print(f"pass@1 {summary['pass@1']:.3f} ({summary['passed']}/{summary['samples']} samples, "
+    print(f"{_whose(share)}pass@1 {summary['pass@1']:.3f} ({summary['passed']}/{summary['samples']} samples, "
           f"{summary['tasks']} tasks){speed}  sandbox {summary['sandbox']}")
+
+
+def cmd_merge(args) -> None:
+    """`llada eval merge OUT`: the hosts' part files as one results file, scored once."""
+    rows = merge(Path(args.out))
+    run = rows[0]["run"]
+    if run.get("suite") == "gsm8k":
+        print_gsm8k(gsm8k.summarize(rows, run), args.json)
+    else:
+        print_humaneval(humaneval.summarize(rows, rows[0]["sandbox"]), args.json)
+    print(f"merged {len(rows)} rows into {args.out}", file=sys.stderr)
 
 
 def add_tasks(suites) -> None:
@@ -99,6 +136,7 @@ def add_gsm8k(suites) -> None:
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template (Instruct models)")
     parser.add_argument("--out", default=None, help="results JSONL, appended per problem; reruns resume from it")
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    add_batch_flags(parser)
     add_decoding_flags(parser)
     parser.set_defaults(run=cmd_gsm8k)
 
@@ -114,13 +152,28 @@ def add_humaneval(suites) -> None:
     parser.add_argument("--workers", type=int, default=2, help="samples checked in parallel")
     parser.add_argument("--timeout", type=float, default=Limits.timeout_s, help="wall-clock seconds per sample")
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    add_batch_flags(parser)
     add_decoding_flags(parser)
     parser.set_defaults(run=cmd_humaneval)
 
 
+def add_batch_flags(parser) -> None:
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="problems generated together (default: 1, or one per device of --mesh's data axis)")
+    add_host_flags(parser)
+
+
+def add_merge(suites) -> None:
+    """`llada eval merge`."""
+    parser = suites.add_parser("merge", help="join the part files of a run over several hosts (--hosts) and score it")
+    parser.add_argument("out", metavar="OUT", help="the --out the hosts were given; their parts sit next to it")
+    parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    parser.set_defaults(run=cmd_merge)
+
+
 def add_eval(commands) -> None:
-    """`llada eval tasks|gsm8k|humaneval`."""
+    """`llada eval tasks|gsm8k|humaneval|merge`."""
     ev = commands.add_parser("eval", help="evaluate a model")
     suites = ev.add_subparsers(dest="suite", required=True)
-    for add in (add_tasks, add_gsm8k, add_humaneval):
+    for add in (add_tasks, add_gsm8k, add_humaneval, add_merge):
         add(suites)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from llada_jax.api import load
@@ -10,6 +11,7 @@ from llada_jax.compilation import use_persistent_cache
 from llada_jax.config import read_config
 from llada_jax.errors import LladaError
 from llada_jax.locations import default_model_dir, user_cache_dir
+from llada_jax.mesh import MeshSpec, describe
 from llada_jax.qlinear import ACTIVATIONS
 from llada_jax.weights_io import check_finite_weights
 from policies.compiled_loop import baked_loops, loop_covers
@@ -134,6 +136,9 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--check-weights", action="store_true", help="scan every weight for NaN/Inf before use")
     parser.add_argument("--activations", choices=ACTIVATIONS, default="float",
                         help="int8: quantize activations on the fly for int8 checkpoints (W8A8 matmuls)")
+    parser.add_argument("--mesh", default=None, metavar="data=N|all,model=M",
+                        help="run on several of this host's devices: a batch's rows split over N (data axis), each "
+                             "weight matrix over M (model axis, for weights one device cannot hold); default: one")
 
 
 def model_dir(args) -> Path:
@@ -149,5 +154,8 @@ def model_dir(args) -> Path:
 def load_model(args):
     """The model for JAX execution; steps compiled in an earlier process come from XLA's persistent cache."""
     use_persistent_cache(user_cache_dir("xla"))
+    mesh = MeshSpec.parse(args.mesh).build() if getattr(args, "mesh", None) else None
+    if mesh is not None:
+        print(f"mesh: {describe(mesh)}", file=sys.stderr)
     return load(model_dir(args), dtype=args.dtype, device_memory_budget=getattr(args, "device_memory_budget", None),
-                activations=args.activations)
+                activations=args.activations, mesh=mesh)

@@ -46,6 +46,9 @@ def opened_source(args, loops: list[tuple] = (), batch_sizes: tuple[int, ...] = 
     if budget is not None and args.bundle is not None:
         raise LladaError("a bundle's device memory budget is fixed when it is compiled (llada compile "
                          "--device-memory-budget); drop --device-memory-budget")
+    if getattr(args, "mesh", None) and (args.bundle is not None or args.backend != "jax"):
+        raise LladaError("--mesh shards a model over JAX devices; an IREE bundle runs on one device (drop --mesh, "
+                         "or use --backend jax)")
     if args.bundle is not None:
         if args.model is not None:
             raise LladaError("give either --model or --bundle, not both")
