@@ -52,10 +52,15 @@ def cmd_gsm8k(args) -> None:
 
 def print_gsm8k(summary: dict, as_json: bool, share: HostShare = HostShare()) -> None:
     if as_json:
-        print(json.dumps(summary))
+        print(json.dumps({**summary, **_host_fields(share)}))
         return
     print(f"{_whose(share)}accuracy {summary['accuracy']:.3f} ({summary['correct']}/{summary['problems']})  "
           f"mean NFE {summary['mean_nfe']:.1f}  {summary['tokens_per_s']:.1f} tok/s")
+
+
+def _host_fields(share: HostShare) -> dict:
+    """A share's summary names its host (it scores only that host's problems)."""
+    return {} if share.count == 1 else {"host": share.index, "hosts": share.count}
 
 
 def _whose(share: HostShare) -> str:
@@ -92,7 +97,7 @@ def cmd_humaneval(args) -> None:
 
 def print_humaneval(summary: dict, as_json: bool, share: HostShare = HostShare()) -> None:
     if as_json:
-        print(json.dumps(summary))
+        print(json.dumps({**summary, **_host_fields(share)}))
         return
     speed = ""
     if "mean_nfe" in summary:

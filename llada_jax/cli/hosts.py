@@ -29,6 +29,9 @@ def host_share(args) -> HostShare:
         return HostShare()
     if args.out is None:
         raise LladaError("--hosts needs --out: each host writes its share to its own part of that file")
+    # Each host computes on its own devices only (its share of the problems), so CPU hosts need no
+    # cross-process collectives (JAX's default, Gloo, would also print its connections on stdout).
+    jax.config.update("jax_cpu_collectives_implementation", None)
     try:
         jax.distributed.initialize(**_distributed_args(args))
     except (RuntimeError, ValueError) as err:

@@ -1,0 +1,111 @@
+"""Evaluation over several hosts: each host's share, its part file, the merge, and a real two-process run
+joined through jax.distributed (two simulated devices each, their batches split over a data axis)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from eval.hosts import HostShare, merge
+from eval.jsonl import read_rows
+from llada_jax.errors import LladaError
+from tests.test_gsm8k import TINY_RUN, char_model_dir  # noqa: F401  (a fixture)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@given(count=st.integers(1, 9), problems=st.integers(0, 40))
+def test_every_problem_belongs_to_exactly_one_host(count, problems):
+    shares = [HostShare(index, count) for index in range(count)]
+    for number in range(problems):
+        assert sum(share.owns(number) for share in shares) == 1
+
+
+def test_part_files_are_named_by_host():
+    out = Path("runs/gsm8k.jsonl")
+    assert HostShare().part(out) == out
+    assert HostShare(2, 4).part(out) == Path("runs/gsm8k-host2-of-4.jsonl")
+    with pytest.raises(LladaError, match=r"must be in \[0, 2\)"):
+        HostShare(2, 2)
+
+
+def write_part(out: Path, host: int, count: int, indices, run=None, problems=4) -> None:
+    rows = [{"index": index, "run": run or {"suite": "gsm8k"}, "problems": problems, "correct": True}
+            for index in indices]
+    HostShare(host, count).part(out).write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def test_merge_joins_parts_in_problem_order(tmp_path):
+    out = tmp_path / "gsm8k.jsonl"
+    write_part(out, 0, 2, [0, 2])
+    write_part(out, 1, 2, [1, 3])
+    assert [row["index"] for row in merge(out)] == [0, 1, 2, 3]
+    assert [row["index"] for row in read_rows(out)] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize(("parts", "message"), [
+    ([(0, 2, [0, 2])], "no part file from host 1 of 2"),
+    ([(0, 2, [0, 2]), (1, 2, [1])], "1 of 4 problems have no row yet"),
+    ([(0, 2, [0, 2]), (1, 2, [1, 2, 3])], "problem 2 is in two part files"),
+    ([(0, 2, [0, 2]), (1, 3, [1, 3])], "part files of runs over 2 and 3 hosts"),
+    ([], "no part files gsm8k-hostI-of-N.jsonl"),
+])
+def test_merge_refuses_what_would_be_wrong(tmp_path, parts, message):
+    out = tmp_path / "gsm8k.jsonl"
+    for host, count, indices in parts:
+        write_part(out, host, count, indices)
+    with pytest.raises(LladaError, match=message):
+        merge(out)
+    assert not out.exists()
+
+
+def test_merge_refuses_parts_of_different_settings(tmp_path):
+    out = tmp_path / "gsm8k.jsonl"
+    write_part(out, 0, 2, [0, 2], run={"suite": "gsm8k", "steps": 8})
+    write_part(out, 1, 2, [1, 3], run={"suite": "gsm8k", "steps": 16})
+    with pytest.raises(LladaError, match="another run setting"):
+        merge(out)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def llada(*argv: str, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "llada_jax.cli", *argv], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def finished(process: subprocess.Popen) -> str:
+    out, err = process.communicate(timeout=600)
+    assert process.returncode == 0, err[-3000:]
+    return out
+
+
+def test_two_hosts_through_jax_distributed_score_as_one(char_model_dir, tmp_path):  # noqa: F811
+    """Two processes join one jax.distributed run (coordinator on 127.0.0.1), each with two simulated devices
+    and its batches split over them; the merged parts equal a one-host, one-device run row for row."""
+    run = ["eval", "gsm8k", "--model", str(char_model_dir), "--chat", "--limit", "7", "--json", *TINY_RUN]
+    alone = json.loads(finished(llada(*run, "--out", str(tmp_path / "alone.jsonl"))))
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    coordinator = f"127.0.0.1:{free_port()}"
+    hosts = [llada(*run, "--out", str(tmp_path / "split.jsonl"), "--mesh", "data=2", "--hosts", "2",
+                   "--coordinator", coordinator, "--host-id", str(host), env=env) for host in (0, 1)]
+    shares = [json.loads(finished(host)) for host in hosts]
+    assert [(share["host"], share["hosts"], share["problems"]) for share in shares] == [(0, 2, 4), (1, 2, 3)]
+    merged = json.loads(finished(llada("eval", "merge", str(tmp_path / "split.jsonl"), "--json")))
+    assert {key: merged[key] for key in ("accuracy", "correct", "problems", "errors", "mean_nfe")} == \
+        {key: alone[key] for key in ("accuracy", "correct", "problems", "errors", "mean_nfe")}
+    fields = ("index", "prompt", "output", "extracted", "correct", "nfe")
+    assert [[row[key] for key in fields] for row in read_rows(tmp_path / "split.jsonl")] == \
+        [[row[key] for key in fields] for row in read_rows(tmp_path / "alone.jsonl")]
