@@ -159,7 +159,8 @@ def bench(generate, config, tokenizer, settings: list[DecoderSetting], prompts: 
 
 TABLE = [  # (field, header, width, decimals)
     ("setting", "setting", 40, None), ("loop", "loop", 8, None), ("median_latency_s", "lat(s)", 8, 4),
-    ("answers_per_s", "ans/s", 7, 2), ("batch_gain", "x/b1", 5, 2), ("tokens_per_s", "tok/s", 7, 0),
+    ("answers_per_s", "ans/s", 7, 2), ("batch_gain", "x/b1", 5, 2), ("mesh_gain", "x/1dev", 6, 2),
+    ("tokens_per_s", "tok/s", 7, 0),
     ("mean_nfe", "NFE", 6, 1), ("window_utilisation", "util", 5, 2), ("accuracy", "acc", 6, 3),
     ("revisions_per_answer", "rev", 5, 2), ("side_seconds_per_answer", "side(s)", 8, 4),
     ("side_hidden_fraction", "hidden", 6, 2), ("speedup_vs_vanilla", "x/van", 6, 2),

@@ -77,7 +77,8 @@ def complete(model, problems: list[dict], decoding: dict) -> list[dict]:
     samples, encoded = {}, {}
     for number, problem in enumerate(problems):
         try:
-            encoded[number] = np.array(model.tokenizer.encode(model.tokenizer.chat_prompt(INSTRUCTION + problem["prompt"])))
+            prompt = model.tokenizer.chat_prompt(INSTRUCTION + problem["prompt"])
+            encoded[number] = np.array(model.tokenizer.encode(prompt))
         except LladaError as err:  # text the vocabulary lacks: an empty completion (it fails), with the reason
             samples[number] = {"task_id": problem["task_id"], "completion": "", "output": "", "error": str(err)}
     if encoded:

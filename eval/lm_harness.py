@@ -30,6 +30,7 @@ from eval.mc_likelihood import greedy_matches, mc_log_likelihood, request_rng
 from eval.task_eval import answer_text
 from llada_jax.errors import LladaError
 from llada_jax.locations import default_model_dir
+from llada_jax.mesh import MeshSpec
 from policies.registry import DecoderSetting
 
 TASKS_DIR = Path(__file__).resolve().parent / "lm_tasks"
@@ -37,6 +38,14 @@ TASKS_DIR = Path(__file__).resolve().parent / "lm_tasks"
 
 def _flag(value) -> bool:
     return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
+
+
+def _mesh(data_devices, model_devices):
+    """`data_devices=N|all,model_devices=M`: the mesh of `--mesh data=N,model=M`; neither: one device."""
+    if data_devices is None and model_devices is None:
+        return None
+    data = None if data_devices in (None, "all") else _number("data_devices", data_devices, minimum=1)
+    return MeshSpec(data, 1 if model_devices is None else _number("model_devices", model_devices, minimum=1)).build()
 
 
 def _number(name: str, value, kind=int, minimum=None):
@@ -58,7 +67,8 @@ class LladaLM(LM):
     def __init__(self, pretrained: str | None = None, dtype: str = "float32", batch_size=8, gen_length=None,
                  block_length: int = 32, steps=None, policy: str = "vanilla", threshold=None, cfg_scale: float = 0.0,
                  remasking: str = "low_confidence", mc_num: int = 128, mc_batch_size: int = 32,
-                 check_greedy=True, seed: int = 1234, device=None, max_batch_size=None, **unknown):
+                 check_greedy=True, seed: int = 1234, data_devices=None, model_devices=None, device=None,
+                 max_batch_size=None, **unknown):
         super().__init__()
         if unknown:
             raise LladaError(f"unknown llada-jax model arguments: {', '.join(sorted(unknown))}")
@@ -78,7 +88,8 @@ class LladaLM(LM):
         if self.mc_num % self.mc_batch_size:
             raise LladaError(f"mc_num ({mc_num}) must be a multiple of mc_batch_size ({mc_batch_size})")
         self.check_greedy, self.seed = _flag(check_greedy), _number("seed", seed, minimum=0)
-        self.model = llada_jax.load(Path(pretrained) if pretrained else default_model_dir(), dtype=dtype)
+        self.model = llada_jax.load(Path(pretrained) if pretrained else default_model_dir(), dtype=dtype,
+                                    mesh=_mesh(data_devices, model_devices))
         if self.model.tokenizer is None:
             raise LladaError(f"{pretrained}: lm-eval needs a model with a tokenizer.json")
 

@@ -109,3 +109,18 @@ def test_two_hosts_through_jax_distributed_score_as_one(char_model_dir, tmp_path
     fields = ("index", "prompt", "output", "extracted", "correct", "nfe")
     assert [[row[key] for key in fields] for row in read_rows(tmp_path / "split.jsonl")] == \
         [[row[key] for key in fields] for row in read_rows(tmp_path / "alone.jsonl")]
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--hosts", "2", "--out", "x.jsonl"], "--hosts N needs N >= 1, --coordinator HOST:PORT and --host-id I"),
+    (["--hosts", "2", "--coordinator", "127.0.0.1:1", "--host-id", "2", "--out", "x.jsonl"], r"must be in \[0, 2\)"),
+    (["--hosts", "two", "--out", "x.jsonl"], "--hosts takes auto or a number of hosts, got 'two'"),
+    (["--hosts", "auto", "--host-id", "0", "--out", "x.jsonl"], "--hosts auto reads the coordinator"),
+    (["--hosts", "2"], "--hosts needs --out"),
+    (["--host-id", "1"], "--coordinator and --host-id go with --hosts N"),
+])
+def test_bad_host_flags_are_one_line_errors_before_anything_starts(flags, message):
+    from tests.test_gsm8k import run_cli
+
+    with pytest.raises(LladaError, match=message):
+        run_cli("--limit", "1", *flags)

@@ -101,6 +101,10 @@ def test_bad_model_arguments_are_one_line_errors():
         LladaLM(mc_num=0)
     with pytest.raises(LladaError, match="rolling"):
         LladaLM().loglikelihood_rolling([])
+    with pytest.raises(LladaError, match="needs 2 devices; this host has 1"):
+        LladaLM(data_devices="2")
+    with pytest.raises(LladaError, match="model_devices must be >= 1"):
+        LladaLM(model_devices="0")
 
 
 def test_lm_eval_runs_the_local_tasks_end_to_end(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import tempfile
@@ -60,12 +61,30 @@ def cmd_bench(args) -> None:
     baked = [(s.policy, s.threshold, args.gen_length, args.block_length, args.steps) for s in settings
              if loops != ("host",) and loop_covers(make_policy(s.policy))]
     config, tokenizer, run = generation_runner(args, baked, args.batch_sizes)
-    report = bench(run, config, tokenizer, settings, bench_prompts(args, tokenizer, config), args.steps,
-                   progress=lambda m: print(m, file=sys.stderr), block_length=args.block_length, loops=loops,
-                   gen_length=args.gen_length, batch_sizes=args.batch_sizes)
+    prompts = bench_prompts(args, tokenizer, config)
+
+    def measure(generate) -> dict:
+        return bench(generate, config, tokenizer, settings, prompts, args.steps,
+                     progress=lambda m: print(m, file=sys.stderr), block_length=args.block_length, loops=loops,
+                     gen_length=args.gen_length, batch_sizes=args.batch_sizes)
+
+    report = measure(run)
+    if args.mesh:  # the same rows on one device, measured in the same run
+        _, _, alone = generation_runner(argparse.Namespace(**{**vars(args), "mesh": None}), baked, args.batch_sizes)
+        report = mesh_report(report, measure(alone), args.mesh)
     if args.plot:
         plot(report, args.plot)
     print(json.dumps(report["rows"]) if args.json else format_table(report))
+
+
+def mesh_report(meshed: dict, alone: dict, mesh: str) -> dict:
+    """Each row on one device, then on the mesh with its gain over one device (`x/1dev`)."""
+    rows = []
+    for one, many in zip(alone["rows"], meshed["rows"]):
+        rows.append({**one, "setting": f"{one['setting']} [1 device]"})
+        rows.append({**many, "setting": f"{many['setting']} [{mesh}]",
+                     "mesh_gain": many["answers_per_s"] / one["answers_per_s"]})
+    return {**meshed, "rows": rows}
 
 
 def add_bench(commands) -> None:
