@@ -269,3 +269,14 @@ def test_generation_run_checks_the_models_code(char_model_dir, tmp_path, capsys)
     for row in rows:
         assert row["nfe"] == 8 and row["gen_length"] == 16 and row["completion"] == extract_code(row["output"])
         assert row["passed"] is False and row["result"] != "passed" and row["sandbox"] == detect_sandbox().level
+
+
+def test_batched_generation_writes_what_one_at_a_time_writes(char_model_dir, tmp_path, capsys):
+    fields = ("index", "task_id", "output", "completion", "nfe", "passed", "result")
+    runs = {}
+    for size in ("1", "3"):
+        out = tmp_path / f"batch{size}.jsonl"
+        run_cli("--model", str(char_model_dir), "--limit", "4", "--out", str(out), "--batch-size", size, "--json",
+                *TINY_RUN)
+        runs[size] = [[row[key] for key in fields] for row in read_rows(out)]
+    assert runs["3"] == runs["1"] and len(runs["1"]) == 4
