@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import re
 import sys
-import time
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
@@ -15,9 +14,8 @@ import numpy as np
 from tqdm import tqdm
 
 from eval.hosts import HostShare
-from eval.jsonl import RowWriter, finished_rows, read_jsonl
-from eval.task_eval import answer_text
-from llada_jax.api import generate
+from eval.jsonl import RowWriter, finished_rows, read_jsonl, run_setting
+from eval.task_eval import answer_text, generate_batch
 from llada_jax.errors import LladaError
 
 # A number as written in GSM8K text: optional sign and dollar, thousands groups, optional decimals.
@@ -83,31 +81,21 @@ def prompt_text(question: str, shots: list[dict], tokenizer=None) -> str:
     return tokenizer.chat_prompt(text) if tokenizer is not None else text
 
 
-def run_setting(decoding: dict, shots: int, chat: bool) -> dict:
-    """What a results row was generated under: rows of another setting never mix into a run's file."""
-    return {"suite": "gsm8k", "shots": shots, "chat": chat,
-            **{key: value for key, value in decoding.items() if key != "loop"}}
-
-
 def solve(model, batch: list[int], prompts: dict[int, str], golds: dict[int, str], decoding: dict) -> list[dict]:
     """Generate for a batch of problems (one batched `generate`) and score them: their result rows."""
-    rows, encoded = {}, {}
-    for index in batch:
-        rows[index] = {"index": index, "prompt": prompts[index], "gold": golds[index]}
-        try:
-            encoded[index] = np.array(model.tokenizer.encode(prompts[index]))
-        except LladaError as err:  # text the vocabulary lacks: scored wrong, with the reason; the run goes on
-            rows[index].update(output="", extracted=None, correct=False, nfe=0, latency_s=0.0, error=str(err))
-    if encoded:
-        started = time.perf_counter()
-        results = generate(model, list(encoded.values()), **decoding)
-        share = (time.perf_counter() - started) / len(encoded)  # the batch's time, per problem
-        for index, result in zip(encoded, results):
-            output = answer_text(model.tokenizer, result.output_ids, model.config).split(STOP_TEXT)[0]
-            extracted = extract_answer(output)
-            rows[index].update(output=output, extracted=extracted, correct=same_number(extracted, golds[index]),
-                               nfe=result.nfe, latency_s=result.wall_s, share_s=share)
-    return [rows[index] for index in batch]
+    outcomes, share = generate_batch(model, [prompts[index] for index in batch], decoding)
+    rows = []
+    for index, outcome in zip(batch, outcomes):
+        row = {"index": index, "prompt": prompts[index], "gold": golds[index]}
+        if isinstance(outcome, LladaError):  # text the vocabulary lacks: scored wrong, with the reason
+            rows.append({**row, "output": "", "extracted": None, "correct": False, "nfe": 0, "latency_s": 0.0,
+                         "error": str(outcome)})
+            continue
+        output = answer_text(model.tokenizer, outcome.output_ids, model.config).split(STOP_TEXT)[0]
+        extracted = extract_answer(output)
+        rows.append({**row, "output": output, "extracted": extracted, "correct": same_number(extracted, golds[index]),
+                     "nfe": outcome.nfe, "latency_s": outcome.wall_s, "share_s": share})
+    return rows
 
 
 def evaluate(model, problems: list[dict], shots: list[dict], decoding: dict, *, chat: bool = False,
@@ -121,7 +109,7 @@ def evaluate(model, problems: list[dict], shots: list[dict], decoding: dict, *, 
         raise LladaError(f"--batch-size must be >= 1, got {batch_size}")
     prompts = {index: prompt_text(p["question"], shots, model.tokenizer if chat else None)
                for index, p in enumerate(problems) if share.owns(index)}
-    run = run_setting(decoding, len(shots), chat)
+    run = run_setting("gsm8k", decoding, shots=len(shots), chat=chat)
     path = share.part(out)
     rows = finished_rows(path, "prompt", prompts, run)
     todo = [index for index in prompts if index not in rows]
@@ -139,7 +127,7 @@ def evaluate(model, problems: list[dict], shots: list[dict], decoding: dict, *, 
 
 def summarize(rows: list[dict], run: dict) -> dict:
     """Accuracy over every problem; speed over the generated ones (`errors`: prompts the model's
-    vocabulary cannot represent, scored wrong); the setting of `run` (see `run_setting`)."""
+    vocabulary cannot represent, scored wrong); the setting of `run` (see `eval.jsonl.run_setting`)."""
     generated = [row for row in rows if "error" not in row]
     correct = sum(row["correct"] for row in rows)
     seconds = sum(row.get("share_s", row["latency_s"]) for row in generated)

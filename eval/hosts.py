@@ -71,18 +71,21 @@ def merge(out: Path) -> list[dict]:
     run = None
     for path in part_files(out):
         for row in read_rows(path):
-            if run is None:
-                run = row.get("run")
-            if row.get("run") != run:
+            if not isinstance(row.get("index"), int) or not isinstance(row.get("run"), dict):
+                raise LladaError(f"{path}: a row without an index and run setting is no `llada eval` results row")
+            run = row["run"] if run is None else run
+            if row["run"] != run:
                 raise LladaError(f"{path}: row {row.get('index')} comes from another run setting than the other parts")
             if row.get("index") in rows:
                 raise LladaError(f"{path}: problem {row.get('index')} is in two part files")
             rows[row["index"]] = row
+    if not rows:
+        raise LladaError(f"{out}: the part files hold no rows yet; run every host first")
     totals = {row.get("problems") for row in rows.values()}
     if len(totals) > 1:
         raise LladaError(f"{out}: the parts were run over different numbers of problems ({sorted(totals, key=str)}); "
                          "give every host the same --limit")
-    total = totals.pop() if totals else 0
+    total = totals.pop()
     total = len(rows) if total is None else total
     missing = [index for index in range(total) if index not in rows]
     if missing:

@@ -8,7 +8,6 @@ import collections
 import queue
 import re
 import sys
-import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from importlib.resources import files
@@ -19,11 +18,10 @@ import numpy as np
 from tqdm import tqdm
 
 from eval.hosts import HostShare
-from eval.jsonl import RowWriter, finished_rows, read_jsonl
+from eval.jsonl import RowWriter, finished_rows, read_jsonl, run_setting
 from eval.sandbox import Limits, Sandbox, run_program
 from eval.sandbox_probe import detect_sandbox
-from eval.task_eval import answer_text
-from llada_jax.api import generate
+from eval.task_eval import answer_text, generate_batch
 from llada_jax.errors import LladaError
 
 INSTRUCTION = "Complete the following Python function. Reply with the whole function in a ```python code block.\n\n"
@@ -74,23 +72,18 @@ def program(problem: dict, completion: str) -> str:
 
 def complete(model, problems: list[dict], decoding: dict) -> list[dict]:
     """The model's completions of a batch of problems (one batched `generate`), in the chat template."""
-    samples, encoded = {}, {}
-    for number, problem in enumerate(problems):
-        try:
-            prompt = model.tokenizer.chat_prompt(INSTRUCTION + problem["prompt"])
-            encoded[number] = np.array(model.tokenizer.encode(prompt))
-        except LladaError as err:  # text the vocabulary lacks: an empty completion (it fails), with the reason
-            samples[number] = {"task_id": problem["task_id"], "completion": "", "output": "", "error": str(err)}
-    if encoded:
-        started = time.perf_counter()
-        results = generate(model, list(encoded.values()), **decoding)
-        share = (time.perf_counter() - started) / len(encoded)  # the batch's time, per problem
-        for number, result in zip(encoded, results):
-            output = answer_text(model.tokenizer, result.output_ids, model.config)
-            samples[number] = {"task_id": problems[number]["task_id"], "completion": extract_code(output),
-                               "output": output, "nfe": result.nfe, "latency_s": result.wall_s, "share_s": share,
-                               "gen_length": decoding["gen_length"]}
-    return [samples[number] for number in range(len(problems))]
+    prompts = [model.tokenizer.chat_prompt(INSTRUCTION + problem["prompt"]) for problem in problems]
+    outcomes, share = generate_batch(model, prompts, decoding)
+    samples = []
+    for problem, outcome in zip(problems, outcomes):
+        if isinstance(outcome, LladaError):  # text the vocabulary lacks: an empty completion (it fails)
+            samples.append({"task_id": problem["task_id"], "completion": "", "output": "", "error": str(outcome)})
+            continue
+        output = answer_text(model.tokenizer, outcome.output_ids, model.config)
+        samples.append({"task_id": problem["task_id"], "completion": extract_code(output), "output": output,
+                        "nfe": outcome.nfe, "latency_s": outcome.wall_s, "share_s": share,
+                        "gen_length": decoding["gen_length"]})
+    return samples
 
 
 def given(sample: dict) -> dict:
@@ -194,7 +187,7 @@ def sample_jobs(path, problems: list[dict], limit: int | None = None) -> Jobs:
     samples = load_samples(path, problems)[:limit]
     return Jobs({index: by_id[s["task_id"]] for index, s in enumerate(samples)},
                 lambda indices: [given(samples[index]) for index in indices],
-                {"suite": "humaneval", "source": "samples file"})
+                run_setting("humaneval", source="samples file"))
 
 
 def model_jobs(model, problems: list[dict], decoding: dict) -> Jobs:
@@ -203,4 +196,4 @@ def model_jobs(model, problems: list[dict], decoding: dict) -> Jobs:
         raise LladaError("HumanEval generation needs a model with a tokenizer (tokenizer.json)")
     return Jobs(dict(enumerate(problems)),
                 lambda indices: complete(model, [problems[index] for index in indices], decoding),
-                {"suite": "humaneval", **{key: value for key, value in decoding.items() if key != "loop"}})
+                run_setting("humaneval", decoding))

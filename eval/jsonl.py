@@ -92,6 +92,13 @@ class RowWriter:
         self.close()
 
 
+def run_setting(suite: str, decoding: dict | None = None, **extra) -> dict:
+    """What a results row was generated under (suite, decoder flags, shots, ...): rows of another setting
+    never mix into a run's file. The decode loop is left out: the host and compiled loops give the same
+    tokens."""
+    return {"suite": suite, **extra, **{key: value for key, value in (decoding or {}).items() if key != "loop"}}
+
+
 def finished_rows(path: Path | None, key: str, expected: dict, run: dict | None = None) -> dict:
     """Rows already in `path` by their `index`; a row whose `key` differs from `expected[index]`, or whose
     run setting (`run`, where the row has one) differs, means the file belongs to another run, which is an

@@ -6,6 +6,7 @@ A decoder setting is a policy name with an optional threshold: `dual-cache` or `
 from __future__ import annotations
 
 import sys
+import time
 
 import numpy as np
 
@@ -24,6 +25,24 @@ def answer_text(tokenizer, output_ids: np.ndarray, config) -> str:
         if stop in ids:
             ids = ids[: ids.index(stop)]
     return tokenizer.decode(ids)
+
+
+def generate_batch(model, prompts: list[str], decoding: dict) -> tuple[list, float]:
+    """Each prompt's `Result` from one batched `generate`, or the `LladaError` its text raised when encoded
+    (a character the vocabulary lacks: the others still run); and the batch's seconds per generated prompt."""
+    outcomes, encoded = [], []
+    for prompt in prompts:
+        try:
+            encoded.append(np.array(model.tokenizer.encode(prompt)))
+            outcomes.append(None)
+        except LladaError as err:
+            outcomes.append(err)
+    if not encoded:
+        return outcomes, 0.0
+    started = time.perf_counter()
+    results = iter(generate(model, encoded, **decoding))
+    share = (time.perf_counter() - started) / len(encoded)
+    return [next(results) if outcome is None else outcome for outcome in outcomes], share
 
 
 def evaluate(model, setting: DecoderSetting, limit: int | None = None, steps: int = GEN_LENGTH,

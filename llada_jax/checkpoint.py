@@ -41,10 +41,8 @@ def read_tensors(model_dir: Path, config: LLaDAConfig, dtype, activations: str =
     tensors = {}
     for name, array in iter_tensors(model_dir, config):
         put = jnp.asarray if mesh is None else functools.partial(place_weight, name=tensor_role(name), mesh=mesh)
-        if isinstance(array, HostQuantized):
-            tensors[name] = to_device(array, activations, put)
-        else:
-            tensors[name] = jnp.asarray(array, dtype=dtype) if mesh is None else put(np.asarray(array, dtype))
+        tensors[name] = (to_device(array, activations, put) if isinstance(array, HostQuantized)
+                         else put(np.asarray(array, dtype)))
     return tensors
 
 

@@ -80,11 +80,10 @@ def weight_sharding(name: str, shape: tuple[int, ...], mesh: Mesh) -> NamedShard
     return NamedSharding(mesh, PartitionSpec(*spec))
 
 
-def place_weight(value, name: str, mesh: Mesh):
-    """A host tensor (numpy, or a pytree of them such as a quantized weight) on the mesh, each leaf
+def place_weight(array: np.ndarray, name: str, mesh: Mesh):
+    """A host array of tensor `name` (or a part of it: a quantized weight's values or scales) on the mesh,
     straight into its shards (never whole on one device first)."""
-    return jax.tree_util.tree_map(lambda leaf: jax.device_put(leaf, weight_sharding(name, np.shape(leaf), mesh)),
-                                  value)
+    return jax.device_put(array, weight_sharding(name, np.shape(array), mesh))
 
 
 def rows_sharding(mesh: Mesh, shape: tuple[int, ...], axis: int, heads_axis: int | None = None) -> NamedSharding:

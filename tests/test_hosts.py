@@ -67,6 +67,18 @@ def test_merge_refuses_what_would_be_wrong(tmp_path, parts, message):
     assert not out.exists()
 
 
+def test_merge_refuses_empty_parts_and_foreign_rows(tmp_path):
+    out = tmp_path / "gsm8k.jsonl"
+    write_part(out, 0, 2, [])
+    write_part(out, 1, 2, [])
+    with pytest.raises(LladaError, match="the part files hold no rows yet"):
+        merge(out)
+    HostShare(1, 2).part(out).write_text(json.dumps({"index": 1, "correct": True}) + "\n")
+    with pytest.raises(LladaError, match="no `llada eval` results row"):
+        merge(out)
+    assert not out.exists()
+
+
 def test_merge_refuses_parts_of_different_settings(tmp_path):
     out = tmp_path / "gsm8k.jsonl"
     write_part(out, 0, 2, [0, 2], run={"suite": "gsm8k", "steps": 8})
@@ -124,3 +136,11 @@ def test_bad_host_flags_are_one_line_errors_before_anything_starts(flags, messag
 
     with pytest.raises(LladaError, match=message):
         run_cli("--limit", "1", *flags)
+
+
+def test_a_batch_size_below_one_is_refused_by_the_command_line(capsys):
+    from tests.test_gsm8k import run_cli
+
+    with pytest.raises(SystemExit):
+        run_cli("--limit", "1", "--batch-size", "0")
+    assert "--batch-size: must be >= 1, got 0" in capsys.readouterr().err

@@ -15,6 +15,7 @@ from llada_jax.cli.flags import (
     add_model_flags,
     decoding_kwargs,
     load_model,
+    positive_int,
 )
 from llada_jax.cli.hosts import add_host_flags, host_share
 from llada_jax.errors import LladaError
@@ -163,7 +164,7 @@ def add_humaneval(suites) -> None:
 
 
 def add_batch_flags(parser) -> None:
-    parser.add_argument("--batch-size", type=int, default=None,
+    parser.add_argument("--batch-size", type=positive_int, default=None,
                         help="problems generated together (default: 1, or one per device of --mesh's data axis)")
     add_host_flags(parser)
 

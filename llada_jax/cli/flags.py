@@ -119,6 +119,17 @@ def loop_settings(args) -> list[tuple]:
     return [(kwargs["policy"], kwargs["threshold"], kwargs["gen_length"], kwargs["block_length"], kwargs["steps"])]
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def batch_sizes_arg(text: str) -> tuple[int, ...]:
     """`--batch-sizes 1,4,16`."""
     try:
