@@ -35,11 +35,13 @@ def compute_dtype(name: str):
     return COMPUTE_DTYPES[name]
 
 
-def read_tensors(model_dir: Path, config: LLaDAConfig, dtype, activations: str = "float", mesh=None) -> dict:
+def read_tensors(model_dir: Path, config: LLaDAConfig, dtype, activations: str = "float", mesh=None,
+                 quantized: dict | None = None) -> dict:
     """Load and validate every tensor, converting each to the compute dtype on the device, or with a
-    `jax.sharding.Mesh`, straight into its shards there (quantized matrices stay integers, see `qlinear`)."""
+    `jax.sharding.Mesh`, straight into its shards there (quantized matrices stay integers, see `qlinear`).
+    `quantized` (module -> scheme) defaults to what the directory's config.json says."""
     tensors = {}
-    for name, array in iter_tensors(model_dir, config):
+    for name, array in iter_tensors(model_dir, config, quantized=quantized):
         put = jnp.asarray if mesh is None else functools.partial(place_weight, name=tensor_role(name), mesh=mesh)
         tensors[name] = (to_device(array, activations, put) if isinstance(array, HostQuantized)
                          else put(np.asarray(array, dtype)))
@@ -47,8 +49,9 @@ def read_tensors(model_dir: Path, config: LLaDAConfig, dtype, activations: str =
 
 
 def load_params(model_dir: Path, config: LLaDAConfig, dtype="float32", activations: str = "float",
-                mesh=None) -> dict:
-    return hf_to_params(read_tensors(Path(model_dir), config, compute_dtype(dtype), activations, mesh), config)
+                mesh=None, quantized: dict | None = None) -> dict:
+    return hf_to_params(read_tensors(Path(model_dir), config, compute_dtype(dtype), activations, mesh, quantized),
+                        config)
 
 
 def save_hf(params: dict, config: LLaDAConfig, out_dir: Path, *, stored_dtype: str = "float32",

@@ -19,13 +19,15 @@ from pathlib import Path
 
 from llada_jax.atomic import replace_dir
 from llada_jax.checkpoint import compute_dtype
-from llada_jax.config import read_config
+from llada_jax.config import read_config, read_hf_dict
 from llada_jax.errors import LladaError
+from llada_jax.loading import check_activations
 from llada_jax.loop_io import BakedLoops
-from llada_jax.safetensors_file import SafetensorsFile
+from llada_jax.memory_plan import weight_bytes
 from llada_jax.tokenizer import eot_id_from_files
-from llada_jax.weights_io import INDEX_FILE, checkpoint_quantization, weight_files
+from llada_jax.weights_io import INDEX_FILE, weight_files
 from lowering.bundle_format import FORMAT_VERSION, MANIFEST, TOKENIZER_FILES, VMFB, runs_staged, sha256
+from lowering.bundle_weights import WeightLayout, weight_layout
 from lowering.export import (
     bundle_module,
     canvas_sizes,
@@ -50,21 +52,6 @@ def iree_version() -> str:
     from importlib.metadata import version
 
     return version("iree-base-compiler")
-
-
-def stored_dtype(model_dir: Path) -> str:
-    """The dtype the checkpoint stores (one for all tensors); weights are bound to the vmfb as stored."""
-    if checkpoint_quantization(model_dir, read_config(model_dir)):
-        raise LladaError(f"{model_dir} is quantized: IREE bundles of quantized checkpoints are not supported yet "
-                         "(use --backend jax)")
-    dtypes = set()
-    for file in sorted(set(weight_files(model_dir).values())):
-        with SafetensorsFile(model_dir / file) as handle:
-            dtypes |= {dtype for dtype, _, _, _ in handle.entries.values()}
-    names = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
-    if len(dtypes) != 1 or next(iter(dtypes)) not in names:
-        raise LladaError(f"{model_dir}: weights must all have one of {sorted(names)} dtypes, found {sorted(dtypes)}")
-    return names[dtypes.pop()]
 
 
 def compile_module(text: str, flags: tuple[str, ...], out: Path) -> float:
@@ -93,33 +80,32 @@ def compile_module(text: str, flags: tuple[str, ...], out: Path) -> float:
 
 def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, window: int = 64,
                    dtype: str = "float32", copy_weights: bool = True, device_memory_budget: int | None = None,
-                   loops: tuple[BakedLoops, ...] = (), batch_sizes: tuple[int, ...] = (1,), progress=None) -> Path:
+                   loops: tuple[BakedLoops, ...] = (), batch_sizes: tuple[int, ...] = (1,), activations: str = "float",
+                   progress=None) -> Path:
     """Compile every step for canvases up to `max_len`, windows up to `window` and each of `batch_sizes`
     rows (a batch of prompts runs in steps of these sizes) into a bundle; with a
     device memory budget smaller than the weights, the per-layer pieces that staged execution streams
     weights through take the place of the resident steps. `loops`: decoding settings whose compiled
-    decode loops go beside the steps, with a `run.sh` that runs the first one without Python."""
+    decode loops go beside the steps, with a `run.sh` that runs the first one without Python. A quantized
+    checkpoint's integers are bound as they are stored (`lowering.bundle_weights`); `activations="int8"`
+    runs its int8 per-channel layers as W8A8 matmuls."""
     tgt = target(target_name)
     model_dir, out_dir = Path(model_dir).absolute(), Path(out_dir).absolute()
-    if not model_dir.is_dir():
-        raise LladaError(f"model directory {model_dir} does not exist")
-    config = read_config(model_dir, eot_token_id=eot_id_from_files(model_dir))
+    config = _checked_config(model_dir, max_len, window)
     compute = compute_dtype(dtype)
-    if not 0 < max_len <= config.max_sequence_length:
-        raise LladaError(f"--max-len must be in [1, {config.max_sequence_length}], got {max_len}")
-    if window <= 0:
-        raise LladaError(f"--window must be positive, got {window}")
-    stored = stored_dtype(model_dir)
+    layout = weight_layout(model_dir, config)
+    check_activations(activations, layout.quantized)
     batch_sizes = check_batch_sizes(batch_sizes)
-    specs, loops = _functions_to_compile(config, max_len, window, batch_sizes, device_memory_budget, loops,
-                                         tgt.driver, progress)
+    staged = _runs_staged(config, layout, device_memory_budget)
+    specs, loops = _functions_to_compile(config, max_len, window, batch_sizes, staged, loops, tgt.driver, progress)
     loop_specs = list(dict.fromkeys(spec for baked in loops for spec in baked.specs))  # thresholds are inputs
     if any(spec.slots not in canvas_sizes(max_len) for spec in loop_specs):
         raise LladaError(f"a decode loop's canvas is not one of this bundle's sizes {canvas_sizes(max_len)}")
     say = progress or (lambda message: None)
-    functions = [step(spec, config, compute) for spec in specs] + [loop(spec, config, compute) for spec in loop_specs]
+    functions = ([step(spec, config, compute, layout, activations) for spec in specs]
+                 + [loop(spec, config, compute, layout, activations) for spec in loop_specs])
     say(f"exporting {len(specs)} steps{f' and {len(loop_specs)} decode loops' if loop_specs else ''} to StableHLO")
-    module = bundle_module(functions, config, stored)
+    module = bundle_module(functions, layout)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
@@ -132,11 +118,12 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
             if (model_dir / name).is_file():
                 shutil.copyfile(model_dir / name, staging / name)
         manifest = {
-            "format": FORMAT_VERSION, "model_config": config.to_hf_dict(), "eot_token_id": config.eot_token_id,
+            "format": FORMAT_VERSION, "model_config": dict(config.to_hf_dict(), **_quantization(model_dir)),
+            "eot_token_id": config.eot_token_id,
             "target": tgt.name, "driver": tgt.driver, "flags": list(tgt.flags), "iree_version": iree_version(),
-            "compute_dtype": dtype, "stored_dtype": stored, "max_len": max_len, "window": window,
-            "batch_sizes": list(batch_sizes),
-            "device_memory_budget": device_memory_budget,
+            "compute_dtype": dtype, "activations": activations, "parameters": layout.manifest(),
+            "max_len": max_len, "window": window, "batch_sizes": list(batch_sizes),
+            "device_memory_budget": device_memory_budget, "staged": staged,
             "compile_seconds": round(seconds, 2), "weights": weights,
             "steps": [signature_manifest(spec, config, compute) for spec in specs],
             "loops": [loop_manifest(spec, function) for spec, function in zip(loop_specs, functions[len(specs):])],
@@ -152,6 +139,17 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
     return out_dir
 
 
+def _checked_config(model_dir: Path, max_len: int, window: int):
+    if not model_dir.is_dir():
+        raise LladaError(f"model directory {model_dir} does not exist")
+    config = read_config(model_dir, eot_token_id=eot_id_from_files(model_dir))
+    if not 0 < max_len <= config.max_sequence_length:
+        raise LladaError(f"--max-len must be in [1, {config.max_sequence_length}], got {max_len}")
+    if window <= 0:
+        raise LladaError(f"--window must be positive, got {window}")
+    return config
+
+
 def check_batch_sizes(batch_sizes) -> tuple[int, ...]:
     """Distinct positive batch sizes, sorted; 1 always among them (a lone prompt, and a batch's rest)."""
     sizes = tuple(batch_sizes)
@@ -160,7 +158,27 @@ def check_batch_sizes(batch_sizes) -> tuple[int, ...]:
     return tuple(sorted(set(sizes) | {1}))
 
 
-def _functions_to_compile(config, max_len: int, window: int, batch_sizes: tuple[int, ...], budget: int | None,
+def _quantization(model_dir: Path) -> dict:
+    """config.json's quantization_config, if any (the manifest's model config carries it)."""
+    hf = read_hf_dict(model_dir)
+    return {"quantization_config": hf["quantization_config"]} if "quantization_config" in hf else {}
+
+
+def _runs_staged(config, layout: WeightLayout, budget: int | None) -> bool:
+    """Whether the weights, as the bundle holds them on the device, exceed the budget (then they stream)."""
+    if budget is None:
+        return False
+    if budget <= 0:
+        raise LladaError(f"device memory budget must be a positive number of bytes, got {budget}")
+    if not layout.quantized:
+        return runs_staged(budget, config)
+    if budget < weight_bytes(config, 4, layout.quantized):
+        raise LladaError(f"a quantized model needs {weight_bytes(config, 4, layout.quantized):,} bytes of device "
+                         f"memory; bundles that stream quantized weights are not supported yet (raise the budget)")
+    return False
+
+
+def _functions_to_compile(config, max_len: int, window: int, batch_sizes: tuple[int, ...], staged: bool,
                           loops: tuple, driver: str, progress) -> tuple[list, tuple]:
     """The steps of every shape (per-layer pieces in place of the resident steps when the weights exceed
     the device memory budget: they would not fit), and the decode loops unless the weights stream or the
@@ -170,11 +188,7 @@ def _functions_to_compile(config, max_len: int, window: int, batch_sizes: tuple[
         (progress or print)(f"no compiled decode loop for {driver}: IREE {iree_version()} runs loops on it wrongly "
                             "(transient buffers inside the loop); the bundle runs the host loop")
         loops = ()
-    if budget is None:
-        return specs, loops
-    if budget <= 0:
-        raise LladaError(f"device memory budget must be a positive number of bytes, got {budget}")
-    if not runs_staged(budget, config):
+    if not staged:
         return specs, loops
     if loops:
         (progress or print)("the weights are streamed per layer: the bundle runs the host loop only "

@@ -15,8 +15,8 @@ from lowering.bundle_format import FORMAT_VERSION, MANIFEST, sha256
 
 def cached_bundle(model_dir, target: str, *, dtype: str = "float32", max_len: int | None = None,
                   window: int | None = None, device_memory_budget: int | None = None, loops: tuple = (),
-                  batch_sizes: tuple[int, ...] = (1,), progress=None) -> Path:
-    """A bundle for this model (by content), target, dtype, shapes, staged weight layouts, compiled decode
+                  batch_sizes: tuple[int, ...] = (1,), activations: str = "float", progress=None) -> Path:
+    """A bundle for this model (by content), target, dtype, activations, shapes, staged weight layouts, compiled decode
     loops and IREE version; compiled if absent."""
     model_dir = Path(model_dir).absolute()
     config = read_config(model_dir)
@@ -25,7 +25,7 @@ def cached_bundle(model_dir, target: str, *, dtype: str = "float32", max_len: in
     weights = sorted(p for p in model_dir.iterdir() if p.suffix == ".safetensors")
     key = json.dumps({"config": sha256(model_dir / "config.json"),
                       "weights": [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in weights],
-                      "target": target, "dtype": dtype, "max_len": max_len, "window": window,
+                      "target": target, "dtype": dtype, "activations": activations, "max_len": max_len, "window": window,
                       "budget": device_memory_budget, "format": FORMAT_VERSION, "iree": iree_version(),
                       "staged_layouts": [layer_layout(config).entries, head_layout(config).entries],
                       "loops": sorted({spec.name for baked in loops for spec in baked.specs}),
@@ -35,14 +35,14 @@ def cached_bundle(model_dir, target: str, *, dtype: str = "float32", max_len: in
     if not (out / MANIFEST).is_file():
         compile_bundle(model_dir, target, out, max_len=max_len, window=window, dtype=dtype, copy_weights=False,
                        device_memory_budget=device_memory_budget, loops=loops, batch_sizes=batch_sizes,
-                       progress=progress)
+                       activations=activations, progress=progress)
     return out
 
 
 # The source files that decide what a bundle computes: a change to any of them compiles a new bundle.
 EXPORTING_CODE = ("model.py", "steps.py", "layered.py", "decode_loop.py", "loop_io.py", "qlinear.py", "params.py",
                   "packing.py", "shapes.py", "kv_state.py", "readout.py")
-LOWERING_CODE = ("export.py", "bundle.py", "targets.py", "run_script.py")
+LOWERING_CODE = ("export.py", "bundle.py", "bundle_weights.py", "targets.py", "run_script.py")
 
 
 def _exporting_code() -> str:

@@ -13,7 +13,8 @@ from llada_jax.params import hf_shapes
 PARAMETER_SCOPE = "model"  # IREE parameter scope the weights are bound under
 MANIFEST = "manifest.json"
 VMFB = "steps.vmfb"
-FORMAT_VERSION = 3  # 2: staged pieces take one argument per weight tensor; 3: the head is staged in vocabulary chunks
+FORMAT_VERSION = 4  # 2: staged pieces take one argument per weight tensor; 3: the head is staged in vocabulary
+# chunks; 4: quantized parameters, and whether the weights stream recorded as "staged"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 

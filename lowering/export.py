@@ -24,12 +24,15 @@ from llada_jax.loop_io import LoopInputs, LoopOutputs, LoopSpec
 from llada_jax.model import Context
 from llada_jax.packing import PackedLayout, head_chunks, head_layout, layer_layout
 from llada_jax.params import hf_shapes, hf_to_params
+from llada_jax.qlinear import QuantizedWeight
 from llada_jax.readout import HeadChunkReadout, ReadoutSpec
 from llada_jax.shapes import LENGTH_BUCKETS, kv_shape
 from llada_jax.steps import full_step, scatter_slots, window_step
 from lowering.bundle_format import PARAMETER_SCOPE, StepSpec
+from lowering.bundle_weights import WeightLayout
 
-MLIR_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int32": "i32", "bool": "i1"}
+MLIR_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int32": "i32", "bool": "i1", "int8": "i8",
+              "int4": "i4"}
 ARGMAX = ReadoutSpec(kind="argmax")
 
 
@@ -161,14 +164,14 @@ def _staged_function(spec: StepSpec, config: LLaDAConfig):
     return run
 
 
-def step_function(spec: StepSpec, config: LLaDAConfig, weight_names: list[str], compute_dtype):
-    """The flat function to export: weights (stored dtype, cast to compute dtype here), then inputs.
-    `commit` only scatters K/V and takes no weights; staged pieces take theirs as inputs, tensor by tensor."""
+def step_function(spec: StepSpec, config: LLaDAConfig, layout: WeightLayout, compute_dtype, activations: str):
+    """The flat function to export: weights (as stored, see `params_of`), then inputs. `commit` only
+    scatters K/V and takes no weights; staged pieces take theirs as inputs, tensor by tensor."""
     if spec.kind in STAGED:
         return _staged_function(spec, config)
 
     def params_from(weights):
-        return params_of(weights, weight_names, config, compute_dtype)
+        return params_of(weights, layout, config, compute_dtype, activations)
 
     if spec.kind == "full":
         def run(weights, tokens, valid, cfg_scale, logit_bias, confidence_bias):
@@ -203,13 +206,15 @@ class Function(NamedTuple):
     run: Callable
 
 
-def step(spec: StepSpec, config: LLaDAConfig, compute_dtype) -> Function:
+def step(spec: StepSpec, config: LLaDAConfig, compute_dtype, layout: WeightLayout,
+         activations: str = "float") -> Function:
     inputs, outputs = io_signature(spec, config, compute_dtype)
     return Function(spec.name, spec.kind in NAMED_WEIGHTS, inputs, outputs,
-                    step_function(spec, config, list(hf_shapes(config)), compute_dtype))
+                    step_function(spec, config, layout, compute_dtype, activations))
 
 
-def loop(spec: LoopSpec, config: LLaDAConfig, compute_dtype) -> Function:
+def loop(spec: LoopSpec, config: LLaDAConfig, compute_dtype, layout: WeightLayout,
+         activations: str = "float") -> Function:
     """The whole decode loop of `spec` (`llada_jax.decode_loop`), weights as named parameters."""
     s, g, e, m = spec.slots, spec.gen_length, config.embedding_size, spec.max_passes
     shapes = {"prompt": (s,), "prompt_len": (), "logit_bias": (e,), "confidence_bias": (e,), "commit_cutoff": (),
@@ -221,26 +226,45 @@ def loop(spec: LoopSpec, config: LLaDAConfig, compute_dtype) -> Function:
     def signature(fields):
         return [(name, _sds(shapes[name], jnp.float32 if name in floats else jnp.int32)) for name in fields]
 
-    names = list(hf_shapes(config))
-
     def run(weights, *loop_inputs):
-        params = params_of(weights, names, config, compute_dtype)
+        params = params_of(weights, layout, config, compute_dtype, activations)
         return tuple(decode_loop(params, LoopInputs(*loop_inputs), config=config, spec=spec, kv_dtype=compute_dtype))
 
     return Function(spec.name, True, signature(LoopInputs._fields), signature(LoopOutputs._fields), run)
 
 
-def params_of(weights, names: list[str], config: LLaDAConfig, compute_dtype) -> dict:
-    """The params pytree from weights in their stored dtype (named parameters), cast to the compute dtype."""
-    return hf_to_params({n: w.astype(compute_dtype) for n, w in zip(names, weights)}, config)
+def params_of(weights, layout: WeightLayout, config: LLaDAConfig, compute_dtype, activations: str) -> dict:
+    """The params pytree from the named parameters as stored (`lowering.bundle_weights`): float tensors
+    cast to the compute dtype, each quantized module a `QuantizedWeight` whose offset values get their
+    sign back by an xor of the sign bit (v + 2**(b-1) mod 2**b, xor 2**(b-1), is v in two's complement)."""
+    stored = {p.name: w for p, w in zip(layout.parameters, weights)}
+    tensors = {}
+    for name in hf_shapes(config):
+        module = name[: -len(".weight")]
+        if module not in layout.quantized:
+            tensors[name] = stored[name].astype(compute_dtype)
+            continue
+        offset = stored[module + ".weight_packed"]
+        sign_bit = jnp.asarray(-(1 << (layout.quantized[module].bits - 1)), offset.dtype)
+        scale = stored[module + ".weight_scale"].astype(jnp.float32)
+        tensors[name] = QuantizedWeight(jax.lax.bitwise_xor(offset, sign_bit), scale, _mode(layout, module, activations))
+    return hf_to_params(tensors, config)
 
 
-def export_function(function: Function, config: LLaDAConfig, stored_dtype) -> str:
+def _mode(layout: WeightLayout, module: str, activations: str) -> str:
+    scheme = layout.quantized[module]
+    return activations if scheme.bits == 8 and scheme.group_size is None else "float"
+
+
+def _weight_structs(layout: WeightLayout) -> list[jax.ShapeDtypeStruct]:
+    return [_sds(p.shape, jnp.dtype(p.dtype)) for p in layout.parameters]
+
+
+def export_function(function: Function, layout: WeightLayout) -> str:
     """StableHLO text of one function without debug locations; its entry is `@main`."""
     from iree.compiler import ir
 
-    weights = [_sds(shape, stored_dtype) for shape in hf_shapes(config).values()]
-    named = [weights] if function.named_weights else []
+    named = [_weight_structs(layout)] if function.named_weights else []
     exported = export.export(jax.jit(function.run, keep_unused=True))(*named, *[sds for _, sds in function.inputs])
     with ir.Context():
         return ir.Module.parse(exported.mlir_module()).operation.get_asm(enable_debug_info=False)
@@ -257,8 +281,8 @@ def _body_with_prefix(module_text: str, prefix: str) -> str:
     return "\n".join(lines[1:-1])
 
 
-def _wrapper(function: Function, config: LLaDAConfig, stored_dtype, weight_globals: list[str]) -> str:
-    weight_types = [mlir_type(_sds(shape, stored_dtype)) for shape in hf_shapes(config).values()]
+def _wrapper(function: Function, layout: WeightLayout, weight_globals: list[str]) -> str:
+    weight_types = [mlir_type(sds) for sds in _weight_structs(layout)]
     in_types = [mlir_type(sds) for _, sds in function.inputs]
     out_types = [mlir_type(sds) for _, sds in function.outputs]
     if not function.named_weights:
@@ -276,18 +300,18 @@ def _wrapper(function: Function, config: LLaDAConfig, stored_dtype, weight_globa
     return "\n".join(lines)
 
 
-def bundle_module(functions: list[Function], config: LLaDAConfig, stored_dtype) -> str:
+def bundle_module(functions: list[Function], layout: WeightLayout) -> str:
     """One module holding every function, the weights declared once as named parameters (only if a
     function reads them: a staged bundle's weights never live in device memory as a whole)."""
-    names = list(hf_shapes(config)) if any(function.named_weights for function in functions) else []
-    globals_ = [f"weight_{i}" for i in range(len(names))]
+    declared = layout.parameters if any(function.named_weights for function in functions) else ()
+    globals_ = [f"weight_{i}" for i in range(len(declared))]
     parts = ["module @llada_steps {"]
-    for g, name, shape in zip(globals_, names, hf_shapes(config).values()):
-        parts.append(f'  util.global private @{g} = #flow.parameter.named<"{PARAMETER_SCOPE}"::"{name}"> : '
-                     f"{mlir_type(_sds(shape, stored_dtype))}")
+    for g, parameter, sds in zip(globals_, declared, _weight_structs(layout)):
+        parts.append(f'  util.global private @{g} = #flow.parameter.named<"{PARAMETER_SCOPE}"::"{parameter.name}"> : '
+                     f"{mlir_type(sds)}")
     for function in functions:
-        parts.append(_body_with_prefix(export_function(function, config, stored_dtype), f"{function.name}__"))
-        parts.append(_wrapper(function, config, stored_dtype, globals_))
+        parts.append(_body_with_prefix(export_function(function, layout), f"{function.name}__"))
+        parts.append(_wrapper(function, layout, globals_))
     parts.append("}")
     return "\n".join(parts)
 

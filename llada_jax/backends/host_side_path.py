@@ -16,15 +16,19 @@ from llada_jax import kv_state
 from llada_jax.backend import SideBackend
 from llada_jax.backends.xla import JaxBackend
 from llada_jax.checkpoint import load_params
+from llada_jax.quant_config import quantized_modules
 from llada_jax.readout import StepOutput
 
 
 def host_side_backend(backend, weights_dir: Path) -> SideBackend:
     """An XLA side backend for an `IreeBackend`; its params are loaded once and kept on the session."""
     session = backend.session
-    dtype = backend.bundle.manifest["compute_dtype"]
-    if session.host_params is None:
-        session.host_params = load_params(weights_dir, backend.config, dtype)
+    manifest = backend.bundle.manifest
+    dtype = manifest["compute_dtype"]
+    if session.host_params is None:  # a bundle's directory has no config.json: its manifest holds the quantization
+        quantized = quantized_modules(manifest["model_config"], backend.config)
+        session.host_params = load_params(weights_dir, backend.config, dtype, manifest["activations"],
+                                          quantized=quantized)
     host = JaxBackend(session.host_params, backend.config, backend.readout_spec, backend.biases,
                       dtype=jnp.float32 if dtype == "float32" else jnp.bfloat16)
 

@@ -15,7 +15,6 @@ from llada_jax.backend import Backend, SideBackend
 from llada_jax.errors import LladaError
 from llada_jax.readout import ReadoutSpec, TokenBiases
 from llada_jax.staging import StagedWeights, StagingStats, kv_bytes, ring_buffers
-from lowering.bundle_format import runs_staged
 from lowering.runtime import Bundle, IreeBackend, Session, load_bundle
 from lowering.staged_runtime import IreeStagedBackend, staged_weights
 
@@ -48,7 +47,7 @@ def open_bundle(path, backend: str = "iree-host") -> OpenBundle:
         raise LladaError(f"bundle {path} targets {bundle.manifest['target']} ({bundle.manifest['driver']}), "
                          f"which --backend {backend} cannot run")
     session = Session(bundle.path, bundle.manifest, bundle.manifest["driver"])
-    staged = staged_weights(bundle) if runs_staged(bundle.manifest.get("device_memory_budget"), bundle.config) else None
+    staged = staged_weights(bundle) if bundle.manifest["staged"] else None
     return OpenBundle(bundle, session, staged)
 
 

@@ -60,5 +60,6 @@ def opened_source(args, loops: list[tuple] = (), batch_sizes: tuple[int, ...] = 
     sizes = canvas_sizes(config.max_sequence_length)
     baked = tuple(baked_loops(*setting[:5], sizes) for setting in loops)
     bundle_dir = cached_bundle(model_dir(args), target, dtype=args.dtype, loops=baked, batch_sizes=batch_sizes,
-                               device_memory_budget=budget, progress=lambda m: print(m, file=sys.stderr))
+                               device_memory_budget=budget, activations=args.activations,
+                               progress=lambda m: print(m, file=sys.stderr))
     return open_bundle(bundle_dir, args.backend)

@@ -1,0 +1,82 @@
+"""The weights a bundle reads as IREE named parameters, exactly as the checkpoint stores them (no JAX).
+
+IREE binds each parameter to a byte range of the checkpoint's own safetensors files, so nothing is
+converted or copied at load. A float tensor is one parameter of its stored dtype. A quantized module
+(compressed-tensors "pack-quantized", see `llada_jax.quant_config`) is two:
+- `<module>.weight_packed`, declared as an `[O, I]` i4 or i8 tensor. Its int32 words hold 32 / bits
+  values, the first in the lowest bits, so on a little-endian device their bytes are an `[O, I]`
+  array of 4-bit values (two per byte, low nibble first) or bytes, each offset by 2**(bits-1). The step
+  undoes the offset with one xor of the sign bit, which IREE fuses into the matmul's operand read.
+- `<module>.weight_scale` `[O, G]`, in its stored float dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from llada_jax.config import LLaDAConfig
+from llada_jax.errors import LladaError
+from llada_jax.params import hf_shapes
+from llada_jax.quantize import QuantScheme
+from llada_jax.safetensors_file import SafetensorsFile
+from llada_jax.weights_io import check_names, checkpoint_quantization, weight_files
+
+FLOAT_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Parameter:
+    name: str                # the tensor's name in the checkpoint
+    shape: tuple[int, ...]   # as the step declares it
+    dtype: str               # float32, bfloat16, float16, int4 or int8
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightLayout:
+    parameters: tuple[Parameter, ...]
+    quantized: dict[str, QuantScheme]  # module -> scheme ({} for a float checkpoint)
+
+    def manifest(self) -> list[dict]:
+        return [{"name": p.name, "shape": list(p.shape), "dtype": p.dtype} for p in self.parameters]
+
+
+def weight_layout(model_dir: Path, config: LLaDAConfig) -> WeightLayout:
+    """Every parameter of `model_dir`'s checkpoint, checked against config.json, in `hf_shapes` order."""
+    quantized = checkpoint_quantization(model_dir, config)
+    weight_map = weight_files(model_dir)
+    check_names(weight_map, config, model_dir, quantized)
+    stored = {}
+    for file in sorted(set(weight_map.values())):
+        with SafetensorsFile(model_dir / file) as handle:
+            stored.update({name: (dtype, tuple(shape)) for name, (dtype, shape, _, _) in handle.entries.items()})
+    parameters = []
+    for name, shape in hf_shapes(config).items():
+        module = name[: -len(".weight")]
+        if module in quantized:
+            parameters += _quantized_parameters(module, shape, quantized[module], stored, model_dir)
+        else:
+            parameters.append(Parameter(name, shape, _float_dtype(name, stored[name][0], model_dir)))
+    return WeightLayout(tuple(parameters), quantized)
+
+
+def _float_dtype(name: str, dtype: str, where: Path) -> str:
+    if dtype not in FLOAT_DTYPES:
+        raise LladaError(f"{where}: tensor {name} is {dtype}; a bundle needs one of {', '.join(FLOAT_DTYPES)}")
+    return FLOAT_DTYPES[dtype]
+
+
+def _quantized_parameters(module: str, shape: tuple[int, int], scheme: QuantScheme, stored: dict,
+                          where: Path) -> list[Parameter]:
+    rows, columns = shape
+    if columns * scheme.bits % 32:
+        raise LladaError(f"{where}: {module} has {columns} input columns; a bundle reads packed {scheme.bits}-bit "
+                         f"rows in place only when they fill whole int32 words (a multiple of {32 // scheme.bits})")
+    packed, scale = stored[f"{module}.weight_packed"], stored[f"{module}.weight_scale"]
+    if packed != ("I32", (rows, columns * scheme.bits // 32)):
+        raise LladaError(f"{where}: {module}.weight_packed must be I32 {[rows, columns * scheme.bits // 32]}, "
+                         f"got {packed[0]} {list(packed[1])}")
+    if scale[1] != (rows, scheme.groups(columns)):
+        raise LladaError(f"{where}: {module}.weight_scale must be {[rows, scheme.groups(columns)]}, got {list(scale[1])}")
+    return [Parameter(f"{module}.weight_packed", shape, f"int{scheme.bits}"),
+            Parameter(f"{module}.weight_scale", scale[1], _float_dtype(f"{module}.weight_scale", scale[0], where))]
