@@ -13,26 +13,30 @@ import jax.numpy as jnp
 
 from llada_jax.config import LLaDAConfig
 from llada_jax.model import decoder_layer, lm_logits, rms_norm, rotary_tables
+from llada_jax.qlinear import unpack_stage
 from llada_jax.readout import HeadChunkReadout, Readout, ReadoutSpec
 from llada_jax.steps import argmax_others, guided_logits
 
 
-@functools.partial(jax.jit, static_argnames=("config",))
+@functools.partial(jax.jit, static_argnames=("config", "quantization"))
 def layer_step(weights, x: jax.Array, positions: jax.Array, key_bias: jax.Array,
-               cached_keys, cached_values, *, config: LLaDAConfig):
+               cached_keys, cached_values, *, config: LLaDAConfig, quantization=()):
     """One decoder layer over `x` `[B, W, D]`; cached K/V `[B, S, K, hd]` (or None for a full step)
-    come first in the keys, biased by `key_bias` `[B, S + W]` (or `[B, W]`). Returns x, k, v."""
+    come first in the keys, biased by `key_bias` `[B, S + W]` (or `[B, W]`). Returns x, k, v.
+    `quantization`: the stage's quantized matrices, stored as packed bytes (`qlinear.unpack_stage`)."""
+    weights = unpack_stage(weights, quantization)
     rotary = rotary_tables(positions, config.head_dim, config.rope_theta)
     cached = None if cached_keys is None else (cached_keys, cached_values)
     return decoder_layer(weights, x, rotary, cached, key_bias, config)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "readout_spec"))
+@functools.partial(jax.jit, static_argnames=("config", "readout_spec", "quantization"))
 def head_chunk_step(weights, x: jax.Array, cfg_scale, logit_bias, confidence_bias, *,
-                    config: LLaDAConfig, readout_spec: ReadoutSpec):
+                    config: LLaDAConfig, readout_spec: ReadoutSpec, quantization=()):
     """Final norm and one vocabulary chunk of the LM head; `logit_bias`/`confidence_bias` are that
     chunk's slices (padding rows: -inf logit bias). Returns the chunk's guided logits, or its
     partial readout (`partial_readout`), which `readout.combine_head_chunks` merges across chunks."""
+    weights = unpack_stage(weights, quantization)
     hidden = rms_norm(x, weights["ln_f"], config.rms_norm_eps)
     logits = guided_logits(lm_logits({"lm_head": weights["lm_head"]}, hidden), cfg_scale, logit_bias, readout_spec)
     return Readout(logits=logits) if readout_spec.kind == "logits" else partial_readout(logits, confidence_bias)

@@ -89,7 +89,7 @@ def load(path, dtype: str = "float32", device_memory_budget: int | None = None, 
                              "the weights over a model axis (--mesh model=N) instead of staging them")
     check_memory(model, staged)
     if staged:
-        staged = pack_weights(iter_tensors(model_dir, config), config, np.dtype(model.jnp_dtype))
+        staged = pack_weights(iter_tensors(model_dir, config), config, np.dtype(model.jnp_dtype), activations)
         return dataclasses.replace(model, staged=staged)
     return dataclasses.replace(model, params=load_params(model_dir, config, dtype, activations, mesh))
 
@@ -107,9 +107,6 @@ def check_activations(activations: str, quantized: dict) -> None:
 def check_memory(model: Model, staged: bool) -> None:
     """Refuse, before reading any weight, a model the memory cannot hold (see `memory_plan`)."""
     config, itemsize, quantized = model.config, model.itemsize, model.quantized
-    if staged and quantized:
-        raise LladaError("staged execution (--device-memory-budget) of quantized checkpoints is not supported yet; "
-                         "run it resident")
     need = resident_need(config, itemsize, quantized)
     if staged:  # host-packed stages, plus the staging buffers (host memory on a CPU device)
         need = dataclasses.replace(need, working=need.working + min(model.device_memory_budget, need.weights))

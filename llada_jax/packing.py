@@ -1,6 +1,11 @@
 """Packed stage layout (no JAX): a stage's tensors (one layer's nine, or ln_f + lm_head) flattened one
 after another, each starting at a multiple of ALIGN elements, in one contiguous aligned buffer.
-`views` slices it back, without copies, into the tensors a staged piece takes as arguments."""
+`views` slices it back, without copies, into the tensors a staged piece takes as arguments.
+
+A quantized stage mixes dtypes (integer bytes and float scales), so its `ByteLayout` places each
+tensor at a 64-byte aligned byte offset of one uint8 buffer; a quantized matrix `<name>` is stored as
+`<name>.values` (its compressed-tensors packed bytes: `[O, I * bits / 8]` uint8, values offset by
+2**(bits-1), see `quantize.pack_int32`) and `<name>.scale` (float32 `[O, G]`)."""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import numpy as np
 
 from llada_jax.config import LLaDAConfig
 from llada_jax.params import BLOCK_TENSORS, block_shapes
+from llada_jax.quantize import HostQuantized
 
 ALIGN = 16  # elements: every tensor of a packed stage starts on a 64-byte boundary (float32)
 # Head chunks hold a multiple of this many vocabulary rows: IREE's llvm-cpu code for a 10667-row chunk
@@ -35,9 +41,7 @@ class PackedLayout:
 
     def pack(self, tensors: dict[str, np.ndarray], dtype) -> np.ndarray:
         """One contiguous, 64-byte aligned host buffer holding every tensor of the stage."""
-        raw = np.zeros(self.size * np.dtype(dtype).itemsize + 64, np.uint8)
-        start = (-raw.ctypes.data) % 64
-        packed = raw[start: start + self.size * np.dtype(dtype).itemsize].view(dtype)
+        packed = _aligned_bytes(self.size * np.dtype(dtype).itemsize).view(dtype)
         for name, shape, offset in self.entries:
             packed[offset: offset + int(np.prod(shape))] = np.asarray(tensors[name], dtype).reshape(-1)
         return packed
@@ -46,6 +50,54 @@ class PackedLayout:
         """The stage's tensors as views into its packed buffer (no copies), in layout order."""
         return {name: packed[offset: offset + int(np.prod(shape))].reshape(shape)
                 for name, shape, offset in self.entries}
+
+
+def _aligned_bytes(size: int) -> np.ndarray:
+    raw = np.zeros(size + 64, np.uint8)
+    start = (-raw.ctypes.data) % 64
+    return raw[start: start + size]
+
+
+@dataclasses.dataclass(frozen=True)
+class ByteLayout:
+    """Where each tensor of a mixed-dtype stage sits in its packed uint8 buffer."""
+
+    entries: tuple[tuple[str, tuple[int, ...], np.dtype, int], ...]  # (name, shape, dtype, byte offset)
+    size: int                                                          # bytes, padded to 64
+
+    @classmethod
+    def of(cls, specs: dict[str, tuple[tuple[int, ...], object]]) -> "ByteLayout":
+        entries, offset = [], 0
+        for name, (shape, dtype) in specs.items():
+            entries.append((name, tuple(shape), np.dtype(dtype), offset))
+            offset += -(-int(np.prod(shape)) * np.dtype(dtype).itemsize // 64) * 64
+        return cls(tuple(entries), offset)
+
+    def pack(self, tensors: dict[str, np.ndarray], dtype=None) -> np.ndarray:
+        """One 64-byte aligned uint8 buffer holding every tensor in its own dtype (`dtype` is unused: each
+        entry has its own)."""
+        packed = _aligned_bytes(self.size)
+        for name, view in self.views(packed).items():
+            view[...] = np.asarray(tensors[name]).reshape(view.shape).astype(view.dtype, copy=False)
+        return packed
+
+    def views(self, packed: np.ndarray) -> dict[str, np.ndarray]:
+        return {name: packed[offset: offset + int(np.prod(shape)) * dtype.itemsize].view(dtype).reshape(shape)
+                for name, shape, dtype, offset in self.entries}
+
+
+def quantized_layout(shapes: dict[str, tuple[int, ...]], schemes: dict, float_dtype) -> ByteLayout:
+    """The byte layout of a stage whose matrices named in `schemes` (name -> QuantScheme) are quantized."""
+    specs = {}
+    for name, shape in shapes.items():
+        scheme = schemes.get(name)
+        if scheme is None:
+            specs[name] = (shape, float_dtype)
+            continue
+        rows, columns = shape
+        specs[f"{name}.values"] = ((rows, -(-columns * scheme.bits // 32) * 4), np.uint8)
+        specs[f"{name}.scale"] = ((rows, scheme.groups(columns)), np.float32)
+    return ByteLayout.of(specs)
 
 
 @functools.cache
@@ -70,15 +122,19 @@ def head_layout(config: LLaDAConfig) -> PackedLayout:
     return PackedLayout.of({"ln_f": (config.d_model,), "lm_head": (head_chunks(config)[1], config.d_model)})
 
 
-def head_chunk_tensors(ln_f: np.ndarray, lm_head: np.ndarray, config: LLaDAConfig) -> list[dict]:
-    """The head's tensors cut into its chunks (row slices, no copies), the last padded with zero rows."""
+def head_chunk_tensors(ln_f: np.ndarray, lm_head, config: LLaDAConfig) -> list[dict]:
+    """The head's tensors cut into its chunks (row slices, no copies), the last padded with zero rows
+    (a quantized head: its integers and scales alike)."""
     chunks, rows = head_chunks(config)
-    out = []
-    for c in range(chunks):
-        part = lm_head[c * rows: (c + 1) * rows]
-        if part.shape[0] < rows:
-            part = np.concatenate([np.asarray(part), np.zeros((rows - part.shape[0], part.shape[1]), part.dtype)])
-        out.append({"ln_f": ln_f, "lm_head": part})
-    return out
+    return [{"ln_f": ln_f, "lm_head": _rows(lm_head, c * rows, rows)} for c in range(chunks)]
+
+
+def _rows(matrix, start: int, rows: int):
+    if isinstance(matrix, HostQuantized):
+        return HostQuantized(_rows(matrix.values, start, rows), _rows(matrix.scale, start, rows), matrix.scheme)
+    part = matrix[start: start + rows]
+    if part.shape[0] < rows:
+        part = np.concatenate([np.asarray(part), np.zeros((rows - part.shape[0], *part.shape[1:]), part.dtype)])
+    return part
 
 

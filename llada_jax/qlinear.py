@@ -50,6 +50,33 @@ def to_device(host: HostQuantized, activations: str = "float", put=jnp.asarray) 
     return QuantizedWeight(put(values), put(np.asarray(host.scale, np.float32)), mode)
 
 
+def restore_sign(offset: jax.Array, bits: int) -> jax.Array:
+    """Signed values from compressed-tensors' offset ones read as int4/int8 (`quantize.pack_int32` stores
+    v + 2**(bits-1) mod 2**bits, whose two's-complement reading xor the sign bit is v)."""
+    return jax.lax.bitwise_xor(offset, jnp.asarray(-(1 << (bits - 1)), offset.dtype))
+
+
+def from_packed_bytes(packed: jax.Array, scale: jax.Array, bits: int, activations: str) -> QuantizedWeight:
+    """A QuantizedWeight from a matrix's packed bytes `[O, I * bits / 8]` uint8 (two 4-bit values per
+    byte, low nibble first, as XLA's int4 bitcast reads them) and its float32 scales."""
+    if bits == 8:
+        values = jax.lax.bitcast_convert_type(packed, jnp.int8)
+    else:
+        values = jax.lax.bitcast_convert_type(packed, jnp.int4).reshape(packed.shape[0], -1)
+    return QuantizedWeight(restore_sign(values, bits), scale, activations)
+
+
+def unpack_stage(weights: dict, quantization) -> dict:
+    """A staged stage's tensors with each quantized matrix `(name, bits, activations)` of `quantization`
+    rebuilt from its `<name>.values` / `<name>.scale` parts (see `llada_jax.packing.ByteLayout`)."""
+    if not quantization:
+        return weights
+    out = {name: w for name, w in weights.items() if not name.endswith((".values", ".scale"))}
+    for name, bits, activations in quantization:
+        out[name] = from_packed_bytes(weights[f"{name}.values"], weights[f"{name}.scale"], bits, activations)
+    return out
+
+
 def quantized_linear(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     """x `[B, W, I]` @ dequantized(w).T, float32 accumulation, in x's dtype."""
     if w.activations == "int8":

@@ -22,18 +22,25 @@ import numpy as np
 from llada_jax.config import LLaDAConfig
 from llada_jax.errors import LladaError
 from llada_jax.kv_state import HIDDEN, KVState, visible_bias
-from llada_jax.packing import head_chunk_tensors, head_chunks, head_layout, layer_layout
+from llada_jax.packing import PackedLayout, head_chunk_tensors, head_chunks, head_layout, layer_layout, quantized_layout
 from llada_jax.params import HF_PREFIX
+from llada_jax.quantize import HostQuantized, pack_int32
 from llada_jax.readout import Reads, StepOutput, combine_head_chunks, read_columns
 from llada_jax.shapes import kv_shape
 
 
+# A stage's quantized matrices, as the jitted pieces take them (static): (name, bits, activations) each.
+Quantization = tuple[tuple[str, int, str], ...]
+
+
 @dataclasses.dataclass(frozen=True)
 class StagedWeights:
-    embedding: np.ndarray        # [E, D] host, gathered on the host
+    embedding: np.ndarray | HostQuantized  # [E, D] host, gathered on the host
     layers: tuple[np.ndarray, ...]
     head: tuple[np.ndarray, ...]  # chunks: final norm + a vocabulary slice of the LM head each
     dtype: object
+    layouts: tuple = ()           # per stage: its PackedLayout, or ByteLayout when quantized
+    quantization: tuple[Quantization, ...] = ()  # per stage ((): none)
 
     @property
     def buffer_bytes(self) -> int:
@@ -43,30 +50,61 @@ class StagedWeights:
     def stages(self) -> tuple[np.ndarray, ...]:
         return (*self.layers, *self.head)
 
+    def embed_rows(self, ids: np.ndarray) -> np.ndarray:
+        """Embedding rows of `ids` in the compute dtype (a quantized table dequantizes only these rows)."""
+        if not isinstance(self.embedding, HostQuantized):
+            return self.embedding[ids]
+        table = self.embedding
+        rows = table.values[ids].astype(np.float32)
+        groups = table.scale.shape[1]
+        scaled = rows.reshape(*rows.shape[:-1], groups, -1) * table.scale[ids][..., None]
+        return scaled.reshape(rows.shape).astype(self.dtype)
 
-def pack_weights(tensors, config: LLaDAConfig, dtype) -> StagedWeights:
-    """Pack every stage from (HF name, host array) pairs read one at a time; a stage is packed as soon
-    as its last tensor arrives, so at most a few stages are ever held unpacked."""
+
+def pack_weights(tensors, config: LLaDAConfig, dtype, activations: str = "float") -> StagedWeights:
+    """Pack every stage from (HF name, host array or HostQuantized) pairs read one at a time; a stage is
+    packed as soon as its last tensor arrives, so at most a few stages are ever held unpacked."""
     n = config.n_layers
     stage_of = {f"{HF_PREFIX}blocks.{i}.{name}.weight": (i, name)
                 for i in range(n) for name, _, _ in layer_layout(config).entries}
     stage_of[HF_PREFIX + "ln_f.weight"] = (n, "ln_f")
     stage_of[HF_PREFIX + "ff_out.weight"] = (n, "lm_head")
     pending: dict[int, dict] = {}
-    packed: dict[int, np.ndarray] = {}
+    packed: dict[int, tuple] = {}
     embedding = None
     for name, array in tensors:
         if name == HF_PREFIX + "wte.weight":
-            embedding = np.asarray(array, dtype)
+            embedding = array if isinstance(array, HostQuantized) else np.asarray(array, dtype)
             continue
         stage, short = stage_of[name]
         pending.setdefault(stage, {})[short] = array
         if stage < n and len(pending[stage]) == len(layer_layout(config).entries):
-            packed[stage] = layer_layout(config).pack(pending.pop(stage), dtype)
+            packed[stage] = _pack_stage(pending.pop(stage), layer_layout(config), dtype, activations)
     head = pending.pop(n)
-    chunks = tuple(head_layout(config).pack(chunk, dtype)
-                   for chunk in head_chunk_tensors(head["ln_f"], head["lm_head"], config))
-    return StagedWeights(embedding, tuple(packed[i] for i in range(n)), chunks, dtype)
+    chunks = [_pack_stage(chunk, head_layout(config), dtype, activations)
+              for chunk in head_chunk_tensors(head["ln_f"], head["lm_head"], config)]
+    stages = [packed[i] for i in range(n)] + chunks
+    return StagedWeights(embedding, tuple(s[0] for s in stages[:n]), tuple(s[0] for s in chunks), dtype,
+                         tuple(s[1] for s in stages), tuple(s[2] for s in stages))
+
+
+def _pack_stage(tensors: dict, layout: PackedLayout, dtype, activations: str) -> tuple:
+    """(packed buffer, its layout, its Quantization) of one stage; quantized matrices keep their integers."""
+    schemes = {name: t.scheme for name, t in tensors.items() if isinstance(t, HostQuantized)}
+    if not schemes:
+        return layout.pack(tensors, dtype), layout, ()
+    shapes = {name: shape for name, shape, _ in layout.entries}
+    quantized = quantized_layout(shapes, schemes, dtype)
+    parts = {}
+    for name, tensor in tensors.items():
+        if name in schemes:
+            words = pack_int32(tensor.values, schemes[name].bits)
+            parts[f"{name}.values"], parts[f"{name}.scale"] = words.view(np.uint8), tensor.scale
+        else:
+            parts[name] = tensor
+    modes = tuple((name, scheme.bits, activations if scheme.bits == 8 and scheme.group_size is None else "float")
+                  for name, scheme in schemes.items())
+    return quantized.pack(parts), quantized, modes
 
 
 def kv_bytes(config: LLaDAConfig, batch: int, slots: int, itemsize: int) -> int:
@@ -208,7 +246,7 @@ def staged_forward(device: StagedDevice, ring: StagingRing, weights: StagedWeigh
     """The forward pass stage by stage through the ring: embedding on the host, each layer, then each
     head chunk, whose partial readouts merge on the host into the readout of the whole head (cut to
     `reads` there: staged head chunks are compiled for the whole step width)."""
-    x = device.embed(weights.embedding[np.asarray(ids)])
+    x = device.embed(weights.embed_rows(np.asarray(ids)))
     keys, values, parts = [], [], []
 
     def compute(stage: int, tensors) -> None:

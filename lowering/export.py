@@ -24,7 +24,7 @@ from llada_jax.loop_io import LoopInputs, LoopOutputs, LoopSpec
 from llada_jax.model import Context
 from llada_jax.packing import PackedLayout, head_chunks, head_layout, layer_layout
 from llada_jax.params import hf_shapes, hf_to_params
-from llada_jax.qlinear import QuantizedWeight
+from llada_jax.qlinear import QuantizedWeight, restore_sign
 from llada_jax.readout import HeadChunkReadout, ReadoutSpec
 from llada_jax.shapes import LENGTH_BUCKETS, kv_shape
 from llada_jax.steps import full_step, scatter_slots, window_step
@@ -235,8 +235,7 @@ def loop(spec: LoopSpec, config: LLaDAConfig, compute_dtype, layout: WeightLayou
 
 def params_of(weights, layout: WeightLayout, config: LLaDAConfig, compute_dtype, activations: str) -> dict:
     """The params pytree from the named parameters as stored (`lowering.bundle_weights`): float tensors
-    cast to the compute dtype, each quantized module a `QuantizedWeight` whose offset values get their
-    sign back by an xor of the sign bit (v + 2**(b-1) mod 2**b, xor 2**(b-1), is v in two's complement)."""
+    cast to the compute dtype, each quantized module a `QuantizedWeight` (offset values signed again)."""
     stored = {p.name: w for p, w in zip(layout.parameters, weights)}
     tensors = {}
     for name in hf_shapes(config):
@@ -244,10 +243,9 @@ def params_of(weights, layout: WeightLayout, config: LLaDAConfig, compute_dtype,
         if module not in layout.quantized:
             tensors[name] = stored[name].astype(compute_dtype)
             continue
-        offset = stored[module + ".weight_packed"]
-        sign_bit = jnp.asarray(-(1 << (layout.quantized[module].bits - 1)), offset.dtype)
+        values = restore_sign(stored[module + ".weight_packed"], layout.quantized[module].bits)
         scale = stored[module + ".weight_scale"].astype(jnp.float32)
-        tensors[name] = QuantizedWeight(jax.lax.bitwise_xor(offset, sign_bit), scale, _mode(layout, module, activations))
+        tensors[name] = QuantizedWeight(values, scale, _mode(layout, module, activations))
     return hf_to_params(tensors, config)
 
 

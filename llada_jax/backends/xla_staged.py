@@ -16,7 +16,7 @@ from llada_jax.backend import Backend
 from llada_jax.backends.xla import DeviceRows, commit_on_device, empty_on_device, to_host
 from llada_jax.config import LLaDAConfig
 from llada_jax.layered import head_chunk_step, layer_step
-from llada_jax.packing import head_chunks, head_layout, layer_layout
+from llada_jax.packing import head_chunks
 from llada_jax.readout import ReadoutSpec, Reads, StepOutput, TokenBiases, chunk_biases
 from llada_jax.staging import (
     StagedWeights,
@@ -54,7 +54,7 @@ class StagedJaxBackend(DeviceRows, Backend):
         """One stage to the device, tensor by tensor from its packed host buffer. XLA owns the device
         buffers: on a CPU device `device_put` aliases the aligned host views (nothing is copied), so
         the real buffer copies are the IREE runtime's (`lowering.staged_runtime`)."""
-        layout = layer_layout(self.config) if stage < self.config.n_layers else head_layout(self.config)
+        layout = self.weights.layouts[stage]
         return {name: jax.device_put(view) for name, view in layout.views(self.weights.stages[stage]).items()}
 
     # The device adapter of `staging.staged_forward`.
@@ -64,13 +64,14 @@ class StagedJaxBackend(DeviceRows, Backend):
     def layer(self, tensors: dict, x, positions, key_bias, state, layer: int):
         cached = (None, None) if state is None else (state.keys[layer], state.values[layer])
         x, k, v = layer_step(tensors, x, jnp.asarray(positions, jnp.int32), jnp.asarray(key_bias), *cached,
-                             config=self.config)
+                             config=self.config, quantization=self.weights.quantization[layer])
         x.block_until_ready()  # the ring times compute per stage
         return x, k, v
 
     def head(self, tensors: dict, x, chunk: int):
+        quantization = self.weights.quantization[self.config.n_layers + chunk]
         return to_host(head_chunk_step(tensors, x, *self._chunk_extras[chunk], config=self.config,
-                                       readout_spec=self.readout_spec))
+                                       readout_spec=self.readout_spec, quantization=quantization))
 
     def stack(self, per_layer: list):
         return jnp.stack(per_layer)
