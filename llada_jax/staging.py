@@ -28,7 +28,6 @@ from llada_jax.quantize import HostQuantized, pack_int32
 from llada_jax.readout import Reads, StepOutput, combine_head_chunks, read_columns
 from llada_jax.shapes import kv_shape
 
-
 # A stage's quantized matrices, as the jitted pieces take them (static): (name, bits, activations) each.
 Quantization = tuple[tuple[str, int, str], ...]
 
