@@ -5,6 +5,15 @@ imported without importing JAX.
 """
 
 import importlib
+import os
+
+# XLA's CPU scheduler that favours concurrency starts every weight's dequantization at the top of a step
+# and keeps all of them live: a group-wise int4 LLaDA-8B step asked for 30 GB for a 4.7 GB model. The
+# default scheduler makes one matrix's float copy at a time. It must be set before JAX starts its CPU
+# backend; a value for this flag already in XLA_FLAGS wins.
+_SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler"
+if _SCHEDULER_FLAG not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_SCHEDULER_FLAG}=false".strip()
 
 _EXPORTS = {
     "Model": "llada_jax.loading",

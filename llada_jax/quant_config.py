@@ -20,8 +20,9 @@ FORMAT = "pack-quantized"
 BLOCK_LINEARS = tuple(name for name in BLOCK_TENSORS if not name.endswith("norm"))
 HEAD = HF_PREFIX + "ff_out"
 EMBEDDING = HF_PREFIX + "wte"
-# The embedding (a row gather) and the LM head keep 8 bits whatever the layers use: together about a
-# fifth of an int4 LLaDA-8B's bytes, where errors reach every position (embedding) or every score (head).
+# The embedding (a row gather) keeps 8 bits whatever the layers use, and so does the LM head unless asked
+# (`llada quantize --head-bits 4`): together about a fifth of an int4 LLaDA-8B's bytes, where errors reach
+# every position (embedding) or every score (head).
 EDGE_SCHEME = QuantScheme(bits=8)
 _BLOCK_TARGET = r"re:.*blocks\.\d+\.(" + "|".join(BLOCK_LINEARS) + r")$"
 
@@ -32,16 +33,20 @@ def _weights_args(scheme: QuantScheme) -> dict:
             "observer": "minmax"}
 
 
-def quantization_config(scheme: QuantScheme) -> dict:
-    """The config.json entry for decoder layers quantized with `scheme`, embedding and head at 8 bits."""
+def quantization_config(scheme: QuantScheme, head: QuantScheme = EDGE_SCHEME) -> dict:
+    """The config.json entry for decoder layers quantized with `scheme`, the embedding at 8 bits and the
+    LM head with `head`."""
     def group(targets, weights):
         return {"targets": targets, "weights": _weights_args(weights), "input_activations": None,
                 "output_activations": None, "format": FORMAT}
 
+    groups = {"group_0": group([_BLOCK_TARGET], scheme)}
+    if head == EDGE_SCHEME:
+        groups["group_1"] = group([HEAD, EMBEDDING], EDGE_SCHEME)
+    else:
+        groups["group_1"], groups["group_2"] = group([EMBEDDING], EDGE_SCHEME), group([HEAD], head)
     return {"quant_method": "compressed-tensors", "format": FORMAT, "quantization_status": "compressed",
-            "config_groups": {"group_0": group([_BLOCK_TARGET], scheme),
-                              "group_1": group([HEAD, EMBEDDING], EDGE_SCHEME)},
-            "ignore": [], "kv_cache_scheme": None}
+            "config_groups": groups, "ignore": [], "kv_cache_scheme": None}
 
 
 def quantized_modules(hf_config: dict, config: LLaDAConfig) -> dict[str, QuantScheme]:
@@ -85,10 +90,12 @@ def _matches(target: str, module: str) -> bool:
     return target in (module, "Linear") and (target != "Linear" or module != EMBEDDING)
 
 
-def planned_modules(config: LLaDAConfig, scheme: QuantScheme) -> dict[str, QuantScheme]:
-    """Module -> scheme that `llada quantize` with `scheme` would write (for memory plans)."""
+def planned_modules(config: LLaDAConfig, scheme: QuantScheme,
+                    head: QuantScheme = EDGE_SCHEME) -> dict[str, QuantScheme]:
+    """Module -> scheme that `llada quantize` with `scheme` (and `head`) would write."""
     matrices = [name[: -len(".weight")] for name, shape in hf_shapes(config).items() if len(shape) == 2]
-    return {module: scheme if ".blocks." in module else EDGE_SCHEME for module in matrices}
+    return {module: scheme if ".blocks." in module else head if module == HEAD else EDGE_SCHEME
+            for module in matrices}
 
 
 def default_group_size(config: LLaDAConfig) -> int | None:

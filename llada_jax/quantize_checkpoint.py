@@ -1,7 +1,8 @@
 """`llada quantize`: an HF LLaDA checkpoint rewritten with integer weights (no JAX), streaming.
 
 Decoder-layer matrices get the chosen scheme (int8 per output channel, or int4 with group-wise
-scales); the LM head and the embedding get int8 per row (`quant_config.EDGE_SCHEME`); norm gains
+scales); the embedding gets int8 per row (`quant_config.EDGE_SCHEME`), and so does the LM head unless
+`head` says otherwise; norm gains
 keep their stored dtype. Output: compressed-tensors "pack-quantized" safetensors, sharded, with its
 `quantization_config` in config.json, so transformers/vLLM-style loaders read the same files.
 Tensors are read, quantized and written one at a time (at most one shard, `shard_bytes`, is held);
@@ -22,7 +23,7 @@ from safetensors.numpy import save_file
 from llada_jax.atomic import atomic_dir
 from llada_jax.config import read_config, read_hf_dict
 from llada_jax.errors import LladaError
-from llada_jax.quant_config import planned_modules, quantization_config
+from llada_jax.quant_config import EDGE_SCHEME, planned_modules, quantization_config
 from llada_jax.quantize import QuantScheme, pack_int32, quantize_matrix
 from llada_jax.weights_io import INDEX_FILE, checkpoint_quantization, iter_tensors
 
@@ -75,7 +76,7 @@ class ShardWriter:
 
 
 def quantize_checkpoint(model_dir: Path, out_dir: Path, scheme: QuantScheme, shard_bytes: int = SHARD_BYTES,
-                        progress: Callable[[str], None] | None = None) -> Path:
+                        progress: Callable[[str], None] | None = None, head: QuantScheme = EDGE_SCHEME) -> Path:
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     config = read_config(model_dir)
     if checkpoint_quantization(model_dir, config):
@@ -84,9 +85,10 @@ def quantize_checkpoint(model_dir: Path, out_dir: Path, scheme: QuantScheme, sha
         raise LladaError("--out must differ from --model (the original checkpoint is never overwritten)")
     for name in ("d_model", "mlp_hidden_size"):
         scheme.groups(getattr(config, name))
-    schemes = planned_modules(config, scheme)
+    head.groups(config.d_model)
+    schemes = planned_modules(config, scheme, head)
     with atomic_dir(out_dir) as staging:
-        _copy_metadata(model_dir, staging, scheme)
+        _copy_metadata(model_dir, staging, quantization_config(scheme, head))
         writer = ShardWriter(staging, shard_bytes)
         for name, array in iter_tensors(model_dir, config):
             writer.add(stored_tensors(name, array, schemes.get(name[: -len(".weight")])))
@@ -96,10 +98,10 @@ def quantize_checkpoint(model_dir: Path, out_dir: Path, scheme: QuantScheme, sha
     return out_dir
 
 
-def _copy_metadata(model_dir: Path, out_dir: Path, scheme: QuantScheme) -> None:
+def _copy_metadata(model_dir: Path, out_dir: Path, quantization: dict) -> None:
     """Every non-weight file (tokenizer, generation config), and config.json with its quantization."""
     for path in model_dir.iterdir():
         if path.is_file() and path.name != "config.json" and not path.name.endswith(WEIGHT_SUFFIXES):
             shutil.copyfile(path, out_dir / path.name)
-    hf_config = dict(read_hf_dict(model_dir), quantization_config=quantization_config(scheme))
+    hf_config = dict(read_hf_dict(model_dir), quantization_config=quantization)
     (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")

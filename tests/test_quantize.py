@@ -17,10 +17,11 @@ from hypothesis.extra import numpy as hnp
 import llada_jax
 from llada_jax.checkpoint import save_hf
 from llada_jax.cli import main
+from llada_jax.config import read_config
 from llada_jax.errors import LladaError
 from llada_jax.params import hf_shapes, hf_to_params
 from llada_jax.qlinear import quantized_linear, quantized_rows, to_device
-from llada_jax.quant_config import EDGE_SCHEME, quantization_config, quantized_modules
+from llada_jax.quant_config import EDGE_SCHEME, planned_modules, quantization_config, quantized_modules
 from llada_jax.quantize import HostQuantized, QuantScheme, dequantize, pack_int32, quantize_matrix, unpack_int32
 from llada_jax.quantize_checkpoint import quantize_checkpoint
 from llada_jax.safetensors_file import SafetensorsFile
@@ -262,11 +263,13 @@ def test_unsupported_quantization_configs(spec, fragment):
     one_line_error(lambda: quantized_modules(spec, TINY), fragment)
 
 
-def test_quantization_config_reads_back_as_written():
-    schemes = quantized_modules({"quantization_config": quantization_config(QuantScheme(4, 16))}, TINY)
+@pytest.mark.parametrize("head", [EDGE_SCHEME, QuantScheme(4, 16)])
+def test_quantization_config_reads_back_as_written(head):
+    schemes = quantized_modules({"quantization_config": quantization_config(QuantScheme(4, 16), head)}, TINY)
     matrices = [name[: -len(".weight")] for name, shape in hf_shapes(TINY).items() if len(shape) == 2]
-    assert sorted(schemes) == sorted(matrices)
-    assert all(s == (QuantScheme(4, 16) if ".blocks." in m else EDGE_SCHEME) for m, s in schemes.items())
+    assert sorted(schemes) == sorted(matrices) and schemes == planned_modules(TINY, QuantScheme(4, 16), head)
+    assert schemes["model.transformer.ff_out"] == head and schemes["model.transformer.wte"] == EDGE_SCHEME
+    assert all(s == QuantScheme(4, 16) for m, s in schemes.items() if ".blocks." in m)
 
 
 def read_everything(path) -> str | None:
@@ -336,6 +339,10 @@ def test_cli_quantize(capsys, tmp_path):
     assert "4-bit checkpoint written to" in capsys.readouterr().out
     groups = json.loads((tmp_path / "q4" / "config.json").read_text())["quantization_config"]["config_groups"]
     assert groups["group_0"]["weights"]["group_size"] == 128  # the largest dividing the embedded 128 and 384
+    assert main(["quantize", "--out", str(tmp_path / "q4h"), "--bits", "4", "--head-bits", "4"]) == 0
+    schemes = quantized_modules(json.loads((tmp_path / "q4h" / "config.json").read_text()), read_config(out))
+    assert schemes["model.transformer.ff_out"] == QuantScheme(4, 128) == schemes["model.transformer.blocks.0.q_proj"]
+    assert schemes["model.transformer.wte"] == EDGE_SCHEME
     assert main(["quantize", "--model", str(out), "--out", str(tmp_path / "q8b"), "--bits", "8"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("llada: error: ") and "already quantized" in err and err.count("\n") == 1

@@ -16,6 +16,7 @@ import llada_jax
 from llada_jax.backends.select import OpenBundle
 from llada_jax.bundle_runner import generate_with_bundle
 from llada_jax.errors import LladaError
+from llada_jax.quant_config import EDGE_SCHEME
 from llada_jax.quantize import QuantScheme
 from llada_jax.quantize_checkpoint import quantize_checkpoint
 from llada_jax.readout import ReadoutSpec, TokenBiases
@@ -27,8 +28,8 @@ from lowering.runtime import IreeBackend, Session, load_bundle
 from tests.conftest import TINY, jax_backend, write_checkpoint
 from tests.test_lowering import assert_close, random_canvas
 
-# (label, scheme of the decoder layers, activations): group-wise int4 with float activations, and per-channel
-# int8 as W8A8. The embedding and LM head are int8 per row in both (`quant_config.EDGE_SCHEME`).
+# (label, scheme of the decoder layers, activations): group-wise int4 (the LM head too) with float activations,
+# and per-channel int8 as W8A8. The embedding is int8 per row in both, the W8A8 head too (`EDGE_SCHEME`).
 CASES = [("int4-g16", QuantScheme(4, 16), "float"), ("w8a8", QuantScheme(8), "int8")]
 POLICIES = ["vanilla", "prefix-cache", "dual-cache", "dual-cache+speculative:1:0.3",
             "dual-cache+speculative+revision:0.4"]
@@ -45,7 +46,8 @@ def quantized(source, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("qbundles")
     out = {}
     for label, scheme, activations in CASES:
-        checkpoint = quantize_checkpoint(source, root / label, scheme, shard_bytes=20_000)
+        head = scheme if scheme.bits == 4 else EDGE_SCHEME
+        checkpoint = quantize_checkpoint(source, root / label, scheme, shard_bytes=20_000, head=head)
         path = compile_bundle(checkpoint, "host", root / f"{label}-bundle", max_len=32, window=32,
                               activations=activations)
         bundle = load_bundle(path, "host")
@@ -87,7 +89,8 @@ def test_quantized_manifest_binds_the_checkpoint_as_stored(quantized):
     assert parameters[q_proj + ".weight_packed"] == {"name": q_proj + ".weight_packed", "shape": [32, 32],
                                                      "dtype": "int4"}
     assert parameters[q_proj + ".weight_scale"]["dtype"] == "bfloat16"
-    assert parameters["model.transformer.ff_out.weight_packed"]["dtype"] == "int8"
+    assert parameters["model.transformer.ff_out.weight_packed"]["dtype"] == "int4"
+    assert parameters["model.transformer.wte.weight_packed"]["dtype"] == "int8"
     assert "model.transformer.blocks.0.attn_norm.weight" in parameters and q_proj + ".weight" not in parameters
     assert manifest["model_config"]["quantization_config"] == json.loads(
         (checkpoint / "config.json").read_text())["quantization_config"]

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 import llada_jax
 from llada_jax.packing import layer_layout
 from llada_jax.qlinear import unpack_stage
+from llada_jax.quant_config import EDGE_SCHEME
 from llada_jax.quantize import HostQuantized, QuantScheme, quantize_matrix
 from llada_jax.quantize_checkpoint import quantize_checkpoint
 from llada_jax.staging import _pack_stage, kv_bytes
@@ -30,7 +31,8 @@ def models(tmp_path_factory) -> dict:
     source = write_checkpoint(root / "src")
     out = {}
     for label, (scheme, activations) in CASES.items():
-        checkpoint = quantize_checkpoint(source, root / label, scheme, shard_bytes=20_000)
+        head = scheme if scheme.bits == 4 else EDGE_SCHEME  # int4: the LM head group-wise too
+        checkpoint = quantize_checkpoint(source, root / label, scheme, shard_bytes=20_000, head=head)
         out[label] = (checkpoint, llada_jax.load(checkpoint, activations=activations))
     return out
 

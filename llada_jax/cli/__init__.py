@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from jax.errors import JaxRuntimeError
+
 from llada_jax.cli.bench import add_bench
 from llada_jax.cli.compile import add_compile
 from llada_jax.cli.evaluate import add_eval
@@ -38,6 +40,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except OSError as err:  # an unwritable --out, a full disk, ...: the system's one-line reason
         print(f"llada: error: {err.strerror or err}: {err.filename or ''}".rstrip(": "), file=sys.stderr)
+        return 1
+    except JaxRuntimeError as err:  # XLA refused a step, e.g. an allocation past the device's memory
+        first = str(err).splitlines()[0]
+        hint = ("; a smaller setting fits: --dtype bfloat16, --device-memory-budget BYTES or a quantized checkpoint"
+                if "RESOURCE_EXHAUSTED" in first else "")
+        print(f"llada: error: {first}{hint}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("llada: interrupted", file=sys.stderr)
