@@ -86,7 +86,10 @@ def quantized_linear(x: jax.Array, w: QuantizedWeight) -> jax.Array:
         return (out * w.scale[:, 0]).astype(x.dtype)
     rows, columns = w.shape
     groups = w.scale.shape[1]
-    weight = w.values.astype(jnp.float32).reshape(rows, groups, columns // groups) * w.scale[..., None]
+    # The float copy depends on x through the barrier, so XLA cannot hoist it out of a loop (the compiled
+    # decode loop's while body: LLaDA-8B int4 asked for 30 GB, every weight dequantized at once before it).
+    values, x = jax.lax.optimization_barrier((w.values, x))
+    weight = values.astype(jnp.float32).reshape(rows, groups, columns // groups) * w.scale[..., None]
     weight = weight.reshape(rows, columns).astype(x.dtype)
     return jnp.einsum("bwi,oi->bwo", x, weight, preferred_element_type=jnp.float32).astype(x.dtype)
 
