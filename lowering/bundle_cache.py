@@ -25,7 +25,8 @@ def cached_bundle(model_dir, target: str, *, dtype: str = "float32", max_len: in
     weights = sorted(p for p in model_dir.iterdir() if p.suffix == ".safetensors")
     key = json.dumps({"config": sha256(model_dir / "config.json"),
                       "weights": [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in weights],
-                      "target": target, "dtype": dtype, "activations": activations, "max_len": max_len, "window": window,
+                      "target": target, "dtype": dtype, "activations": activations,
+                      "max_len": max_len, "window": window,
                       "budget": device_memory_budget, "format": FORMAT_VERSION, "iree": iree_version(),
                       "staged_layouts": [layer_layout(config).entries, head_layout(config).entries],
                       "loops": sorted({spec.name for baked in loops for spec in baked.specs}),

@@ -77,6 +77,7 @@ def _quantized_parameters(module: str, shape: tuple[int, int], scheme: QuantSche
         raise LladaError(f"{where}: {module}.weight_packed must be I32 {[rows, columns * scheme.bits // 32]}, "
                          f"got {packed[0]} {list(packed[1])}")
     if scale[1] != (rows, scheme.groups(columns)):
-        raise LladaError(f"{where}: {module}.weight_scale must be {[rows, scheme.groups(columns)]}, got {list(scale[1])}")
+        raise LladaError(f"{where}: {module}.weight_scale must be {[rows, scheme.groups(columns)]}, "
+                         f"got {list(scale[1])}")
     return [Parameter(f"{module}.weight_packed", shape, f"int{scheme.bits}"),
             Parameter(f"{module}.weight_scale", scale[1], _float_dtype(f"{module}.weight_scale", scale[0], where))]

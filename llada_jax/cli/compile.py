@@ -25,7 +25,8 @@ def cmd_compile(args) -> None:
     out = compile_bundle(model_dir(args), args.target, args.out, max_len=args.max_len,
                          window=args.window, dtype=args.dtype, copy_weights=not args.link_weights,
                          device_memory_budget=args.device_memory_budget, loops=loops,
-                         batch_sizes=args.batch_sizes, activations=args.activations, progress=lambda message: print(message, file=sys.stderr))
+                         batch_sizes=args.batch_sizes, activations=args.activations,
+                         progress=lambda message: print(message, file=sys.stderr))
     script = f"; run it without Python: {out / SCRIPT} ID,ID,..." if (out / SCRIPT).is_file() else ""
     print(f"bundle written to {out}{script}")
 
