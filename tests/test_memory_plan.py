@@ -55,9 +55,9 @@ def test_a_model_that_cannot_fit_is_refused_naming_what_fits(tiny_dir, monkeypat
     assert llada_jax.load(tiny_dir).params is not None
 
 
-def test_staging_refuses_quantized_checkpoints(quantized_dirs):
-    with pytest.raises(LladaError, match="staged execution"):
-        llada_jax.load(quantized_dirs[8], device_memory_budget=1000)
+def test_quantized_checkpoints_stage_their_integers(quantized_dirs):
+    model = llada_jax.load(quantized_dirs[8], device_memory_budget=1000)
+    assert model.params is None and model.staged.quantization[0]
 
 
 @pytest.mark.parametrize("value", ["1000", "lots"])
