@@ -16,7 +16,7 @@ from llada_jax.config import LLaDAConfig, read_config
 from llada_jax.errors import LladaError
 from llada_jax.memory_plan import check_fits, resident_need, weight_bytes
 from llada_jax.mesh import MODEL, check_fits_model_axis
-from llada_jax.qlinear import ACTIVATIONS
+from llada_jax.qlinear import check_activations
 from llada_jax.quant_config import default_group_size, planned_modules
 from llada_jax.quantize import QuantScheme
 from llada_jax.staging import StagedWeights, pack_weights
@@ -92,16 +92,6 @@ def load(path, dtype: str = "float32", device_memory_budget: int | None = None, 
         staged = pack_weights(iter_tensors(model_dir, config), config, np.dtype(model.jnp_dtype), activations)
         return dataclasses.replace(model, staged=staged)
     return dataclasses.replace(model, params=load_params(model_dir, config, dtype, activations, mesh))
-
-
-def check_activations(activations: str, quantized: dict) -> None:
-    """int8 activations need int8 per-channel decoder layers; anywhere else they would be ignored."""
-    if activations not in ACTIVATIONS:
-        raise LladaError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
-    blocks = [s for module, s in quantized.items() if ".blocks." in module]
-    if activations == "int8" and not (blocks and all(s.bits == 8 and s.group_size is None for s in blocks)):
-        raise LladaError("--activations int8 needs a checkpoint with int8 per-channel layers "
-                         "(`llada quantize --bits 8`)")
 
 
 def check_memory(model: Model, staged: bool) -> None:

@@ -73,9 +73,8 @@ class ByteLayout:
             offset += -(-int(np.prod(shape)) * np.dtype(dtype).itemsize // 64) * 64
         return cls(tuple(entries), offset)
 
-    def pack(self, tensors: dict[str, np.ndarray], dtype=None) -> np.ndarray:
-        """One 64-byte aligned uint8 buffer holding every tensor in its own dtype (`dtype` is unused: each
-        entry has its own)."""
+    def pack(self, tensors: dict[str, np.ndarray]) -> np.ndarray:
+        """One 64-byte aligned uint8 buffer holding every tensor in its own dtype."""
         packed = _aligned_bytes(self.size)
         for name, view in self.views(packed).items():
             view[...] = np.asarray(tensors[name]).reshape(view.shape).astype(view.dtype, copy=False)

@@ -44,10 +44,19 @@ def to_device(host: HostQuantized, activations: str = "float", put=jnp.asarray) 
     """The weight on the device; `put(host_array)` places each part (default: the default device)."""
     if activations not in ACTIVATIONS:
         raise LladaError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
-    per_channel_int8 = host.scheme.bits == 8 and host.scheme.group_size is None
-    mode = activations if per_channel_int8 else "float"
     values = host.values if host.scheme.bits == 8 else host.values.astype(jnp.int4)
-    return QuantizedWeight(put(values), put(np.asarray(host.scale, np.float32)), mode)
+    return QuantizedWeight(put(values), put(np.asarray(host.scale, np.float32)),
+                           host.scheme.matmul_activations(activations))
+
+
+def check_activations(activations: str, quantized: dict) -> None:
+    """int8 activations need int8 per-channel decoder layers; anywhere else they would be ignored."""
+    if activations not in ACTIVATIONS:
+        raise LladaError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
+    blocks = [s for module, s in quantized.items() if ".blocks." in module]
+    if activations == "int8" and not (blocks and all(s.matmul_activations("int8") == "int8" for s in blocks)):
+        raise LladaError("--activations int8 needs a checkpoint with int8 per-channel layers "
+                         "(`llada quantize --bits 8`)")
 
 
 def restore_sign(offset: jax.Array, bits: int) -> jax.Array:

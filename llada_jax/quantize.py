@@ -39,6 +39,10 @@ class QuantScheme:
     def qmax(self) -> int:
         return (1 << (self.bits - 1)) - 1
 
+    def matmul_activations(self, activations: str) -> str:
+        """The activations a matmul of this scheme runs with: int8 (W8A8) only for per-channel 8-bit weights."""
+        return activations if self.bits == 8 and self.group_size is None else "float"
+
     def groups(self, columns: int) -> int:
         if self.group_size is None:
             return 1

@@ -24,7 +24,7 @@ from llada_jax.errors import LladaError
 from llada_jax.kv_state import HIDDEN, KVState, visible_bias
 from llada_jax.packing import PackedLayout, head_chunk_tensors, head_chunks, head_layout, layer_layout, quantized_layout
 from llada_jax.params import HF_PREFIX
-from llada_jax.quantize import HostQuantized, pack_int32
+from llada_jax.quantize import HostQuantized, dequantize, pack_int32
 from llada_jax.readout import Reads, StepOutput, combine_head_chunks, read_columns
 from llada_jax.shapes import kv_shape
 
@@ -38,8 +38,8 @@ class StagedWeights:
     layers: tuple[np.ndarray, ...]
     head: tuple[np.ndarray, ...]  # chunks: final norm + a vocabulary slice of the LM head each
     dtype: object
-    layouts: tuple = ()           # per stage: its PackedLayout, or ByteLayout when quantized
-    quantization: tuple[Quantization, ...] = ()  # per stage ((): none)
+    layouts: tuple                # per stage: its PackedLayout, or ByteLayout when quantized
+    quantization: tuple[Quantization, ...]  # per stage ((): none)
 
     @property
     def buffer_bytes(self) -> int:
@@ -53,11 +53,9 @@ class StagedWeights:
         """Embedding rows of `ids` in the compute dtype (a quantized table dequantizes only these rows)."""
         if not isinstance(self.embedding, HostQuantized):
             return self.embedding[ids]
-        table = self.embedding
-        rows = table.values[ids].astype(np.float32)
-        groups = table.scale.shape[1]
-        scaled = rows.reshape(*rows.shape[:-1], groups, -1) * table.scale[ids][..., None]
-        return scaled.reshape(rows.shape).astype(self.dtype)
+        table, flat = self.embedding, ids.reshape(-1)
+        rows = dequantize(table.values[flat], table.scale[flat])
+        return rows.reshape(*ids.shape, rows.shape[-1]).astype(self.dtype)
 
 
 def pack_weights(tensors, config: LLaDAConfig, dtype, activations: str = "float") -> StagedWeights:
@@ -101,8 +99,7 @@ def _pack_stage(tensors: dict, layout: PackedLayout, dtype, activations: str) ->
             parts[f"{name}.values"], parts[f"{name}.scale"] = words.view(np.uint8), tensor.scale
         else:
             parts[name] = tensor
-    modes = tuple((name, scheme.bits, activations if scheme.bits == 8 and scheme.group_size is None else "float")
-                  for name, scheme in schemes.items())
+    modes = tuple((name, scheme.bits, scheme.matmul_activations(activations)) for name, scheme in schemes.items())
     return quantized.pack(parts), quantized, modes
 
 

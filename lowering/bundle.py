@@ -21,9 +21,9 @@ from llada_jax.atomic import replace_dir
 from llada_jax.checkpoint import compute_dtype
 from llada_jax.config import read_config, read_hf_dict
 from llada_jax.errors import LladaError
-from llada_jax.loading import check_activations
 from llada_jax.loop_io import BakedLoops
 from llada_jax.memory_plan import weight_bytes
+from llada_jax.qlinear import check_activations
 from llada_jax.tokenizer import eot_id_from_files
 from llada_jax.weights_io import INDEX_FILE, weight_files
 from lowering.bundle_format import FORMAT_VERSION, MANIFEST, TOKENIZER_FILES, VMFB, runs_staged, sha256

@@ -245,13 +245,8 @@ def params_of(weights, layout: WeightLayout, config: LLaDAConfig, compute_dtype,
             continue
         values = restore_sign(stored[module + ".weight_packed"], layout.quantized[module].bits)
         scale = stored[module + ".weight_scale"].astype(jnp.float32)
-        tensors[name] = QuantizedWeight(values, scale, _mode(layout, module, activations))
+        tensors[name] = QuantizedWeight(values, scale, layout.quantized[module].matmul_activations(activations))
     return hf_to_params(tensors, config)
-
-
-def _mode(layout: WeightLayout, module: str, activations: str) -> str:
-    scheme = layout.quantized[module]
-    return activations if scheme.bits == 8 and scheme.group_size is None else "float"
 
 
 def _weight_structs(layout: WeightLayout) -> list[jax.ShapeDtypeStruct]:

@@ -76,6 +76,22 @@ def test_missing_or_corrupt_model_dir(capsys, tmp_path, model_dir):
     assert ("does not exist" if model_dir == "missing" else "no model.safetensors") in err
 
 
+def test_xla_runtime_error_is_one_line(capsys, tiny_dir, monkeypatch):
+    """An allocation XLA refuses mid-generation is XLA's first line plus what would fit, not a traceback."""
+    from jax.errors import JaxRuntimeError
+
+    from llada_jax.cli import generate
+
+    def out_of_memory(args):
+        raise JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 30005501448 bytes.\nstack")
+
+    monkeypatch.setattr(generate, "cmd_generate", out_of_memory)
+    code, out, err = run(capsys, "--model", str(tiny_dir), *VALID)
+    assert code == 1 and out == "" and err.count("\n") == 1
+    assert err.startswith("llada: error: RESOURCE_EXHAUSTED: Out of memory allocating 30005501448 bytes.")
+    assert "--device-memory-budget" in err
+
+
 def test_real_process_exits_nonzero_without_traceback(tiny_dir):
     proc = subprocess.run([sys.executable, "-m", "llada_jax.cli", "generate", "--model", str(tiny_dir),
                            *replace(VALID, "--prompt-ids", "999999")], capture_output=True, text=True,

@@ -20,7 +20,7 @@ from llada_jax.cli import main
 from llada_jax.config import read_config
 from llada_jax.errors import LladaError
 from llada_jax.params import hf_shapes, hf_to_params
-from llada_jax.qlinear import quantized_linear, quantized_rows, to_device
+from llada_jax.qlinear import QuantizedWeight, quantized_linear, quantized_rows, to_device
 from llada_jax.quant_config import EDGE_SCHEME, planned_modules, quantization_config, quantized_modules
 from llada_jax.quantize import HostQuantized, QuantScheme, dequantize, pack_int32, quantize_matrix, unpack_int32
 from llada_jax.quantize_checkpoint import quantize_checkpoint
@@ -340,9 +340,35 @@ def test_cli_quantize(capsys, tmp_path):
     groups = json.loads((tmp_path / "q4" / "config.json").read_text())["quantization_config"]["config_groups"]
     assert groups["group_0"]["weights"]["group_size"] == 128  # the largest dividing the embedded 128 and 384
     assert main(["quantize", "--out", str(tmp_path / "q4h"), "--bits", "4", "--head-bits", "4"]) == 0
+    assert "4-bit checkpoint written to" in capsys.readouterr().out
     schemes = quantized_modules(json.loads((tmp_path / "q4h" / "config.json").read_text()), read_config(out))
     assert schemes["model.transformer.ff_out"] == QuantScheme(4, 128) == schemes["model.transformer.blocks.0.q_proj"]
     assert schemes["model.transformer.wte"] == EDGE_SCHEME
     assert main(["quantize", "--model", str(out), "--out", str(tmp_path / "q8b"), "--bits", "8"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("llada: error: ") and "already quantized" in err and err.count("\n") == 1
+
+
+def test_group_dequantization_is_live_one_matrix_at_a_time():
+    """XLA keeps one matrix's float copy live, not every layer's: neither its CPU scheduler (turned off by
+    importing llada_jax) nor loop-invariant motion out of a while body (the barrier in quantized_linear)
+    may start them all at once. 16 matrices of 256 x 256 float32 would be 4 MiB of temporaries."""
+    import jax
+
+    layers, width = 16, 256
+    weights = [jax.ShapeDtypeStruct((width, width), jnp.int4)] * layers
+    scales = [jax.ShapeDtypeStruct((width, width // 32), jnp.float32)] * layers
+    x = jax.ShapeDtypeStruct((1, 8, width), jnp.float32)
+
+    def stack(values, scale, h):
+        for v, s in zip(values, scale):
+            h = jnp.tanh(quantized_linear(h, QuantizedWeight(v, s)))
+        return h
+
+    def loop(values, scale, h):
+        return jax.lax.fori_loop(0, 3, lambda _, carry: stack(values, scale, carry), h)
+
+    one_matrix = width * width * 4
+    for function in (stack, loop):
+        temp = jax.jit(function).lower(weights, scales, x).compile().memory_analysis().temp_size_in_bytes
+        assert temp < 3 * one_matrix, (function.__name__, temp)

@@ -55,7 +55,11 @@ def test_quantized_staged_equals_quantized_resident(models, label, fraction, pol
     check_staged_bytes(got.stats, staged.staged.stages, got.nfe)
     ids = np.random.default_rng(seed).integers(0, TINY.vocab_size, (2, 20))
     expected = np.asarray(llada_jax.logits(resident, ids))
-    np.testing.assert_allclose(llada_jax.logits(staged, ids), expected, atol=1e-5 * np.abs(expected).max(), rtol=0)
+    # W8A8 rounds each position's activations to int8: a float rounding difference between the staged and
+    # the whole-model program can move one value across a rounding boundary (seen: 0.038 of logits up to ~5).
+    tolerance = 2e-2 if CASES[label][1] == "int8" else 1e-5
+    np.testing.assert_allclose(llada_jax.logits(staged, ids), expected, atol=tolerance * np.abs(expected).max(),
+                               rtol=0)
 
 
 def test_quantized_stages_stream_fewer_bytes(models, tiny_dir):

@@ -13,13 +13,9 @@ from llada_jax.quantize_checkpoint import quantize_checkpoint
 
 def cmd_quantize(args) -> None:
     source = model_dir(args)
-    group = args.group_size
-    if args.bits == 4 and group is None:
-        group = default_group_size(read_config(source)) or GROUP_SIZES[0]
-    scheme = QuantScheme(args.bits, group)
-    head = EDGE_SCHEME
-    if args.head_bits == 4:
-        head = QuantScheme(4, group if args.bits == 4 else default_group_size(read_config(source)) or GROUP_SIZES[0])
+    group = args.group_size or default_group_size(read_config(source)) or GROUP_SIZES[0]  # for 4-bit matrices
+    scheme = QuantScheme(args.bits, group if args.bits == 4 else args.group_size)
+    head = QuantScheme(4, group) if args.head_bits == 4 else EDGE_SCHEME
     out = quantize_checkpoint(source, args.out, scheme, head=head,
                               progress=lambda message: print(message, file=sys.stderr, flush=True))
     print(f"{scheme.bits}-bit checkpoint written to {out}")
