@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from llada_jax.config import LLaDAConfig
-from llada_jax.qlinear import QuantizedWeight, quantized_linear, quantized_rows
+from llada_jax.qlinear import QuantizedWeight, quantized_linear, quantized_rows, stored_matmul
 
 
 class Context(NamedTuple):
@@ -47,7 +47,7 @@ def linear(x: jax.Array, weight: jax.Array) -> jax.Array:
     matmul instead of converting every weight to float32 inside the step."""
     if isinstance(weight, QuantizedWeight):
         return quantized_linear(x, weight)
-    return jnp.einsum("bwi,oi->bwo", x, weight, preferred_element_type=jnp.float32).astype(x.dtype)
+    return stored_matmul(x, weight).astype(x.dtype)
 
 
 def rotary_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
@@ -122,6 +122,10 @@ def embed(table, tokens: jax.Array, dtype) -> jax.Array:
     """Embedding rows `[B, W, D]` in the compute `dtype` (the norm gains' dtype)."""
     if isinstance(table, QuantizedWeight):
         return quantized_rows(table, tokens, dtype)
+    # XLA rewrites convert(gather(table)) as gather(convert(table)); fused, that converts only the rows
+    # gathered, but in the compiled loop it hoisted the table's conversion out of the while body (a
+    # float32 copy of a bf16 table: 2 GB at 8B). Through the barrier the table depends on the step's input.
+    table, tokens = jax.lax.optimization_barrier((table, tokens))
     return table[tokens]
 
 
@@ -130,4 +134,4 @@ def lm_logits(params: dict, hidden: jax.Array) -> jax.Array:
     head = params["lm_head"]
     if isinstance(head, QuantizedWeight):
         return quantized_linear(hidden.astype(jnp.float32), head)
-    return jnp.einsum("bwi,oi->bwo", hidden, head, preferred_element_type=jnp.float32)
+    return stored_matmul(hidden, head)

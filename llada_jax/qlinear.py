@@ -86,13 +86,24 @@ def unpack_stage(weights: dict, quantization) -> dict:
     return out
 
 
+def stored_matmul(x: jax.Array, weight: jax.Array) -> jax.Array:
+    """x `[B, W, I]` @ weight `[O, I]`.T in float32, the weight read in the dtype it is stored in.
+
+    A weight that is not float32 passes through an optimization barrier with x, so whatever XLA derives
+    from it (an int8 -> float conversion, a bf16 transpose for its CPU matmul) depends on the step's input
+    and cannot be hoisted out of a loop: in the compiled decode loop XLA otherwise built a float32 or
+    transposed copy of every weight before the loop (LLaDA-8B: the whole model again)."""
+    if weight.dtype != jnp.float32:
+        weight, x = jax.lax.optimization_barrier((weight, x))
+    return jnp.einsum("bwi,oi->bwo", x, weight.astype(x.dtype), preferred_element_type=jnp.float32)
+
+
 def quantized_linear(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     """x `[B, W, I]` @ dequantized(w).T, float32 accumulation, in x's dtype."""
     if w.activations == "int8":
         return _int8_linear(x, w)
     if w.scale.shape[1] == 1:
-        out = jnp.einsum("bwi,oi->bwo", x, w.values.astype(x.dtype), preferred_element_type=jnp.float32)
-        return (out * w.scale[:, 0]).astype(x.dtype)
+        return (stored_matmul(x, w.values) * w.scale[:, 0]).astype(x.dtype)
     rows, columns = w.shape
     groups = w.scale.shape[1]
     # The float copy depends on x through the barrier, so XLA cannot hoist it out of a loop (the compiled

@@ -1,0 +1,71 @@
+"""The compiled decode loop holds no second copy of the weights, whatever form they are stored in.
+
+XLA moves work that does not change between iterations out of a while body. For weights stored as
+anything but float32 that work is a whole-model copy: a float32 conversion of int8 or group-wise int4
+weights, a transposed bf16 copy for its CPU matmul, a float32 bf16 embedding table. At LLaDA-8B's
+shapes each of these ran the machine out of memory (bf16: 24 GB resident before the OOM killer). The
+loop is compiled here without running it, on shapes where the weights dwarf the activations, and its
+temporaries are held below two float32 matrices (a step may dequantize one matrix at a time).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from llada_jax.decode_loop import decode_loop
+from llada_jax.loop_io import LoopInputs, LoopSpec, loop_inputs
+from llada_jax.params import init_params
+from llada_jax.qlinear import QuantizedWeight
+from llada_jax.readout import TokenBiases
+from tests.conftest import TINY
+
+# Wide enough that the weights (3.4 M parameters) dwarf the activations of an 8-position step.
+CONFIG = dataclasses.replace(TINY, d_model=256, n_layers=4, n_heads=4, n_kv_heads=4, mlp_hidden_size=768,
+                             vocab_size=1024, embedding_size=1024, mask_token_id=1000)
+SPEC = LoopSpec("vanilla", False, 0, 0, 4, 4, 2, 8)
+FORMS = {  # name -> (compute dtype, how a [O, I] matrix is stored)
+    "bfloat16": ("bfloat16", None),
+    "int8 per channel": ("float32", (jnp.int8, 1, "float")),
+    "int8 W8A8": ("float32", (jnp.int8, 1, "int8")),
+    "int4 group 32": ("float32", (jnp.int4, 32, "float")),
+}
+
+
+def abstract_params(dtype: str, stored) -> dict:
+    params = jax.eval_shape(lambda: init_params(CONFIG, 0, dtype))
+    if stored is None:
+        return params
+    kind, group, activations = stored
+
+    def quantized(path, leaf):
+        name = jax.tree_util.keystr(path)
+        if len(leaf.shape) != 2:
+            return leaf
+        rows, columns = leaf.shape
+        if "wte" in name:  # the embedding: int8, one scale per row, whatever the layers are
+            return QuantizedWeight(jax.ShapeDtypeStruct(leaf.shape, jnp.int8), jax.ShapeDtypeStruct((rows, 1), jnp.float32))
+        groups = 1 if group == 1 else columns // group
+        return QuantizedWeight(jax.ShapeDtypeStruct(leaf.shape, kind), jax.ShapeDtypeStruct((rows, groups), jnp.float32),
+                               activations if "blocks" in name else "float")
+
+    return jax.tree_util.tree_map_with_path(quantized, params)
+
+
+def largest_float32_matrix(params) -> int:
+    return max(int(np.prod(leaf.shape)) * 4 for leaf in jax.tree.leaves(params))
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_compiled_loop_temporaries_stay_below_two_float32_matrices(form):
+    dtype, stored = FORMS[form]
+    params = abstract_params(dtype, stored)
+    inputs = loop_inputs(np.arange(4, dtype=np.int32), SPEC, TokenBiases.build(CONFIG.embedding_size), None, 1.0)
+    inputs = LoopInputs(*(jnp.asarray(value) for value in inputs))
+    compiled = decode_loop.lower(params, inputs, config=CONFIG, spec=SPEC, kv_dtype=jnp.dtype(dtype)).compile()
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp < 2 * largest_float32_matrix(params), (form, temp, largest_float32_matrix(params))
