@@ -36,6 +36,10 @@ FORMS = {  # name -> (compute dtype, how a [O, I] matrix is stored)
 }
 
 
+def scales(rows: int, groups: int):
+    return jax.ShapeDtypeStruct((rows, groups), jnp.float32)
+
+
 def abstract_params(dtype: str, stored) -> dict:
     params = jax.eval_shape(lambda: init_params(CONFIG, 0, dtype))
     if stored is None:
@@ -48,9 +52,9 @@ def abstract_params(dtype: str, stored) -> dict:
             return leaf
         rows, columns = leaf.shape
         if "wte" in name:  # the embedding: int8, one scale per row, whatever the layers are
-            return QuantizedWeight(jax.ShapeDtypeStruct(leaf.shape, jnp.int8), jax.ShapeDtypeStruct((rows, 1), jnp.float32))
+            return QuantizedWeight(jax.ShapeDtypeStruct(leaf.shape, jnp.int8), scales(rows, 1))
         groups = 1 if group == 1 else columns // group
-        return QuantizedWeight(jax.ShapeDtypeStruct(leaf.shape, kind), jax.ShapeDtypeStruct((rows, groups), jnp.float32),
+        return QuantizedWeight(jax.ShapeDtypeStruct(leaf.shape, kind), scales(rows, groups),
                                activations if "blocks" in name else "float")
 
     return jax.tree_util.tree_map_with_path(quantized, params)
