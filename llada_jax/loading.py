@@ -14,6 +14,7 @@ import numpy as np
 from llada_jax.checkpoint import compute_dtype, load_params
 from llada_jax.config import LLaDAConfig, read_config
 from llada_jax.errors import LladaError
+from llada_jax.host_memory import return_freed_blocks
 from llada_jax.memory_plan import check_fits, resident_need, weight_bytes
 from llada_jax.mesh import MODEL, check_fits_model_axis
 from llada_jax.qlinear import check_activations
@@ -65,6 +66,7 @@ def load(path, dtype: str = "float32", device_memory_budget: int | None = None, 
     (`llada_jax.mesh.MeshSpec(...).build()`), the weights are sharded over its model axis (replicated over
     its data axis) and every step's rows are split over its data axis."""
     model_dir = Path(path)
+    return_freed_blocks()
     if not model_dir.is_dir():
         raise LladaError(f"model directory {model_dir} does not exist")
     compute_dtype(dtype)
