@@ -2,7 +2,7 @@
 shard layout (from `eval/data/llada-8b-instruct`), filled with random values: the real workload's
 size without its weights, which cannot be fetched here. About 16 GB; one shard is held at a time.
 
-    python -m eval.scale_checkpoint --out /tmp/llada-8b-random [--seed 0]
+    python -m eval.scale_checkpoint --out /tmp/llada-8b-random [--seed 0] [--layers N]
 
 Values: N(0, 0.02) matrices drawn as rolls of one random pool (drawing 8e9 fresh normals costs minutes
 and changes nothing a benchmark measures), unit norm gains. The write is atomic: the directory
@@ -12,6 +12,7 @@ appears complete or not at all.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import sys
@@ -40,15 +41,25 @@ def random_tensor(shape: tuple[int, ...], pool: np.ndarray, rng: np.random.Gener
     return np.tile(np.roll(pool, start), reps)[:size].reshape(shape)
 
 
-def write_scale_checkpoint(out_dir: Path, seed: int = 0, metadata_dir: Path = METADATA_DIR) -> Path:
+def write_scale_checkpoint(out_dir: Path, seed: int = 0, metadata_dir: Path = METADATA_DIR,
+                           layers: int | None = None) -> Path:
+    """The checkpoint; with `layers`, only the first `layers` decoder layers, in one shard (every tensor
+    keeps its real shape: a real-vocabulary, real-width test model of any size)."""
     config = read_config(metadata_dir)
-    shapes = hf_shapes(config)
     weight_map = json.loads((metadata_dir / INDEX_FILE).read_text())["weight_map"]
+    if layers is not None:
+        if not 1 <= layers <= config.n_layers:
+            raise SystemExit(f"--layers must be between 1 and {config.n_layers}, got {layers}")
+        config = dataclasses.replace(config, n_layers=layers)
+        weight_map = {name: "model-00001-of-00001.safetensors" for name in hf_shapes(config)}
+    shapes = hf_shapes(config)
     rng = np.random.default_rng(seed)
     pool = (rng.standard_normal(POOL_SIZE, np.float32) * 0.02).astype(ml_dtypes.bfloat16)
     with atomic_dir(out_dir) as staging:
         for path in metadata_dir.iterdir():
             shutil.copyfile(path, staging / path.name)
+        if layers is not None:
+            _rewrite_layers(staging, shapes, weight_map, layers)
         shards = sorted(set(weight_map.values()))
         for number, shard in enumerate(shards, start=1):
             started = time.perf_counter()
@@ -60,12 +71,22 @@ def write_scale_checkpoint(out_dir: Path, seed: int = 0, metadata_dir: Path = ME
     return out_dir
 
 
+def _rewrite_layers(staging: Path, shapes: dict[str, tuple[int, ...]], weight_map: dict[str, str], layers: int):
+    """config.json and the index of a checkpoint cut to `layers` layers."""
+    config = json.loads((staging / "config.json").read_text())
+    (staging / "config.json").write_text(json.dumps({**config, "n_layers": layers}, indent=2))
+    total = sum(2 * int(np.prod(shape)) for shape in shapes.values())  # bf16
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (staging / INDEX_FILE).write_text(json.dumps(index, indent=2))
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="directory to write (replaced atomically)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--layers", type=int, default=None, help="only the first N decoder layers, one shard")
     args = parser.parse_args(argv)
-    write_scale_checkpoint(args.out, args.seed)
+    write_scale_checkpoint(args.out, args.seed, layers=args.layers)
     print(args.out)
 
 

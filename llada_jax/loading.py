@@ -14,7 +14,7 @@ import numpy as np
 from llada_jax.checkpoint import compute_dtype, load_params
 from llada_jax.config import LLaDAConfig, read_config
 from llada_jax.errors import LladaError
-from llada_jax.host_memory import return_freed_blocks
+from llada_jax.host_memory import release_freed_memory
 from llada_jax.memory_plan import check_fits, resident_need, weight_bytes
 from llada_jax.mesh import MODEL, check_fits_model_axis
 from llada_jax.qlinear import check_activations
@@ -66,7 +66,6 @@ def load(path, dtype: str = "float32", device_memory_budget: int | None = None, 
     (`llada_jax.mesh.MeshSpec(...).build()`), the weights are sharded over its model axis (replicated over
     its data axis) and every step's rows are split over its data axis."""
     model_dir = Path(path)
-    return_freed_blocks()
     if not model_dir.is_dir():
         raise LladaError(f"model directory {model_dir} does not exist")
     compute_dtype(dtype)
@@ -91,9 +90,12 @@ def load(path, dtype: str = "float32", device_memory_budget: int | None = None, 
                              "the weights over a model axis (--mesh model=N) instead of staging them")
     check_memory(model, staged)
     if staged:
-        staged = pack_weights(iter_tensors(model_dir, config), config, np.dtype(model.jnp_dtype), activations)
-        return dataclasses.replace(model, staged=staged)
-    return dataclasses.replace(model, params=load_params(model_dir, config, dtype, activations, mesh))
+        model = dataclasses.replace(model, staged=pack_weights(iter_tensors(model_dir, config),
+                                                               config, np.dtype(model.jnp_dtype), activations))
+    else:
+        model = dataclasses.replace(model, params=load_params(model_dir, config, dtype, activations, mesh))
+    release_freed_memory()
+    return model
 
 
 def check_memory(model: Model, staged: bool) -> None:

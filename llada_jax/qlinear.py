@@ -22,6 +22,9 @@ from llada_jax.errors import LladaError
 from llada_jax.quantize import HostQuantized
 
 ACTIVATIONS = ("float", "int8")
+# The largest float32 copy of one quantized matrix a float-activation matmul makes at once; LLaDA-8B's
+# decoder matrices (201 MB at most) are under it, its LM head (2.07 GB) is split into 9 row blocks.
+FLOAT_COPY_BYTES = 256 << 20
 
 
 @jax.tree_util.register_dataclass
@@ -102,14 +105,26 @@ def quantized_linear(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     """x `[B, W, I]` @ dequantized(w).T, float32 accumulation, in x's dtype."""
     if w.activations == "int8":
         return _int8_linear(x, w)
-    if w.scale.shape[1] == 1:
-        return (stored_matmul(x, w.values) * w.scale[:, 0]).astype(x.dtype)
     rows, columns = w.shape
-    groups = w.scale.shape[1]
+    chunk = max(1, FLOAT_COPY_BYTES // (columns * 4))
+    if rows <= chunk:
+        return _float_linear(x, w.values, w.scale)
+    # The matmul consumes a float copy of the weights: for LLaDA-8B's LM head that is 2 GB at once. Made
+    # per block of rows, each copy is freed before the next is made.
+    parts = [_float_linear(x, w.values[start:start + chunk], w.scale[start:start + chunk])
+             for start in range(0, rows, chunk)]
+    return jnp.concatenate(parts, axis=-1)
+
+
+def _float_linear(x: jax.Array, values: jax.Array, scale: jax.Array) -> jax.Array:
+    if scale.shape[1] == 1:
+        return (stored_matmul(x, values) * scale[:, 0]).astype(x.dtype)
+    rows, columns = values.shape
+    groups = scale.shape[1]
     # The float copy depends on x through the barrier, so XLA cannot hoist it out of a loop (the compiled
     # decode loop's while body: LLaDA-8B int4 asked for 30 GB, every weight dequantized at once before it).
-    values, x = jax.lax.optimization_barrier((w.values, x))
-    weight = values.astype(jnp.float32).reshape(rows, groups, columns // groups) * w.scale[..., None]
+    values, x = jax.lax.optimization_barrier((values, x))
+    weight = values.astype(jnp.float32).reshape(rows, groups, columns // groups) * scale[..., None]
     weight = weight.reshape(rows, columns).astype(x.dtype)
     return jnp.einsum("bwi,oi->bwo", x, weight, preferred_element_type=jnp.float32).astype(x.dtype)
 

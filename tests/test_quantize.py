@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from unittest import mock
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import llada_jax
+from llada_jax import qlinear
 from llada_jax.checkpoint import save_hf
 from llada_jax.cli import main
 from llada_jax.config import read_config
@@ -116,9 +118,16 @@ def random_quantized(scheme: QuantScheme, rows: int, columns: int, seed: int) ->
 
 @settings(max_examples=15)
 @given(scheme=st.sampled_from(QUANT_SCHEMES), batch=st.integers(1, 2), width=st.integers(1, 5),
-       rows=st.integers(1, 6), groups=st.integers(1, 3), seed=st.integers(0, 2**16))
-def test_float_activation_matmul_equals_dequantized_matmul(scheme, batch, width, rows, groups, seed):
+       rows=st.integers(1, 6), groups=st.integers(1, 3), seed=st.integers(0, 2**16), copy_rows=st.integers(1, 7))
+def test_float_activation_matmul_equals_dequantized_matmul(scheme, batch, width, rows, groups, seed, copy_rows):
+    """`copy_rows`: rows per float copy (below `rows`, the matmul runs in row blocks, as LLaDA-8B's head)."""
     host = random_quantized(scheme, rows, groups * (scheme.group_size or 8), seed)
+    with mock.patch.object(qlinear, "FLOAT_COPY_BYTES", copy_rows * host.shape[1] * 4):
+        float_activation_matmul_equals_dequantized_matmul(host, batch, width, seed)
+
+
+def float_activation_matmul_equals_dequantized_matmul(host: HostQuantized, batch: int, width: int, seed: int):
+    scheme = host.scheme
     x = np.random.default_rng(seed + 1).normal(0, 2, (batch, width, host.shape[1])).astype(np.float32)
     got = np.asarray(quantized_linear(jnp.asarray(x), to_device(host, "int8")))  # "int8" only for 8-bit channel
     weight = host.dequantize().astype(np.float64)
@@ -349,6 +358,20 @@ def test_cli_quantize(capsys, tmp_path):
     assert err.startswith("llada: error: ") and "already quantized" in err and err.count("\n") == 1
 
 
+def test_a_large_matrix_is_dequantized_in_row_blocks():
+    """The float copy a float-activation matmul makes stays within FLOAT_COPY_BYTES (per-channel and
+    group-wise): 4096 x 256 int8 would be 4 MiB of float32 at once, 16 blocks of 256 KiB are not."""
+    import jax
+
+    x = jax.ShapeDtypeStruct((1, 8, 256), jnp.float32)
+    for groups, kind in ((1, jnp.int8), (8, jnp.int4)):
+        scale = jax.ShapeDtypeStruct((4096, groups), jnp.float32)
+        weight = QuantizedWeight(jax.ShapeDtypeStruct((4096, 256), kind), scale)
+        with mock.patch.object(qlinear, "FLOAT_COPY_BYTES", 256 << 10):
+            temp = jax.jit(quantized_linear).lower(x, weight).compile().memory_analysis().temp_size_in_bytes
+        assert temp < 3 * (256 << 10), (groups, temp)
+
+
 def test_group_dequantization_is_live_one_matrix_at_a_time():
     """XLA keeps one matrix's float copy live, not every layer's: neither its CPU scheduler (turned off by
     importing llada_jax) nor loop-invariant motion out of a while body (the barrier in quantized_linear)
@@ -372,3 +395,14 @@ def test_group_dequantization_is_live_one_matrix_at_a_time():
     for function in (stack, loop):
         temp = jax.jit(function).lower(weights, scales, x).compile().memory_analysis().temp_size_in_bytes
         assert temp < 3 * one_matrix, (function.__name__, temp)
+
+
+def test_quant_agreement_reports_int8_close_to_float32(capsys):
+    """eval.quant_agreement on the embedded model: int8's masked-position argmax agrees with float32's."""
+    from eval.quant_agreement import main as agreement
+
+    agreement(["--scheme", "int8", "--canvases", "2", "--length", "24"])
+    row = json.loads(capsys.readouterr().out)
+    assert row["scheme"] == "int8" and row["positions"] == 24
+    assert row["argmax_agreement"] >= 0.9 and row["top5_agreement"] >= row["argmax_agreement"]
+    assert 0 <= row["mean_kl"] < 0.05
