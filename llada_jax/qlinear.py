@@ -33,6 +33,7 @@ class QuantizedWeight:
     values: jax.Array  # [O, I] int8 or int4
     scale: jax.Array   # [O, G] float32
     activations: str = dataclasses.field(default="float", metadata={"static": True})
+    row_block: int = dataclasses.field(default=0, metadata={"static": True})  # rows per float copy (0: all)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -49,7 +50,16 @@ def to_device(host: HostQuantized, activations: str = "float", put=jnp.asarray) 
         raise LladaError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
     values = host.values if host.scheme.bits == 8 else host.values.astype(jnp.int4)
     return QuantizedWeight(put(values), put(np.asarray(host.scale, np.float32)),
-                           host.scheme.matmul_activations(activations))
+                           host.scheme.matmul_activations(activations), row_block(host.shape))
+
+
+def row_block(shape: tuple[int, int]) -> int:
+    """Rows per float copy for XLA's float-activation matmul on a matrix of `shape` (0: the whole matrix).
+    IREE bundles build their weights without it: iree-compile failed on a head split in row blocks
+    ("failed to solve for timepoint coverage")."""
+    rows, columns = shape
+    block = max(1, FLOAT_COPY_BYTES // (columns * 4))
+    return block if rows > block else 0
 
 
 def check_activations(activations: str, quantized: dict) -> None:
@@ -105,14 +115,13 @@ def quantized_linear(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     """x `[B, W, I]` @ dequantized(w).T, float32 accumulation, in x's dtype."""
     if w.activations == "int8":
         return _int8_linear(x, w)
-    rows, columns = w.shape
-    chunk = max(1, FLOAT_COPY_BYTES // (columns * 4))
-    if rows <= chunk:
+    if not w.row_block:
         return _float_linear(x, w.values, w.scale)
     # The matmul consumes a float copy of the weights: for LLaDA-8B's LM head that is 2 GB at once. Made
     # per block of rows, each copy is freed before the next is made.
-    parts = [_float_linear(x, w.values[start:start + chunk], w.scale[start:start + chunk])
-             for start in range(0, rows, chunk)]
+    block = w.row_block
+    parts = [_float_linear(x, w.values[start:start + block], w.scale[start:start + block])
+             for start in range(0, w.shape[0], block)]
     return jnp.concatenate(parts, axis=-1)
 
 
