@@ -19,10 +19,12 @@ import json
 import tempfile
 from pathlib import Path
 
+import jax
 import numpy as np
 
 import llada_jax
 from llada_jax.config import read_config
+from llada_jax.errors import LladaError
 from llada_jax.locations import EMBEDDED_DIR
 from llada_jax.quant_config import EDGE_SCHEME
 from llada_jax.quantize import QuantScheme
@@ -43,16 +45,11 @@ def canvases(config, count: int, length: int, seed: int) -> np.ndarray:
     return ids
 
 
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    shifted = logits - logits.max(axis=-1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
-
-
 def compare(reference: np.ndarray, quantized: np.ndarray) -> dict:
     """Agreement of `[N, E]` logits at the same positions."""
     top = reference.argmax(axis=-1)
     top5 = np.argsort(-quantized, axis=-1)[:, :5]
-    ref_logp, q_logp = log_softmax(reference), log_softmax(quantized)
+    ref_logp, q_logp = (np.asarray(jax.nn.log_softmax(logits, axis=-1)) for logits in (reference, quantized))
     kl = (np.exp(ref_logp) * (ref_logp - q_logp)).sum(axis=-1)
     return {"positions": len(top), "argmax_agreement": float((quantized.argmax(axis=-1) == top).mean()),
             "top5_agreement": float((top5 == top[:, None]).any(axis=-1).mean()), "mean_kl": float(kl.mean()),
@@ -75,16 +72,24 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=4, help="canvases per forward pass")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if min(args.canvases, args.batch) < 1 or args.length < 2:
+        parser.error("--canvases and --batch must be positive and --length at least 2 (half of it is masked)")
+    try:
+        report(args)
+    except LladaError as error:
+        parser.exit(1, f"quant_agreement: error: {error}\n")
+
+
+def report(args) -> None:
+    """One JSON line per scheme."""
     ids = canvases(read_config(args.model), args.canvases, args.length, args.seed)
     reference = masked_logits(args.model, ids, args.batch)
-    rows = {}
     for name in args.scheme or list(SCHEMES):
         scheme, head = SCHEMES[name]
         with tempfile.TemporaryDirectory(prefix="quant-agreement-") as scratch:
             out = quantize_checkpoint(args.model, Path(scratch) / name, scheme, head=head)
-            rows[name] = compare(reference, masked_logits(out, ids, args.batch))
-        print(json.dumps({"scheme": name, **rows[name]}), flush=True)
-
+            row = compare(reference, masked_logits(out, ids, args.batch))
+        print(json.dumps({"scheme": name, **row}), flush=True)
 
 if __name__ == "__main__":
     main()

@@ -50,10 +50,10 @@ def to_device(host: HostQuantized, activations: str = "float", put=jnp.asarray) 
         raise LladaError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
     values = host.values if host.scheme.bits == 8 else host.values.astype(jnp.int4)
     return QuantizedWeight(put(values), put(np.asarray(host.scale, np.float32)),
-                           host.scheme.matmul_activations(activations), row_block(host.shape))
+                           host.scheme.matmul_activations(activations), row_block_for(host.shape))
 
 
-def row_block(shape: tuple[int, int]) -> int:
+def row_block_for(shape: tuple[int, int]) -> int:
     """Rows per float copy for XLA's float-activation matmul on a matrix of `shape` (0: the whole matrix).
     IREE bundles build their weights without it: iree-compile failed on a head split in row blocks
     ("failed to solve for timepoint coverage")."""

@@ -11,6 +11,7 @@ import jax
 import pytest
 
 import llada_jax
+from llada_jax import loading
 from llada_jax.errors import LladaError
 from llada_jax.host_memory import release_freed_memory
 from llada_jax.memory_plan import ENV_OVERRIDE, weight_bytes
@@ -82,6 +83,10 @@ def test_int8_activations_need_int8_per_channel_layers(tiny_dir, quantized_dirs,
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc_trim")
-def test_freed_memory_is_released_on_linux():
+def test_loading_releases_freed_memory_on_linux(tiny_dir, monkeypatch):
     """Loading ends with glibc's malloc_trim (see llada_jax.host_memory), found on Linux."""
     assert release_freed_memory()
+    calls = []
+    monkeypatch.setattr(loading, "release_freed_memory", lambda: calls.append("trim"))
+    llada_jax.load(tiny_dir)
+    assert calls == ["trim"]

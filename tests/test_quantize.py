@@ -22,7 +22,7 @@ from llada_jax.cli import main
 from llada_jax.config import read_config
 from llada_jax.errors import LladaError
 from llada_jax.params import hf_shapes, hf_to_params
-from llada_jax.qlinear import QuantizedWeight, quantized_linear, quantized_rows, row_block, to_device
+from llada_jax.qlinear import QuantizedWeight, quantized_linear, quantized_rows, row_block_for, to_device
 from llada_jax.quant_config import EDGE_SCHEME, planned_modules, quantization_config, quantized_modules
 from llada_jax.quantize import HostQuantized, QuantScheme, dequantize, pack_int32, quantize_matrix, unpack_int32
 from llada_jax.quantize_checkpoint import quantize_checkpoint
@@ -367,7 +367,8 @@ def test_a_large_matrix_is_dequantized_in_row_blocks():
     for groups, kind in ((1, jnp.int8), (8, jnp.int4)):
         scale = jax.ShapeDtypeStruct((4096, groups), jnp.float32)
         with mock.patch.object(qlinear, "FLOAT_COPY_BYTES", 256 << 10):
-            weight = QuantizedWeight(jax.ShapeDtypeStruct((4096, 256), kind), scale, "float", row_block((4096, 256)))
+            block = row_block_for((4096, 256))
+        weight = QuantizedWeight(jax.ShapeDtypeStruct((4096, 256), kind), scale, "float", block)
         temp = jax.jit(quantized_linear).lower(x, weight).compile().memory_analysis().temp_size_in_bytes
         assert temp < 3 * (256 << 10), (groups, temp)
 
