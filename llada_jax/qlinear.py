@@ -34,6 +34,10 @@ class QuantizedWeight:
     scale: jax.Array   # [O, G] float32
     activations: str = dataclasses.field(default="float", metadata={"static": True})
     row_block: int = dataclasses.field(default=0, metadata={"static": True})  # rows per float copy (0: all)
+    # Group-wise dequantization behind an optimization barrier (see `_float_linear`). XLA needs it; IREE
+    # bundles build their weights without it: with it iree-compile failed on LLaDA-8B's 32-layer decode loop
+    # ("failed to solve for timepoint coverage").
+    hoist_barrier: bool = dataclasses.field(default=True, metadata={"static": True})
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -116,23 +120,24 @@ def quantized_linear(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     if w.activations == "int8":
         return _int8_linear(x, w)
     if not w.row_block:
-        return _float_linear(x, w.values, w.scale)
+        return _float_linear(x, w.values, w.scale, w.hoist_barrier)
     # The matmul consumes a float copy of the weights: for LLaDA-8B's LM head that is 2 GB at once. Made
     # per block of rows, each copy is freed before the next is made.
     block = w.row_block
-    parts = [_float_linear(x, w.values[start:start + block], w.scale[start:start + block])
+    parts = [_float_linear(x, w.values[start:start + block], w.scale[start:start + block], w.hoist_barrier)
              for start in range(0, w.shape[0], block)]
     return jnp.concatenate(parts, axis=-1)
 
 
-def _float_linear(x: jax.Array, values: jax.Array, scale: jax.Array) -> jax.Array:
+def _float_linear(x: jax.Array, values: jax.Array, scale: jax.Array, hoist_barrier: bool) -> jax.Array:
     if scale.shape[1] == 1:
         return (stored_matmul(x, values) * scale[:, 0]).astype(x.dtype)
     rows, columns = values.shape
     groups = scale.shape[1]
     # The float copy depends on x through the barrier, so XLA cannot hoist it out of a loop (the compiled
     # decode loop's while body: LLaDA-8B int4 asked for 30 GB, every weight dequantized at once before it).
-    values, x = jax.lax.optimization_barrier((values, x))
+    if hoist_barrier:
+        values, x = jax.lax.optimization_barrier((values, x))
     weight = values.astype(jnp.float32).reshape(rows, groups, columns // groups) * scale[..., None]
     weight = weight.reshape(rows, columns).astype(x.dtype)
     return jnp.einsum("bwi,oi->bwo", x, weight, preferred_element_type=jnp.float32).astype(x.dtype)

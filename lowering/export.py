@@ -235,7 +235,8 @@ def loop(spec: LoopSpec, config: LLaDAConfig, compute_dtype, layout: WeightLayou
 
 def params_of(weights, layout: WeightLayout, config: LLaDAConfig, compute_dtype, activations: str) -> dict:
     """The params pytree from the named parameters as stored (`lowering.bundle_weights`): float tensors
-    cast to the compute dtype, each quantized module a `QuantizedWeight` (offset values signed again)."""
+    cast to the compute dtype, each quantized module a `QuantizedWeight` (offset values signed again; no
+    hoisting barrier and no row blocks, which iree-compile could not schedule at LLaDA-8B's size)."""
     stored = {p.name: w for p, w in zip(layout.parameters, weights)}
     tensors = {}
     for name in hf_shapes(config):
@@ -245,7 +246,8 @@ def params_of(weights, layout: WeightLayout, config: LLaDAConfig, compute_dtype,
             continue
         values = restore_sign(stored[module + ".weight_packed"], layout.quantized[module].bits)
         scale = stored[module + ".weight_scale"].astype(jnp.float32)
-        tensors[name] = QuantizedWeight(values, scale, layout.quantized[module].matmul_activations(activations))
+        activation = layout.quantized[module].matmul_activations(activations)
+        tensors[name] = QuantizedWeight(values, scale, activation, hoist_barrier=False)
     return hf_to_params(tensors, config)
 
 
