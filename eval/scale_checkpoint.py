@@ -29,7 +29,10 @@ from llada_jax.params import hf_shapes
 from llada_jax.weights_io import INDEX_FILE
 
 METADATA_DIR = Path(__file__).resolve().parent / "data" / "llada-8b-instruct"
-POOL_SIZE = 1 << 24
+# Odd, so prime to every row width (4096, 12288): row r of a matrix starts at offset r * width of the tiled
+# pool, distinct for every row. With 2**24 the LM head's rows repeated every 4096, so each logit tied with 30
+# others and argmax comparisons (eval.quant_agreement) were meaningless.
+POOL_SIZE = (1 << 24) + 1
 
 
 def random_tensor(shape: tuple[int, ...], pool: np.ndarray, rng: np.random.Generator) -> np.ndarray:

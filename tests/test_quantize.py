@@ -407,3 +407,20 @@ def test_quant_agreement_reports_int8_close_to_float32(capsys):
     assert row["scheme"] == "int8" and row["positions"] == 24
     assert row["argmax_agreement"] >= 0.9 and row["top5_agreement"] >= row["argmax_agreement"]
     assert 0 <= row["mean_kl"] < 0.05
+
+
+def test_scale_checkpoint_rows_are_distinct():
+    """eval.scale_checkpoint tiles one random pool: its size must be prime to every row width, or rows repeat
+    (with 2**24, LLaDA-8B's LM head had 4096 distinct rows and every logit tied with 30 others)."""
+    import math
+
+    import ml_dtypes
+
+    from eval import scale_checkpoint
+
+    assert all(math.gcd(scale_checkpoint.POOL_SIZE, width) == 1 for width in (4096, 12288))
+    pool = np.random.default_rng(0).standard_normal(97).astype(ml_dtypes.bfloat16)  # prime, as POOL_SIZE is to widths
+    rows = scale_checkpoint.random_tensor((97, 8), pool, np.random.default_rng(1))
+    assert len({row.tobytes() for row in rows}) == 97
+    even = scale_checkpoint.random_tensor((96, 8), pool[:96], np.random.default_rng(1))
+    assert len({row.tobytes() for row in even}) < 96
