@@ -24,7 +24,7 @@ from llada_jax.loop_io import LoopInputs, LoopOutputs, LoopSpec
 from llada_jax.model import Context
 from llada_jax.packing import PackedLayout, head_chunks, head_layout, layer_layout
 from llada_jax.params import hf_shapes, hf_to_params
-from llada_jax.qlinear import QuantizedWeight, restore_sign
+from llada_jax.qlinear import QuantizedWeight, restore_sign, row_block_for
 from llada_jax.readout import HeadChunkReadout, ReadoutSpec
 from llada_jax.shapes import LENGTH_BUCKETS, kv_shape
 from llada_jax.steps import full_step, scatter_slots, window_step
@@ -236,7 +236,7 @@ def loop(spec: LoopSpec, config: LLaDAConfig, compute_dtype, layout: WeightLayou
 def params_of(weights, layout: WeightLayout, config: LLaDAConfig, compute_dtype, activations: str) -> dict:
     """The params pytree from the named parameters as stored (`lowering.bundle_weights`): float tensors
     cast to the compute dtype, each quantized module a `QuantizedWeight` (offset values signed again; no
-    hoisting barrier and no row blocks, which iree-compile could not schedule at LLaDA-8B's size)."""
+    hoisting barrier, which iree-compile could not schedule at LLaDA-8B's size)."""
     stored = {p.name: w for p, w in zip(layout.parameters, weights)}
     tensors = {}
     for name in hf_shapes(config):
@@ -247,7 +247,7 @@ def params_of(weights, layout: WeightLayout, config: LLaDAConfig, compute_dtype,
         values = restore_sign(stored[module + ".weight_packed"], layout.quantized[module].bits)
         scale = stored[module + ".weight_scale"].astype(jnp.float32)
         activation = layout.quantized[module].matmul_activations(activations)
-        tensors[name] = QuantizedWeight(values, scale, activation, hoist_barrier=False)
+        tensors[name] = QuantizedWeight(values, scale, activation, row_block_for(values.shape), hoist_barrier=False)
     return hf_to_params(tensors, config)
 
 

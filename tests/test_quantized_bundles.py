@@ -13,9 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import llada_jax
+from llada_jax import qlinear
 from llada_jax.backends.select import OpenBundle
 from llada_jax.bundle_runner import generate_with_bundle
 from llada_jax.errors import LladaError
+from llada_jax.qlinear import row_block_for
 from llada_jax.quant_config import EDGE_SCHEME
 from llada_jax.quantize import QuantScheme
 from llada_jax.quantize_checkpoint import quantize_checkpoint
@@ -110,6 +112,26 @@ def test_quantized_android_bundle_compiles(quantized, tmp_path, monkeypatch):
     assert manifest["target"] == "android-arm64" and (path / "steps.vmfb").stat().st_size > 10_000
     barriers = [line for text in texts for line in text.splitlines() if "optimization_barrier" in line]
     assert texts and not [line for line in barriers if "xi4>" in line], barriers[:1]
+
+
+def test_a_head_in_row_blocks_decodes_as_xla(quantized, tmp_path, monkeypatch):
+    """IREE bundles dequantize a big matrix in row blocks too (LLaDA-8B's 4-bit head: a 2.07 GB float copy
+    at once, and the step's NaN on IREE's CPU backend). Forced small here: the head's 512 rows in 16
+    blocks, the MLP matrices in 2; the unsplit XLA model decodes the same tokens."""
+    checkpoint, model, _ = quantized["int4-g16"]
+    monkeypatch.setattr(qlinear, "FLOAT_COPY_BYTES", 4096)
+    assert row_block_for((TINY.embedding_size, TINY.d_model)) == 32
+    texts = []
+    compile_module = bundle_mod.compile_module
+    monkeypatch.setattr(bundle_mod, "compile_module", lambda text, *a: texts.append(text) or compile_module(text, *a))
+    bundle = load_bundle(compile_bundle(checkpoint, "host", tmp_path / "blocks", max_len=32, window=32), "host")
+    assert "(tensor<512x32xi4>) -> tensor<32x32xi4>" in texts[0]  # a block of the head's rows
+    opened = OpenBundle(bundle, Session(bundle.path, bundle.manifest, "local-task"), None)
+    for seed, policy in enumerate(["vanilla", "dual-cache+speculative:1:0.3"]):
+        prompt = np.random.default_rng(seed).integers(0, TINY.mask_token_id, 6 + seed)
+        options = dict(gen_length=16, block_length=8, steps=8, policy=policy)
+        want = llada_jax.generate(model, prompt, **options)
+        assert generate_with_bundle(opened, prompt, **options).output_ids.tolist() == want.output_ids.tolist()
 
 
 def one_line(call, fragment: str) -> None:
