@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from eval.bench import step_flops
 from llada_jax.cli import main
 from tests.conftest import TINY
@@ -41,6 +43,24 @@ def test_step_flops_counts_matmuls_and_attention():
     assert step_flops(TINY, width=1, context=11) - one == TINY.n_layers * 4 * 10 * TINY.d_model
     head = 2 * TINY.d_model * TINY.embedding_size  # per row the LM head runs on
     assert step_flops(TINY, width=8, context=1, head_rows=3) == 8 * one - 5 * head
+
+
+def test_bench_rows_counts_the_step_projections():
+    """eval.bench_rows's FLOPs are the projections' part of step_flops (no attention, no LM head), and its
+    projections run through model.linear on [out, in] weights as a step's do."""
+    import jax.numpy as jnp
+
+    from eval import bench_rows
+
+    no_attention_one_row = step_flops(TINY, width=1, context=0, head_rows=0)
+    assert bench_rows.flops(TINY, 5) == 5 * no_attention_one_row
+    layers = bench_rows.random_layers(TINY)
+    x = jnp.ones((1, 3, TINY.d_model))
+    transposed = [{k: w.T for k, w in layer.items()} for layer in layers]
+    assert jnp.allclose(bench_rows.projections(layers, x, bench_rows.linear),
+                        bench_rows.projections(transposed, x, bench_rows.transposed_matmul), atol=1e-5)
+    with pytest.raises(SystemExit):
+        bench_rows.main(["--rows", "0"])
 
 
 def test_trace_picture(capsys, tiny_dir, tmp_path):
