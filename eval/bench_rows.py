@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from eval.bench import ENGINE_CONFIG, matmul_peak_gflops
+from eval.bench_lowering import median_seconds
 from llada_jax.model import linear
 
 PROJECTIONS = ("q", "k", "v", "out", "gate", "up", "down")
@@ -55,19 +54,10 @@ def flops(config, rows: int) -> float:
 
 
 def time_rows(layers, rows: int, matmul, repeats: int, seed: int = 1) -> float:
-    """Median seconds of one pass over every layer for `rows` positions (median of `repeats` x 5 calls)."""
+    """Median seconds of one pass over every layer for `rows` positions (`repeats` x 5 calls)."""
     x = jnp.asarray(np.random.default_rng(seed).standard_normal((1, rows, ENGINE_CONFIG.d_model), np.float32))
     run = jax.jit(lambda layers, x: projections(layers, x, matmul))
-    run(layers, x).block_until_ready()
-    medians = []
-    for _ in range(repeats):
-        times = []
-        for _ in range(5):
-            started = time.perf_counter()
-            run(layers, x).block_until_ready()
-            times.append(time.perf_counter() - started)
-        medians.append(statistics.median(times))
-    return statistics.median(medians)
+    return median_seconds(lambda: run(layers, x).block_until_ready(), 5 * repeats)
 
 
 def transposed_matmul(x: jax.Array, weight_in_out: jax.Array) -> jax.Array:
