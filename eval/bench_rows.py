@@ -23,8 +23,6 @@ from eval.bench import ENGINE_CONFIG, matmul_peak_gflops
 from eval.bench_lowering import median_seconds
 from llada_jax.model import linear
 
-PROJECTIONS = ("q", "k", "v", "out", "gate", "up", "down")
-
 
 def layer_shapes(config) -> dict[str, tuple[int, int]]:
     """Each projection's weight shape `[out, in]`, as the checkpoint stores it."""
@@ -82,11 +80,11 @@ def main(argv=None) -> None:
 
 def report(rows: list[int], layout: str, repeats: int, as_json: bool) -> None:
     layers = random_layers(ENGINE_CONFIG)
-    layouts = {"out-in": (layers, linear)}
-    if layout != "out-in":
+    layouts = {}
+    if layout in ("out-in", "both"):
+        layouts["out-in"] = (layers, linear)
+    if layout in ("in-out", "both"):
         layouts["in-out"] = ([{k: jnp.array(w.T) for k, w in layer.items()} for layer in layers], transposed_matmul)
-        if layout == "in-out":
-            del layouts["out-in"]
     peak = matmul_peak_gflops()
     results = []
     for width in rows:

@@ -91,5 +91,6 @@ def report(args) -> None:
             row = compare(reference, masked_logits(out, ids, args.batch))
         print(json.dumps({"scheme": name, **row}), flush=True)
 
+
 if __name__ == "__main__":
     main()

@@ -51,8 +51,6 @@ def write_scale_checkpoint(out_dir: Path, seed: int = 0, metadata_dir: Path = ME
     config = read_config(metadata_dir)
     weight_map = json.loads((metadata_dir / INDEX_FILE).read_text())["weight_map"]
     if layers is not None:
-        if not 1 <= layers <= config.n_layers:
-            raise SystemExit(f"--layers must be between 1 and {config.n_layers}, got {layers}")
         config = dataclasses.replace(config, n_layers=layers)
         weight_map = {name: "model-00001-of-00001.safetensors" for name in hf_shapes(config)}
     shapes = hf_shapes(config)
@@ -89,6 +87,9 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--layers", type=int, default=None, help="only the first N decoder layers, one shard")
     args = parser.parse_args(argv)
+    most = read_config(METADATA_DIR).n_layers
+    if args.layers is not None and not 1 <= args.layers <= most:
+        parser.error(f"--layers must be between 1 and {most}, got {args.layers}")
     write_scale_checkpoint(args.out, args.seed, layers=args.layers)
     print(args.out)
 

@@ -100,13 +100,19 @@ def test_quantized_manifest_binds_the_checkpoint_as_stored(quantized):
         assert sha256(opened.bundle.path / file) == sha256(checkpoint / file)
 
 
+def captured_modules(monkeypatch) -> list[str]:
+    """The StableHLO text of every module compile_bundle hands to iree-compile, in order."""
+    texts = []
+    compile_module = bundle_mod.compile_module
+    monkeypatch.setattr(bundle_mod, "compile_module", lambda text, *a: texts.append(text) or compile_module(text, *a))
+    return texts
+
+
 def test_quantized_android_bundle_compiles(quantized, tmp_path, monkeypatch):
     """Group-wise int4 reaches iree-compile without XLA's hoisting barrier: with it, LLaDA-8B's 32-layer
     decode loop failed to compile ("failed to solve for timepoint coverage")."""
     checkpoint = quantized["int4-g16"][0]
-    texts = []
-    compile_module = bundle_mod.compile_module
-    monkeypatch.setattr(bundle_mod, "compile_module", lambda text, *a: texts.append(text) or compile_module(text, *a))
+    texts = captured_modules(monkeypatch)
     path = compile_bundle(checkpoint, "android-arm64", tmp_path / "arm64", max_len=8, window=8)
     manifest = json.loads((path / "manifest.json").read_text())
     assert manifest["target"] == "android-arm64" and (path / "steps.vmfb").stat().st_size > 10_000
@@ -121,9 +127,7 @@ def test_a_head_in_row_blocks_decodes_as_xla(quantized, tmp_path, monkeypatch):
     checkpoint, model, _ = quantized["int4-g16"]
     monkeypatch.setattr(qlinear, "FLOAT_COPY_BYTES", 4096)
     assert row_block_for((TINY.embedding_size, TINY.d_model)) == 32
-    texts = []
-    compile_module = bundle_mod.compile_module
-    monkeypatch.setattr(bundle_mod, "compile_module", lambda text, *a: texts.append(text) or compile_module(text, *a))
+    texts = captured_modules(monkeypatch)
     bundle = load_bundle(compile_bundle(checkpoint, "host", tmp_path / "blocks", max_len=32, window=32), "host")
     assert "(tensor<512x32xi4>) -> tensor<32x32xi4>" in texts[0]  # a block of the head's rows
     opened = OpenBundle(bundle, Session(bundle.path, bundle.manifest, "local-task"), None)
