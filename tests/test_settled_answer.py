@@ -51,3 +51,18 @@ def test_streamed_pieces_add_up_to_the_answer(ids, data, revisable):
     streamed += delta
     assert (streamed, settled.finish_reason) == reference(ids, stops)
     assert TOKENIZER.decode(ids[: settled.tokens]).startswith(streamed)
+
+
+def test_a_stop_found_early_waits_for_a_longer_one_that_could_begin_before_it():
+    """' \\n' holds the stop '\\n' at 1, but ' \\n ' (a stop beginning at 0) may still complete: streaming
+    ' ' then would contradict the final answer '' (found by the property test above)."""
+    ids, stops = [8, 9, 8, 8, CONFIG.eos_token_id], (" \n ", "\n")
+    assert TOKENIZER.decode(ids[:3]) == " \n "
+    answer = SettledAnswer(TOKENIZER, CONFIG.mask_token_id, ENDS, stops, False)
+    canvas = np.full(len(ids), CONFIG.mask_token_id)
+    canvas[:2] = ids[:2]
+    assert answer.update(canvas) == ("", answer.settle(canvas, final=False))
+    assert answer.settle(canvas, final=False).finish_reason is None
+    canvas[2] = ids[2]
+    delta, settled = answer.update(canvas)
+    assert (delta, settled.text, settled.finish_reason) == ("", "", "stop") == ("", *reference(ids, stops))

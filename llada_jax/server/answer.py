@@ -42,14 +42,15 @@ class SettledAnswer:
         if ended is not None:
             ids = ids[:ended]
         text = self.tokenizer.decode(ids)
+        complete = final or ended is not None
+        held = text if complete else self._held_back(text)
         cut = min((at for at in (text.find(stop) for stop in self.stops) if at >= 0), default=None)
-        if cut is not None:
+        # A stop found in unfinished text counts only if no longer stop could still begin before it.
+        if cut is not None and cut <= len(held):
             return Settled(text[:cut], self._tokens_of(ids, text[:cut]), "stop")
-        if ended is not None:
-            return Settled(text, len(ids), "stop")
-        if final:
-            return Settled(text, len(ids), "length")
-        return Settled(self._held_back(text), len(ids), None)
+        if complete:
+            return Settled(text, len(ids), "stop" if ended is not None else "length")
+        return Settled(held, len(ids), None)
 
     def update(self, answer_ids: np.ndarray, final: bool = False) -> tuple[str, Settled]:
         """(the text settled since the last update, the settled state)."""
