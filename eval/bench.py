@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eval.reference_bench import add_reference_columns
 from eval.task_eval import BLOCK_LENGTH, GEN_LENGTH, answer_text
 from llada_jax.config import LLaDAConfig
 from policies.compiled_loop import loop_covers
@@ -101,7 +102,8 @@ def run_setting(generate, config, setting: DecoderSetting, prompts: list[Prompt]
                       for result, side in zip(results, side_seconds))
     nfes = [result.nfe for result in results]
     call_seconds = sum(result.stats.get("step_call_seconds", 0.0) for result in results)
-    return {"setting": label or str(setting), "batch": batch,
+    return {"setting": label or str(setting), "setting_key": setting, "batch": batch,
+            "answers": [result.output_ids.tolist() for result in results],
             "loop": "+".join(sorted({result.stats.get("loop", "host") for result in results})),
             "median_latency_s": statistics.median(result.wall_s for result in results), "total_s": total,
             "answers_per_s": len(prompts) / total, "tokens_per_s": gen_length * len(prompts) / total,
@@ -129,11 +131,12 @@ def add_ratios(rows: list[dict], peak: float) -> None:
 
 def bench(generate, config, tokenizer, settings: list[DecoderSetting], prompts: list[Prompt], steps: int,
           progress=None, block_length: int = BLOCK_LENGTH, loops: tuple[str, ...] = ("auto",),
-          gen_length: int = GEN_LENGTH, batch_sizes: tuple[int, ...] = (1,)) -> dict:
+          gen_length: int = GEN_LENGTH, batch_sizes: tuple[int, ...] = (1,), reference: dict | None = None) -> dict:
     """Warm every setting once (compilation), then measure them all on the same prompts. `loops`: the
     decode loops to run each setting with ("host", "compiled", "auto"); with several, every row is
     labelled with its loop (a setting the compiled loop does not cover gets only its host row).
-    `batch_sizes`: prompts per generate call (a batch runs the host loop); with several, a row per size."""
+    `batch_sizes`: prompts per generate call (a batch runs the host loop); with several, a row per size.
+    `reference`: the reference decoders' answers on the same prompts (`eval.reference_bench`)."""
     runs = [(setting, loop, batch) for setting in settings for loop in loops for batch in batch_sizes
             if (loop != "compiled" or len(loops) == 1 or loop_covers(make_policy(setting.policy)))
             and (batch == 1 or loop != "compiled")]
@@ -153,6 +156,9 @@ def bench(generate, config, tokenizer, settings: list[DecoderSetting], prompts: 
             row["batch_gain"] = row["answers_per_s"] / single[setting, loop]["answers_per_s"]
     peak = matmul_peak_gflops()
     add_ratios(rows, peak)
+    add_reference_columns(rows, reference or {})
+    for row in rows:
+        del row["setting_key"], row["answers"]
     return {"peak_gflops": peak, "prompts": len(prompts), "gen_length": gen_length, "block_length": block_length,
             "steps": steps, "rows": rows}
 
@@ -165,7 +171,8 @@ TABLE = [  # (field, header, width, decimals)
     ("revisions_per_answer", "rev", 5, 2), ("side_seconds_per_answer", "side(s)", 8, 4),
     ("side_hidden_fraction", "hidden", 6, 2), ("speedup_vs_vanilla", "x/van", 6, 2),
     ("speedup_vs_prefix-cache", "x/pfx", 6, 2), ("achieved_gflops", "GFLOP/s", 8, 1), ("host_ms_per_step", "host(ms)", 8, 3),
-    ("step_efficiency", "eff", 6, 3), ("times_floor", "xfloor", 7, 2),
+    ("step_efficiency", "eff", 6, 3), ("times_floor", "xfloor", 7, 2), ("ref_latency_s", "ref(s)", 8, 3),
+    ("speedup_vs_reference", "x/ref", 6, 2), ("same_tokens", "same", 5, 2),
 ]
 
 

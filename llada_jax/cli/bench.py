@@ -13,9 +13,10 @@ import numpy as np
 from eval.bench import ENGINE_CONFIG, ENGINE_WORKLOAD, Prompt, bench, format_table, plot
 from eval.bench_lowering import bench_model_dir
 from eval.gsm8k import extract_answer, load_problems, prompt_text, same_number
+from eval.reference_bench import check_reference, run_reference
 from eval.task_eval import GEN_LENGTH
 from eval.tasks import exact_match, held_out
-from llada_jax.cli.flags import add_model_flags, batch_sizes_arg
+from llada_jax.cli.flags import add_model_flags, batch_sizes_arg, model_dir
 from llada_jax.cli.runner import add_runner_flags, generation_runner
 from llada_jax.errors import LladaError
 from policies.compiled_loop import loop_covers
@@ -54,19 +55,41 @@ def resolve_workload(args) -> None:
         args.model = str(bench_model_dir(Path(tempfile.gettempdir()) / "llada-bench", ENGINE_CONFIG))
 
 
+def check_reference_flags(args, settings: list[DecoderSetting]) -> None:
+    """--reference, checked before any model loads."""
+    if args.reference is None:
+        return
+    if args.bundle is not None:
+        raise LladaError("--reference runs the reference on a checkpoint: give --model (the one the bundle was "
+                         "compiled from), not --bundle")
+    check_reference(args.reference, args.reference_python, settings)
+
+
+def reference_answers(args, config, prompts: list[Prompt], settings: list[DecoderSetting], progress):
+    """The reference decoders' answers on `prompts` (None without --reference)."""
+    if args.reference is None:
+        return None
+    workload = {name: getattr(args, name) for name in ("gen_length", "block_length", "steps")}
+    return run_reference(args.reference, args.reference_python, model_dir(args), config,
+                         [prompt.ids.tolist() for prompt in prompts], settings, workload, progress)
+
+
 def cmd_bench(args) -> None:
     settings = [DecoderSetting.parse(spec) for spec in (args.policy or DEFAULT_BENCH)]
     resolve_workload(args)
+    check_reference_flags(args, settings)
     loops = ("host", "compiled") if args.loop == "both" else (args.loop,)
     baked = [(s.policy, s.threshold, args.gen_length, args.block_length, args.steps) for s in settings
              if loops != ("host",) and loop_covers(make_policy(s.policy))]
     config, tokenizer, run = generation_runner(args, baked, args.batch_sizes)
     prompts = bench_prompts(args, tokenizer, config)
+    progress = lambda message: print(message, file=sys.stderr)  # noqa: E731
+    reference = reference_answers(args, config, prompts, settings, progress)  # first, on the same prompts
 
     def measure(generate) -> dict:
-        return bench(generate, config, tokenizer, settings, prompts, args.steps,
-                     progress=lambda m: print(m, file=sys.stderr), block_length=args.block_length, loops=loops,
-                     gen_length=args.gen_length, batch_sizes=args.batch_sizes)
+        return bench(generate, config, tokenizer, settings, prompts, args.steps, progress=progress,
+                     block_length=args.block_length, loops=loops, gen_length=args.gen_length,
+                     batch_sizes=args.batch_sizes, reference=reference)
 
     report = measure(run)
     if args.mesh:  # the same rows on one device, measured in the same run
@@ -107,6 +130,11 @@ def add_bench(commands) -> None:
                     help="decode loop per setting; both: a host-loop and a compiled-loop row for each")
     be.add_argument("--batch-sizes", type=batch_sizes_arg, default=(1,), metavar="N,N,...",
                     help="prompts per generate call; a row per size with answers/s and its gain over 1 (x/b1)")
+    be.add_argument("--reference", default=None, metavar="DIR",
+                    help="a checkout of Fast-dLLM: its PyTorch decoders (vanilla, prefix-cache, dual-cache) timed on "
+                         "the same prompts and weights in the same run (columns ref(s), x/ref, same)")
+    be.add_argument("--reference-python", default=sys.executable, metavar="PYTHON",
+                    help="interpreter with torch and transformers for --reference (default: this one)")
     be.add_argument("--plot", default=None, help="PNG: latency vs accuracy")
     be.add_argument("--json", action="store_true")
     be.set_defaults(run=cmd_bench)

@@ -1,0 +1,80 @@
+"""`llada bench --reference DIR`: the public PyTorch reference decoders timed in the same run, on the same
+prompts and weights, beside ours: per comparable row, the reference's median seconds per answer (`ref(s)`),
+ours against it (`x/ref`, above 1: ours is faster) and the fraction of answers whose tokens are identical
+(`same`).
+
+DIR is a checkout of Fast-dLLM (its `llada/generate.py` and `llada/model/`); vanilla, prefix-cache and
+dual-cache (with or without @THRESHOLD) have a reference decoder there. The reference runs in a child
+process (`eval/reference_child.py`) of `--reference-python`, an interpreter with torch (and the
+transformers its model code imports): llada-jax itself needs neither.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+from pathlib import Path
+
+from llada_jax.errors import LladaError
+from policies.registry import DecoderSetting
+
+CHILD = Path(__file__).with_name("reference_child.py")
+REFERENCE_POLICIES = ("vanilla", "prefix-cache", "dual-cache")
+
+
+def has_reference(setting: DecoderSetting) -> bool:
+    return setting.policy in REFERENCE_POLICIES
+
+
+def check_reference(root: str, python: str, settings: list[DecoderSetting]) -> None:
+    """Before any model loads: the checkout, the interpreter and at least one comparable setting."""
+    if not (Path(root) / "llada" / "generate.py").is_file():
+        raise LladaError(f"--reference {root}: no llada/generate.py there; give a checkout of Fast-dLLM")
+    if not os.access(python, os.X_OK):
+        raise LladaError(f"--reference-python {python}: not an executable file")
+    if not any(has_reference(setting) for setting in settings):
+        raise LladaError(f"--reference: the reference has only {', '.join(REFERENCE_POLICIES)} (with or without "
+                         "@THRESHOLD); none of the --policy settings is one of them")
+
+
+def run_reference(root: str, python: str, model: Path, config, prompts: list[list[int]],
+                  settings: list[DecoderSetting], workload: dict, progress=None) -> dict[DecoderSetting, list[dict]]:
+    """Each comparable setting's reference answers, in prompt order: {seconds, nfe, answer}."""
+    decoders = [{"policy": s.policy, "threshold": s.threshold} for s in settings if has_reference(s)]
+    job = {"reference": str(Path(root).resolve()), "model": str(Path(model).resolve()), "prompts": prompts,
+           "decoders": decoders, "mask_id": config.mask_token_id, "threads": os.cpu_count() or 1,
+           "gen_length": workload["gen_length"], "block_length": workload["block_length"],
+           "steps": workload["steps"]}
+    answers: dict[DecoderSetting, list[dict]] = {}
+    with tempfile.TemporaryFile("w+") as errors:
+        child = subprocess.Popen([python, str(CHILD)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 stderr=errors, text=True)
+        child.stdin.write(json.dumps(job))
+        child.stdin.close()
+        for line in child.stdout:
+            row = json.loads(line)
+            setting = DecoderSetting(row["policy"], row["threshold"])
+            answers.setdefault(setting, []).append(row)
+            if progress:
+                progress(f"reference {setting} prompt {row['prompt']}: {row['seconds']:.2f} s")
+        if child.wait() != 0:
+            errors.seek(0)
+            lines = errors.read().strip().splitlines() or ["(nothing on stderr)"]
+            raise LladaError(f"the reference decoders failed (exit {child.returncode}): {lines[-1]}")
+    return answers
+
+
+def add_reference_columns(rows: list[dict], reference: dict[DecoderSetting, list[dict]]) -> None:
+    """ref(s), x/ref and same on every row with a reference decoder (rows carry `setting_key` and their
+    `answers`)."""
+    for row in rows:
+        theirs = reference.get(row["setting_key"])
+        if not theirs:
+            continue
+        row["ref_latency_s"] = statistics.median(answer["seconds"] for answer in theirs)
+        row["speedup_vs_reference"] = row["ref_latency_s"] / row["median_latency_s"]
+        row["same_tokens"] = statistics.mean(float(list(ours) == answer["answer"])
+                                             for ours, answer in zip(row["answers"], theirs))

@@ -1,0 +1,115 @@
+"""`llada bench --reference`: the reference decoders run in a child process beside ours, on the same prompts.
+
+The checkout given here is a stand-in with the reference's interface (`llada/generate.py` with
+`LLaDAModelLM` and the three generate functions, torch imported by the child): its decoders are the
+float64 numpy oracle of tests/reference.py, and `torch` is a small numpy shim on the child's PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from llada_jax.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+
+FAKE_GENERATE = f"""
+import os, sys
+from pathlib import Path
+sys.path.insert(0, {str(REPO)!r})
+import numpy as np
+from llada_jax.config import read_config
+from tests import reference
+from tests.conftest import read_all
+
+
+class LLaDAModelLM:
+    @classmethod
+    def from_pretrained(cls, path, torch_dtype=None):
+        if os.environ.get("FAKE_REFERENCE_FAIL"):
+            raise OSError("no model here")
+        model = cls()
+        model.weights, model.config = read_all(Path(path)), read_config(Path(path))
+        return model
+
+    def eval(self):
+        return self
+
+
+def decoder(policy):
+    def run(model, prompt, steps, gen_length, block_length, temperature, remasking, mask_id, threshold):
+        assert temperature == 0.0 and remasking == "low_confidence" and mask_id == model.config.mask_token_id
+        ids = np.asarray(prompt)[0]
+        answer, nfe = reference.generate(model.weights, model.config, ids, gen_length, block_length, steps,
+                                         policy, threshold)
+        answer = (answer + int(os.environ.get("FAKE_REFERENCE_SHIFT", "0"))) % mask_id
+        return np.concatenate([ids, answer])[None], nfe
+    return run
+
+
+generate = decoder("vanilla")
+generate_with_prefix_cache = decoder("prefix-cache")
+generate_with_dual_cache = decoder("dual-cache")
+"""
+
+FAKE_TORCH = """
+import numpy as np
+float32 = "float32"
+def set_num_threads(count):
+    assert count >= 1
+def tensor(rows):
+    return np.asarray(rows)
+"""
+
+
+@pytest.fixture
+def fake_reference(tmp_path, monkeypatch) -> Path:
+    checkout = tmp_path / "Fast-dLLM"
+    (checkout / "llada").mkdir(parents=True)
+    (checkout / "llada" / "generate.py").write_text(textwrap.dedent(FAKE_GENERATE))
+    (tmp_path / "shim" / "torch").mkdir(parents=True)
+    (tmp_path / "shim" / "torch" / "__init__.py").write_text(FAKE_TORCH)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "shim"))  # the child's only
+    return checkout
+
+
+def bench_rows(capsys, tiny_dir, checkout, *policies) -> tuple[int, list[dict], str]:
+    args = ["bench", "--model", str(tiny_dir), "--limit", "2", "--gen-length", "16", "--steps", "16", "--json",
+            "--reference", str(checkout)]
+    code = main(args + [flag for policy in policies for flag in ("--policy", policy)])
+    out, err = capsys.readouterr()
+    return code, json.loads(out) if code == 0 else [], err
+
+
+def test_reference_rows_time_the_same_answers(capsys, tiny_dir, fake_reference):
+    code, rows, _ = bench_rows(capsys, tiny_dir, fake_reference, "vanilla", "prefix-cache@0.3", "dual-cache@0.9",
+                            "dual-cache+speculative@0.9")
+    assert code == 0 and [row["setting"] for row in rows][-1] == "dual-cache+speculative@0.9"
+    for row in rows[:3]:
+        assert row["same_tokens"] == 1.0  # the oracle's answers, token for token
+        assert row["ref_latency_s"] > 0 and row["speedup_vs_reference"] == pytest.approx(
+            row["ref_latency_s"] / row["median_latency_s"])
+    assert "ref_latency_s" not in rows[3]  # speculation has no reference decoder
+    assert all("answers" not in row and "setting_key" not in row for row in rows)
+
+
+def test_different_reference_tokens_are_reported(capsys, tiny_dir, fake_reference, monkeypatch):
+    monkeypatch.setenv("FAKE_REFERENCE_SHIFT", "1")
+    code, rows, _ = bench_rows(capsys, tiny_dir, fake_reference, "dual-cache")
+    assert code == 0 and rows[0]["same_tokens"] == 0.0
+
+
+def test_reference_failures_are_one_line(capsys, tiny_dir, fake_reference, monkeypatch, tmp_path):
+    monkeypatch.setenv("FAKE_REFERENCE_FAIL", "1")
+    code, _, err = bench_rows(capsys, tiny_dir, fake_reference, "vanilla")
+    assert code == 1 and err.strip().splitlines()[-1] == "llada: error: the reference decoders failed (exit 1): OSError: no model here"
+    for checkout, extra, message in (
+            (tmp_path, [], "no llada/generate.py there"),
+            (fake_reference, ["--reference-python", str(tmp_path / "nothing")], "not an executable file"),
+            (fake_reference, ["--policy", "dual-cache+speculative"], "none of the --policy settings")):
+        assert main(["bench", "--model", str(tiny_dir), "--reference", str(checkout)] + extra) == 1
+        assert message in capsys.readouterr().err
