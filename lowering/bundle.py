@@ -39,7 +39,7 @@ from lowering.export import (
     step_specs,
 )
 from lowering.run_script import write_run_script
-from lowering.targets import target
+from lowering.targets import compile_flags, target
 
 COMPILE_TIMEOUT_S = 900
 # The driver compiled decode loops run on. IREE 3.13's asynchronous drivers (local-task, vulkan) run a loop
@@ -81,14 +81,15 @@ def compile_module(text: str, flags: tuple[str, ...], out: Path) -> float:
 def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, window: int = 64,
                    dtype: str = "float32", copy_weights: bool = True, device_memory_budget: int | None = None,
                    loops: tuple[BakedLoops, ...] = (), batch_sizes: tuple[int, ...] = (1,), activations: str = "float",
-                   progress=None) -> Path:
+                   data_tiling: bool = False, progress=None) -> Path:
     """Compile every step for canvases up to `max_len`, windows up to `window` and each of `batch_sizes`
     rows (a batch of prompts runs in steps of these sizes) into a bundle; with a
     device memory budget smaller than the weights, the per-layer pieces that staged execution streams
     weights through take the place of the resident steps. `loops`: decoding settings whose compiled
     decode loops go beside the steps, with a `run.sh` that runs the first one without Python. A quantized
     checkpoint's integers are bound as they are stored (`lowering.bundle_weights`); `activations="int8"`
-    runs its int8 per-channel layers as W8A8 matmuls."""
+    runs its int8 per-channel layers as W8A8 matmuls. `data_tiling`: IREE's data tiling on a CPU target with
+    resident weights (faster steps; a re-laid copy of the weights is held beside them)."""
     tgt = target(target_name)
     model_dir, out_dir = Path(model_dir).absolute(), Path(out_dir).absolute()
     config = _checked_config(model_dir, max_len, window)
@@ -97,6 +98,7 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
     check_activations(activations, layout.quantized)
     batch_sizes = check_batch_sizes(batch_sizes)
     staged = _runs_staged(config, layout, device_memory_budget)
+    flags = compile_flags(tgt, data_tiling, staged)
     specs, loops = _functions_to_compile(config, max_len, window, batch_sizes, staged, loops, tgt.driver, progress)
     loop_specs = list(dict.fromkeys(spec for baked in loops for spec in baked.specs))  # thresholds are inputs
     if any(spec.slots not in canvas_sizes(max_len) for spec in loop_specs):
@@ -110,7 +112,7 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
         say(f"compiling for {tgt.name} ({tgt.note or tgt.driver})")
-        seconds = compile_module(module, tgt.flags, staging / VMFB)
+        seconds = compile_module(module, flags, staging / VMFB)
         weights = _place_weights(model_dir, staging, copy_weights)
         if loops:
             write_run_script(staging, loops[0], config, LOOP_DRIVER, weights)
@@ -120,7 +122,7 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
         manifest = {
             "format": FORMAT_VERSION, "model_config": dict(config.to_hf_dict(), **_quantization(model_dir)),
             "eot_token_id": config.eot_token_id,
-            "target": tgt.name, "driver": tgt.driver, "flags": list(tgt.flags), "iree_version": iree_version(),
+            "target": tgt.name, "driver": tgt.driver, "flags": list(flags), "iree_version": iree_version(),
             "compute_dtype": dtype, "activations": activations, "parameters": layout.manifest(),
             "max_len": max_len, "window": window, "batch_sizes": list(batch_sizes),
             "device_memory_budget": device_memory_budget, "staged": staged,
@@ -128,15 +130,20 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
             "steps": [signature_manifest(spec, config, compute) for spec in specs],
             "loops": [loop_manifest(spec, function) for spec, function in zip(loop_specs, functions[len(specs):])],
             "decoding": [baked.manifest() for baked in loops], "loop_driver": LOOP_DRIVER,
-            "files": {p.name: sha256(p) for p in sorted(staging.iterdir()) if p.is_file()},
         }
-        (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        _write_manifest(staging, manifest)
         staging.chmod(0o755)
         _swap_into_place(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out_dir
+
+
+def _write_manifest(staging: Path, manifest: dict) -> None:
+    """The manifest, with the sha256 of every file written so far."""
+    manifest["files"] = {p.name: sha256(p) for p in sorted(staging.iterdir()) if p.is_file()}
+    (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
 
 
 def _checked_config(model_dir: Path, max_len: int, window: int):

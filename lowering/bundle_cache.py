@@ -15,8 +15,9 @@ from lowering.bundle_format import FORMAT_VERSION, MANIFEST, sha256
 
 def cached_bundle(model_dir, target: str, *, dtype: str = "float32", max_len: int | None = None,
                   window: int | None = None, device_memory_budget: int | None = None, loops: tuple = (),
-                  batch_sizes: tuple[int, ...] = (1,), activations: str = "float", progress=None) -> Path:
-    """A bundle for this model (by content), target, dtype, activations, shapes, staged weight layouts, compiled decode
+                  batch_sizes: tuple[int, ...] = (1,), activations: str = "float", data_tiling: bool = False,
+                  progress=None) -> Path:
+    """A bundle for this model (by content), target, dtype, activations, data tiling, shapes, staged weight layouts, compiled decode
     loops and IREE version; compiled if absent."""
     model_dir = Path(model_dir).absolute()
     config = read_config(model_dir)
@@ -25,7 +26,7 @@ def cached_bundle(model_dir, target: str, *, dtype: str = "float32", max_len: in
     weights = sorted(p for p in model_dir.iterdir() if p.suffix == ".safetensors")
     key = json.dumps({"config": sha256(model_dir / "config.json"),
                       "weights": [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in weights],
-                      "target": target, "dtype": dtype, "activations": activations,
+                      "target": target, "dtype": dtype, "activations": activations, "data_tiling": data_tiling,
                       "max_len": max_len, "window": window,
                       "budget": device_memory_budget, "format": FORMAT_VERSION, "iree": iree_version(),
                       "staged_layouts": [layer_layout(config).entries, head_layout(config).entries],
@@ -36,7 +37,7 @@ def cached_bundle(model_dir, target: str, *, dtype: str = "float32", max_len: in
     if not (out / MANIFEST).is_file():
         compile_bundle(model_dir, target, out, max_len=max_len, window=window, dtype=dtype, copy_weights=False,
                        device_memory_budget=device_memory_budget, loops=loops, batch_sizes=batch_sizes,
-                       activations=activations, progress=progress)
+                       activations=activations, data_tiling=data_tiling, progress=progress)
     return out
 
 

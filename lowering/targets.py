@@ -42,6 +42,24 @@ TARGETS = {
 }
 
 
+# IREE's data tiling: matmul operands re-laid into the tiles its CPU kernels read. Resident weights are re-laid
+# once (a second copy of them stays in device memory); weights passed as arguments, as staged pieces take
+# them, would be re-laid on every call (the toolchain notes).
+DATA_TILING = ("--iree-opt-data-tiling",)
+
+
+def compile_flags(tgt: Target, data_tiling: bool, staged: bool) -> tuple[str, ...]:
+    """The target's flags, with data tiling when asked for and possible."""
+    if not data_tiling:
+        return tgt.flags
+    if "--iree-hal-local-target-device-backends=llvm-cpu" not in tgt.flags:
+        raise LladaError(f"--data-tiling is for CPU targets; {tgt.name} is not one")
+    if staged:
+        raise LladaError("--data-tiling needs resident weights: with a device memory budget the staged pieces "
+                         "take weights as arguments and would re-lay them on every call (drop one of the two)")
+    return tgt.flags + DATA_TILING
+
+
 def target(name: str) -> Target:
     if name not in TARGETS:
         raise LladaError(f"unknown target {name!r}; choose one of {', '.join(TARGETS)}")

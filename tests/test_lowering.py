@@ -243,3 +243,36 @@ def test_embedded_model_decoders_identical_through_iree_and_jax(tmp_path):
             want = llada_jax.generate(model, ids, **options)
             got = generate_with_bundle(OpenBundle(bundle, session, None), ids, **options)
             assert got.output_ids.tolist() == want.output_ids.tolist(), (example.prompt, policy)
+
+
+@pytest.fixture(scope="module")
+def tiled_session(tiny_dir, tmp_path_factory):
+    path = compile_bundle(tiny_dir, "host", tmp_path_factory.mktemp("tiled") / "host", max_len=16, window=16,
+                          data_tiling=True)
+    bundle = load_bundle(path, "host")
+    return bundle, Session(bundle.path, bundle.manifest, "local-task")
+
+
+@settings(max_examples=6, deadline=None)
+@given(policy=st.sampled_from(POLICIES + ["dual-cache+speculative+revision"]),
+       threshold=st.sampled_from([None, 0.3]), prompt_len=st.integers(1, 8), seed=st.integers(0, 1000))
+def test_data_tiled_bundle_decodes_as_jax(tiny_model, tiled_session, policy, threshold, prompt_len, seed):
+    """Data tiling re-lays the weights for IREE's CPU kernels: the same tokens as XLA for every decoder."""
+    bundle, session = tiled_session
+    assert "--iree-opt-data-tiling" in bundle.manifest["flags"]
+    prompt = np.random.default_rng(seed).integers(0, TINY.mask_token_id, prompt_len)
+    options = dict(gen_length=8, block_length=4, steps=8, policy=policy, threshold=threshold)
+    got = generate_with_bundle(OpenBundle(bundle, session, None), prompt, **options)
+    assert got.output_ids.tolist() == llada_jax.generate(tiny_model, prompt, **options).output_ids.tolist()
+
+
+def test_data_tiling_is_refused_where_it_cannot_help(tiny_dir, tmp_path, capsys):
+    from llada_jax.cli import main
+
+    for target, budget, message in (("vulkan", None, "for CPU targets"), ("host", 10_000, "needs resident weights")):
+        with pytest.raises(LladaError, match=message):
+            compile_bundle(tiny_dir, target, tmp_path / "b", max_len=8, window=8, device_memory_budget=budget,
+                           data_tiling=True)
+    assert not (tmp_path / "b").exists()
+    assert main(["generate", "--model", str(tiny_dir), "--data-tiling", "--gen-length", "8"]) == 1
+    assert "use it with --backend iree-host" in capsys.readouterr().err

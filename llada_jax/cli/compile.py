@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 
 from llada_jax.cli.flags import (
+    add_data_tiling_flag,
     add_loop_flags,
     add_model_flags,
     baked_setting,
@@ -25,7 +26,7 @@ def cmd_compile(args) -> None:
     out = compile_bundle(model_dir(args), args.target, args.out, max_len=args.max_len,
                          window=args.window, dtype=args.dtype, copy_weights=not args.link_weights,
                          device_memory_budget=args.device_memory_budget, loops=loops,
-                         batch_sizes=args.batch_sizes, activations=args.activations,
+                         batch_sizes=args.batch_sizes, activations=args.activations, data_tiling=args.data_tiling,
                          progress=lambda message: print(message, file=sys.stderr))
     script = f"; run it without Python: {out / SCRIPT} ID,ID,..." if (out / SCRIPT).is_file() else ""
     print(f"bundle written to {out}{script}")
@@ -44,5 +45,6 @@ def add_compile(commands) -> None:
                       help="add per-layer pieces and stream weights through this much device memory")
     comp.add_argument("--batch-sizes", type=batch_sizes_arg, default=(1,), metavar="N,N,...",
                       help="rows a step takes: a batch of prompts runs in steps of these sizes (1 always included)")
+    add_data_tiling_flag(comp)
     add_loop_flags(comp)
     comp.set_defaults(run=cmd_compile)

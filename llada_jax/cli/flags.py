@@ -152,6 +152,12 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                              "weight matrix over M (model axis, for weights one device cannot hold); default: one")
 
 
+def add_data_tiling_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data-tiling", action="store_true",
+                        help="IREE CPU bundles: re-lay the weights into the tiles IREE's matmul kernels read (faster "
+                             "steps; holds a second, re-laid copy of the weights; not with a device memory budget)")
+
+
 def model_dir(args) -> Path:
     """--model, else the embedded model; with --check-weights its weights are scanned for NaN/Inf first."""
     path = Path(args.model) if args.model else default_model_dir()

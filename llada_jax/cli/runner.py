@@ -10,7 +10,7 @@ import sys
 from llada_jax.api import generate
 from llada_jax.backends.select import OpenBundle, open_bundle
 from llada_jax.bundle_runner import generate_with_bundle
-from llada_jax.cli.flags import load_model, model_dir
+from llada_jax.cli.flags import add_data_tiling_flag, load_model, model_dir
 from llada_jax.config import read_config
 from llada_jax.errors import LladaError
 from llada_jax.tokenizer import load_tokenizer
@@ -26,6 +26,7 @@ def add_runner_flags(parser: argparse.ArgumentParser) -> None:
                         help="what runs the steps (iree-*: compiled on first use and cached)")
     parser.add_argument("--device-memory-budget", type=int, default=None, metavar="BYTES",
                         help="device memory for weights + KV state; smaller than the weights: stage them per layer")
+    add_data_tiling_flag(parser)
 
 
 def generation_runner(args, loops: list[tuple] = (), batch_sizes: tuple[int, ...] = (1,)):
@@ -49,6 +50,9 @@ def opened_source(args, loops: list[tuple] = (), batch_sizes: tuple[int, ...] = 
     if getattr(args, "mesh", None) and (args.bundle is not None or args.backend != "jax"):
         raise LladaError("--mesh shards a model over JAX devices; an IREE bundle runs on one device (drop --mesh, "
                          "or use --backend jax)")
+    if getattr(args, "data_tiling", False) and (args.bundle is not None or args.backend == "jax"):
+        raise LladaError("--data-tiling is an IREE compile flag: use it with --backend iree-host (or llada compile); "
+                         "a given bundle keeps the flags it was compiled with")
     if args.bundle is not None:
         if args.model is not None:
             raise LladaError("give either --model or --bundle, not both")
@@ -61,5 +65,6 @@ def opened_source(args, loops: list[tuple] = (), batch_sizes: tuple[int, ...] = 
     baked = tuple(baked_loops(*setting[:5], sizes) for setting in loops)
     bundle_dir = cached_bundle(model_dir(args), target, dtype=args.dtype, loops=baked, batch_sizes=batch_sizes,
                                device_memory_budget=budget, activations=args.activations,
+                               data_tiling=getattr(args, "data_tiling", False),
                                progress=lambda m: print(m, file=sys.stderr))
     return open_bundle(bundle_dir, args.backend)
