@@ -41,7 +41,7 @@ from lowering.export import (
 from lowering.run_script import write_run_script
 from lowering.targets import compile_flags, target
 
-COMPILE_TIMEOUT_S = 900
+COMPILE_TIMEOUT_S = 900  # default; LLADA_COMPILE_TIMEOUT_S overrides (data tiling compiles take several times longer)
 # The driver compiled decode loops run on. IREE 3.13's asynchronous drivers (local-task, vulkan) run a loop
 # whose body allocates transient buffers wrongly (a crash, or the loop stopping after one pass with garbage;
 # tests/test_decode_loop_bundle.py); the synchronous CPU driver runs it correctly, on one thread.
@@ -54,7 +54,21 @@ def iree_version() -> str:
     return version("iree-base-compiler")
 
 
-def compile_module(text: str, flags: tuple[str, ...], out: Path) -> float:
+def compile_timeout() -> float:
+    """Seconds iree-compile may take: LLADA_COMPILE_TIMEOUT_S, else COMPILE_TIMEOUT_S."""
+    text = os.environ.get("LLADA_COMPILE_TIMEOUT_S")
+    if text is None:
+        return COMPILE_TIMEOUT_S
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0 or seconds == float("inf"):
+        raise LladaError(f"LLADA_COMPILE_TIMEOUT_S must be a positive number of seconds, got {text!r}")
+    return seconds
+
+
+def compile_module(text: str, flags: tuple[str, ...], out: Path, timeout: float = COMPILE_TIMEOUT_S) -> float:
     """Run iree-compile in its own process group with a timeout that kills the whole group."""
     from iree.compiler.tools.binaries import find_tool
 
@@ -65,11 +79,12 @@ def compile_module(text: str, flags: tuple[str, ...], out: Path) -> float:
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
-        _, err = proc.communicate(timeout=COMPILE_TIMEOUT_S)
+        _, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
-        raise LladaError(f"iree-compile took longer than {COMPILE_TIMEOUT_S} s and was stopped") from None
+        raise LladaError(f"iree-compile took longer than {timeout:g} s and was stopped (LLADA_COMPILE_TIMEOUT_S "
+                         "sets the limit)") from None
     finally:
         source.unlink(missing_ok=True)
     if proc.returncode != 0:
@@ -98,7 +113,7 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
     check_activations(activations, layout.quantized)
     batch_sizes = check_batch_sizes(batch_sizes)
     staged = _runs_staged(config, layout, device_memory_budget)
-    flags = compile_flags(tgt, data_tiling, staged)
+    flags, timeout = compile_flags(tgt, data_tiling, staged), compile_timeout()  # both checked before the export
     specs, loops = _functions_to_compile(config, max_len, window, batch_sizes, staged, loops, tgt.driver, progress)
     loop_specs = list(dict.fromkeys(spec for baked in loops for spec in baked.specs))  # thresholds are inputs
     if any(spec.slots not in canvas_sizes(max_len) for spec in loop_specs):
@@ -112,7 +127,7 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
         say(f"compiling for {tgt.name} ({tgt.note or tgt.driver})")
-        seconds = compile_module(module, flags, staging / VMFB)
+        seconds = compile_module(module, flags, staging / VMFB, timeout)
         weights = _place_weights(model_dir, staging, copy_weights)
         if loops:
             write_run_script(staging, loops[0], config, LOOP_DRIVER, weights)

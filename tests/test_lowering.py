@@ -276,3 +276,15 @@ def test_data_tiling_is_refused_where_it_cannot_help(tiny_dir, tmp_path, capsys)
     assert not (tmp_path / "b").exists()
     assert main(["generate", "--model", str(tiny_dir), "--data-tiling", "--gen-length", "8"]) == 1
     assert "use it with --backend iree-host" in capsys.readouterr().err
+
+
+def test_compile_timeout_is_settable_and_checked_first(tiny_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("LLADA_COMPILE_TIMEOUT_S", "soon")
+    monkeypatch.setattr(bundle_mod, "bundle_module", lambda *a: pytest.fail("exported before the check"))
+    with pytest.raises(LladaError, match="LLADA_COMPILE_TIMEOUT_S must be a positive number of seconds, got 'soon'"):
+        compile_bundle(tiny_dir, "host", tmp_path / "b", max_len=8, window=8)
+    monkeypatch.undo()
+    monkeypatch.setenv("LLADA_COMPILE_TIMEOUT_S", "0.001")
+    with pytest.raises(LladaError, match=r"iree-compile took longer than 0.001 s and was stopped"):
+        compile_bundle(tiny_dir, "host", tmp_path / "b", max_len=8, window=8)
+    assert not (tmp_path / "b").exists() and not list(tmp_path.glob(".b.*"))  # no partial bundle left
