@@ -55,6 +55,8 @@ def run_reference(root: str, python: str, model: Path, config, prompts: list[lis
         child.stdin.write(json.dumps(job))
         child.stdin.close()
         for line in child.stdout:
+            if not line.startswith('{"policy"'):  # something the reference's own code printed
+                continue
             row = json.loads(line)
             setting = DecoderSetting(row["policy"], row["threshold"])
             answers.setdefault(setting, []).append(row)
