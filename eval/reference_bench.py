@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import tempfile
@@ -33,8 +34,8 @@ def check_reference(root: str, python: str, settings: list[DecoderSetting]) -> N
     """Before any model loads: the checkout, the interpreter and at least one comparable setting."""
     if not (Path(root) / "llada" / "generate.py").is_file():
         raise LladaError(f"--reference {root}: no llada/generate.py there; give a checkout of Fast-dLLM")
-    if not os.access(python, os.X_OK):
-        raise LladaError(f"--reference-python {python}: not an executable file")
+    if shutil.which(python) is None:
+        raise LladaError(f"--reference-python {python}: not an executable file or a command on PATH")
     if not any(has_reference(setting) for setting in settings):
         raise LladaError(f"--reference: the reference has only {', '.join(REFERENCE_POLICIES)} (with or without "
                          "@THRESHOLD); none of the --policy settings is one of them")
@@ -50,14 +51,11 @@ def run_reference(root: str, python: str, model: Path, config, prompts: list[lis
            "steps": workload["steps"]}
     answers: dict[DecoderSetting, list[dict]] = {}
     with tempfile.TemporaryFile("w+") as errors:
-        child = subprocess.Popen([python, str(CHILD)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        child = subprocess.Popen([shutil.which(python), str(CHILD)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                  stderr=errors, text=True)
         child.stdin.write(json.dumps(job))
         child.stdin.close()
-        for line in child.stdout:
-            if not line.startswith('{"policy"'):  # something the reference's own code printed
-                continue
-            row = json.loads(line)
+        for row in filter(None, map(answer_row, child.stdout)):
             setting = DecoderSetting(row["policy"], row["threshold"])
             answers.setdefault(setting, []).append(row)
             if progress:
@@ -67,6 +65,15 @@ def run_reference(root: str, python: str, model: Path, config, prompts: list[lis
             lines = errors.read().strip().splitlines() or ["(nothing on stderr)"]
             raise LladaError(f"the reference decoders failed (exit {child.returncode}): {lines[-1]}")
     return answers
+
+
+def answer_row(line: str) -> dict | None:
+    """One of the child's answers, or None for anything else on its stdout (the reference's own prints)."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    return row if isinstance(row, dict) and {"policy", "threshold", "answer", "seconds"} <= row.keys() else None
 
 
 def add_reference_columns(rows: list[dict], reference: dict[DecoderSetting, list[dict]]) -> None:

@@ -62,8 +62,8 @@ def compile_timeout() -> float:
     try:
         seconds = float(text)
     except ValueError:
-        seconds = 0.0
-    if not seconds > 0 or seconds == float("inf"):
+        seconds = float("nan")
+    if not 0 < seconds < float("inf"):
         raise LladaError(f"LLADA_COMPILE_TIMEOUT_S must be a positive number of seconds, got {text!r}")
     return seconds
 

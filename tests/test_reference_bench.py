@@ -32,7 +32,8 @@ class LLaDAModelLM:
     def from_pretrained(cls, path, torch_dtype=None):
         if os.environ.get("FAKE_REFERENCE_FAIL"):
             raise OSError("no model here")
-        print("loading the reference model")  # the reference's own output on stdout is not an answer
+        print("loading the reference model")  # the reference's own output on stdout is not an answer,
+        print('{{"policy": "its own JSON"}}')  # even when it is JSON
         model = cls()
         model.weights, model.config = read_all(Path(path)), read_config(Path(path))
         return model

@@ -50,7 +50,7 @@ def opened_source(args, loops: list[tuple] = (), batch_sizes: tuple[int, ...] = 
     if getattr(args, "mesh", None) and (args.bundle is not None or args.backend != "jax"):
         raise LladaError("--mesh shards a model over JAX devices; an IREE bundle runs on one device (drop --mesh, "
                          "or use --backend jax)")
-    if getattr(args, "data_tiling", False) and (args.bundle is not None or args.backend == "jax"):
+    if args.data_tiling and (args.bundle is not None or args.backend == "jax"):
         raise LladaError("--data-tiling is an IREE compile flag: use it with --backend iree-host (or llada compile); "
                          "a given bundle keeps the flags it was compiled with")
     if args.bundle is not None:
@@ -65,6 +65,6 @@ def opened_source(args, loops: list[tuple] = (), batch_sizes: tuple[int, ...] = 
     baked = tuple(baked_loops(*setting[:5], sizes) for setting in loops)
     bundle_dir = cached_bundle(model_dir(args), target, dtype=args.dtype, loops=baked, batch_sizes=batch_sizes,
                                device_memory_budget=budget, activations=args.activations,
-                               data_tiling=getattr(args, "data_tiling", False),
+                               data_tiling=args.data_tiling,
                                progress=lambda m: print(m, file=sys.stderr))
     return open_bundle(bundle_dir, args.backend)
