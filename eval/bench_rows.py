@@ -21,7 +21,7 @@ import numpy as np
 
 from eval.bench import ENGINE_CONFIG, matmul_peak_gflops
 from eval.bench_lowering import median_seconds
-from llada_jax.model import linear
+from llada_jax.layout import linear
 
 
 def layer_shapes(config) -> dict[str, tuple[int, int]]:

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from llada_jax.config import LLaDAConfig
+from llada_jax.layout import FEATURE_ROWS, Features, layout_for, rms_norm
 from llada_jax.qlinear import QuantizedWeight, quantized_linear, quantized_rows, stored_matmul
 
 
@@ -31,23 +32,6 @@ class ForwardOut(NamedTuple):
     hidden: jax.Array  # [B, W, D] after the final norm
     keys: jax.Array    # [N, B, W, K, hd] proposed K/V of the computed positions (rotary applied)
     values: jax.Array  # [N, B, W, K, hd]
-
-
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """Normalise in float32, cast back, then scale (the order LLaDA's RMSLayerNorm uses)."""
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return weight * x32.astype(x.dtype)
-
-
-def linear(x: jax.Array, weight: jax.Array) -> jax.Array:
-    """x @ weight.T with the torch `[out, in]` layout, accumulated in float32 and returned in x's dtype.
-
-    bf16 weights are consumed as stored: asking for a float32 result keeps XLA on its mixed-precision
-    matmul instead of converting every weight to float32 inside the step."""
-    if isinstance(weight, QuantizedWeight):
-        return quantized_linear(x, weight)
-    return stored_matmul(x, weight).astype(x.dtype)
 
 
 def rotary_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
@@ -78,24 +62,28 @@ def attention(q: jax.Array, keys: jax.Array, values: jax.Array, key_bias: jax.Ar
     return out.reshape(b, w, h, hd)
 
 
-def decoder_layer(block: dict, x: jax.Array, rotary, cached, key_bias: jax.Array, config: LLaDAConfig):
-    """One block. `cached` is this layer's (keys, values) `[B, S, K, hd]` or None. Returns x, k, v."""
+def decoder_layer(block: dict, x: jax.Array, rotary, cached, key_bias: jax.Array, config: LLaDAConfig,
+                  layout=None):
+    """One block. `cached` is this layer's (keys, values) `[B, S, K, hd]` or None. Returns x, k, v.
+    `layout` (`llada_jax.layout`) defaults to the faster one for this many positions."""
     b, w, _ = x.shape
     hd = config.head_dim
-    normed = rms_norm(x, block["attn_norm"], config.rms_norm_eps)
-    q = linear(normed, block["q_proj"]).reshape(b, w, config.n_heads, hd)
-    k = linear(normed, block["k_proj"]).reshape(b, w, config.n_kv_heads, hd)
-    v = linear(normed, block["v_proj"]).reshape(b, w, config.n_kv_heads, hd)
+    layout = layout or layout_for(b * w, block)
+    h = layout.enter(x)
+    normed = layout.norm(h, block["attn_norm"], config.rms_norm_eps)
+    q = layout.heads(layout.linear(normed, block["q_proj"]), b, w, hd)
+    k = layout.heads(layout.linear(normed, block["k_proj"]), b, w, hd)
+    v = layout.heads(layout.linear(normed, block["v_proj"]), b, w, hd)
     q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
     all_k, all_v = k, v
     if cached is not None:
         all_k = jnp.concatenate([cached[0], k], axis=1)
         all_v = jnp.concatenate([cached[1], v], axis=1)
-    attended = attention(q, all_k, all_v, key_bias).reshape(b, w, config.d_model)
-    x = x + linear(attended, block["attn_out"])
-    normed = rms_norm(x, block["ff_norm"], config.rms_norm_eps)
-    gated = jax.nn.silu(linear(normed, block["ff_proj"])) * linear(normed, block["up_proj"])
-    return x + linear(gated, block["ff_out"]), k, v
+    attended = layout.merge(attention(q, all_k, all_v, key_bias))
+    h = h + layout.linear(attended, block["attn_out"])
+    normed = layout.norm(h, block["ff_norm"], config.rms_norm_eps)
+    gated = jax.nn.silu(layout.linear(normed, block["ff_proj"])) * layout.linear(normed, block["up_proj"])
+    return layout.leave(h + layout.linear(gated, block["ff_out"]), b, w), k, v
 
 
 def forward(params: dict, tokens: jax.Array, positions: jax.Array, token_bias: jax.Array,
@@ -134,4 +122,7 @@ def lm_logits(params: dict, hidden: jax.Array) -> jax.Array:
     head = params["lm_head"]
     if isinstance(head, QuantizedWeight):
         return quantized_linear(hidden.astype(jnp.float32), head)
+    b, w, _ = hidden.shape
+    if b * w <= FEATURE_ROWS:
+        return Features.leave(Features.matmul(Features.enter(hidden), head), b, w)
     return stored_matmul(hidden, head)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from hypothesis import given, settings
@@ -9,7 +10,8 @@ from hypothesis import strategies as st
 
 import llada_jax
 from llada_jax import kv_state
-from llada_jax.model import Context, linear
+from llada_jax.layout import Features, Positions, linear
+from llada_jax.model import Context, decoder_layer, lm_logits, rotary_tables
 from llada_jax.readout import ReadoutSpec, StepOutput
 from llada_jax.steps import full_step, window_step
 from tests import reference
@@ -130,3 +132,32 @@ def test_bfloat16_linear_accumulates_in_float32(rows, inner, out, seed):
     assert got.dtype == jnp.bfloat16
     spacing = np.abs(exact) * 2.0 ** -8 + 1e-6 * np.sqrt(inner)  # one bf16 rounding of the float32 sum
     assert np.all(np.abs(np.asarray(got, np.float64) - exact) <= spacing)
+
+
+@settings(max_examples=15, deadline=None)
+@given(batch=st.integers(1, 3), width=st.integers(1, 40), cached=st.integers(0, 24), seed=st.integers(0, 10_000))
+def test_feature_major_layer_equals_position_major(tiny_model, batch, width, cached, seed):
+    """The layer computed with one column per position gives the position-major layer's x, K and V."""
+    rng = np.random.default_rng(seed)
+    block = tiny_model.params["blocks"][1]
+    x = jnp.asarray(rng.normal(size=(batch, width, TINY.d_model)), jnp.float32)
+    rotary = rotary_tables(jnp.asarray(rng.integers(0, 100, (batch, width))), TINY.head_dim, TINY.rope_theta)
+    kv = (batch, cached, TINY.n_kv_heads, TINY.head_dim)
+    context = (jnp.asarray(rng.normal(size=kv), jnp.float32), jnp.asarray(rng.normal(size=kv), jnp.float32))
+    bias = jnp.asarray(np.where(rng.random((batch, cached + width)) < 0.2, kv_state.HIDDEN, 0.0), jnp.float32)
+    run = jax.jit(decoder_layer, static_argnames=("config", "layout"))
+    by_position = run(block, x, rotary, context, bias, config=TINY, layout=Positions)
+    by_feature = run(block, x, rotary, context, bias, config=TINY, layout=Features)
+    for got, want in zip(by_feature, by_position):
+        assert_close_to_scale(np.asarray(got), np.asarray(want))
+
+
+@settings(max_examples=10, deadline=None)
+@given(batch=st.integers(1, 4), width=st.integers(1, 64), seed=st.integers(0, 10_000))
+def test_narrow_lm_head_equals_the_wide_one(tiny_model, batch, width, seed):
+    """Up to FEATURE_ROWS positions the head runs feature-major, above it position-major: the same logits."""
+    hidden = jnp.asarray(np.random.default_rng(seed).normal(size=(batch, width, TINY.d_model)), jnp.float32)
+    got = np.asarray(jax.jit(lm_logits)(tiny_model.params, hidden))
+    want = np.einsum("bwi,oi->bwo", np.asarray(hidden, np.float64), np.asarray(tiny_model.params["lm_head"], np.float64))
+    assert got.shape == want.shape
+    assert_close_to_scale(got, want)
