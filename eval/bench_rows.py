@@ -1,13 +1,13 @@
 """Benchmark: how close to the matmul peak a step of W positions can get, from its decoder matmuls alone.
 
-    python -m eval.bench_rows [--rows 32,64,96,128,192] [--repeats 3] [--json]
+    python -m eval.bench_rows [--rows 32,64,96,128,192] [--layout positions|features|both] [--repeats 3] [--json]
 
 Runs the 12 layers' projections of `llada bench --bench-size`'s model (q, k, v, attention output, gate,
-up, down; random float32 weights, 617 MB, more than any cache) on W rows through `model.linear`, as a
-step does, without attention, norms or the LM head, and reports the median time, GFLOP/s and the
-fraction of this machine's float32 matmul peak measured in the same run. This is the ceiling a step's
-`eff` column in `llada bench` can reach with XLA's CPU matmuls. `--layout in-out` runs the same matmuls
-on weights stored transposed (`x @ w`) for comparison. Nothing is asserted.
+up, down; random float32 weights, 617 MB, more than any cache) on W rows in each activation layout of
+`llada_jax.layout` (position-major `x @ W.T`, feature-major `W @ h`), as a step does, without attention,
+norms or the LM head, and reports the median time, GFLOP/s and the fraction of this machine's float32
+matmul peak measured in the same run. This is the ceiling a step's `eff` column in `llada bench` can
+reach with XLA's CPU matmuls. Nothing is asserted.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import numpy as np
 
 from eval.bench import ENGINE_CONFIG, matmul_peak_gflops
 from eval.bench_lowering import median_seconds
-from llada_jax.layout import linear
+from llada_jax.layout import Features, Positions
 
 
 def layer_shapes(config) -> dict[str, tuple[int, int]]:
@@ -36,36 +36,34 @@ def random_layers(config, seed: int = 0) -> list[dict[str, jax.Array]]:
              for name, shape in layer_shapes(config).items()} for _ in range(config.n_layers)]
 
 
-def projections(layers, x: jax.Array, matmul) -> jax.Array:
-    """The data flow of a step's projections: q/k/v from x (added where attention would combine them, K/V
-    repeated over their query heads), the output projection, the gated MLP."""
+def projections(layers, h: jax.Array, layout) -> jax.Array:
+    """The data flow of a step's projections in `layout`: q/k/v from h (added where attention would combine
+    them, K/V repeated over their query heads), the output projection, the gated MLP."""
+    axis = layout.FEATURE_AXIS
     for w in layers:
-        kv = matmul(x, w["k"]) + matmul(x, w["v"])
-        attended = matmul(x, w["q"]) + jnp.repeat(kv, x.shape[-1] // kv.shape[-1], axis=-1)
-        h = x + matmul(attended, w["out"])
-        x = h + matmul(jax.nn.silu(matmul(h, w["gate"])) * matmul(h, w["up"]), w["down"])
-    return x
+        kv = layout.linear(h, w["k"]) + layout.linear(h, w["v"])
+        attended = layout.linear(h, w["q"]) + jnp.repeat(kv, h.shape[axis] // kv.shape[axis], axis=axis)
+        h = h + layout.linear(attended, w["out"])
+        h = h + layout.linear(jax.nn.silu(layout.linear(h, w["gate"])) * layout.linear(h, w["up"]), w["down"])
+    return h
 
 
 def flops(config, rows: int) -> float:
     return 2.0 * rows * config.n_layers * sum(o * i for o, i in layer_shapes(config).values())
 
 
-def time_rows(layers, rows: int, matmul, repeats: int, seed: int = 1) -> float:
+def time_rows(layers, rows: int, layout, repeats: int, seed: int = 1) -> float:
     """Median seconds of one pass over every layer for `rows` positions (`repeats` x 5 calls)."""
     x = jnp.asarray(np.random.default_rng(seed).standard_normal((1, rows, ENGINE_CONFIG.d_model), np.float32))
-    run = jax.jit(lambda layers, x: projections(layers, x, matmul))
-    return median_seconds(lambda: run(layers, x).block_until_ready(), 5 * repeats)
-
-
-def transposed_matmul(x: jax.Array, weight_in_out: jax.Array) -> jax.Array:
-    return x @ weight_in_out
+    run = jax.jit(lambda layers, h: projections(layers, h, layout))
+    h = layout.enter(x)
+    return median_seconds(lambda: run(layers, h).block_until_ready(), 5 * repeats)
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="32,64,96,128,192", help="comma-separated positions per step")
-    parser.add_argument("--layout", choices=("out-in", "in-out", "both"), default="both")
+    parser.add_argument("--layout", choices=("positions", "features", "both"), default="both")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
@@ -80,16 +78,13 @@ def main(argv=None) -> None:
 
 def report(rows: list[int], layout: str, repeats: int, as_json: bool) -> None:
     layers = random_layers(ENGINE_CONFIG)
-    layouts = {}
-    if layout in ("out-in", "both"):
-        layouts["out-in"] = (layers, linear)
-    if layout in ("in-out", "both"):
-        layouts["in-out"] = ([{k: jnp.array(w.T) for k, w in layer.items()} for layer in layers], transposed_matmul)
+    layouts = {name: kind for name, kind in (("positions", Positions), ("features", Features))
+               if layout in (name, "both")}
     peak = matmul_peak_gflops()
     results = []
     for width in rows:
-        for name, (weights, matmul) in layouts.items():
-            seconds = time_rows(weights, width, matmul, repeats)
+        for name, kind in layouts.items():
+            seconds = time_rows(layers, width, kind, repeats)
             gflops = flops(ENGINE_CONFIG, width) / seconds / 1e9
             results.append({"rows": width, "layout": name, "ms": seconds * 1e3, "gflops": gflops,
                             "fraction_of_peak": gflops / peak, "peak_gflops": peak})
@@ -97,9 +92,9 @@ def report(rows: list[int], layout: str, repeats: int, as_json: bool) -> None:
         print(json.dumps(results, indent=1))
         return
     print(f"float32 matmul peak (2048^2, this run): {peak:.0f} GFLOP/s")
-    print(f"{'rows':>5} {'layout':>7} {'ms':>8} {'GFLOP/s':>8} {'of peak':>8}")
+    print(f"{'rows':>5} {'layout':>9} {'ms':>8} {'GFLOP/s':>8} {'of peak':>8}")
     for r in results:
-        print(f"{r['rows']:>5} {r['layout']:>7} {r['ms']:>8.1f} {r['gflops']:>8.0f} {r['fraction_of_peak']:>8.0%}")
+        print(f"{r['rows']:>5} {r['layout']:>9} {r['ms']:>8.1f} {r['gflops']:>8.0f} {r['fraction_of_peak']:>8.0%}")
 
 
 if __name__ == "__main__":

@@ -35,6 +35,8 @@ def linear(x: jax.Array, weight: jax.Array) -> jax.Array:
 class Positions:
     """Activations `[B, W, D]`: one row per position."""
 
+    FEATURE_AXIS = -1
+
     @staticmethod
     def enter(x):
         return x
@@ -63,6 +65,8 @@ class Positions:
 
 class Features:
     """Activations `[D, B*W]`: one column per position."""
+
+    FEATURE_AXIS = 0
 
     @staticmethod
     def enter(x):

@@ -47,18 +47,19 @@ def test_step_flops_counts_matmuls_and_attention():
 
 def test_bench_rows_counts_the_step_projections():
     """eval.bench_rows's FLOPs are the projections' part of step_flops (no attention, no LM head), and its
-    projections run through model.linear on [out, in] weights as a step's do."""
+    projections give the same activations in both layouts of llada_jax.layout."""
     import jax.numpy as jnp
 
     from eval import bench_rows
+    from llada_jax.layout import Features, Positions
 
     no_attention_one_row = step_flops(TINY, width=1, context=0, head_rows=0)
     assert bench_rows.flops(TINY, 5) == 5 * no_attention_one_row
     layers = bench_rows.random_layers(TINY)
-    x = jnp.ones((1, 3, TINY.d_model))
-    transposed = [{k: w.T for k, w in layer.items()} for layer in layers]
-    assert jnp.allclose(bench_rows.projections(layers, x, bench_rows.linear),
-                        bench_rows.projections(transposed, x, bench_rows.transposed_matmul), atol=1e-5)
+    x = jnp.linspace(-1.0, 1.0, 3 * TINY.d_model).reshape(1, 3, TINY.d_model)
+    by_position = bench_rows.projections(layers, x, Positions)
+    by_feature = Features.leave(bench_rows.projections(layers, Features.enter(x), Features), 1, 3)
+    assert by_position.shape == x.shape and jnp.allclose(by_position, by_feature, atol=1e-5)
     with pytest.raises(SystemExit):
         bench_rows.main(["--rows", "0"])
 
