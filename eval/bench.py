@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval.reference_bench import add_reference_columns
+from eval.reference_bench import add_reference_columns, faster_pass
 from eval.task_eval import BLOCK_LENGTH, GEN_LENGTH, answer_text
 from llada_jax.config import LLaDAConfig
 from policies.compiled_loop import loop_covers
@@ -131,12 +131,14 @@ def add_ratios(rows: list[dict], peak: float) -> None:
 
 def bench(generate, config, tokenizer, settings: list[DecoderSetting], prompts: list[Prompt], steps: int,
           progress=None, block_length: int = BLOCK_LENGTH, loops: tuple[str, ...] = ("auto",),
-          gen_length: int = GEN_LENGTH, batch_sizes: tuple[int, ...] = (1,), reference: dict | None = None) -> dict:
+          gen_length: int = GEN_LENGTH, batch_sizes: tuple[int, ...] = (1,), reference=None) -> dict:
     """Warm every setting once (compilation), then measure them all on the same prompts. `loops`: the
     decode loops to run each setting with ("host", "compiled", "auto"); with several, every row is
     labelled with its loop (a setting the compiled loop does not cover gets only its host row).
     `batch_sizes`: prompts per generate call (a batch runs the host loop); with several, a row per size.
-    `reference`: the reference decoders' answers on the same prompts (`eval.reference_bench`)."""
+    `reference(label)`: runs the reference decoders on the same prompts and returns their answers
+    (`eval.reference_bench`); it runs before ours and after, and each answer keeps its faster time."""
+    passes = [reference(" (before ours)")] if reference else []
     runs = [(setting, loop, batch) for setting in settings for loop in loops for batch in batch_sizes
             if (loop != "compiled" or len(loops) == 1 or loop_covers(make_policy(setting.policy)))
             and (batch == 1 or loop != "compiled")]
@@ -156,7 +158,8 @@ def bench(generate, config, tokenizer, settings: list[DecoderSetting], prompts: 
             row["batch_gain"] = row["answers_per_s"] / single[setting, loop]["answers_per_s"]
     peak = matmul_peak_gflops()
     add_ratios(rows, peak)
-    add_reference_columns(rows, reference or {})
+    if reference:
+        add_reference_columns(rows, faster_pass(passes + [reference(" (after ours)")]))
     for row in rows:
         del row["setting_key"], row["answers"]
     return {"peak_gflops": peak, "prompts": len(prompts), "gen_length": gen_length, "block_length": block_length,

@@ -1,7 +1,8 @@
 """`llada bench --reference DIR`: the public PyTorch reference decoders timed in the same run, on the same
 prompts and weights, beside ours: per comparable row, the reference's median seconds per answer (`ref(s)`),
 ours against it (`x/ref`, above 1: ours is faster) and the fraction of answers whose tokens are identical
-(`same`).
+(`same`). The reference runs twice, before and after ours, and each answer keeps its faster time: a machine
+whose speed drifts during the run cannot flatter ours.
 
 DIR is a checkout of Fast-dLLM (its `llada/generate.py` and `llada/model/`); vanilla, prefix-cache and
 dual-cache (with or without @THRESHOLD) have a reference decoder there. The reference runs in a child
@@ -42,8 +43,10 @@ def check_reference(root: str, python: str, settings: list[DecoderSetting]) -> N
 
 
 def run_reference(root: str, python: str, model: Path, config, prompts: list[list[int]],
-                  settings: list[DecoderSetting], workload: dict, progress=None) -> dict[DecoderSetting, list[dict]]:
-    """Each comparable setting's reference answers, in prompt order: {seconds, nfe, answer}."""
+                  settings: list[DecoderSetting], workload: dict, progress=None,
+                  label: str = "") -> dict[DecoderSetting, list[dict]]:
+    """Each comparable setting's reference answers, in prompt order: {seconds, nfe, answer}. `label` tags
+    the progress lines."""
     decoders = [{"policy": s.policy, "threshold": s.threshold} for s in settings if has_reference(s)]
     job = {"reference": str(Path(root).resolve()), "model": str(Path(model).resolve()), "prompts": prompts,
            "decoders": decoders, "mask_id": config.mask_token_id, "threads": os.cpu_count() or 1,
@@ -59,7 +62,7 @@ def run_reference(root: str, python: str, model: Path, config, prompts: list[lis
             setting = DecoderSetting(row["policy"], row["threshold"])
             answers.setdefault(setting, []).append(row)
             if progress:
-                progress(f"reference {setting} prompt {row['prompt']}: {row['seconds']:.2f} s")
+                progress(f"reference{label} {setting} prompt {row['prompt']}: {row['seconds']:.2f} s")
         if child.wait() != 0:
             errors.seek(0)
             lines = errors.read().strip().splitlines() or ["(nothing on stderr)"]
@@ -74,6 +77,12 @@ def answer_row(line: str) -> dict | None:
     except ValueError:
         return None
     return row if isinstance(row, dict) and {"policy", "threshold", "answer", "seconds"} <= row.keys() else None
+
+
+def faster_pass(passes: list[dict[DecoderSetting, list[dict]]]) -> dict[DecoderSetting, list[dict]]:
+    """Per setting and prompt, the answer of the pass that took the least time."""
+    return {setting: [min(answers, key=lambda answer: answer["seconds"])
+                      for answers in zip(*(one[setting] for one in passes))] for setting in passes[0]}
 
 
 def add_reference_columns(rows: list[dict], reference: dict[DecoderSetting, list[dict]]) -> None:

@@ -18,7 +18,7 @@ from llada_jax.cli import main
 REPO = Path(__file__).resolve().parents[1]
 
 FAKE_GENERATE = f"""
-import os, sys
+import os, sys, time
 from pathlib import Path
 sys.path.insert(0, {str(REPO)!r})
 import numpy as np
@@ -30,6 +30,11 @@ from tests.conftest import read_all
 class LLaDAModelLM:
     @classmethod
     def from_pretrained(cls, path, torch_dtype=None):
+        slow_once = os.environ.get("FAKE_REFERENCE_SLOW_ONCE")  # the first run of the child is slower
+        cls.delay = 0.0
+        if slow_once and not os.path.exists(slow_once):
+            Path(slow_once).touch()
+            cls.delay = 0.1
         if os.environ.get("FAKE_REFERENCE_FAIL"):
             raise OSError("no model here")
         print("loading the reference model")  # the reference's own output on stdout is not an answer,
@@ -46,6 +51,7 @@ def decoder(policy):
     def run(model, prompt, steps, gen_length, block_length, temperature, remasking, mask_id, threshold):
         assert temperature == 0.0 and remasking == "low_confidence" and mask_id == model.config.mask_token_id
         ids = np.asarray(prompt)[0]
+        time.sleep(model.delay)
         answer, nfe = reference.generate(model.weights, model.config, ids, gen_length, block_length, steps,
                                          policy, threshold)
         answer = (answer + int(os.environ.get("FAKE_REFERENCE_SHIFT", "0"))) % mask_id
@@ -97,6 +103,22 @@ def test_reference_rows_time_the_same_answers(capsys, tiny_dir, fake_reference):
             row["ref_latency_s"] / row["median_latency_s"])
     assert "ref_latency_s" not in rows[3]  # speculation has no reference decoder
     assert all("answers" not in row and "setting_key" not in row for row in rows)
+
+
+def test_the_reference_runs_before_and_after_ours_and_keeps_its_faster_time(capsys, tiny_dir, fake_reference,
+                                                                           monkeypatch, tmp_path):
+    monkeypatch.setenv("FAKE_REFERENCE_SLOW_ONCE", str(tmp_path / "ran"))  # the pass before ours: +0.1 s an answer
+    code, rows, err = bench_rows(capsys, tiny_dir, fake_reference, "dual-cache")
+    timed = {}
+    for line in err.splitlines():
+        if line.startswith("reference (") and " dual-cache prompt " in line:
+            when, prompt_seconds = line.removeprefix("reference (").split(") dual-cache prompt ")
+            prompt, seconds = prompt_seconds.removesuffix(" s").split(": ")
+            timed.setdefault(int(prompt), {})[when] = float(seconds)
+    assert code == 0 and sorted(timed) == [0, 1]
+    assert all(passes["before ours"] > passes["after ours"] + 0.05 for passes in timed.values())
+    fastest = sorted(min(passes.values()) for passes in timed.values())
+    assert rows[0]["ref_latency_s"] == pytest.approx(sum(fastest) / 2, abs=0.006)  # the median of 2 prompts
 
 
 def test_different_reference_tokens_are_reported(capsys, tiny_dir, fake_reference, monkeypatch):

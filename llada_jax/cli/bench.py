@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import tempfile
@@ -65,13 +66,13 @@ def check_reference_flags(args, settings: list[DecoderSetting]) -> None:
     check_reference(args.reference, args.reference_python, settings)
 
 
-def reference_answers(args, config, prompts: list[Prompt], settings: list[DecoderSetting], progress):
-    """The reference decoders' answers on `prompts` (None without --reference)."""
+def reference_runner(args, config, prompts: list[Prompt], settings: list[DecoderSetting], progress):
+    """`run(label)`: the reference decoders' answers on `prompts` (None without --reference)."""
     if args.reference is None:
         return None
     workload = {name: getattr(args, name) for name in ("gen_length", "block_length", "steps")}
-    return run_reference(args.reference, args.reference_python, model_dir(args), config,
-                         [prompt.ids.tolist() for prompt in prompts], settings, workload, progress)
+    return functools.partial(run_reference, args.reference, args.reference_python, model_dir(args), config,
+                             [prompt.ids.tolist() for prompt in prompts], settings, workload, progress)
 
 
 def cmd_bench(args) -> None:
@@ -84,14 +85,14 @@ def cmd_bench(args) -> None:
     config, tokenizer, run = generation_runner(args, baked, args.batch_sizes)
     prompts = bench_prompts(args, tokenizer, config)
     progress = lambda message: print(message, file=sys.stderr)  # noqa: E731
-    reference = reference_answers(args, config, prompts, settings, progress)  # first, on the same prompts
+    reference = reference_runner(args, config, prompts, settings, progress)
 
-    def measure(generate) -> dict:
+    def measure(generate, reference=None) -> dict:
         return bench(generate, config, tokenizer, settings, prompts, args.steps, progress=progress,
                      block_length=args.block_length, loops=loops, gen_length=args.gen_length,
                      batch_sizes=args.batch_sizes, reference=reference)
 
-    report = measure(run)
+    report = measure(run, reference)
     if args.mesh:  # the same rows on one device, measured in the same run
         _, _, alone = generation_runner(argparse.Namespace(**{**vars(args), "mesh": None}), baked, args.batch_sizes)
         report = mesh_report(report, measure(alone), args.mesh)
