@@ -15,10 +15,10 @@ from llada_jax.qlinear import QuantizedWeight, quantized_linear, stored_matmul
 FEATURE_ROWS = 128  # steps computing at most this many positions (all rows) run feature-major
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float, axis: int = -1) -> jax.Array:
-    """Normalise in float32 over `axis`, cast back, then scale (the order LLaDA's RMSLayerNorm uses)."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """Normalise in float32 over the last axis, cast back, then scale (the order LLaDA's RMSLayerNorm uses)."""
     x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=axis, keepdims=True) + eps)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return weight * x32.astype(x.dtype)
 
 
@@ -75,25 +75,21 @@ class Features:
 
     @staticmethod
     def leave(h, b, w):
-        # Behind the barrier XLA cannot fold the transpose into the matmul that made `h` (it would turn it
-        # back into the slow `x @ W.T` form: the LM head at 32 rows took 13.8 ms instead of 8.7).
-        return jax.lax.optimization_barrier(h).T.reshape(b, w, -1)
+        return h.T.reshape(b, w, -1)
 
     @staticmethod
     def norm(h, weight, eps):
-        return rms_norm(h, weight[:, None], eps, axis=0)
-
-    @staticmethod
-    def matmul(h, weight):
-        """weight `[O, I]` @ h `[I, R]` in float32, the weight read in the dtype it is stored in (see
-        `qlinear.stored_matmul`: the barrier keeps XLA from hoisting a converted copy out of a loop)."""
-        if weight.dtype != jnp.float32:
-            weight, h = jax.lax.optimization_barrier((weight, h))
-        return jnp.einsum("oi,ir->or", weight.astype(h.dtype), h, preferred_element_type=jnp.float32)
+        # Normalised position-major: IREE's Vulkan code generation miscomputed a reduction over the leading
+        # axis fused with the broadcast consuming it (Mesa lavapipe, 8-32 columns: errors of ~4 on unit values).
+        return rms_norm(h.T, weight, eps).T
 
     @staticmethod
     def linear(h, weight):
-        return Features.matmul(h, weight).astype(h.dtype)
+        """weight `[O, I]` @ h `[I, R]`, accumulated in float32, the weight read in the dtype it is stored in
+        (see `qlinear.stored_matmul`: the barrier keeps XLA from hoisting a converted copy out of a loop)."""
+        if weight.dtype != jnp.float32:
+            weight, h = jax.lax.optimization_barrier((weight, h))
+        return jnp.einsum("oi,ir->or", weight.astype(h.dtype), h, preferred_element_type=jnp.float32).astype(h.dtype)
 
     @staticmethod
     def heads(h, b, w, head_dim):

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from llada_jax.config import LLaDAConfig
-from llada_jax.layout import FEATURE_ROWS, Features, layout_for, rms_norm
+from llada_jax.layout import layout_for, rms_norm
 from llada_jax.qlinear import QuantizedWeight, quantized_linear, quantized_rows, stored_matmul
 
 
@@ -130,7 +130,4 @@ def lm_logits(params: dict, hidden: jax.Array) -> jax.Array:
     head = params["lm_head"]
     if isinstance(head, QuantizedWeight):
         return quantized_linear(hidden.astype(jnp.float32), head)
-    b, w, _ = hidden.shape
-    if b * w <= FEATURE_ROWS:
-        return Features.leave(Features.matmul(Features.enter(hidden), head), b, w)
     return stored_matmul(hidden, head)

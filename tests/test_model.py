@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 import llada_jax
 from llada_jax import kv_state
 from llada_jax.layout import Features, Positions, linear
-from llada_jax.model import Context, decoder_layer, lm_logits, rotary_tables
+from llada_jax.model import Context, decoder_layer, rotary_tables
 from llada_jax.readout import ReadoutSpec, StepOutput
 from llada_jax.steps import full_step, window_step
 from tests import reference
@@ -150,14 +150,3 @@ def test_feature_major_layer_equals_position_major(tiny_model, batch, width, cac
     by_feature = run(block, x, rotary, context, bias, config=TINY, layout=Features)
     for got, want in zip(by_feature, by_position):
         assert_close_to_scale(np.asarray(got), np.asarray(want))
-
-
-@settings(max_examples=10, deadline=None)
-@given(batch=st.integers(1, 4), width=st.integers(1, 64), seed=st.integers(0, 10_000))
-def test_narrow_lm_head_equals_the_wide_one(tiny_model, batch, width, seed):
-    """Up to FEATURE_ROWS positions the head runs feature-major, above it position-major: the same logits."""
-    hidden = jnp.asarray(np.random.default_rng(seed).normal(size=(batch, width, TINY.d_model)), jnp.float32)
-    got = np.asarray(jax.jit(lm_logits)(tiny_model.params, hidden))
-    want = np.einsum("bwi,oi->bwo", np.asarray(hidden, np.float64), np.asarray(tiny_model.params["lm_head"], np.float64))
-    assert got.shape == want.shape
-    assert_close_to_scale(got, want)
