@@ -12,22 +12,23 @@ import jax
 import jax.numpy as jnp
 
 from llada_jax.config import LLaDAConfig
+from llada_jax.layout import FEATURE_ROWS
 from llada_jax.model import decoder_layer, lm_logits, rms_norm, rotary_tables
 from llada_jax.qlinear import unpack_stage
 from llada_jax.readout import HeadChunkReadout, Readout, ReadoutSpec
 from llada_jax.steps import argmax_others, guided_logits
 
 
-@functools.partial(jax.jit, static_argnames=("config", "quantization"))
+@functools.partial(jax.jit, static_argnames=("config", "quantization", "feature_rows"))
 def layer_step(weights, x: jax.Array, positions: jax.Array, key_bias: jax.Array,
-               cached_keys, cached_values, *, config: LLaDAConfig, quantization=()):
+               cached_keys, cached_values, *, config: LLaDAConfig, quantization=(), feature_rows: int = FEATURE_ROWS):
     """One decoder layer over `x` `[B, W, D]`; cached K/V `[B, S, K, hd]` (or None for a full step)
     come first in the keys, biased by `key_bias` `[B, S + W]` (or `[B, W]`). Returns x, k, v.
     `quantization`: the stage's quantized matrices, stored as packed bytes (`qlinear.unpack_stage`)."""
     weights = unpack_stage(weights, quantization)
     rotary = rotary_tables(positions, config.head_dim, config.rope_theta)
     cached = None if cached_keys is None else (cached_keys, cached_values)
-    return decoder_layer(weights, x, rotary, cached, key_bias, config)
+    return decoder_layer(weights, x, rotary, cached, key_bias, config, feature_rows=feature_rows)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "readout_spec", "quantization"))

@@ -75,13 +75,15 @@ class Features:
 
     @staticmethod
     def leave(h, b, w):
-        return h.T.reshape(b, w, -1)
+        # Behind the barrier XLA cannot fold the transpose into the matmul that made `h`: its layout
+        # assignment would turn that matmul back into the slow `x @ W.T` form.
+        return jax.lax.optimization_barrier(h).T.reshape(b, w, -1)
 
     @staticmethod
     def norm(h, weight, eps):
-        # Normalised position-major: IREE's Vulkan code generation miscomputed a reduction over the leading
-        # axis fused with the broadcast consuming it (Mesa lavapipe, 8-32 columns: errors of ~4 on unit values).
-        return rms_norm(h.T, weight, eps).T
+        x32 = h.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=0, keepdims=True) + eps)
+        return weight[:, None] * x32.astype(h.dtype)
 
     @staticmethod
     def linear(h, weight):
@@ -101,7 +103,8 @@ class Features:
         return heads.transpose(2, 3, 0, 1).reshape(n * hd, b * w)
 
 
-def layout_for(rows: int, block: dict):
-    """Feature-major for narrow steps over float weights; position-major otherwise."""
+def layout_for(rows: int, block: dict, feature_rows: int = FEATURE_ROWS):
+    """Feature-major for steps of at most `feature_rows` positions over float weights; position-major
+    otherwise."""
     quantized = any(isinstance(weight, QuantizedWeight) for weight in block.values())
-    return Features if rows <= FEATURE_ROWS and not quantized else Positions
+    return Features if rows <= feature_rows and not quantized else Positions

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from llada_jax.config import LLaDAConfig
-from llada_jax.layout import layout_for, rms_norm
+from llada_jax.layout import FEATURE_ROWS, layout_for, rms_norm
 from llada_jax.qlinear import QuantizedWeight, quantized_linear, quantized_rows, stored_matmul
 
 
@@ -71,12 +71,13 @@ def attention(q: jax.Array, keys: jax.Array, values: jax.Array, key_bias: jax.Ar
 
 
 def decoder_layer(block: dict, x: jax.Array, rotary, cached, key_bias: jax.Array, config: LLaDAConfig,
-                  layout=None):
+                  layout=None, feature_rows: int = FEATURE_ROWS):
     """One block. `cached` is this layer's (keys, values) `[B, S, K, hd]` or None. Returns x, k, v.
-    `layout` (`llada_jax.layout`) defaults to the faster one for this many positions."""
+    `layout` (`llada_jax.layout`) defaults to the faster one for this many positions on XLA's CPU;
+    `feature_rows=0` keeps every width position-major (IREE exports)."""
     b, w, _ = x.shape
     hd = config.head_dim
-    layout = layout or layout_for(b * w, block)
+    layout = layout or layout_for(b * w, block, feature_rows)
     h = layout.enter(x)
     normed = layout.norm(h, block["attn_norm"], config.rms_norm_eps)
     q = layout.heads(layout.linear(normed, block["q_proj"]), b, w, hd)
@@ -95,7 +96,7 @@ def decoder_layer(block: dict, x: jax.Array, rotary, cached, key_bias: jax.Array
 
 
 def forward(params: dict, tokens: jax.Array, positions: jax.Array, token_bias: jax.Array,
-            context: Context | None, config: LLaDAConfig) -> ForwardOut:
+            context: Context | None, config: LLaDAConfig, feature_rows: int = FEATURE_ROWS) -> ForwardOut:
     """Run W positions `tokens`/`positions` `[B, W]`, attending to `context` (if any) and to themselves.
 
     `token_bias` `[B, W]` hides padded positions as keys. The result's K/V are proposals: the caller
@@ -107,7 +108,7 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, token_bias: j
     new_keys, new_values = [], []
     for layer, block in enumerate(params["blocks"]):
         cached = None if context is None else (context.keys[layer], context.values[layer])
-        x, k, v = decoder_layer(block, x, rotary, cached, key_bias, config)
+        x, k, v = decoder_layer(block, x, rotary, cached, key_bias, config, feature_rows=feature_rows)
         new_keys.append(k)
         new_values.append(v)
     hidden = rms_norm(x, params["ln_f"], config.rms_norm_eps)

@@ -154,13 +154,13 @@ def _staged_function(spec: StepSpec, config: LLaDAConfig):
     elif spec.kind == "layer_full":
         def run(*args):
             weights, (x, positions, key_bias) = dict(zip(names, args)), args[len(names):]
-            return layer_step(weights, x, positions, key_bias, None, None, config=config)
+            return layer_step(weights, x, positions, key_bias, None, None, config=config, feature_rows=0)
     else:
         def run(*args):
             weights, (x, positions, key_bias, keys, values, layer) = dict(zip(names, args)), args[len(names):]
             cached_k = jax.lax.dynamic_index_in_dim(keys, layer, axis=0, keepdims=False)
             cached_v = jax.lax.dynamic_index_in_dim(values, layer, axis=0, keepdims=False)
-            return layer_step(weights, x, positions, key_bias, cached_k, cached_v, config=config)
+            return layer_step(weights, x, positions, key_bias, cached_k, cached_v, config=config, feature_rows=0)
     return run
 
 
@@ -176,13 +176,13 @@ def step_function(spec: StepSpec, config: LLaDAConfig, layout: WeightLayout, com
     if spec.kind == "full":
         def run(weights, tokens, valid, cfg_scale, logit_bias, confidence_bias):
             out, keys, values = full_step(params_from(weights), tokens, valid > 0, cfg_scale, logit_bias,
-                                          confidence_bias, config=config, readout_spec=ARGMAX)
+                                          confidence_bias, config=config, readout_spec=ARGMAX, feature_rows=0)
             return out.x0, out.logp, keys, values
     elif spec.kind == "window":
         def run(weights, keys, values, context_bias, ids, pos, valid, cfg_scale, logit_bias, confidence_bias):
             out, new_keys, new_values = window_step(
                 params_from(weights), Context(keys, values, context_bias), ids, pos, valid > 0, cfg_scale,
-                logit_bias, confidence_bias, config=config, readout_spec=ARGMAX)
+                logit_bias, confidence_bias, config=config, readout_spec=ARGMAX, feature_rows=0)
             return out.x0, out.logp, new_keys, new_values
     else:
         def run(keys, values, targets, new_keys, new_values):
@@ -228,7 +228,8 @@ def loop(spec: LoopSpec, config: LLaDAConfig, compute_dtype, layout: WeightLayou
 
     def run(weights, *loop_inputs):
         params = params_of(weights, layout, config, compute_dtype, activations)
-        return tuple(decode_loop(params, LoopInputs(*loop_inputs), config=config, spec=spec, kv_dtype=compute_dtype))
+        return tuple(decode_loop(params, LoopInputs(*loop_inputs), config=config, spec=spec, kv_dtype=compute_dtype,
+                                 feature_rows=0))
 
     return Function(spec.name, True, signature(LoopInputs._fields), signature(LoopOutputs._fields), run)
 
