@@ -1,8 +1,14 @@
 """How one decoder layer lays out its activations: position-major `[B, W, D]` or feature-major `[D, B*W]`.
 
-XLA's CPU matmul is much faster on few rows when the weight is the left operand: `W [O, I] @ h [I, R]`
-(measured at 32 rows: a 12-layer chain 61-70 ms against 105-111 ms for `x @ W.T`); from ~128 rows on the
-position-major form is as fast or faster. Attention and rotary run position-major in both layouts.
+XLA's CPU matmul is much faster on few rows when the weight is the left operand, `W [O, I] @ h [I, R]`,
+than in the position-major `x @ W.T` (the bench-size model's 12 layers of projections on 32 rows: 61-70 ms
+against 105-111 ms). So steps of at most FEATURE_ROWS positions run each layer feature-major: the
+projections, norms, SwiGLU and residual adds on columns, attention and rotary position-major (a transpose
+of a few hundred KB each way). From ~192 rows on, position-major is as fast or faster.
+Only XLA uses the feature-major layout: IREE exports pass `feature_rows=0` (its code generation is its own,
+its decode loops fail to compile with the optimization barrier below, and Mesa's lavapipe Vulkan driver
+miscomputed a reduction over the leading axis fused with the broadcast consuming it). Quantized weights
+stay position-major too (their matmuls live in `qlinear`).
 """
 
 from __future__ import annotations
