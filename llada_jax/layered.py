@@ -31,15 +31,15 @@ def layer_step(weights, x: jax.Array, positions: jax.Array, key_bias: jax.Array,
     return decoder_layer(weights, x, rotary, cached, key_bias, config, feature_rows=feature_rows)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "readout_spec", "quantization"))
+@functools.partial(jax.jit, static_argnames=("config", "readout_spec", "quantization", "feature_rows"))
 def head_chunk_step(weights, x: jax.Array, cfg_scale, logit_bias, confidence_bias, *,
-                    config: LLaDAConfig, readout_spec: ReadoutSpec, quantization=()):
+                    config: LLaDAConfig, readout_spec: ReadoutSpec, quantization=(), feature_rows: int = FEATURE_ROWS):
     """Final norm and one vocabulary chunk of the LM head; `logit_bias`/`confidence_bias` are that
     chunk's slices (padding rows: -inf logit bias). Returns the chunk's guided logits, or its
     partial readout (`partial_readout`), which `readout.combine_head_chunks` merges across chunks."""
     weights = unpack_stage(weights, quantization)
     hidden = rms_norm(x, weights["ln_f"], config.rms_norm_eps)
-    logits = guided_logits(lm_logits({"lm_head": weights["lm_head"]}, hidden), cfg_scale, logit_bias, readout_spec)
+    logits = guided_logits(lm_logits({"lm_head": weights["lm_head"]}, hidden, feature_rows), cfg_scale, logit_bias, readout_spec)
     return Readout(logits=logits) if readout_spec.kind == "logits" else partial_readout(logits, confidence_bias)
 
 

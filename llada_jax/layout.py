@@ -92,12 +92,16 @@ class Features:
         return weight[:, None] * x32.astype(h.dtype)
 
     @staticmethod
-    def linear(h, weight):
-        """weight `[O, I]` @ h `[I, R]`, accumulated in float32, the weight read in the dtype it is stored in
-        (see `qlinear.stored_matmul`: the barrier keeps XLA from hoisting a converted copy out of a loop)."""
+    def matmul(h, weight):
+        """weight `[O, I]` @ h `[I, R]` in float32, the weight read in the dtype it is stored in (see
+        `qlinear.stored_matmul`: the barrier keeps XLA from hoisting a converted copy out of a loop)."""
         if weight.dtype != jnp.float32:
             weight, h = jax.lax.optimization_barrier((weight, h))
-        return jnp.einsum("oi,ir->or", weight.astype(h.dtype), h, preferred_element_type=jnp.float32).astype(h.dtype)
+        return jnp.einsum("oi,ir->or", weight.astype(h.dtype), h, preferred_element_type=jnp.float32)
+
+    @staticmethod
+    def linear(h, weight):
+        return Features.matmul(h, weight).astype(h.dtype)
 
     @staticmethod
     def heads(h, b, w, head_dim):

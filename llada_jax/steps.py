@@ -60,8 +60,9 @@ def head_rows(hidden: jax.Array, head_start, head_width: int | None) -> jax.Arra
     return jax.lax.dynamic_slice_in_dim(hidden, jnp.asarray(head_start, jnp.int32), head_width, axis=1)
 
 
-def read_out(params: dict, hidden: jax.Array, cfg_scale, logit_bias, confidence_bias, readout_spec: ReadoutSpec) -> Readout:
-    logits = guided_logits(lm_logits(params, hidden), cfg_scale, logit_bias, readout_spec)
+def read_out(params: dict, hidden: jax.Array, cfg_scale, logit_bias, confidence_bias, readout_spec: ReadoutSpec,
+             feature_rows: int = FEATURE_ROWS) -> Readout:
+    logits = guided_logits(lm_logits(params, hidden, feature_rows), cfg_scale, logit_bias, readout_spec)
     if readout_spec.kind == "logits":
         return Readout(logits=logits)
     x0, logp = argmax_logprob(logits, confidence_bias)
@@ -78,7 +79,8 @@ def full_step(params: dict, tokens: jax.Array, valid: jax.Array, cfg_scale: jax.
     bias = jnp.where(valid, 0.0, HIDDEN).astype(jnp.float32)
     out = forward(params, tokens, positions, bias, None, config, feature_rows)
     hidden = head_rows(out.hidden, head_start, head_width)
-    return read_out(params, hidden, cfg_scale, logit_bias, confidence_bias, readout_spec), out.keys, out.values
+    readout = read_out(params, hidden, cfg_scale, logit_bias, confidence_bias, readout_spec, feature_rows)
+    return readout, out.keys, out.values
 
 
 @functools.partial(jax.jit, static_argnames=("config", "readout_spec", "head_width", "feature_rows"))
@@ -90,7 +92,8 @@ def window_step(params: dict, context: Context, window_ids: jax.Array, window_po
     bias = jnp.where(window_valid, 0.0, HIDDEN).astype(jnp.float32)
     out = forward(params, window_ids, window_pos, bias, context, config, feature_rows)
     hidden = head_rows(out.hidden, head_start, head_width)
-    return read_out(params, hidden, cfg_scale, logit_bias, confidence_bias, readout_spec), out.keys, out.values
+    readout = read_out(params, hidden, cfg_scale, logit_bias, confidence_bias, readout_spec, feature_rows)
+    return readout, out.keys, out.values
 
 
 @jax.jit

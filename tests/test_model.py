@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 import llada_jax
 from llada_jax import kv_state
 from llada_jax.layout import Features, Positions, linear
-from llada_jax.model import Context, decoder_layer, rotary_tables
+from llada_jax.model import Context, decoder_layer, lm_logits, rotary_tables
 from llada_jax.readout import ReadoutSpec, StepOutput
 from llada_jax.steps import full_step, window_step
 from tests import reference
@@ -150,3 +150,19 @@ def test_feature_major_layer_equals_position_major(tiny_model, batch, width, cac
     by_feature = run(block, x, rotary, context, bias, config=TINY, layout=Features)
     for got, want in zip(by_feature, by_position):
         assert_close_to_scale(np.asarray(got), np.asarray(want))
+
+
+@settings(max_examples=10, deadline=None)
+@given(batch=st.integers(1, 3), width=st.integers(1, 40), dtype=st.sampled_from(["float32", "bfloat16"]),
+       seed=st.integers(0, 10_000))
+def test_feature_major_lm_head_equals_the_plain_product(tiny_model, batch, width, dtype, seed):
+    """The head on few rows, computed as `W @ h` and transposed back, is hidden @ head.T in float32."""
+    rng = np.random.default_rng(seed)
+    head = {"lm_head": tiny_model.params["lm_head"].astype(dtype)}
+    hidden = jnp.asarray(rng.normal(size=(batch, width, TINY.d_model)), dtype)
+    run = jax.jit(lm_logits, static_argnames="feature_rows")
+    exact = np.asarray(hidden, np.float64) @ np.asarray(head["lm_head"], np.float64).T
+    for feature_rows in (0, 128):
+        got = run(head, hidden, feature_rows=feature_rows)
+        assert got.dtype == jnp.float32 and got.shape == (batch, width, TINY.embedding_size)
+        assert_close_to_scale(np.asarray(got, np.float64), exact)

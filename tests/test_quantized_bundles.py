@@ -71,16 +71,31 @@ def test_quantized_bundle_decodes_as_xla(quantized, label, policy, threshold, le
     assert [r.revisions for r in got.trace] == [r.revisions for r in want.trace]
 
 
+def assert_close_up_to_int8_flips(got, want, activations: str) -> None:
+    """Float activations: float32 agreement. W8A8 rounds every activation to int8 per token, and the two
+    compilers' float32 sums differ in their last bits: where a value sits on a rounding boundary it lands one
+    step of the int8 grid apart, and that token's outputs move (seen: one logp of 21 by 0.02, the rest within
+    1e-6; XLA alone moves the same logp as much when attention's einsums are ordered differently). So: every
+    value within 1% of the scale, and at most one in ten beyond float32 agreement."""
+    if activations == "float":
+        return assert_close(got, want)
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    apart = np.abs(got - want) / max(1.0, np.abs(want).max())
+    assert apart.max() <= 1e-2 and np.mean(apart > 1e-4) <= 0.1
+
+
 @pytest.mark.parametrize("label", [c[0] for c in CASES])
 def test_quantized_full_step_matches_xla(quantized, label):
     _, model, opened = quantized[label]
+    activations = {name: acts for name, _, acts in CASES}[label]
     iree = IreeBackend(opened.bundle, opened.session, ReadoutSpec(), TokenBiases.build(TINY.embedding_size))
     for seed, (slots, length) in enumerate([(8, 5), (16, 16), (32, 21)]):
         tokens, valid = random_canvas(seed, slots, length)
         want, got = jax_backend(model).full(tokens, valid), iree.full(tokens, valid)
         assert got.readout.x0[:, :length].tolist() == want.readout.x0[:, :length].tolist()
-        assert_close(got.readout.logp[:, :length], want.readout.logp[:, :length])
-        assert_close(opened.session.read(got.keys)[:, :, :length], np.asarray(want.keys)[:, :, :length])
+        assert_close_up_to_int8_flips(got.readout.logp[:, :length], want.readout.logp[:, :length], activations)
+        assert_close_up_to_int8_flips(opened.session.read(got.keys)[:, :, :length],
+                                      np.asarray(want.keys)[:, :, :length], activations)
 
 
 def test_quantized_manifest_binds_the_checkpoint_as_stored(quantized):
