@@ -4,7 +4,8 @@ XLA's CPU matmul is much faster on few rows when the weight is the left operand,
 than in the position-major `x @ W.T` (the bench-size model's 12 layers of projections on 32 rows: 61-70 ms
 against 105-111 ms). So steps of at most FEATURE_ROWS positions run each layer feature-major: the
 projections, norms, SwiGLU and residual adds on columns, attention and rotary position-major (a transpose
-of a few hundred KB each way). From ~192 rows on, position-major is as fast or faster.
+of a few hundred KB each way); the LM head on as few rows runs feature-major too (`model.lm_logits`).
+From ~192 rows on, position-major is as fast or faster.
 Only XLA uses the feature-major layout: IREE exports pass `feature_rows=0` (its code generation is its own,
 its decode loops fail to compile with the optimization barrier below, and Mesa's lavapipe Vulkan driver
 miscomputed a reduction over the leading axis fused with the broadcast consuming it). Quantized weights
