@@ -102,8 +102,9 @@ def unpack_stage(weights: dict, quantization) -> dict:
     return out
 
 
-def stored_matmul(x: jax.Array, weight: jax.Array) -> jax.Array:
-    """x `[B, W, I]` @ weight `[O, I]`.T in float32, the weight read in the dtype it is stored in.
+def stored_matmul(x: jax.Array, weight: jax.Array, columns: bool = False) -> jax.Array:
+    """x `[B, W, I]` @ weight `[O, I]`.T in float32, the weight read in the dtype it is stored in. With
+    `columns`, x is feature-major `[I, R]` and the product is weight @ x `[O, R]` (`llada_jax.layout`).
 
     A weight that is not float32 passes through an optimization barrier with x, so whatever XLA derives
     from it (an int8 -> float conversion, a bf16 transpose for its CPU matmul) depends on the step's input
@@ -111,35 +112,43 @@ def stored_matmul(x: jax.Array, weight: jax.Array) -> jax.Array:
     transposed copy of every weight before the loop (LLaDA-8B: the whole model again)."""
     if weight.dtype != jnp.float32:
         weight, x = jax.lax.optimization_barrier((weight, x))
-    return jnp.einsum("bwi,oi->bwo", x, weight.astype(x.dtype), preferred_element_type=jnp.float32)
+    return _product(x, weight.astype(x.dtype), columns)
 
 
-def quantized_linear(x: jax.Array, w: QuantizedWeight) -> jax.Array:
-    """x `[B, W, I]` @ dequantized(w).T, float32 accumulation, in x's dtype."""
+def _product(x: jax.Array, weight: jax.Array, columns: bool) -> jax.Array:
+    spec = "oi,ir->or" if columns else "bwi,oi->bwo"
+    return jnp.einsum(spec, *((weight, x) if columns else (x, weight)), preferred_element_type=jnp.float32)
+
+
+def quantized_linear(x: jax.Array, w: QuantizedWeight, columns: bool = False) -> jax.Array:
+    """x `[B, W, I]` @ dequantized(w).T, float32 accumulation, in x's dtype. With `columns` (float
+    activations only), x is feature-major `[I, R]` and the result dequantized(w) @ x `[O, R]`."""
     if w.activations == "int8":
+        if columns:
+            raise ValueError("W8A8 matmuls run position-major (llada_jax.layout.layout_for)")
         return _int8_linear(x, w)
     if not w.row_block:
-        return _float_linear(x, w.values, w.scale, w.hoist_barrier)
+        return _float_linear(x, w.values, w.scale, w.hoist_barrier, columns)
     # The matmul consumes a float copy of the weights: for LLaDA-8B's LM head that is 2 GB at once. Made
     # per block of rows, each copy is freed before the next is made.
     block = w.row_block
-    parts = [_float_linear(x, w.values[start:start + block], w.scale[start:start + block], w.hoist_barrier)
-             for start in range(0, w.shape[0], block)]
-    return jnp.concatenate(parts, axis=-1)
+    parts = [_float_linear(x, w.values[start:start + block], w.scale[start:start + block], w.hoist_barrier,
+                           columns) for start in range(0, w.shape[0], block)]
+    return jnp.concatenate(parts, axis=0 if columns else -1)
 
 
-def _float_linear(x: jax.Array, values: jax.Array, scale: jax.Array, hoist_barrier: bool) -> jax.Array:
+def _float_linear(x: jax.Array, values: jax.Array, scale: jax.Array, hoist_barrier: bool,
+                  columns: bool) -> jax.Array:
     if scale.shape[1] == 1:
-        return (stored_matmul(x, values) * scale[:, 0]).astype(x.dtype)
-    rows, columns = values.shape
+        return (stored_matmul(x, values, columns) * (scale if columns else scale[:, 0])).astype(x.dtype)
+    rows, width = values.shape
     groups = scale.shape[1]
     # The float copy depends on x through the barrier, so XLA cannot hoist it out of a loop (the compiled
     # decode loop's while body: LLaDA-8B int4 asked for 30 GB, every weight dequantized at once before it).
     if hoist_barrier:
         values, x = jax.lax.optimization_barrier((values, x))
-    weight = values.astype(jnp.float32).reshape(rows, groups, columns // groups) * scale[..., None]
-    weight = weight.reshape(rows, columns).astype(x.dtype)
-    return jnp.einsum("bwi,oi->bwo", x, weight, preferred_element_type=jnp.float32).astype(x.dtype)
+    weight = values.astype(jnp.float32).reshape(rows, groups, width // groups) * scale[..., None]
+    return _product(x, weight.reshape(rows, width).astype(x.dtype), columns).astype(x.dtype)
 
 
 def _int8_linear(x: jax.Array, w: QuantizedWeight) -> jax.Array:

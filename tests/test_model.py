@@ -12,6 +12,8 @@ import llada_jax
 from llada_jax import kv_state
 from llada_jax.layout import Features, Positions, linear
 from llada_jax.model import Context, decoder_layer, lm_logits, rotary_tables
+from llada_jax.qlinear import to_device
+from llada_jax.quantize import HostQuantized, QuantScheme, quantize_matrix
 from llada_jax.readout import ReadoutSpec, StepOutput
 from llada_jax.steps import full_step, window_step
 from tests import reference
@@ -134,12 +136,22 @@ def test_bfloat16_linear_accumulates_in_float32(rows, inner, out, seed):
     assert np.all(np.abs(np.asarray(got, np.float64) - exact) <= spacing)
 
 
+def quantized_block(block: dict, scheme: QuantScheme | None) -> dict:
+    """The block with each matrix quantized to `scheme` (float activations); None: as it is."""
+    if scheme is None:
+        return block
+    return {name: to_device(HostQuantized(*quantize_matrix(np.asarray(w), scheme), scheme)) if w.ndim == 2 else w
+            for name, w in block.items()}
+
+
 @settings(max_examples=15, deadline=None)
-@given(batch=st.integers(1, 3), width=st.integers(1, 40), cached=st.integers(0, 24), seed=st.integers(0, 10_000))
-def test_feature_major_layer_equals_position_major(tiny_model, batch, width, cached, seed):
-    """The layer computed with one column per position gives the position-major layer's x, K and V."""
+@given(batch=st.integers(1, 3), width=st.integers(1, 40), cached=st.integers(0, 24), seed=st.integers(0, 10_000),
+       scheme=st.sampled_from([None, QuantScheme(8), QuantScheme(4, 16)]))
+def test_feature_major_layer_equals_position_major(tiny_model, batch, width, cached, seed, scheme):
+    """The layer computed with one column per position gives the position-major layer's x, K and V, with float
+    or weight-only quantized matrices."""
     rng = np.random.default_rng(seed)
-    block = tiny_model.params["blocks"][1]
+    block = quantized_block(tiny_model.params["blocks"][1], scheme)
     x = jnp.asarray(rng.normal(size=(batch, width, TINY.d_model)), jnp.float32)
     rotary = rotary_tables(jnp.asarray(rng.integers(0, 100, (batch, width))), TINY.head_dim, TINY.rope_theta)
     kv = (batch, cached, TINY.n_kv_heads, TINY.head_dim)
