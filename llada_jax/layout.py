@@ -10,7 +10,7 @@ Only XLA uses the feature-major layout: IREE exports pass `feature_rows=0` (its 
 its decode loops fail to compile with the optimization barrier below, and Mesa's lavapipe Vulkan driver
 miscomputed a reduction over the leading axis fused with the broadcast consuming it). Weight-only quantized
 matrices run feature-major as float ones do (`qlinear.quantized_linear(columns=True)`; the bench-size
-chain on 32 rows, int8 per channel: 49.0 -> 39.3 ms, int4 in groups of 128: 85.1 -> 66.0 ms); W8A8 stays
+chain on 32 rows, int8 per channel: 47.3 -> 36.7 ms, int4 in groups of 128: 80.9 -> 62.8 ms); W8A8 stays
 position-major.
 """
 
