@@ -39,7 +39,8 @@ def head_chunk_step(weights, x: jax.Array, cfg_scale, logit_bias, confidence_bia
     partial readout (`partial_readout`), which `readout.combine_head_chunks` merges across chunks."""
     weights = unpack_stage(weights, quantization)
     hidden = rms_norm(x, weights["ln_f"], config.rms_norm_eps)
-    logits = guided_logits(lm_logits({"lm_head": weights["lm_head"]}, hidden, feature_rows), cfg_scale, logit_bias, readout_spec)
+    logits = lm_logits({"lm_head": weights["lm_head"]}, hidden, feature_rows)
+    logits = guided_logits(logits, cfg_scale, logit_bias, readout_spec)
     return Readout(logits=logits) if readout_spec.kind == "logits" else partial_readout(logits, confidence_bias)
 
 

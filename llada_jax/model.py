@@ -131,6 +131,6 @@ def lm_logits(params: dict, hidden: jax.Array, feature_rows: int = FEATURE_ROWS)
     if isinstance(head, QuantizedWeight):
         return quantized_linear(hidden.astype(jnp.float32), head)
     b, w, _ = hidden.shape
-    if b * w <= feature_rows:
+    if layout_for(b * w, {"lm_head": head}, feature_rows) is Features:
         return Features.leave(Features.matmul(Features.enter(hidden), head), b, w)
     return stored_matmul(hidden, head)

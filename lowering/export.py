@@ -149,8 +149,8 @@ def _staged_function(spec: StepSpec, config: LLaDAConfig):
     if spec.kind == "head":
         def run(*args):
             weights, (x, cfg_scale, logit_bias, confidence_bias) = dict(zip(names, args)), args[len(names):]
-            out = head_chunk_step(weights, x, cfg_scale, logit_bias, confidence_bias, config=config, readout_spec=ARGMAX,
-                                  feature_rows=0)
+            out = head_chunk_step(weights, x, cfg_scale, logit_bias, confidence_bias, config=config,
+                                  readout_spec=ARGMAX, feature_rows=0)
             return tuple(out)
     elif spec.kind == "layer_full":
         def run(*args):

@@ -139,7 +139,8 @@ def float_activation_matmul_equals_dequantized_matmul(host: HostQuantized, batch
     assert got.dtype == np.float32 and np.all(np.abs(got - x @ weight.T) <= 1e-5 * bound + 1e-30)
     columns = x.reshape(-1, x.shape[-1]).T  # feature-major: one column per position
     got = np.asarray(quantized_linear(jnp.asarray(columns), to_device(host, "float"), columns=True))
-    assert got.dtype == np.float32 and np.all(np.abs(got - weight @ columns) <= 1e-5 * bound.reshape(-1, host.shape[0]).T + 1e-30)
+    column_bound = bound.reshape(-1, host.shape[0]).T
+    assert got.dtype == np.float32 and np.all(np.abs(got - weight @ columns) <= 1e-5 * column_bound + 1e-30)
 
 
 def int8_reference(x: np.ndarray, q: np.ndarray, scale: np.ndarray) -> np.ndarray:
