@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from llada_jax.config import LLaDAConfig
 from llada_jax.kv_state import HIDDEN
-from llada_jax.layout import FEATURE_ROWS
+from llada_jax.layout import XLA_LAYOUT, LayoutRule
 from llada_jax.loop_io import NOT_COMMITTED, LoopInputs, LoopOutputs, LoopSpec
 from llada_jax.model import Context
 from llada_jax.readout import ReadoutSpec
@@ -67,11 +67,11 @@ class Block(NamedTuple):
     masked_at_start: jax.Array
 
 
-@functools.partial(jax.jit, static_argnames=("config", "spec", "kv_dtype", "feature_rows"))
+@functools.partial(jax.jit, static_argnames=("config", "spec", "kv_dtype", "layout_rule"))
 def decode_loop(params: dict, inputs: LoopInputs, *, config: LLaDAConfig, spec: LoopSpec, kv_dtype,
-                feature_rows: int = FEATURE_ROWS) -> LoopOutputs:
+                layout_rule: LayoutRule = XLA_LAYOUT) -> LoopOutputs:
     """Generate `spec.gen_length` tokens after `inputs.prompt[:prompt_len]` (validated on the host).
-    `feature_rows`: see `model.decoder_layer` (0 in IREE exports)."""
+    `layout_rule`: see `model.decoder_layer` (`llada_jax.layout`; IREE exports pass their target's)."""
     s = spec.slots
     positions = jnp.arange(s)
     length = inputs.prompt_len + spec.gen_length
@@ -81,7 +81,7 @@ def decode_loop(params: dict, inputs: LoopInputs, *, config: LLaDAConfig, spec: 
                   zeros, zeros, jnp.zeros(s, bool), jnp.int32(0), jnp.full(s, NOT_COMMITTED, jnp.int32),
                   jnp.full(s, -jnp.inf, jnp.float32), jnp.zeros((4, spec.max_passes), jnp.int32),
                   jnp.full(2, NOT_COMMITTED, jnp.int32))
-    run = _Run(params, inputs, config, spec, positions, length, feature_rows)
+    run = _Run(params, inputs, config, spec, positions, length, layout_rule)
 
     def more_blocks(state):
         b, carry = state
@@ -108,7 +108,7 @@ class _Run(NamedTuple):
     spec: LoopSpec
     positions: jax.Array
     length: jax.Array
-    feature_rows: int
+    layout_rule: LayoutRule
 
     def masked(self, tokens):
         """[S] positions of the generated part still holding the mask."""
@@ -171,7 +171,7 @@ class _Run(NamedTuple):
         out, keys, values = full_step(self.params, carry.tokens[None], valid[None], jnp.float32(0.0),
                                       self.inputs.logit_bias, self.inputs.confidence_bias, block.start,
                                       config=self.config, readout_spec=ARGMAX, head_width=width,
-                                      feature_rows=self.feature_rows)
+                                      layout_rule=self.layout_rule)
         x0, logp = out.x0[0], out.logp[0]
         if width is not None:  # spread over the canvas: mask / -inf outside the block
             x0 = jax.lax.dynamic_update_slice(jnp.full(self.spec.slots, self.config.mask_token_id, x0.dtype), x0,
@@ -230,7 +230,7 @@ class _Run(NamedTuple):
         out, _, _ = window_step(self.params, context, carry.tokens[window_pos][None], window_pos[None],
                                 window_valid[None], jnp.float32(0.0), self.inputs.logit_bias,
                                 self.inputs.confidence_bias, 0, config=self.config, readout_spec=ARGMAX,
-                                head_width=None if reads == width else reads, feature_rows=self.feature_rows)
+                                head_width=None if reads == width else reads, layout_rule=self.layout_rule)
         x0, logp, at = out.x0[0], out.logp[0], at[:reads]
         return (jnp.where(jnp.any(at, axis=0), jnp.sum(at * x0[:, None], axis=0), self.config.mask_token_id),
                 jnp.max(jnp.where(at, logp[:, None], -jnp.inf), axis=0), jnp.int32(width), computed,

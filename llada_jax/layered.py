@@ -12,34 +12,36 @@ import jax
 import jax.numpy as jnp
 
 from llada_jax.config import LLaDAConfig
-from llada_jax.layout import FEATURE_ROWS
+from llada_jax.layout import XLA_LAYOUT, LayoutRule
 from llada_jax.model import decoder_layer, lm_logits, rms_norm, rotary_tables
 from llada_jax.qlinear import unpack_stage
 from llada_jax.readout import HeadChunkReadout, Readout, ReadoutSpec
 from llada_jax.steps import argmax_others, guided_logits
 
 
-@functools.partial(jax.jit, static_argnames=("config", "quantization", "feature_rows"))
+@functools.partial(jax.jit, static_argnames=("config", "quantization", "layout_rule"))
 def layer_step(weights, x: jax.Array, positions: jax.Array, key_bias: jax.Array,
-               cached_keys, cached_values, *, config: LLaDAConfig, quantization=(), feature_rows: int = FEATURE_ROWS):
+               cached_keys, cached_values, *, config: LLaDAConfig, quantization=(),
+               layout_rule: LayoutRule = XLA_LAYOUT):
     """One decoder layer over `x` `[B, W, D]`; cached K/V `[B, S, K, hd]` (or None for a full step)
     come first in the keys, biased by `key_bias` `[B, S + W]` (or `[B, W]`). Returns x, k, v.
     `quantization`: the stage's quantized matrices, stored as packed bytes (`qlinear.unpack_stage`)."""
     weights = unpack_stage(weights, quantization)
     rotary = rotary_tables(positions, config.head_dim, config.rope_theta)
     cached = None if cached_keys is None else (cached_keys, cached_values)
-    return decoder_layer(weights, x, rotary, cached, key_bias, config, feature_rows=feature_rows)
+    return decoder_layer(weights, x, rotary, cached, key_bias, config, layout_rule=layout_rule)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "readout_spec", "quantization", "feature_rows"))
+@functools.partial(jax.jit, static_argnames=("config", "readout_spec", "quantization", "layout_rule"))
 def head_chunk_step(weights, x: jax.Array, cfg_scale, logit_bias, confidence_bias, *,
-                    config: LLaDAConfig, readout_spec: ReadoutSpec, quantization=(), feature_rows: int = FEATURE_ROWS):
+                    config: LLaDAConfig, readout_spec: ReadoutSpec, quantization=(),
+                    layout_rule: LayoutRule = XLA_LAYOUT):
     """Final norm and one vocabulary chunk of the LM head; `logit_bias`/`confidence_bias` are that
     chunk's slices (padding rows: -inf logit bias). Returns the chunk's guided logits, or its
     partial readout (`partial_readout`), which `readout.combine_head_chunks` merges across chunks."""
     weights = unpack_stage(weights, quantization)
     hidden = rms_norm(x, weights["ln_f"], config.rms_norm_eps)
-    logits = lm_logits({"lm_head": weights["lm_head"]}, hidden, feature_rows)
+    logits = lm_logits({"lm_head": weights["lm_head"]}, hidden, layout_rule)
     logits = guided_logits(logits, cfg_scale, logit_bias, readout_spec)
     return Readout(logits=logits) if readout_spec.kind == "logits" else partial_readout(logits, confidence_bias)
 

@@ -6,15 +6,18 @@ against 105-111 ms). So steps of at most FEATURE_ROWS positions run each layer f
 projections, norms, SwiGLU and residual adds on columns, attention and rotary position-major (a transpose
 of a few hundred KB each way); the LM head on as few rows runs feature-major too (`model.lm_logits`).
 From ~192 rows on, position-major is as fast or faster.
-Only XLA uses the feature-major layout: IREE exports pass `feature_rows=0` (its code generation is its own,
-its decode loops fail to compile with the optimization barrier below, and Mesa's lavapipe Vulkan driver
-miscomputed a reduction over the leading axis fused with the broadcast consuming it). Weight-only quantized
+Which steps run feature-major depends on the compiler (`LayoutRule`): XLA up to FEATURE_ROWS positions,
+behind a barrier; IREE's CPU targets at every width, without one (the bench-size projections on IREE's host
+CPU: 32 rows 70 -> 50 ms, 192 rows 329 -> 233 ms); Vulkan targets never (Mesa's lavapipe driver miscomputed
+a reduction over the leading axis fused with the broadcast consuming it). Weight-only quantized
 matrices run feature-major as float ones do (`qlinear.quantized_linear(columns=True)`; the bench-size
 chain on 32 rows, int8 per channel: 47.3 -> 36.7 ms, int4 in groups of 128: 80.9 -> 62.8 ms); W8A8 stays
 position-major.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -73,7 +76,7 @@ class Positions:
 
 
 class Features:
-    """Activations `[D, B*W]`: one column per position."""
+    """Activations `[D, B*W]`: one column per position (XLA: fenced, see `leave`)."""
 
     FEATURE_AXIS = 0
 
@@ -115,8 +118,30 @@ class Features:
         return heads.transpose(2, 3, 0, 1).reshape(n * hd, b * w)
 
 
-def layout_for(rows: int, block: dict, feature_rows: int = FEATURE_ROWS):
-    """Feature-major for steps of at most `feature_rows` positions; position-major otherwise, and for W8A8
-    weights (their activations are quantized per position, over the feature axis of a row)."""
-    int8 = any(isinstance(weight, QuantizedWeight) and weight.activations == "int8" for weight in block.values())
-    return Features if rows <= feature_rows and not int8 else Positions
+class OpenFeatures(Features):
+    """Feature-major without the barrier, for IREE: it keeps the layouts it is given, and its decode loops
+    failed to compile holding the barrier ("failed to solve for timepoint coverage")."""
+
+    @staticmethod
+    def leave(h, b, w):
+        return h.T.reshape(b, w, -1)
+
+
+class LayoutRule(NamedTuple):
+    """Which layout a step of `rows` positions (all rows of the batch) runs in, for one compiler."""
+
+    feature_rows: int  # steps of at most this many positions run feature-major
+    fenced: bool       # XLA: the barrier in `Features.leave`; IREE: none (`OpenFeatures`)
+
+    def pick(self, rows: int, block: dict):
+        """Feature-major up to `feature_rows`; position-major above, and for W8A8 weights (their activations
+        are quantized per position, over the feature axis of a row)."""
+        int8 = any(isinstance(weight, QuantizedWeight) and weight.activations == "int8" for weight in block.values())
+        if rows > self.feature_rows or int8:
+            return Positions
+        return Features if self.fenced else OpenFeatures
+
+
+XLA_LAYOUT = LayoutRule(FEATURE_ROWS, fenced=True)
+IREE_CPU_LAYOUT = LayoutRule(1 << 30, fenced=False)  # every width (see the module docstring)
+POSITION_MAJOR = LayoutRule(0, fenced=False)         # Vulkan targets

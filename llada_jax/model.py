@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from llada_jax.config import LLaDAConfig
-from llada_jax.layout import FEATURE_ROWS, Features, layout_for, rms_norm
+from llada_jax.layout import XLA_LAYOUT, LayoutRule, Positions, rms_norm
 from llada_jax.qlinear import QuantizedWeight, quantized_linear, quantized_rows, stored_matmul
 
 
@@ -69,13 +69,13 @@ def attention(q: jax.Array, keys: jax.Array, values: jax.Array, key_bias: jax.Ar
 
 
 def decoder_layer(block: dict, x: jax.Array, rotary, cached, key_bias: jax.Array, config: LLaDAConfig,
-                  layout=None, feature_rows: int = FEATURE_ROWS):
+                  layout=None, layout_rule: LayoutRule = XLA_LAYOUT):
     """One block. `cached` is this layer's (keys, values) `[B, S, K, hd]` or None. Returns x, k, v.
-    `layout` (`llada_jax.layout`) defaults to the faster one for this many positions on XLA's CPU;
-    `feature_rows=0` keeps every width position-major (IREE exports)."""
+    `layout` (`llada_jax.layout`) defaults to the one `layout_rule` picks for this many positions (XLA's by
+    default; IREE exports pass their target's)."""
     b, w, _ = x.shape
     hd = config.head_dim
-    layout = layout or layout_for(b * w, block, feature_rows)
+    layout = layout or layout_rule.pick(b * w, block)
     h = layout.enter(x)
     normed = layout.norm(h, block["attn_norm"], config.rms_norm_eps)
     q = layout.heads(layout.linear(normed, block["q_proj"]), b, w, hd)
@@ -94,7 +94,7 @@ def decoder_layer(block: dict, x: jax.Array, rotary, cached, key_bias: jax.Array
 
 
 def forward(params: dict, tokens: jax.Array, positions: jax.Array, token_bias: jax.Array,
-            context: Context | None, config: LLaDAConfig, feature_rows: int = FEATURE_ROWS) -> ForwardOut:
+            context: Context | None, config: LLaDAConfig, layout_rule: LayoutRule = XLA_LAYOUT) -> ForwardOut:
     """Run W positions `tokens`/`positions` `[B, W]`, attending to `context` (if any) and to themselves.
 
     `token_bias` `[B, W]` hides padded positions as keys. The result's K/V are proposals: the caller
@@ -106,7 +106,7 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, token_bias: j
     new_keys, new_values = [], []
     for layer, block in enumerate(params["blocks"]):
         cached = None if context is None else (context.keys[layer], context.values[layer])
-        x, k, v = decoder_layer(block, x, rotary, cached, key_bias, config, feature_rows=feature_rows)
+        x, k, v = decoder_layer(block, x, rotary, cached, key_bias, config, layout_rule=layout_rule)
         new_keys.append(k)
         new_values.append(v)
     hidden = rms_norm(x, params["ln_f"], config.rms_norm_eps)
@@ -124,13 +124,14 @@ def embed(table, tokens: jax.Array, dtype) -> jax.Array:
     return table[tokens]
 
 
-def lm_logits(params: dict, hidden: jax.Array, feature_rows: int = FEATURE_ROWS) -> jax.Array:
-    """Vocabulary logits `[B, W, E]` in float32. Float heads on at most `feature_rows` rows run feature-major
-    (`llada_jax.layout`: the bench-size head on 32 rows took 13.0 ms against 16.9 position-major)."""
+def lm_logits(params: dict, hidden: jax.Array, layout_rule: LayoutRule = XLA_LAYOUT) -> jax.Array:
+    """Vocabulary logits `[B, W, E]` in float32. Float heads run in the layout `layout_rule` picks for this many
+    rows (`llada_jax.layout`; on XLA the bench-size head on 32 rows took 13.0 ms against 16.9 position-major)."""
     head = params["lm_head"]
     if isinstance(head, QuantizedWeight):
         return quantized_linear(hidden.astype(jnp.float32), head)
     b, w, _ = hidden.shape
-    if layout_for(b * w, {"lm_head": head}, feature_rows) is Features:
-        return Features.leave(Features.matmul(Features.enter(hidden), head), b, w)
+    layout = layout_rule.pick(b * w, {"lm_head": head})
+    if layout is not Positions:
+        return layout.leave(layout.matmul(layout.enter(hidden), head), b, w)
     return stored_matmul(hidden, head)

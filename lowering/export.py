@@ -20,6 +20,7 @@ from jax import export
 from llada_jax.config import LLaDAConfig
 from llada_jax.decode_loop import decode_loop
 from llada_jax.layered import head_chunk_step, layer_step
+from llada_jax.layout import LayoutRule
 from llada_jax.loop_io import LoopInputs, LoopOutputs, LoopSpec
 from llada_jax.model import Context
 from llada_jax.packing import PackedLayout, head_chunks, head_layout, layer_layout
@@ -142,7 +143,7 @@ def _stage_tensors(layout: PackedLayout, compute_dtype) -> list:
     return [(name, _sds(shape, compute_dtype)) for name, shape, _ in layout.entries]
 
 
-def _staged_function(spec: StepSpec, config: LLaDAConfig):
+def _staged_function(spec: StepSpec, config: LLaDAConfig, layout_rule: LayoutRule):
     if spec.kind == "stack":
         return lambda *per_layer: jnp.stack(per_layer)
     names = [name for name, _, _ in (head_layout(config) if spec.kind == "head" else layer_layout(config)).entries]
@@ -150,26 +151,29 @@ def _staged_function(spec: StepSpec, config: LLaDAConfig):
         def run(*args):
             weights, (x, cfg_scale, logit_bias, confidence_bias) = dict(zip(names, args)), args[len(names):]
             out = head_chunk_step(weights, x, cfg_scale, logit_bias, confidence_bias, config=config,
-                                  readout_spec=ARGMAX, feature_rows=0)
+                                  readout_spec=ARGMAX, layout_rule=layout_rule)
             return tuple(out)
     elif spec.kind == "layer_full":
         def run(*args):
             weights, (x, positions, key_bias) = dict(zip(names, args)), args[len(names):]
-            return layer_step(weights, x, positions, key_bias, None, None, config=config, feature_rows=0)
+            return layer_step(weights, x, positions, key_bias, None, None, config=config, layout_rule=layout_rule)
     else:
         def run(*args):
             weights, (x, positions, key_bias, keys, values, layer) = dict(zip(names, args)), args[len(names):]
             cached_k = jax.lax.dynamic_index_in_dim(keys, layer, axis=0, keepdims=False)
             cached_v = jax.lax.dynamic_index_in_dim(values, layer, axis=0, keepdims=False)
-            return layer_step(weights, x, positions, key_bias, cached_k, cached_v, config=config, feature_rows=0)
+            return layer_step(weights, x, positions, key_bias, cached_k, cached_v, config=config,
+                              layout_rule=layout_rule)
     return run
 
 
-def step_function(spec: StepSpec, config: LLaDAConfig, layout: WeightLayout, compute_dtype, activations: str):
+def step_function(spec: StepSpec, config: LLaDAConfig, layout: WeightLayout, compute_dtype, activations: str,
+                  layout_rule: LayoutRule):
     """The flat function to export: weights (as stored, see `params_of`), then inputs. `commit` only
-    scatters K/V and takes no weights; staged pieces take theirs as inputs, tensor by tensor."""
+    scatters K/V and takes no weights; staged pieces take theirs as inputs, tensor by tensor. `layout_rule`:
+    the target's activation layouts (`lowering.targets`)."""
     if spec.kind in STAGED:
-        return _staged_function(spec, config)
+        return _staged_function(spec, config, layout_rule)
 
     def params_from(weights):
         return params_of(weights, layout, config, compute_dtype, activations)
@@ -177,13 +181,13 @@ def step_function(spec: StepSpec, config: LLaDAConfig, layout: WeightLayout, com
     if spec.kind == "full":
         def run(weights, tokens, valid, cfg_scale, logit_bias, confidence_bias):
             out, keys, values = full_step(params_from(weights), tokens, valid > 0, cfg_scale, logit_bias,
-                                          confidence_bias, config=config, readout_spec=ARGMAX, feature_rows=0)
+                                          confidence_bias, config=config, readout_spec=ARGMAX, layout_rule=layout_rule)
             return out.x0, out.logp, keys, values
     elif spec.kind == "window":
         def run(weights, keys, values, context_bias, ids, pos, valid, cfg_scale, logit_bias, confidence_bias):
             out, new_keys, new_values = window_step(
                 params_from(weights), Context(keys, values, context_bias), ids, pos, valid > 0, cfg_scale,
-                logit_bias, confidence_bias, config=config, readout_spec=ARGMAX, feature_rows=0)
+                logit_bias, confidence_bias, config=config, readout_spec=ARGMAX, layout_rule=layout_rule)
             return out.x0, out.logp, new_keys, new_values
     else:
         def run(keys, values, targets, new_keys, new_values):
@@ -207,15 +211,15 @@ class Function(NamedTuple):
     run: Callable
 
 
-def step(spec: StepSpec, config: LLaDAConfig, compute_dtype, layout: WeightLayout,
-         activations: str = "float") -> Function:
+def step(spec: StepSpec, config: LLaDAConfig, compute_dtype, layout: WeightLayout, activations: str,
+         layout_rule: LayoutRule) -> Function:
     inputs, outputs = io_signature(spec, config, compute_dtype)
     return Function(spec.name, spec.kind in NAMED_WEIGHTS, inputs, outputs,
-                    step_function(spec, config, layout, compute_dtype, activations))
+                    step_function(spec, config, layout, compute_dtype, activations, layout_rule))
 
 
-def loop(spec: LoopSpec, config: LLaDAConfig, compute_dtype, layout: WeightLayout,
-         activations: str = "float") -> Function:
+def loop(spec: LoopSpec, config: LLaDAConfig, compute_dtype, layout: WeightLayout, activations: str,
+         layout_rule: LayoutRule) -> Function:
     """The whole decode loop of `spec` (`llada_jax.decode_loop`), weights as named parameters."""
     s, g, e, m = spec.slots, spec.gen_length, config.embedding_size, spec.max_passes
     shapes = {"prompt": (s,), "prompt_len": (), "logit_bias": (e,), "confidence_bias": (e,), "commit_cutoff": (),
@@ -230,7 +234,7 @@ def loop(spec: LoopSpec, config: LLaDAConfig, compute_dtype, layout: WeightLayou
     def run(weights, *loop_inputs):
         params = params_of(weights, layout, config, compute_dtype, activations)
         return tuple(decode_loop(params, LoopInputs(*loop_inputs), config=config, spec=spec, kv_dtype=compute_dtype,
-                                 feature_rows=0))
+                                 layout_rule=layout_rule))
 
     return Function(spec.name, True, signature(LoopInputs._fields), signature(LoopOutputs._fields), run)
 

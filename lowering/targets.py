@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from llada_jax.errors import LladaError
+from llada_jax.layout import IREE_CPU_LAYOUT, POSITION_MAJOR, LayoutRule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -14,6 +15,12 @@ class Target:
     driver: str                 # IREE runtime driver that runs it
     flags: tuple[str, ...]
     note: str = ""
+
+    @property
+    def layout_rule(self) -> LayoutRule:
+        """Activation layouts (`llada_jax.layout`): feature-major at every width for IREE's CPU code generation,
+        position-major on Vulkan (Mesa's lavapipe miscomputed the feature-major norm)."""
+        return IREE_CPU_LAYOUT if self.driver == "local-task" else POSITION_MAJOR
 
 
 def _cpu(*flags: str) -> tuple[str, ...]:

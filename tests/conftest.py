@@ -94,6 +94,11 @@ def tiny_model(tiny_dir):
     return llada_jax.load(tiny_dir)
 
 
+def assert_close_to_scale(got: np.ndarray, want: np.ndarray, tol: float = 1e-5) -> None:
+    """Float32 agreement: max |got - want| <= tol x the largest magnitude (logits here reach ~10)."""
+    assert np.abs(got - want).max() <= tol * max(1.0, float(np.abs(want).max()))
+
+
 def step_extras(config: LLaDAConfig = TINY, forbid=(), unconfident=()):
     """The runtime arguments every jitted step takes after its inputs: cfg scale and token biases."""
     import jax.numpy as jnp

@@ -10,14 +10,23 @@ from hypothesis import strategies as st
 
 import llada_jax
 from llada_jax import kv_state
-from llada_jax.layout import Features, Positions, linear
+from llada_jax.layout import (
+    IREE_CPU_LAYOUT,
+    POSITION_MAJOR,
+    XLA_LAYOUT,
+    Features,
+    LayoutRule,
+    OpenFeatures,
+    Positions,
+    linear,
+)
 from llada_jax.model import Context, decoder_layer, lm_logits, rotary_tables
 from llada_jax.qlinear import to_device
 from llada_jax.quantize import HostQuantized, QuantScheme, quantize_matrix
 from llada_jax.readout import ReadoutSpec, StepOutput
 from llada_jax.steps import full_step, window_step
 from tests import reference
-from tests.conftest import TINY, jax_backend, read_all, step_extras
+from tests.conftest import TINY, assert_close_to_scale, jax_backend, read_all, step_extras
 
 LOGITS = ReadoutSpec(kind="logits")
 
@@ -38,11 +47,6 @@ def test_logits_match_float64_oracle(tiny_model, tiny_dir, batch, length, seed):
     got = llada_jax.logits(tiny_model, ids)
     assert got.shape == (batch, length, TINY.embedding_size) and got.dtype == np.float32
     np.testing.assert_allclose(got, expected, atol=2e-4, rtol=1e-4)
-
-
-def assert_close_to_scale(got: np.ndarray, want: np.ndarray, tol: float = 1e-5) -> None:
-    """Float32 agreement: max |got - want| <= tol x the largest magnitude (logits here reach ~10)."""
-    assert np.abs(got - want).max() <= tol * max(1.0, float(np.abs(want).max()))
 
 
 def full_outputs(model, ids: np.ndarray, slots: int):
@@ -146,10 +150,11 @@ def quantized_block(block: dict, scheme: QuantScheme | None) -> dict:
 
 @settings(max_examples=15, deadline=None)
 @given(batch=st.integers(1, 3), width=st.integers(1, 40), cached=st.integers(0, 24), seed=st.integers(0, 10_000),
-       scheme=st.sampled_from([None, QuantScheme(8), QuantScheme(4, 16)]))
-def test_feature_major_layer_equals_position_major(tiny_model, batch, width, cached, seed, scheme):
-    """The layer computed with one column per position gives the position-major layer's x, K and V, with float
-    or weight-only quantized matrices."""
+       scheme=st.sampled_from([None, QuantScheme(8), QuantScheme(4, 16)]),
+       columns=st.sampled_from([Features, OpenFeatures]))
+def test_feature_major_layer_equals_position_major(tiny_model, batch, width, cached, seed, scheme, columns):
+    """The layer computed with one column per position (XLA's fenced form or IREE's open one) gives the
+    position-major layer's x, K and V, with float or weight-only quantized matrices."""
     rng = np.random.default_rng(seed)
     block = quantized_block(tiny_model.params["blocks"][1], scheme)
     x = jnp.asarray(rng.normal(size=(batch, width, TINY.d_model)), jnp.float32)
@@ -159,9 +164,22 @@ def test_feature_major_layer_equals_position_major(tiny_model, batch, width, cac
     bias = jnp.asarray(np.where(rng.random((batch, cached + width)) < 0.2, kv_state.HIDDEN, 0.0), jnp.float32)
     run = jax.jit(decoder_layer, static_argnames=("config", "layout"))
     by_position = run(block, x, rotary, context, bias, config=TINY, layout=Positions)
-    by_feature = run(block, x, rotary, context, bias, config=TINY, layout=Features)
+    by_feature = run(block, x, rotary, context, bias, config=TINY, layout=columns)
     for got, want in zip(by_feature, by_position):
         assert_close_to_scale(np.asarray(got), np.asarray(want))
+
+
+def test_layout_rules_pick_by_width_and_weights(tiny_model):
+    """XLA goes feature-major up to its row limit, fenced; IREE's CPU rule at every width, open; W8A8 weights
+    and the Vulkan rule stay position-major."""
+    block = tiny_model.params["blocks"][0]
+    assert XLA_LAYOUT.pick(XLA_LAYOUT.feature_rows, block) is Features
+    assert XLA_LAYOUT.pick(XLA_LAYOUT.feature_rows + 1, block) is Positions
+    assert IREE_CPU_LAYOUT.pick(4096, block) is OpenFeatures
+    assert POSITION_MAJOR.pick(1, block) is Positions
+    w8a8 = {name: to_device(HostQuantized(*quantize_matrix(np.asarray(w), QuantScheme(8)), QuantScheme(8)),
+                            activations="int8") if w.ndim == 2 else w for name, w in block.items()}
+    assert LayoutRule(1 << 30, fenced=False).pick(1, w8a8) is Positions
 
 
 @settings(max_examples=10, deadline=None)
@@ -172,9 +190,9 @@ def test_feature_major_lm_head_equals_the_plain_product(tiny_model, batch, width
     rng = np.random.default_rng(seed)
     head = {"lm_head": tiny_model.params["lm_head"].astype(dtype)}
     hidden = jnp.asarray(rng.normal(size=(batch, width, TINY.d_model)), dtype)
-    run = jax.jit(lm_logits, static_argnames="feature_rows")
+    run = jax.jit(lm_logits, static_argnames="layout_rule")
     exact = np.asarray(hidden, np.float64) @ np.asarray(head["lm_head"], np.float64).T
-    for feature_rows in (0, 128):
-        got = run(head, hidden, feature_rows=feature_rows)
+    for rule in (POSITION_MAJOR, XLA_LAYOUT, IREE_CPU_LAYOUT):
+        got = run(head, hidden, layout_rule=rule)
         assert got.dtype == jnp.float32 and got.shape == (batch, width, TINY.embedding_size)
         assert_close_to_scale(np.asarray(got, np.float64), exact)

@@ -16,7 +16,7 @@ import llada_jax
 from llada_jax.errors import LladaError
 from llada_jax.packing import head_chunks, head_layout, layer_layout
 from llada_jax.staging import StagingRing, StagingStats, kv_bytes
-from tests.conftest import TINY
+from tests.conftest import TINY, assert_close_to_scale
 
 POLICIES = ["vanilla", "prefix-cache", "dual-cache", "dual-cache+speculative:1:0.3+revision:0.5"]
 
@@ -151,8 +151,10 @@ def test_iree_staged_equals_iree_resident_and_jax(tiny_dir, tiny_model, tmp_path
     a = staged.full(tokens, valid)
     b = IreeBackend(resident, resident_session, ReadoutSpec(), biases).full(tokens, valid)
     assert a.readout.x0[:, :27].tolist() == b.readout.x0[:, :27].tolist()
-    np.testing.assert_allclose(a.readout.logp[:, :27], b.readout.logp[:, :27], atol=1e-6, rtol=0)
-    np.testing.assert_allclose(session.read(a.keys), resident_session.read(b.keys), atol=1e-6, rtol=0)
+    # Float32 agreement, not bit equality: a staged piece takes its weights as arguments and the head in
+    # vocabulary chunks, and IREE tiles those matmuls its own way (feature-major: up to 1.5e-5 on values ~7).
+    assert_close_to_scale(a.readout.logp[:, :27], b.readout.logp[:, :27])
+    assert_close_to_scale(session.read(a.keys), resident_session.read(b.keys))
     for step in bundle.manifest["steps"]:  # as if compiled by a runtime that packs the head differently
         for tensor in step["inputs"]:
             if step["kind"] == "head" and tensor["name"] == "lm_head":
