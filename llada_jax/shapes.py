@@ -24,6 +24,11 @@ def _length_buckets() -> tuple[int, ...]:
 LENGTH_BUCKETS = _length_buckets()
 
 
+def widths_within(rows: int) -> list[int]:
+    """The declared widths of at most `rows` positions: every bucket below it, and `rows` itself."""
+    return sorted({size for size in LENGTH_BUCKETS if size < rows} | {rows})
+
+
 def bucket(length: int, limit: int | None = None) -> int:
     """The smallest declared length >= `length`; `limit` (the model's max length) caps it."""
     if length <= 0:

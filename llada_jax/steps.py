@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from llada_jax.config import LLaDAConfig
 from llada_jax.kv_state import HIDDEN
 from llada_jax.layout import XLA_LAYOUT, LayoutRule
-from llada_jax.model import Context, forward, lm_logits
+from llada_jax.model import Context, ForwardOut, forward, lm_logits
 from llada_jax.readout import Readout, ReadoutSpec
 
 
@@ -69,15 +69,28 @@ def read_out(params: dict, hidden: jax.Array, cfg_scale, logit_bias, confidence_
     return Readout(x0=x0, logp=logp)
 
 
+def full_forward(params: dict, tokens: jax.Array, valid: jax.Array, config: LLaDAConfig,
+                 layout_rule: LayoutRule = XLA_LAYOUT) -> ForwardOut:
+    """The layers over a whole canvas `[B, L]` (`valid`: real positions). A real position's rotary position
+    counts the real ones before it: left padding shifts nothing."""
+    positions = jnp.maximum(jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1, 0)
+    bias = jnp.where(valid, 0.0, HIDDEN).astype(jnp.float32)
+    return forward(params, tokens, positions, bias, None, config, layout_rule)
+
+
+def window_forward(params: dict, context: Context, window_ids: jax.Array, window_pos: jax.Array,
+                   window_valid: jax.Array, config: LLaDAConfig, layout_rule: LayoutRule = XLA_LAYOUT) -> ForwardOut:
+    """The layers over W positions `[B, W]` against the cached `context`; invalid positions hidden as keys."""
+    bias = jnp.where(window_valid, 0.0, HIDDEN).astype(jnp.float32)
+    return forward(params, window_ids, window_pos, bias, context, config, layout_rule)
+
+
 @functools.partial(jax.jit, static_argnames=("config", "readout_spec", "head_width", "layout_rule"))
 def full_step(params: dict, tokens: jax.Array, valid: jax.Array, cfg_scale: jax.Array, logit_bias: jax.Array,
               confidence_bias: jax.Array, head_start=0, *, config: LLaDAConfig, readout_spec: ReadoutSpec,
               head_width: int | None = None, layout_rule: LayoutRule = XLA_LAYOUT):
-    """Whole canvas `[B, L]`; `valid` marks real (non-padding) positions. Returns (readout, K, V).
-    A real position's rotary position counts the real ones before it: left padding shifts nothing."""
-    positions = jnp.maximum(jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1, 0)
-    bias = jnp.where(valid, 0.0, HIDDEN).astype(jnp.float32)
-    out = forward(params, tokens, positions, bias, None, config, layout_rule)
+    """Whole canvas `[B, L]`; `valid` marks real (non-padding) positions. Returns (readout, K, V)."""
+    out = full_forward(params, tokens, valid, config, layout_rule)
     hidden = head_rows(out.hidden, head_start, head_width)
     readout = read_out(params, hidden, cfg_scale, logit_bias, confidence_bias, readout_spec, layout_rule)
     return readout, out.keys, out.values
@@ -89,8 +102,7 @@ def window_step(params: dict, context: Context, window_ids: jax.Array, window_po
                 head_start=0, *, config: LLaDAConfig, readout_spec: ReadoutSpec, head_width: int | None = None,
                 layout_rule: LayoutRule = XLA_LAYOUT):
     """W positions `[B, W]` attending to the visible cached slots and to the valid window positions."""
-    bias = jnp.where(window_valid, 0.0, HIDDEN).astype(jnp.float32)
-    out = forward(params, window_ids, window_pos, bias, context, config, layout_rule)
+    out = window_forward(params, context, window_ids, window_pos, window_valid, config, layout_rule)
     hidden = head_rows(out.hidden, head_start, head_width)
     readout = read_out(params, hidden, cfg_scale, logit_bias, confidence_bias, readout_spec, layout_rule)
     return readout, out.keys, out.values

@@ -119,8 +119,7 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
     if any(spec.slots not in canvas_sizes(max_len) for spec in loop_specs):
         raise LladaError(f"a decode loop's canvas is not one of this bundle's sizes {canvas_sizes(max_len)}")
     say = progress or (lambda message: None)
-    functions = ([step(spec, config, compute, layout, activations, tgt.layout_rule) for spec in specs]
-                 + [loop(spec, config, compute, layout, activations, tgt.layout_rule) for spec in loop_specs])
+    functions = _functions(specs, loop_specs, config, compute, layout, activations, tgt.layout_rule(data_tiling))
     say(f"exporting {len(specs)} steps{f' and {len(loop_specs)} decode loops' if loop_specs else ''} to StableHLO")
     module = bundle_module(functions, layout)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -153,6 +152,12 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out_dir
+
+
+def _functions(specs, loop_specs, config, compute, layout, activations: str, rule) -> list:
+    """The functions to export: each step, then each decode loop, in the target's activation layouts."""
+    return ([step(spec, config, compute, layout, activations, rule) for spec in specs]
+            + [loop(spec, config, compute, layout, activations, rule) for spec in loop_specs])
 
 
 def _write_manifest(staging: Path, manifest: dict) -> None:

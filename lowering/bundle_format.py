@@ -13,15 +13,17 @@ from llada_jax.params import hf_shapes
 PARAMETER_SCOPE = "model"  # IREE parameter scope the weights are bound under
 MANIFEST = "manifest.json"
 VMFB = "steps.vmfb"
-FORMAT_VERSION = 4  # 2: staged pieces take one argument per weight tensor; 3: the head is staged in vocabulary
-# chunks; 4: quantized parameters, and whether the weights stream recorded as "staged"
+FORMAT_VERSION = 5  # 2: staged pieces take one argument per weight tensor; 3: the head is staged in vocabulary
+# chunks; 4: quantized parameters, and whether the weights stream recorded as "staged"; 5: full and window
+# steps give hidden rows, `read` steps the readout on the rows a decoder uses
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 @dataclasses.dataclass(frozen=True)
 class StepSpec:
-    """One compiled function: `full` (canvas S), `window` (W positions against S slots), `commit`, or
-    the staged pieces `layer_full`, `layer_window`, `head` (W positions) and `stack` (per-layer K/V)."""
+    """One compiled function: `full` (canvas S) and `window` (W positions against S slots), each giving the
+    hidden rows and K/V; `read` (the LM head and readout on W of S hidden rows); `commit`; or the staged
+    pieces `layer_full`, `layer_window`, `head` (W positions) and `stack` (per-layer K/V)."""
 
     kind: str
     batch: int

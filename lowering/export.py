@@ -27,8 +27,8 @@ from llada_jax.packing import PackedLayout, head_chunks, head_layout, layer_layo
 from llada_jax.params import hf_shapes, hf_to_params
 from llada_jax.qlinear import QuantizedWeight, restore_sign, row_block_for
 from llada_jax.readout import HeadChunkReadout, ReadoutSpec
-from llada_jax.shapes import LENGTH_BUCKETS, kv_shape
-from llada_jax.steps import full_step, scatter_slots, window_step
+from llada_jax.shapes import kv_shape, widths_within
+from llada_jax.steps import full_forward, head_rows, read_out, scatter_slots, window_forward
 from lowering.bundle_format import PARAMETER_SCOPE, StepSpec
 from lowering.bundle_weights import WeightLayout
 
@@ -37,7 +37,7 @@ MLIR_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int32": "
 ARGMAX = ReadoutSpec(kind="argmax")
 
 
-NAMED_WEIGHTS = ("full", "window")  # kinds that read the weights as named parameters
+NAMED_WEIGHTS = ("full", "window", "read")  # kinds that read the weights as named parameters
 STAGED = ("layer_full", "layer_window", "head", "stack")  # kinds that take their weights as arguments
 
 
@@ -56,7 +56,7 @@ def staged_specs(specs: list[StepSpec]) -> list[StepSpec]:
 
 def canvas_sizes(max_len: int) -> list[int]:
     """The canvas shapes of a bundle whose longest canvas is `max_len`."""
-    return sorted({min(b, max_len) for b in LENGTH_BUCKETS if b < max_len} | {max_len})
+    return widths_within(max_len)
 
 
 def step_specs(max_len: int, max_window: int, batch_sizes: tuple[int, ...] = (1,)) -> list[StepSpec]:
@@ -70,7 +70,8 @@ def _step_specs(max_len: int, max_window: int, batch: int) -> list[StepSpec]:
     for slots in canvas_sizes(max_len):
         specs.append(StepSpec("full", batch, slots))
         specs.append(StepSpec("commit", batch, slots, slots))
-        for width in sorted({min(b, slots) for b in LENGTH_BUCKETS if b < slots} | {slots}):
+        specs += [StepSpec("read", batch, slots, width) for width in widths_within(slots)]
+        for width in widths_within(slots):
             if width <= max_window:
                 specs.append(StepSpec("window", batch, slots, width))
                 if width < slots:
@@ -91,13 +92,17 @@ def io_signature(spec: StepSpec, config: LLaDAConfig, compute_dtype) -> tuple[li
               ("confidence_bias", _sds((e,), jnp.float32))]
     if spec.kind in STAGED:
         return _staged_signature(spec, config, compute_dtype, extras)
+    if spec.kind == "read":  # the head on `w` of a step's `s` hidden rows, from `head_start` on
+        inputs = [("hidden", _sds((b, s, config.d_model), compute_dtype)), ("head_start", _sds((), jnp.int32)),
+                  *extras]
+        return inputs, [("x0", _sds((b, w), jnp.int32)), ("logp", _sds((b, w), jnp.float32))]
     if spec.kind == "full":
-        inputs = [("tokens", _sds((b, s), jnp.int32)), ("valid", _sds((b, s), jnp.int32)), *extras]
+        inputs = [("tokens", _sds((b, s), jnp.int32)), ("valid", _sds((b, s), jnp.int32))]
         width = s
     elif spec.kind == "window":
         inputs = [("keys", _sds(cache, compute_dtype)), ("values", _sds(cache, compute_dtype)),
                   ("context_bias", _sds((b, s), jnp.float32)), ("window_ids", _sds((b, w), jnp.int32)),
-                  ("window_pos", _sds((b, w), jnp.int32)), ("window_valid", _sds((b, w), jnp.int32)), *extras]
+                  ("window_pos", _sds((b, w), jnp.int32)), ("window_valid", _sds((b, w), jnp.int32))]
         width = w
     else:
         proposed = kv_shape(config, b, w)
@@ -106,7 +111,7 @@ def io_signature(spec: StepSpec, config: LLaDAConfig, compute_dtype) -> tuple[li
                   ("new_values", _sds(proposed, compute_dtype))]
         return inputs, [("keys", _sds(cache, compute_dtype)), ("values", _sds(cache, compute_dtype))]
     proposed = kv_shape(config, b, width)
-    outputs = [("x0", _sds((b, width), jnp.int32)), ("logp", _sds((b, width), jnp.float32)),
+    outputs = [("hidden", _sds((b, width, config.d_model), compute_dtype)),
                ("new_keys", _sds(proposed, compute_dtype)), ("new_values", _sds(proposed, compute_dtype))]
     return inputs, outputs
 
@@ -179,16 +184,17 @@ def step_function(spec: StepSpec, config: LLaDAConfig, layout: WeightLayout, com
         return params_of(weights, layout, config, compute_dtype, activations)
 
     if spec.kind == "full":
-        def run(weights, tokens, valid, cfg_scale, logit_bias, confidence_bias):
-            out, keys, values = full_step(params_from(weights), tokens, valid > 0, cfg_scale, logit_bias,
-                                          confidence_bias, config=config, readout_spec=ARGMAX, layout_rule=layout_rule)
-            return out.x0, out.logp, keys, values
+        def run(weights, tokens, valid):
+            return tuple(full_forward(params_from(weights), tokens, valid > 0, config, layout_rule))
     elif spec.kind == "window":
-        def run(weights, keys, values, context_bias, ids, pos, valid, cfg_scale, logit_bias, confidence_bias):
-            out, new_keys, new_values = window_step(
-                params_from(weights), Context(keys, values, context_bias), ids, pos, valid > 0, cfg_scale,
-                logit_bias, confidence_bias, config=config, readout_spec=ARGMAX, layout_rule=layout_rule)
-            return out.x0, out.logp, new_keys, new_values
+        def run(weights, keys, values, context_bias, ids, pos, valid):
+            context = Context(keys, values, context_bias)
+            return tuple(window_forward(params_from(weights), context, ids, pos, valid > 0, config, layout_rule))
+    elif spec.kind == "read":
+        def run(weights, hidden, head_start, cfg_scale, logit_bias, confidence_bias):
+            rows = head_rows(hidden, head_start, None if spec.width == spec.slots else spec.width)
+            out = read_out(params_from(weights), rows, cfg_scale, logit_bias, confidence_bias, ARGMAX, layout_rule)
+            return out.x0, out.logp
     else:
         def run(keys, values, targets, new_keys, new_values):
             return scatter_slots(keys, targets, new_keys), scatter_slots(values, targets, new_values)

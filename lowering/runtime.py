@@ -22,7 +22,7 @@ from llada_jax.errors import LladaError
 from llada_jax.loop_io import LoopInputs, LoopOutputs, LoopSpec
 from llada_jax.params import HF_PREFIX, hf_shapes
 from llada_jax.readout import Readout, ReadoutSpec, Reads, StepOutput, TokenBiases, read_columns
-from llada_jax.shapes import kv_shape
+from llada_jax.shapes import bucket, kv_shape
 from lowering.bundle_format import MANIFEST, PARAMETER_SCOPE, VMFB, StepSpec, check_files
 
 LOOP_MAX_STEP_FLOPS = 1e9  # a full step above this runs faster on the host loop (see compiled_loop_is_faster)
@@ -144,22 +144,27 @@ class IreeBackend(Backend):
 
     def full(self, tokens: np.ndarray, valid: np.ndarray, reads: Reads | None = None) -> StepOutput:
         batch, slots = tokens.shape
-        out = self._call(StepSpec("full", batch, slots).name, tokens.astype(np.int32), valid.astype(np.int32),
-                         *self._extras)
-        return self._output(out, reads)
+        out = self._call(StepSpec("full", batch, slots).name, tokens.astype(np.int32), valid.astype(np.int32))
+        return self._output(out, batch, slots, reads)
 
     def window(self, state: kv_state.KVState, visible, window_ids, window_pos, window_valid,
                reads: Reads | None = None) -> StepOutput:
         batch, width = window_ids.shape
         out = self._call(StepSpec("window", batch, state.slots, width).name, state.keys, state.values,
                          kv_state.visible_bias(state, visible), np.asarray(window_ids, np.int32),
-                         np.asarray(window_pos, np.int32), np.asarray(window_valid, np.int32), *self._extras)
-        return self._output(out, reads)
+                         np.asarray(window_pos, np.int32), np.asarray(window_valid, np.int32))
+        return self._output(out, batch, width, reads)
 
-    def _output(self, out, reads: Reads | None) -> StepOutput:
-        """The step's readout on the host (cut to `reads`: bundle steps read out every column) and K/V."""
-        readout = Readout(x0=self.session.read(out[0]), logp=self.session.read(out[1]))
-        return StepOutput(read_columns(readout, reads), out[2], out[3])
+    def _output(self, out, batch: int, rows: int, reads: Reads | None) -> StepOutput:
+        """The readout of the step's hidden rows on the host, the LM head run only on the declared width
+        covering `reads` (None: every row), and the step's K/V."""
+        start, width = (0, rows) if reads is None else reads
+        head_width = min(bucket(width), rows)
+        head_start = min(start, rows - head_width)  # the compiled slice must fit: a wider read starts earlier
+        x0, logp = self._call(StepSpec("read", batch, rows, head_width).name, out[0], np.int32(head_start),
+                              *self._extras)
+        readout = Readout(x0=self.session.read(x0), logp=self.session.read(logp))
+        return StepOutput(read_columns(readout, (start - head_start, width)), out[1], out[2])
 
     def commit(self, state: kv_state.KVState, positions, write, out: StepOutput, tokens, nfe: int):
         targets = kv_state.write_targets(state, positions, write)

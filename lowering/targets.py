@@ -16,11 +16,11 @@ class Target:
     flags: tuple[str, ...]
     note: str = ""
 
-    @property
-    def layout_rule(self) -> LayoutRule:
+    def layout_rule(self, data_tiling: bool = False) -> LayoutRule:
         """Activation layouts (`llada_jax.layout`): feature-major at every width for IREE's CPU code generation,
-        position-major on Vulkan (Mesa's lavapipe miscomputed the feature-major norm)."""
-        return IREE_CPU_LAYOUT if self.driver == "local-task" else POSITION_MAJOR
+        position-major with data tiling (the form it was measured faster in) and on Vulkan (Mesa's lavapipe
+        miscomputed the feature-major norm)."""
+        return IREE_CPU_LAYOUT if self.driver == "local-task" and not data_tiling else POSITION_MAJOR
 
 
 def _cpu(*flags: str) -> tuple[str, ...]:

@@ -95,8 +95,8 @@ def test_iree_steps_match_jax(tiny_model, host_session, slots, data, seed):
     k = end - start
     assert got_w.readout.x0[:, :k].tolist() == want_w.readout.x0[:, :k].tolist()
     assert_close(got_w.readout.logp[:, :k], want_w.readout.logp[:, :k])
-    # Reading out some columns only (the LM head on those rows on XLA, cut on the host on IREE) gives
-    # those columns of the whole readout.
+    # Reading out some columns only (the LM head on those rows on XLA, on the declared width covering them on
+    # IREE, cut on the host) gives those columns of the whole readout.
     first = data.draw(st.integers(0, k - 1))
     reads = (first, data.draw(st.integers(1, k - first)))
     columns = slice(first, first + reads[1])

@@ -154,8 +154,9 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
 
 def add_data_tiling_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-tiling", action="store_true",
-                        help="IREE CPU bundles: re-lay the weights into the tiles IREE's matmul kernels read (faster "
-                             "steps; holds a second, re-laid copy of the weights; not with a device memory budget)")
+                        help="IREE CPU bundles: re-lay the weights into the tiles IREE's matmul kernels read, steps "
+                             "position-major (holds a second, re-laid copy of the weights; not with a device memory "
+                             "budget; slower than the default feature-major bundle at the README's bench size)")
 
 
 def model_dir(args) -> Path:
