@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from llada_jax.qlinear import QuantizedWeight, quantized_linear, stored_matmul
 
-FEATURE_ROWS = 128  # steps computing at most this many positions (all rows) run feature-major
+FEATURE_ROWS = 128  # on XLA, steps computing at most this many positions (all rows) run feature-major
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

@@ -125,7 +125,7 @@ def quantized_linear(x: jax.Array, w: QuantizedWeight, columns: bool = False) ->
     activations only), x is feature-major `[I, R]` and the result dequantized(w) @ x `[O, R]`."""
     if w.activations == "int8":
         if columns:
-            raise ValueError("W8A8 matmuls run position-major (llada_jax.layout.layout_for)")
+            raise ValueError("W8A8 matmuls run position-major (llada_jax.layout.LayoutRule.pick)")
         return _int8_linear(x, w)
     if not w.row_block:
         return _float_linear(x, w.values, w.scale, w.hoist_barrier, columns)

@@ -16,7 +16,7 @@ class Target:
     flags: tuple[str, ...]
     note: str = ""
 
-    def layout_rule(self, data_tiling: bool = False) -> LayoutRule:
+    def layout_rule(self, data_tiling: bool) -> LayoutRule:
         """Activation layouts (`llada_jax.layout`): feature-major at every width for IREE's CPU code generation,
         position-major with data tiling (the form it was measured faster in) and on Vulkan (Mesa's lavapipe
         miscomputed the feature-major norm)."""
