@@ -76,7 +76,7 @@ class Positions:
 
 
 class Features:
-    """Activations `[D, B*W]`: one column per position (XLA: fenced, see `leave`)."""
+    """Activations `[D, B*W]`: one column per position (XLA: fenced, see `fence`)."""
 
     FEATURE_AXIS = 0
 
@@ -86,10 +86,14 @@ class Features:
         return x.reshape(b * w, d).T
 
     @staticmethod
-    def leave(h, b, w):
-        # Behind the barrier XLA cannot fold the transpose into the matmul that made `h`: its layout
-        # assignment would turn that matmul back into the slow `x @ W.T` form.
-        return jax.lax.optimization_barrier(h).T.reshape(b, w, -1)
+    def fence(h):
+        # Behind the barrier XLA cannot fold what follows (a transpose, a reduction over the features) into
+        # the matmul that made `h`: its layout assignment would turn that matmul back into the slow `x @ W.T`.
+        return jax.lax.optimization_barrier(h)
+
+    @classmethod
+    def leave(cls, h, b, w):
+        return cls.fence(h).T.reshape(b, w, -1)
 
     @staticmethod
     def norm(h, weight, eps):
@@ -123,15 +127,15 @@ class OpenFeatures(Features):
     failed to compile holding the barrier ("failed to solve for timepoint coverage")."""
 
     @staticmethod
-    def leave(h, b, w):
-        return h.T.reshape(b, w, -1)
+    def fence(h):
+        return h
 
 
 class LayoutRule(NamedTuple):
     """Which layout a step of `rows` positions (all rows of the batch) runs in, for one compiler."""
 
     feature_rows: int  # steps of at most this many positions run feature-major
-    fenced: bool       # XLA: the barrier in `Features.leave`; IREE: none (`OpenFeatures`)
+    fenced: bool       # XLA: the barrier in `Features.fence`; IREE: none (`OpenFeatures`)
 
     def pick(self, rows: int, block: dict):
         """Feature-major up to `feature_rows`; position-major above, and for W8A8 weights (their activations

@@ -24,7 +24,7 @@ from llada_jax.model import Context, decoder_layer, lm_logits, rotary_tables
 from llada_jax.qlinear import to_device
 from llada_jax.quantize import HostQuantized, QuantScheme, quantize_matrix
 from llada_jax.readout import ReadoutSpec, StepOutput
-from llada_jax.steps import full_step, window_step
+from llada_jax.steps import argmax_logprob, full_step, guided_logits, window_step
 from tests import reference
 from tests.conftest import TINY, assert_close_to_scale, jax_backend, read_all, step_extras
 
@@ -196,3 +196,35 @@ def test_feature_major_lm_head_equals_the_plain_product(tiny_model, batch, width
         got = run(head, hidden, layout_rule=rule)
         assert got.dtype == jnp.float32 and got.shape == (batch, width, TINY.embedding_size)
         assert_close_to_scale(np.asarray(got, np.float64), exact)
+
+
+@settings(max_examples=30, deadline=None)
+@given(pairs=st.integers(1, 2), width=st.integers(1, 9), vocab=st.integers(2, 70), cfg=st.booleans(),
+       ties=st.booleans(), hidden=st.integers(0, 3), nan=st.booleans(), seed=st.integers(0, 10_000))
+def test_readout_over_vocabulary_columns_equals_the_row_readout(pairs, width, vocab, cfg, ties, hidden, nan, seed):
+    """Guided logits and the argmax readout reduced over a leading vocabulary axis `[E, B, W]` (how a
+    feature-major head leaves them) give the tokens and log-probabilities of the `[B, W, E]` readout."""
+    rng = np.random.default_rng(seed)
+    rows = (rng.normal(size=(2 * pairs, width, vocab)) * 4).astype(np.float32)
+    if ties:
+        rows = np.round(rows)
+    if nan:
+        rows[0, 0, rng.integers(vocab)] = np.nan
+    logit_bias, confidence_bias = np.zeros(vocab, np.float32), np.zeros(vocab, np.float32)
+    logit_bias[rng.choice(vocab, size=min(hidden, vocab - 1), replace=False)] = -np.inf
+    confidence_bias[rng.choice(vocab, size=min(hidden, vocab), replace=False)] = -np.inf
+    spec = ReadoutSpec(kind="argmax", cfg=cfg)
+
+    def read(logits, axis):
+        guided = guided_logits(jnp.asarray(logits), jnp.float32(0.5), jnp.asarray(logit_bias), spec, axis)
+        return map(np.asarray, argmax_logprob(guided, jnp.asarray(confidence_bias), axis))
+
+    want_x0, want_logp = read(rows, -1)
+    got_x0, got_logp = read(np.moveaxis(rows, -1, 0), 0)
+    assert got_x0.shape == want_x0.shape == ((pairs if cfg else 2 * pairs), width)
+    fine = ~np.isnan(want_logp)
+    assert (np.isnan(got_logp) == ~fine).all()
+    assert got_x0[fine].tolist() == want_x0[fine].tolist()
+    assert (np.isneginf(got_logp) == np.isneginf(want_logp)).all()
+    finite = np.isfinite(want_logp)
+    np.testing.assert_allclose(got_logp[finite], want_logp[finite], rtol=1e-5, atol=1e-6)
