@@ -95,6 +95,12 @@ class Features:
     def leave(cls, h, b, w):
         return cls.fence(h).T.reshape(b, w, -1)
 
+    @classmethod
+    def logits(cls, h, b, w):
+        """The head's logits columns `[E, B*W]` as the readout takes them, and their vocabulary axis: `[E, B, W]`,
+        axis 0 (on XLA, reading out 32 bench-size columns took 1.4 ms, transposing them first 6.2)."""
+        return cls.fence(h).reshape(-1, b, w), 0
+
     @staticmethod
     def norm(h, weight, eps):
         x32 = h.astype(jnp.float32)
@@ -129,6 +135,11 @@ class OpenFeatures(Features):
     @staticmethod
     def fence(h):
         return h
+
+    @classmethod
+    def logits(cls, h, b, w):
+        """`[B, W, E]`, axis 2: IREE read out 32 bench-size columns in 3.4 ms, transposed to rows in 1.3."""
+        return cls.leave(h, b, w), 2
 
 
 class LayoutRule(NamedTuple):

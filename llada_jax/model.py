@@ -125,11 +125,10 @@ def embed(table, tokens: jax.Array, dtype) -> jax.Array:
 
 
 def head_logits(params: dict, hidden: jax.Array, layout_rule: LayoutRule = XLA_LAYOUT) -> tuple[jax.Array, int]:
-    """Vocabulary logits in float32 as the head computed them, and the axis holding the vocabulary: `[B, W, E]`
-    (axis 2) position-major, `[E, B, W]` (axis 0) feature-major. Float heads run in the layout `layout_rule` picks
-    for this many rows (`llada_jax.layout`; on XLA the bench-size head on 32 rows took 13.0 ms against 16.9
-    position-major). Readouts reduce over the vocabulary where it lies: on XLA, transposing the bench-size
-    head's 32 feature-major columns and reading out the rows took 6.2 ms, reading out the columns 1.4 ms."""
+    """Vocabulary logits in float32 and the axis holding the vocabulary: `[B, W, E]` (axis 2), or `[E, B, W]`
+    (axis 0) where a feature-major head leaves them for the readout (`Features.logits`). Float heads run in the
+    layout `layout_rule` picks for this many rows (`llada_jax.layout`; on XLA the bench-size head on 32 rows
+    took 13.0 ms against 16.9 position-major)."""
     head = params["lm_head"]
     if isinstance(head, QuantizedWeight):
         return quantized_linear(hidden.astype(jnp.float32), head), 2
@@ -137,7 +136,7 @@ def head_logits(params: dict, hidden: jax.Array, layout_rule: LayoutRule = XLA_L
     layout = layout_rule.pick(b * w, {"lm_head": head})
     if layout is Positions:
         return stored_matmul(hidden, head), 2
-    return layout.fence(layout.matmul(layout.enter(hidden), head)).reshape(-1, b, w), 0
+    return layout.logits(layout.matmul(layout.enter(hidden), head), b, w)
 
 
 def lm_logits(params: dict, hidden: jax.Array, layout_rule: LayoutRule = XLA_LAYOUT) -> jax.Array:

@@ -40,11 +40,10 @@ def guided_logits(logits: jax.Array, cfg_scale: jax.Array, logit_bias: jax.Array
 
 
 def first_argmax(logits: jax.Array, axis: int) -> jax.Array:
-    """The index of the largest value along `axis` (first on ties), keeping the axis. Over a leading axis as
-    a max and the least index reaching it: XLA's CPU argmax there ran 2.1x slower (bench-size head, 32
-    columns: 2.9 against 1.4 ms); over the last axis, where its argmax is the faster, as argmax."""
-    if axis % logits.ndim == logits.ndim - 1:
-        return jnp.argmax(logits, axis=axis, keepdims=True)
+    """The index of the largest value along `axis` (first on ties), keeping the axis: the max, then the least
+    index reaching it. Over the bench-size head's 32768-token vocabulary this ran faster than argmax wherever
+    readouts run: XLA on 32 columns 1.4 against 2.9 ms, IREE on 32 rows 1.3 against 5.2 ms (XLA on 192 rows
+    is the exception, 20 against 16 ms, behind a 630 ms step)."""
     vocab = logits.shape[axis]
     best = jnp.max(logits, axis=axis, keepdims=True)
     index = jax.lax.broadcasted_iota(jnp.int32, logits.shape, axis % logits.ndim)
