@@ -4,7 +4,7 @@ XLA's CPU matmul is much faster on few rows when the weight is the left operand,
 than in the position-major `x @ W.T` (the bench-size model's 12 layers of projections on 32 rows: 61-70 ms
 against 105-111 ms). So steps of at most FEATURE_ROWS positions run each layer feature-major: the
 projections, norms, SwiGLU and residual adds on columns, attention and rotary position-major (a transpose
-of a few hundred KB each way); the LM head on as few rows runs feature-major too (`model.lm_logits`).
+of a few hundred KB each way); the LM head on as few rows runs feature-major too (`model.head_logits`).
 From ~192 rows on, position-major is as fast or faster.
 Which steps run feature-major depends on the compiler (`LayoutRule`): XLA up to FEATURE_ROWS positions,
 behind a barrier; IREE's CPU targets at every width, without one (the bench-size projections on IREE's host
