@@ -38,8 +38,9 @@ from lowering.export import (
     step,
     step_specs,
 )
+from lowering.matmul_tiles import tuning_spec
 from lowering.run_script import write_run_script
-from lowering.targets import compile_flags, target
+from lowering.targets import compile_flags, target, tuned_matmuls
 
 COMPILE_TIMEOUT_S = 900  # default; LLADA_COMPILE_TIMEOUT_S overrides (data tiling compiles take several times longer)
 # The driver compiled decode loops run on. IREE 3.13's asynchronous drivers (local-task, vulkan) run a loop
@@ -68,12 +69,17 @@ def compile_timeout() -> float:
     return seconds
 
 
-def compile_module(text: str, flags: tuple[str, ...], out: Path, timeout: float = COMPILE_TIMEOUT_S) -> float:
-    """Run iree-compile in its own process group with a timeout that kills the whole group."""
+def compile_module(text: str, flags: tuple[str, ...], out: Path, timeout: float = COMPILE_TIMEOUT_S,
+                   tuning: str | None = None) -> float:
+    """Run iree-compile in its own process group with a timeout that kills the whole group; `tuning`: a tuning
+    spec's text (`lowering.matmul_tiles`)."""
     from iree.compiler.tools.binaries import find_tool
 
-    source = out.with_suffix(".mlir")
+    source, spec = out.with_suffix(".mlir"), out.with_suffix(".tiles.mlir")
     source.write_text(text)
+    if tuning is not None:
+        spec.write_text(tuning)
+        flags = (*flags, f"--iree-codegen-tuning-spec-path={spec}")
     command = [find_tool("iree-compile"), str(source), "--iree-input-type=stablehlo", *flags, "-o", str(out)]
     started = time.perf_counter()
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -87,6 +93,7 @@ def compile_module(text: str, flags: tuple[str, ...], out: Path, timeout: float 
                          "sets the limit)") from None
     finally:
         source.unlink(missing_ok=True)
+        spec.unlink(missing_ok=True)
     if proc.returncode != 0:
         first = next((line for line in err.splitlines() if "error" in line), err.strip().splitlines()[-1:])
         raise LladaError(f"iree-compile failed: {first}")
@@ -122,11 +129,12 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
     functions = _functions(specs, loop_specs, config, compute, layout, activations, tgt.layout_rule(data_tiling))
     say(f"exporting {len(specs)} steps{f' and {len(loop_specs)} decode loops' if loop_specs else ''} to StableHLO")
     module = bundle_module(functions, layout)
+    tuned = tuned_matmuls(tgt, data_tiling, module)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
         say(f"compiling for {tgt.name} ({tgt.note or tgt.driver})")
-        seconds = compile_module(module, flags, staging / VMFB, timeout)
+        seconds = compile_module(module, flags, staging / VMFB, timeout, tuning_spec(tuned) if tuned else None)
         weights = _place_weights(model_dir, staging, copy_weights)
         if loops:
             write_run_script(staging, loops[0], config, LOOP_DRIVER, weights)
@@ -137,6 +145,7 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
             "format": FORMAT_VERSION, "model_config": dict(config.to_hf_dict(), **_quantization(model_dir)),
             "eot_token_id": config.eot_token_id,
             "target": tgt.name, "driver": tgt.driver, "flags": list(flags), "iree_version": iree_version(),
+            "tuned_matmuls": [list(shape) for shape in tuned],
             "compute_dtype": dtype, "activations": activations, "parameters": layout.manifest(),
             "max_len": max_len, "window": window, "batch_sizes": list(batch_sizes),
             "device_memory_budget": device_memory_budget, "staged": staged,

@@ -44,7 +44,7 @@ def cached_bundle(model_dir, target: str, *, dtype: str = "float32", max_len: in
 # The source files that decide what a bundle computes: a change to any of them compiles a new bundle.
 EXPORTING_CODE = ("model.py", "layout.py", "steps.py", "layered.py", "decode_loop.py", "loop_io.py", "qlinear.py", "params.py",
                   "packing.py", "shapes.py", "kv_state.py", "readout.py")
-LOWERING_CODE = ("export.py", "bundle.py", "bundle_weights.py", "targets.py", "run_script.py")
+LOWERING_CODE = ("export.py", "bundle.py", "bundle_weights.py", "targets.py", "matmul_tiles.py", "run_script.py")
 
 
 def _exporting_code() -> str:

@@ -1,0 +1,102 @@
+"""The AVX-512 matmul tiles: which products get them, and that a tuned module computes bit for bit what an
+untuned one does (the tiles split M and N, never the sum over K)."""
+
+from __future__ import annotations
+
+import subprocess
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax import export
+
+from lowering.matmul_tiles import REGISTERS, WORKGROUP, host_has_avx512, tunable_matmuls, tuning_spec
+from lowering.targets import TARGETS, tuned_matmuls
+
+HOST_FLAGS = ("--iree-hal-target-device=local", "--iree-hal-local-target-device-backends=llvm-cpu",
+              "--iree-llvmcpu-target-cpu=host")
+
+
+def exported(fn, *args) -> str:
+    return export.export(jax.jit(fn))(*args).mlir_module()
+
+
+def f32(*shape):
+    return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+
+def test_only_float32_matmuls_the_register_block_divides_are_tuned():
+    def products(w, h, odd, narrow, wb, hb, q, k):
+        return (w @ h, odd @ h, w @ narrow, wb @ hb, jnp.einsum("bqd,btd->bqt", q, k))
+
+    text = exported(products, f32(24, 40), f32(40, 64), f32(20, 40), f32(40, 16),
+                    jax.ShapeDtypeStruct((24, 40), jnp.bfloat16), jax.ShapeDtypeStruct((40, 64), jnp.bfloat16),
+                    f32(2, 32, 8), f32(2, 32, 8))
+    assert tunable_matmuls(text) == [(24, 40, 64)]
+
+
+def test_avx512_is_read_from_the_cpu_flags(tmp_path):
+    with_it, without = tmp_path / "a", tmp_path / "b"
+    with_it.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512bw\n")
+    without.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512_vnni_only_in_name\n")
+    assert host_has_avx512(with_it)
+    assert not host_has_avx512(without)
+    assert not host_has_avx512(tmp_path / "missing")
+
+
+def test_only_the_host_target_without_data_tiling_is_tuned():
+    text = exported(lambda w, h: w @ h, f32(64, 32), f32(32, 64))
+    assert tuned_matmuls(TARGETS["host"], True, text) == []
+    assert tuned_matmuls(TARGETS["vulkan"], False, text) == []
+    assert tuned_matmuls(TARGETS["android-arm64"], False, text) == []
+    assert tuned_matmuls(TARGETS["host"], False, text) == ([(64, 32, 64)] if host_has_avx512() else [])
+
+
+def _compile(tmp_path, text: str, spec: str | None, name: str) -> tuple[bytes, str]:
+    from iree.compiler.tools.binaries import find_tool
+
+    source, out = tmp_path / f"{name}.mlir", tmp_path / f"{name}.vmfb"
+    source.write_text(text)
+    flags = list(HOST_FLAGS)
+    if spec is not None:
+        (tmp_path / f"{name}.spec.mlir").write_text(spec)
+        flags.append(f"--iree-codegen-tuning-spec-path={tmp_path / f'{name}.spec.mlir'}")
+    done = subprocess.run([find_tool("iree-compile"), str(source), "--iree-input-type=stablehlo", *flags, "-o", str(out),
+                           "--mlir-print-ir-after=iree-llvmcpu-select-lowering-strategy"],
+                          capture_output=True, text=True, check=True)
+    return out.read_bytes(), done.stderr
+
+
+def _run(vmfb: bytes, *inputs) -> np.ndarray:
+    import iree.runtime as rt
+
+    config = rt.Config("local-task")
+    context = rt.SystemContext(config=config)
+    context.add_vm_module(rt.VmModule.copy_buffer(config.vm_instance, vmfb))
+    return np.asarray(context.modules.jit_chain.main(*inputs).to_host())
+
+
+@settings(max_examples=4)
+@given(m=st.integers(1, 24).map(lambda i: 8 * i), k=st.integers(1, 96), n=st.integers(1, 5).map(lambda i: 32 * i),
+       seed=st.integers(0, 2**16))
+def test_tuned_matmuls_compute_what_untuned_ones_do(tmp_path_factory, m, k, n, seed):
+    """Two products in a row (the second one's K is the first one's M), with and without the tiles."""
+    def chain(w1, w2, h):
+        return w2 @ jnp.tanh(w1 @ h)
+
+    rng = np.random.default_rng(seed)
+    w1, w2 = rng.standard_normal((m, k), np.float32), rng.standard_normal((m, m), np.float32)
+    h = rng.standard_normal((k, n), np.float32)
+    text = exported(chain, f32(m, k), f32(m, m), f32(k, n))
+    shapes = tunable_matmuls(text)
+    assert shapes == sorted({(m, k, n), (m, m, n)})
+    tmp = tmp_path_factory.mktemp("tiles")
+    plain, _ = _compile(tmp, text, None, "plain")
+    tuned, log = _compile(tmp, text, tuning_spec(shapes), "tuned")
+    assert (f"distribution = [{WORKGROUP[0]}, {WORKGROUP[1]}, 0], vector_common_parallel = "
+            f"[{REGISTERS[0]}, {REGISTERS[1]}, 0]") in log
+    got, want = _run(tuned, w1, w2, h), _run(plain, w1, w2, h)
+    assert np.array_equal(got, want)
+    np.testing.assert_allclose(got, w2 @ np.tanh(w1 @ h), rtol=2e-4, atol=2e-4 * np.sqrt(m * k))
