@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
@@ -25,6 +26,15 @@ LLADA_8B_DIR = Path(__file__).resolve().parent.parent / "eval" / "data" / "llada
 TINY = LLaDAConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, mlp_hidden_size=64, vocab_size=512,
                    embedding_size=512, max_sequence_length=128, rope_theta=10000.0, rms_norm_eps=1e-5,
                    mask_token_id=500, eos_token_id=501, eot_token_id=502)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def release_compiled_steps():
+    """Drop every compiled executable after each test file. Each one the process holds keeps its code
+    mapped; the whole suite in one process reached Linux's limit of 65530 mappings and segfaulted inside
+    XLA's executable loading."""
+    yield
+    jax.clear_caches()
 
 
 def require(available: bool, what: str) -> None:
