@@ -2,7 +2,7 @@
 
 A feature-major step multiplies `W [M, K] @ h [K, N]` (`llada_jax.layout`). IREE 3.13 tiles such a matmul
 into 64 x 64 workgroups holding an 8 x 16 block of the output in registers (8 of the 32 vector registers).
-Holding 8 x 32 (16 registers) and giving each workgroup 64 x 32 ran the bench-size projections 15-40% faster
+Holding 8 x 32 (16 registers) and giving each workgroup 64 x 32 ran the bench-size products 17-39% faster
 (README, "IREE at the bench size"). Tiles split only M and N, never K: every output is summed over K in the
 same order as before, so a tuned bundle computes bit for bit what an untuned one does.
 """

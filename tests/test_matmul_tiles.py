@@ -62,10 +62,10 @@ def _compile(tmp_path, text: str, spec: str | None, name: str) -> tuple[bytes, s
     flags = list(HOST_FLAGS)
     if spec is not None:
         (tmp_path / f"{name}.spec.mlir").write_text(spec)
-        flags.append(f"--iree-codegen-tuning-spec-path={tmp_path / f'{name}.spec.mlir'}")
+        flags += [f"--iree-codegen-tuning-spec-path={tmp_path / f'{name}.spec.mlir'}", "--iree-opt-const-eval=false"]
     done = subprocess.run([find_tool("iree-compile"), str(source), "--iree-input-type=stablehlo", *flags, "-o", str(out),
                            "--mlir-print-ir-after=iree-llvmcpu-select-lowering-strategy"],
-                          capture_output=True, text=True, check=True)
+                          capture_output=True, text=True, check=True, timeout=300)
     return out.read_bytes(), done.stderr
 
 
