@@ -3,8 +3,6 @@ untuned one does (the tiles split M and N, never the sum over K)."""
 
 from __future__ import annotations
 
-import subprocess
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,11 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax import export
 
+from lowering import targets
+from lowering.bundle import compile_module
 from lowering.matmul_tiles import REGISTERS, WORKGROUP, host_has_avx512, tunable_matmuls, tuning_spec
 from lowering.targets import TARGETS, tuned_matmuls
-
-HOST_FLAGS = ("--iree-hal-target-device=local", "--iree-hal-local-target-device-backends=llvm-cpu",
-              "--iree-llvmcpu-target-cpu=host")
 
 
 def exported(fn, *args) -> str:
@@ -46,27 +43,26 @@ def test_avx512_is_read_from_the_cpu_flags(tmp_path):
     assert not host_has_avx512(tmp_path / "missing")
 
 
-def test_only_the_host_target_without_data_tiling_is_tuned():
+def test_only_the_host_target_on_avx512_without_data_tiling_is_tuned(monkeypatch):
     text = exported(lambda w, h: w @ h, f32(64, 32), f32(32, 64))
+    monkeypatch.setattr(targets, "host_has_avx512", lambda: True)
+    assert tuned_matmuls(TARGETS["host"], False, text) == [(64, 32, 64)]
     assert tuned_matmuls(TARGETS["host"], True, text) == []
     assert tuned_matmuls(TARGETS["vulkan"], False, text) == []
     assert tuned_matmuls(TARGETS["android-arm64"], False, text) == []
-    assert tuned_matmuls(TARGETS["host"], False, text) == ([(64, 32, 64)] if host_has_avx512() else [])
+    monkeypatch.setattr(targets, "host_has_avx512", lambda: False)
+    assert tuned_matmuls(TARGETS["host"], False, text) == []
 
 
 def _compile(tmp_path, text: str, spec: str | None, name: str) -> tuple[bytes, str]:
-    from iree.compiler.tools.binaries import find_tool
-
-    source, out = tmp_path / f"{name}.mlir", tmp_path / f"{name}.vmfb"
-    source.write_text(text)
-    flags = list(HOST_FLAGS)
-    if spec is not None:
-        (tmp_path / f"{name}.spec.mlir").write_text(spec)
-        flags += [f"--iree-codegen-tuning-spec-path={tmp_path / f'{name}.spec.mlir'}", "--iree-opt-const-eval=false"]
-    done = subprocess.run([find_tool("iree-compile"), str(source), "--iree-input-type=stablehlo", *flags, "-o", str(out),
-                           "--mlir-print-ir-after=iree-llvmcpu-select-lowering-strategy"],
-                          capture_output=True, text=True, check=True, timeout=300)
-    return out.read_bytes(), done.stderr
+    """Compiled as bundles are (`compile_module`, the host target's flags), with the lowering configs IREE
+    chose written under `tmp_path`; returns the module and those configs."""
+    configs = tmp_path / f"{name}.configs"
+    flags = (*TARGETS["host"].flags, "--mlir-print-ir-after=iree-llvmcpu-select-lowering-strategy",
+             f"--mlir-print-ir-tree-dir={configs}")
+    compile_module(text, flags, tmp_path / f"{name}.vmfb", timeout=300, tuning=spec)
+    chosen = "\n".join(file.read_text() for file in sorted(configs.rglob("*.mlir")))
+    return (tmp_path / f"{name}.vmfb").read_bytes(), chosen
 
 
 def _run(vmfb: bytes, *inputs) -> np.ndarray:
