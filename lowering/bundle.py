@@ -69,38 +69,64 @@ def compile_timeout() -> float:
     return seconds
 
 
+# IREE 3.13 can deadlock loading a tuning spec: the thread parsing it holds a lock while MLIR verifies the
+# spec on the shared thread pool, and while it waits it may run another executable's configuration pass,
+# which waits for that same lock (2 compiles in 30 hung). So a tuned compile stops after the executable
+# sources, configures the executables (where the spec applies, a fraction of a second) on one thread, and
+# goes on with threads from there. The vmfb is byte for byte what one threaded compile gives.
+TUNED_PHASES = ("executable-sources", "executable-configurations")
+
+
 def compile_module(text: str, flags: tuple[str, ...], out: Path, timeout: float = COMPILE_TIMEOUT_S,
                    tuning: str | None = None) -> float:
-    """Run iree-compile in its own process group with a timeout that kills the whole group; `tuning`: a tuning
-    spec's text (`lowering.matmul_tiles`)."""
-    from iree.compiler.tools.binaries import find_tool
-
+    """Run iree-compile in its own process group, every phase within one `timeout` that kills the whole
+    group; `tuning`: a tuning spec's text (`lowering.matmul_tiles`)."""
     source, spec = out.with_suffix(".mlir"), out.with_suffix(".tiles.mlir")
+    phases = [out.with_suffix(f".{phase}.mlir") for phase in TUNED_PHASES]
     source.write_text(text)
     if tuning is not None:
         spec.write_text(tuning)
-        # Without const-eval: IREE 3.13 deadlocked about 1 compile in 12 loading the spec inside const-eval's
-        # nested pipeline (IREECodegenDialect::getOrLoadTransformLibraryModule); none in 30 without it. The
-        # weights are parameters, so there is nothing for it to evaluate; the steps ran as fast.
-        flags = (*flags, f"--iree-codegen-tuning-spec-path={spec}", "--iree-opt-const-eval=false")
-    command = [find_tool("iree-compile"), str(source), "--iree-input-type=stablehlo", *flags, "-o", str(out)]
     started = time.perf_counter()
+    try:
+        for command in _compile_commands(source, flags, out, spec if tuning is not None else None, phases):
+            _run_compiler(command, timeout - (time.perf_counter() - started), timeout)
+    finally:
+        for path in (source, spec, *phases):
+            path.unlink(missing_ok=True)
+    return time.perf_counter() - started
+
+
+def _compile_commands(source: Path, flags, out: Path, spec: Path | None, phases: list[Path]) -> list[list[str]]:
+    from iree.compiler.tools.binaries import find_tool
+
+    tool = find_tool("iree-compile")
+    if spec is None:
+        return [[tool, str(source), "--iree-input-type=stablehlo", *flags, "-o", str(out)]]
+    keep_locations = "--mlir-print-debuginfo"  # source locations carried across phases, as in one compile
+    (sources, configured), (to_sources, to_configured) = phases, TUNED_PHASES
+    return [
+        [tool, str(source), "--iree-input-type=stablehlo", *flags, f"--compile-to={to_sources}", keep_locations,
+         "-o", str(sources)],
+        [tool, str(sources), *flags, f"--compile-from={to_sources}", f"--compile-to={to_configured}",
+         f"--iree-codegen-tuning-spec-path={spec}", "--mlir-disable-threading", keep_locations, "-o", str(configured)],
+        [tool, str(configured), *flags, f"--compile-from={to_configured}", "-o", str(out)],
+    ]
+
+
+def _run_compiler(command: list[str], seconds_left: float, timeout: float) -> None:
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
-        _, err = proc.communicate(timeout=timeout)
+        _, err = proc.communicate(timeout=max(seconds_left, 0.001))
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
         raise LladaError(f"iree-compile took longer than {timeout:g} s and was stopped (LLADA_COMPILE_TIMEOUT_S "
                          "sets the limit)") from None
-    finally:
-        source.unlink(missing_ok=True)
-        spec.unlink(missing_ok=True)
     if proc.returncode != 0:
-        first = next((line for line in err.splitlines() if "error" in line), err.strip().splitlines()[-1:])
+        last = (err.strip().splitlines() or ["no output"])[-1]
+        first = next((line for line in err.splitlines() if "error" in line), last)
         raise LladaError(f"iree-compile failed: {first}")
-    return time.perf_counter() - started
 
 
 def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, window: int = 64,

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from jax import export
 
 from lowering import targets
-from lowering.bundle import compile_module
+from lowering.bundle import _compile_commands, compile_module
 from lowering.matmul_tiles import REGISTERS, WORKGROUP, host_has_avx512, tunable_matmuls, tuning_spec
 from lowering.targets import TARGETS, tuned_matmuls
 
@@ -52,6 +52,19 @@ def test_only_the_host_target_on_avx512_without_data_tiling_is_tuned(monkeypatch
     assert tuned_matmuls(TARGETS["android-arm64"], False, text) == []
     monkeypatch.setattr(targets, "host_has_avx512", lambda: False)
     assert tuned_matmuls(TARGETS["host"], False, text) == []
+
+
+def test_the_spec_is_applied_in_a_phase_of_its_own_on_one_thread(tmp_path):
+    """IREE 3.13 can deadlock loading a spec on its thread pool (`lowering.bundle.TUNED_PHASES`)."""
+    phases = [tmp_path / "sources.mlir", tmp_path / "configured.mlir"]
+    plain = _compile_commands(tmp_path / "m.mlir", ("--flag",), tmp_path / "m.vmfb", None, phases)
+    tuned = _compile_commands(tmp_path / "m.mlir", ("--flag",), tmp_path / "m.vmfb", tmp_path / "s.mlir", phases)
+    assert len(plain) == 1 and not any("tuning-spec" in arg or "threading" in arg for arg in plain[0])
+    with_spec = [command for command in tuned if f"--iree-codegen-tuning-spec-path={tmp_path / 's.mlir'}" in command]
+    assert len(tuned) == 3 and with_spec == [tuned[1]] and "--mlir-disable-threading" in tuned[1]
+    assert not any("--mlir-disable-threading" in command for command in (tuned[0], tuned[2]))
+    assert [command[command.index("-o") + 1] for command in tuned] == [*map(str, phases), str(tmp_path / "m.vmfb")]
+    assert all("--flag" in command for command in tuned)
 
 
 def _compile(tmp_path, text: str, spec: str | None, name: str) -> tuple[bytes, str]:
