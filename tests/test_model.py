@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import llada_jax
-from llada_jax import kv_state
+from llada_jax import kv_state, layout
 from llada_jax.layout import (
     IREE_CPU_LAYOUT,
     POSITION_MAJOR,
@@ -19,6 +19,7 @@ from llada_jax.layout import (
     OpenFeatures,
     Positions,
     linear,
+    split_sum,
 )
 from llada_jax.model import Context, decoder_layer, lm_logits, rotary_tables
 from llada_jax.qlinear import to_device
@@ -167,6 +168,32 @@ def test_feature_major_layer_equals_position_major(tiny_model, batch, width, cac
     by_feature = run(block, x, rotary, context, bias, config=TINY, layout=columns)
     for got, want in zip(by_feature, by_position):
         assert_close_to_scale(np.asarray(got), np.asarray(want))
+
+
+SHORT_OR_LONG = st.one_of(st.tuples(st.integers(1, 1024), st.integers(1, 260)),   # sums not split
+                         st.tuples(st.integers(1, 3000), st.integers(1, 127)),
+                         st.tuples(st.integers(1025, 3000), st.integers(128, 260)))  # split
+
+
+@settings(max_examples=12, deadline=None)
+@given(out=st.integers(1, 48), shape=SHORT_OR_LONG, dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
+       seed=st.integers(0, 10_000))
+def test_open_feature_products_split_long_sums_and_equal_the_whole_product(out, shape, dtype, seed):
+    """IREE's feature-major product sums over more than SPLIT_SUM features on at least SPLIT_COLUMNS columns in
+    consecutive pieces of at most SUM_PIECE, and gives the one-piece product to float32 rounding."""
+    features, columns = shape
+    pieces = split_sum(features, columns)
+    assert pieces[0][0] == 0 and pieces[-1][1] == features
+    assert all(stop == start for (_, stop), (start, _) in zip(pieces, pieces[1:]))
+    split = columns >= layout.SPLIT_COLUMNS and features > layout.SPLIT_SUM
+    assert len(pieces) == 1 if not split else all(0 < stop - start <= layout.SUM_PIECE for start, stop in pieces)
+    rng = np.random.default_rng(seed)
+    weight = jnp.asarray(rng.normal(size=(out, features)), dtype)
+    h = jnp.asarray(rng.normal(size=(features, columns)), jnp.float32)
+    got = np.asarray(jax.jit(OpenFeatures.matmul)(h, weight), np.float64)
+    w64, h64 = np.asarray(weight, np.float64), np.asarray(h, np.float64)
+    rounding = 2 * features * np.finfo(np.float32).eps * (np.abs(w64) @ np.abs(h64))  # float32 sums, any order
+    assert np.all(np.abs(got - w64 @ h64) <= rounding)
 
 
 def test_layout_rules_pick_by_width_and_weights(tiny_model):
