@@ -17,6 +17,8 @@ position-major.
 
 from __future__ import annotations
 
+import functools
+import operator
 from typing import NamedTuple
 
 import jax
@@ -158,11 +160,9 @@ class OpenFeatures(Features):
     @staticmethod
     def matmul(h, weight):
         """weight @ h as `Features.matmul`, with a long sum over I split in pieces (`split_sum`)."""
-        pieces = split_sum(weight.shape[1], h.shape[1])
-        out = Features.matmul(h[: pieces[0][1]], weight[:, : pieces[0][1]])
-        for start, stop in pieces[1:]:
-            out = out + Features.matmul(h[start:stop], weight[:, start:stop])
-        return out
+        products = (Features.matmul(h[start:stop], weight[:, start:stop])
+                    for start, stop in split_sum(weight.shape[1], h.shape[1]))
+        return functools.reduce(operator.add, products)
 
     @classmethod
     def logits(cls, h, b, w):

@@ -185,8 +185,10 @@ def test_open_feature_products_split_long_sums_and_equal_the_whole_product(out, 
     pieces = split_sum(features, columns)
     assert pieces[0][0] == 0 and pieces[-1][1] == features
     assert all(stop == start for (_, stop), (start, _) in zip(pieces, pieces[1:]))
-    split = columns >= layout.SPLIT_COLUMNS and features > layout.SPLIT_SUM
-    assert len(pieces) == 1 if not split else all(0 < stop - start <= layout.SUM_PIECE for start, stop in pieces)
+    if columns >= layout.SPLIT_COLUMNS and features > layout.SPLIT_SUM:
+        assert all(0 < stop - start <= layout.SUM_PIECE for start, stop in pieces)
+    else:
+        assert pieces == [(0, features)]
     rng = np.random.default_rng(seed)
     weight = jnp.asarray(rng.normal(size=(out, features)), dtype)
     h = jnp.asarray(rng.normal(size=(features, columns)), jnp.float32)
