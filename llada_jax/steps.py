@@ -76,10 +76,14 @@ def argmax_logprob(logits: jax.Array, confidence_bias: jax.Array, axis: int = -1
 
 def head_rows(hidden: jax.Array, head_start, head_width: int | None) -> jax.Array:
     """The hidden rows `[B, head_width, D]` from `head_start` on (all rows when `head_width` is None).
-    The caller keeps `head_start + head_width` within the rows: a slice past the end would shift."""
+    The caller keeps `head_start + head_width` within the rows.
+
+    Gathered by index rather than sliced: IREE reads a dynamic slice's start back to the host, a wait in
+    the middle of the call (the bench-size read step on the host CPU: 12.3 ms sliced, 9.5 gathered)."""
     if head_width is None:
         return hidden
-    return jax.lax.dynamic_slice_in_dim(hidden, jnp.asarray(head_start, jnp.int32), head_width, axis=1)
+    rows = jnp.asarray(head_start, jnp.int32) + jnp.arange(head_width, dtype=jnp.int32)
+    return jnp.take(hidden, rows, axis=1, mode="clip")
 
 
 def read_out(params: dict, hidden: jax.Array, cfg_scale, logit_bias, confidence_bias, readout_spec: ReadoutSpec,

@@ -25,7 +25,7 @@ from llada_jax.model import Context, decoder_layer, lm_logits, rotary_tables
 from llada_jax.qlinear import to_device
 from llada_jax.quantize import HostQuantized, QuantScheme, quantize_matrix
 from llada_jax.readout import ReadoutSpec, StepOutput
-from llada_jax.steps import argmax_logprob, full_step, guided_logits, window_step
+from llada_jax.steps import argmax_logprob, full_step, guided_logits, head_rows, window_step
 from tests import reference
 from tests.conftest import TINY, assert_close_to_scale, jax_backend, read_all, step_extras
 
@@ -257,3 +257,15 @@ def test_readout_over_vocabulary_columns_equals_the_row_readout(pairs, width, vo
     assert (np.isneginf(got_logp) == np.isneginf(want_logp)).all()
     finite = np.isfinite(want_logp)
     np.testing.assert_allclose(got_logp[finite], want_logp[finite], rtol=1e-5, atol=1e-6)
+
+
+@settings(max_examples=30)
+@given(batch=st.integers(1, 3), rows=st.integers(1, 40), data=st.data())
+def test_head_rows_are_the_rows_they_name(batch, rows, data):
+    """The gathered head rows are exactly the slice `[head_start, head_start + head_width)`."""
+    width = data.draw(st.integers(1, rows))
+    start = data.draw(st.integers(0, rows - width))
+    hidden = np.arange(batch * rows * 3, dtype=np.float32).reshape(batch, rows, 3)
+    got = head_rows(jnp.asarray(hidden), np.int32(start), width)
+    assert np.array_equal(np.asarray(got), hidden[:, start:start + width])
+    assert head_rows(jnp.asarray(hidden), np.int32(0), None).shape == hidden.shape
