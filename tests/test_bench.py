@@ -37,6 +37,22 @@ def test_bench_loop_both_gives_a_host_and_a_compiled_row(capsys, tiny_dir):
     assert rows[0]["mean_nfe"] == rows[1]["mean_nfe"]
 
 
+def test_ratios_use_the_highest_peak_sampled_around_every_row(capsys, monkeypatch, tiny_dir):
+    """The peak is sampled before the first row and after each, and eff / xfloor use the highest sample."""
+    from eval import bench
+
+    samples = iter([120.0, 150.0, 90.0])
+    monkeypatch.setattr(bench, "matmul_peak_gflops", lambda: next(samples))
+    code = main(["bench", "--model", str(tiny_dir), "--limit", "1", "--policy", "vanilla", "--policy",
+                 "dual-cache", "--json"])
+    rows = json.loads(capsys.readouterr().out)
+    assert code == 0 and next(samples, None) is None  # one sample before the rows, one after each of the two
+    assert [r["achieved_gflops"] / r["step_efficiency"] for r in rows] == pytest.approx([150.0, 150.0])
+    report = {"peak_gflops": 150.0, "peak_samples": [120.0, 150.0, 90.0], "prompts": 1, "gen_length": 32,
+              "block_length": 8, "steps": 32, "rows": []}
+    assert "matmul peak 150.0 GFLOP/s (highest of 3 samples across the run, lowest 90.0)" in bench.format_table(report)
+
+
 def test_step_flops_counts_matmuls_and_attention():
     one = step_flops(TINY, width=1, context=1)
     assert step_flops(TINY, width=8, context=1) == 8 * one
