@@ -158,12 +158,13 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
     functions = _functions(specs, loop_specs, config, compute, layout, activations, tgt.layout_rule(data_tiling))
     say(f"exporting {len(specs)} steps{f' and {len(loop_specs)} decode loops' if loop_specs else ''} to StableHLO")
     module = bundle_module(functions, layout)
-    tuned = tuned_matmuls(tgt, data_tiling, module)
+    tiles, tuned = tuned_matmuls(tgt, data_tiling, module)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
         say(f"compiling for {tgt.name} ({tgt.note or tgt.driver})")
-        seconds = compile_module(module, flags, staging / VMFB, timeout, tuning_spec(tuned) if tuned else None)
+        spec = tuning_spec(tuned, tiles) if tuned else None
+        seconds = compile_module(module, flags, staging / VMFB, timeout, spec)
         weights = _place_weights(model_dir, staging, copy_weights)
         if loops:
             write_run_script(staging, loops[0], config, LOOP_DRIVER, weights)
@@ -173,6 +174,7 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
         manifest = {
             "format": FORMAT_VERSION, "model_config": dict(config.to_hf_dict(), **_quantization(model_dir)),
             "eot_token_id": config.eot_token_id, "tuned_matmuls": [list(shape) for shape in tuned],
+            "matmul_tiles": tiles._asdict() if tuned else None,
             "target": tgt.name, "driver": tgt.driver, "flags": list(flags), "iree_version": iree_version(),
             "compute_dtype": dtype, "activations": activations, "parameters": layout.manifest(),
             "max_len": max_len, "window": window, "batch_sizes": list(batch_sizes),

@@ -11,6 +11,7 @@ from llada_jax.locations import user_cache_dir
 from llada_jax.packing import head_layout, layer_layout
 from lowering.bundle import check_batch_sizes, compile_bundle, iree_version
 from lowering.bundle_format import FORMAT_VERSION, MANIFEST, sha256
+from lowering.matmul_tiles import host_tiles
 
 
 def cached_bundle(model_dir, target: str, *, dtype: str = "float32", max_len: int | None = None,
@@ -18,7 +19,7 @@ def cached_bundle(model_dir, target: str, *, dtype: str = "float32", max_len: in
                   batch_sizes: tuple[int, ...] = (1,), activations: str = "float", data_tiling: bool = False,
                   progress=None) -> Path:
     """A bundle for this model (by content), target, dtype, activations, data tiling, shapes, staged weight layouts, compiled decode
-    loops and IREE version; compiled if absent."""
+    loops, IREE version and this host's matmul tiles; compiled if absent."""
     model_dir = Path(model_dir).absolute()
     config = read_config(model_dir)
     max_len = max_len or config.max_sequence_length
@@ -32,7 +33,7 @@ def cached_bundle(model_dir, target: str, *, dtype: str = "float32", max_len: in
                       "staged_layouts": [layer_layout(config).entries, head_layout(config).entries],
                       "loops": sorted({spec.name for baked in loops for spec in baked.specs}),
                       "batch_sizes": check_batch_sizes(batch_sizes),
-                      "code": _exporting_code()}, sort_keys=True)
+                      "code": _exporting_code(), "host_tiles": host_tiles()}, sort_keys=True)
     out = user_cache_dir("bundles") / hashlib.sha256(key.encode()).hexdigest()[:20]
     if not (out / MANIFEST).is_file():
         compile_bundle(model_dir, target, out, max_len=max_len, window=window, dtype=dtype, copy_weights=False,

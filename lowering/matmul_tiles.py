@@ -1,46 +1,64 @@
-"""Tile sizes for IREE's x86 AVX-512 code generation of float32 matmuls, given to iree-compile as a tuning spec.
+"""Tile sizes for IREE's x86 code generation of float32 matmuls, given to iree-compile as a tuning spec.
 
-A feature-major step multiplies `W [M, K] @ h [K, N]` (`llada_jax.layout`). IREE 3.13 tiles such a matmul
-into 64 x 64 workgroups holding an 8 x 16 block of the output in registers (8 of the 32 vector registers).
-Holding 8 x 32 (16 registers) and giving each workgroup 64 x 32 ran the bench-size products 17-39% faster
-(README, "IREE at the bench size"). Tiles split only M and N, never K: every output is summed over K in the
-same order as before, so a tuned bundle computes bit for bit what an untuned one does.
+A feature-major step multiplies `W [M, K] @ h [K, N]` (`llada_jax.layout`). Tiles split only M and N, never
+K: every output is summed over K in the same order as before, so a tuned bundle computes bit for bit what an
+untuned one does. The tiles depend on the vector registers of the CPU compiling for `-target-cpu=host`:
+- AVX-512 (32 zmm): IREE 3.13 tiles into 64 x 64 workgroups holding an 8 x 16 block of the output in
+  registers. Holding 8 x 32 (16 registers) and giving each workgroup 64 x 32 ran the bench-size products
+  17-39% faster (README, "IREE at the bench size").
+- AVX2 (16 ymm): IREE 3.13 holds an 8 x 8 block (8 accumulators, one register wide). A 4 x 16 block (8
+  accumulators, two registers wide) in 32 x 32 workgroups ran the bench-size products on 32 columns at
+  128-134 GFLOP/s against 97-131 (AMD Zen 3, medians of 60 interleaved calls; on 192 columns 72-88 against
+  66-87).
 """
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import NamedTuple
 
-WORKGROUP = (64, 32)   # output rows x columns one workgroup computes
-REGISTERS = (8, 32)    # output rows x columns held in vector registers (8 x 2 zmm accumulators)
+
+class Tiles(NamedTuple):
+    workgroup: tuple[int, int]  # output rows x columns one workgroup computes
+    registers: tuple[int, int]  # output rows x columns held in vector registers
+
+
+AVX512_TILES = Tiles((64, 32), (8, 32))  # 8 x 2 zmm accumulators
+AVX2_TILES = Tiles((32, 32), (4, 16))    # 4 x 2 ymm accumulators
 
 # The 2-D float32 products of an exported StableHLO module, `[M, K] x [K, N] -> [M, N]`.
 _MATMUL = re.compile(r"stablehlo\.dot_general [^:\n]*contracting_dims = \[1\] x \[0\](?:, precision = [^:\n]*)? : "
                      r"\(tensor<(\d+)x(\d+)xf32>, tensor<(\d+)x(\d+)xf32>\)")
 
 
-def host_has_avx512(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
-    """Whether the CPU compiling for `--iree-llvmcpu-target-cpu=host` has AVX-512 (32 zmm registers).
-    The tiles above assume it: on AVX2's 16 registers the 8 x 32 block would spill."""
+def host_tiles(cpuinfo: Path = Path("/proc/cpuinfo")) -> Tiles | None:
+    """The tiles for the CPU compiling for `--iree-llvmcpu-target-cpu=host`: by its widest float32 FMA vectors
+    (None: neither AVX-512 nor AVX2 with FMA, IREE's own tiles)."""
     try:
         text = cpuinfo.read_text()
     except OSError:
-        return False
-    return any(line.startswith("flags") and " avx512f" in line for line in text.splitlines())
+        return None
+    flags = next((set(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")), set())
+    if "avx512f" in flags:
+        return AVX512_TILES
+    if {"avx2", "fma"} <= flags:
+        return AVX2_TILES
+    return None
 
 
-def tunable_matmuls(module_text: str) -> list[tuple[int, int, int]]:
-    """The distinct `(M, K, N)` of the module's float32 matmuls the register block divides (M by 8, N by 32);
-    others keep IREE's own tiles."""
+def tunable_matmuls(module_text: str, tiles: Tiles) -> list[tuple[int, int, int]]:
+    """The distinct `(M, K, N)` of the module's float32 matmuls the register block divides; others keep
+    IREE's own tiles."""
     shapes = {(int(m), int(k), int(n)) for m, k, k2, n in _MATMUL.findall(module_text) if k == k2}
-    return sorted((m, k, n) for m, k, n in shapes if m % REGISTERS[0] == 0 and n % REGISTERS[1] == 0)
+    rows, columns = tiles.registers
+    return sorted((m, k, n) for m, k, n in shapes if m % rows == 0 and n % columns == 0)
 
 
-def tuning_spec(shapes: list[tuple[int, int, int]]) -> str:
+def tuning_spec(shapes: list[tuple[int, int, int]], tiles: Tiles) -> str:
     """A transform-dialect library (`--iree-codegen-tuning-spec-path`) giving each `linalg.matmul` of these
-    float32 shapes the tiles above."""
-    matchers = [_matcher(index, shape) for index, shape in enumerate(shapes)]
+    float32 shapes `tiles`."""
+    matchers = [_matcher(index, shape, tiles) for index, shape in enumerate(shapes)]
     pairs = ", ".join(f"@match_{index} -> @apply" for index in range(len(shapes)))
     return "\n".join([
         "module @llada_matmul_tiles attributes {transform.with_named_sequence, "
@@ -60,11 +78,12 @@ def tuning_spec(shapes: list[tuple[int, int, int]]) -> str:
     ])
 
 
-def _matcher(index: int, shape: tuple[int, int, int]) -> str:
+def _matcher(index: int, shape: tuple[int, int, int], tiles: Tiles) -> str:
     m, k, n = shape
+    (group_rows, group_columns), (rows, columns) = tiles
     config = ("#iree_codegen.compilation_info<lowering_config = #iree_cpu.lowering_config<"
-              f"distribution = [{WORKGROUP[0]}, {WORKGROUP[1]}, 0], "
-              f"vector_common_parallel = [{REGISTERS[0]}, {REGISTERS[1]}, 0], vector_reduction = [0, 0, 1]>, "
+              f"distribution = [{group_rows}, {group_columns}, 0], "
+              f"vector_common_parallel = [{rows}, {columns}, 0], vector_reduction = [0, 0, 1]>, "
               "translation_info = #iree_codegen.translation_info<pipeline = #iree_cpu.pipeline<DoubleTilingExpert>>>")
     return "\n".join([
         f"  transform.named_sequence @match_{index}(%op: !transform.any_op {{transform.readonly}}) -> "

@@ -7,7 +7,7 @@ import dataclasses
 
 from llada_jax.errors import LladaError
 from llada_jax.layout import IREE_CPU_LAYOUT, POSITION_MAJOR, LayoutRule
-from lowering.matmul_tiles import host_has_avx512, tunable_matmuls
+from lowering.matmul_tiles import Tiles, host_tiles, tunable_matmuls
 
 
 @dataclasses.dataclass(frozen=True)
@@ -16,7 +16,7 @@ class Target:
     driver: str                 # IREE runtime driver that runs it
     flags: tuple[str, ...]
     note: str = ""
-    tunes_matmuls: bool = False  # float32 matmul tiles for AVX-512 (`lowering.matmul_tiles`), if the host has it
+    tunes_matmuls: bool = False  # float32 matmul tiles for the host's vectors (`lowering.matmul_tiles`)
 
     def layout_rule(self, data_tiling: bool) -> LayoutRule:
         """Activation layouts (`llada_jax.layout`): feature-major at every width for IREE's CPU code generation,
@@ -72,12 +72,12 @@ def compile_flags(tgt: Target, data_tiling: bool, staged: bool) -> tuple[str, ..
     return tgt.flags + DATA_TILING
 
 
-def tuned_matmuls(tgt: Target, data_tiling: bool, module_text: str) -> list[tuple[int, int, int]]:
-    """The float32 matmul shapes `(M, K, N)` given AVX-512 tiles: on a target that takes them, compiled on a
-    host with AVX-512, without data tiling (whose matmuls are IREE's own tiled kernels)."""
-    if not tgt.tunes_matmuls or data_tiling or not host_has_avx512():
-        return []
-    return tunable_matmuls(module_text)
+def tuned_matmuls(tgt: Target, data_tiling: bool, module_text: str) -> tuple[Tiles | None, list[tuple[int, int, int]]]:
+    """The host's matmul tiles and the float32 matmul shapes `(M, K, N)` given them: on a target that takes
+    them, compiled on a host with AVX-512 or AVX2, without data tiling (whose matmuls are IREE's own tiled
+    kernels). No tiles: no shapes."""
+    tiles = host_tiles() if tgt.tunes_matmuls and not data_tiling else None
+    return (tiles, tunable_matmuls(module_text, tiles)) if tiles else (None, [])
 
 
 def target(name: str) -> Target:

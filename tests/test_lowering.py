@@ -20,7 +20,7 @@ from llada_jax.errors import LladaError
 from llada_jax.readout import ReadoutSpec, TokenBiases
 from lowering import bundle as bundle_mod
 from lowering.bundle import compile_bundle
-from lowering.matmul_tiles import host_has_avx512
+from lowering.matmul_tiles import host_tiles
 from lowering.runtime import IreeBackend, Session, load_bundle
 from tests.conftest import BUNDLE_MAX_LEN, TINY, jax_backend, require, vulkan_available
 
@@ -66,9 +66,12 @@ def test_manifest_describes_every_step_and_file(host_bundle):
     assert [i["name"] for i in window["inputs"]][:6] == ["keys", "values", "context_bias", "window_ids",
                                                          "window_pos", "window_valid"]
     assert {"steps.vmfb", "model.safetensors", "manifest.json"} - set(manifest["files"]) == {"manifest.json"}
-    # the float32 products over 32 or 64 positions (batch x width) run on the AVX-512 tiles
-    tuned = manifest["tuned_matmuls"]
-    assert bool(tuned) == host_has_avx512() and {n for _, _, n in tuned} <= {32, 64}
+    # the float32 products over positions (batch x width) the host's register block divides run on its tiles
+    tiles, tuned = host_tiles(), manifest["tuned_matmuls"]
+    assert bool(tuned) == (tiles is not None)
+    assert manifest["matmul_tiles"] == ({"workgroup": list(tiles.workgroup), "registers": list(tiles.registers)}
+                                        if tiles else None)
+    assert all(m % tiles.registers[0] == 0 and n % tiles.registers[1] == 0 for m, _, n in tuned)
 
 
 @settings(max_examples=10)

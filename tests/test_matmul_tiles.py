@@ -1,5 +1,5 @@
-"""The AVX-512 matmul tiles: which products get them, and that a tuned module computes bit for bit what an
-untuned one does (the tiles split M and N, never the sum over K)."""
+"""The host's matmul tiles: which CPUs and products get them, and that a tuned module computes bit for bit what
+an untuned one does (the tiles split M and N, never the sum over K), with either ISA's tiles."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from jax import export
 
 from lowering import targets
 from lowering.bundle import _compile_commands, compile_module
-from lowering.matmul_tiles import REGISTERS, WORKGROUP, host_has_avx512, tunable_matmuls, tuning_spec
+from lowering.matmul_tiles import AVX2_TILES, AVX512_TILES, Tiles, host_tiles, tunable_matmuls, tuning_spec
 from lowering.targets import TARGETS, tuned_matmuls
 
 
@@ -31,27 +31,32 @@ def test_only_float32_matmuls_the_register_block_divides_are_tuned():
     text = exported(products, f32(24, 40), f32(40, 64), f32(20, 40), f32(40, 16),
                     jax.ShapeDtypeStruct((24, 40), jnp.bfloat16), jax.ShapeDtypeStruct((40, 64), jnp.bfloat16),
                     f32(2, 32, 8), f32(2, 32, 8))
-    assert tunable_matmuls(text) == [(24, 40, 64)]
+    assert tunable_matmuls(text, AVX512_TILES) == [(24, 40, 64)]               # 8 x 32 divides only w @ h
+    assert tunable_matmuls(text, AVX2_TILES) == [(20, 40, 64), (24, 40, 16), (24, 40, 64)]  # 4 x 16
 
 
-def test_avx512_is_read_from_the_cpu_flags(tmp_path):
-    with_it, without = tmp_path / "a", tmp_path / "b"
-    with_it.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512bw\n")
-    without.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512_vnni_only_in_name\n")
-    assert host_has_avx512(with_it)
-    assert not host_has_avx512(without)
-    assert not host_has_avx512(tmp_path / "missing")
+def test_the_tiles_follow_the_cpu_flags(tmp_path):
+    def cpu(flags: str):
+        path = tmp_path / flags.replace(" ", "_")
+        path.write_text(f"processor\t: 0\nflags\t\t: {flags}\nbugs\t\t: avx512f\n")
+        return host_tiles(path)
+
+    assert cpu("fpu sse2 avx2 fma avx512f avx512bw") == AVX512_TILES
+    assert cpu("fpu sse2 avx2 fma avx512_vnni_only_in_name") == AVX2_TILES
+    assert cpu("fpu sse2 avx2") is None and cpu("fpu sse2") is None  # AVX2 without FMA: IREE's own tiles
+    assert host_tiles(tmp_path / "missing") is None
 
 
-def test_only_the_host_target_on_avx512_without_data_tiling_is_tuned(monkeypatch):
+def test_only_the_host_target_with_tiles_and_without_data_tiling_is_tuned(monkeypatch):
     text = exported(lambda w, h: w @ h, f32(64, 32), f32(32, 64))
-    monkeypatch.setattr(targets, "host_has_avx512", lambda: True)
-    assert tuned_matmuls(TARGETS["host"], False, text) == [(64, 32, 64)]
-    assert tuned_matmuls(TARGETS["host"], True, text) == []
-    assert tuned_matmuls(TARGETS["vulkan"], False, text) == []
-    assert tuned_matmuls(TARGETS["android-arm64"], False, text) == []
-    monkeypatch.setattr(targets, "host_has_avx512", lambda: False)
-    assert tuned_matmuls(TARGETS["host"], False, text) == []
+    for tiles in (AVX512_TILES, AVX2_TILES):
+        monkeypatch.setattr(targets, "host_tiles", lambda tiles=tiles: tiles)
+        assert tuned_matmuls(TARGETS["host"], False, text) == (tiles, [(64, 32, 64)])
+        assert tuned_matmuls(TARGETS["host"], True, text) == (None, [])
+        assert tuned_matmuls(TARGETS["vulkan"], False, text) == (None, [])
+        assert tuned_matmuls(TARGETS["android-arm64"], False, text) == (None, [])
+    monkeypatch.setattr(targets, "host_tiles", lambda: None)
+    assert tuned_matmuls(TARGETS["host"], False, text) == (None, [])
 
 
 def test_the_spec_is_applied_in_a_phase_of_its_own_on_one_thread(tmp_path):
@@ -89,9 +94,10 @@ def _run(vmfb: bytes, *inputs) -> np.ndarray:
 
 @settings(max_examples=4)
 @given(m=st.integers(1, 24).map(lambda i: 8 * i), k=st.integers(1, 96), n=st.integers(1, 5).map(lambda i: 32 * i),
-       seed=st.integers(0, 2**16))
-def test_tuned_matmuls_compute_what_untuned_ones_do(tmp_path_factory, m, k, n, seed):
-    """Two products in a row (the second one's K is the first one's M), with and without the tiles."""
+       seed=st.integers(0, 2**16), tiles=st.sampled_from([AVX512_TILES, AVX2_TILES]))
+def test_tuned_matmuls_compute_what_untuned_ones_do(tmp_path_factory, m, k, n, seed, tiles: Tiles):
+    """Two products in a row (the second one's K is the first one's M), with and without the tiles. AVX-512
+    tiles are given to an AVX2 host too: IREE's x86 code for them spills registers, but computes the same."""
     def chain(w1, w2, h):
         return w2 @ jnp.tanh(w1 @ h)
 
@@ -99,13 +105,14 @@ def test_tuned_matmuls_compute_what_untuned_ones_do(tmp_path_factory, m, k, n, s
     w1, w2 = rng.standard_normal((m, k), np.float32), rng.standard_normal((m, m), np.float32)
     h = rng.standard_normal((k, n), np.float32)
     text = exported(chain, f32(m, k), f32(m, m), f32(k, n))
-    shapes = tunable_matmuls(text)
+    shapes = tunable_matmuls(text, tiles)
     assert shapes == sorted({(m, k, n), (m, m, n)})
     tmp = tmp_path_factory.mktemp("tiles")
     plain, _ = _compile(tmp, text, None, "plain")
-    tuned, log = _compile(tmp, text, tuning_spec(shapes), "tuned")
-    assert (f"distribution = [{WORKGROUP[0]}, {WORKGROUP[1]}, 0], vector_common_parallel = "
-            f"[{REGISTERS[0]}, {REGISTERS[1]}, 0]") in log
+    tuned, log = _compile(tmp, text, tuning_spec(shapes, tiles), "tuned")
+    (group_rows, group_columns), (rows, columns) = tiles
+    assert (f"distribution = [{group_rows}, {group_columns}, 0], vector_common_parallel = "
+            f"[{rows}, {columns}, 0]") in log
     got, want = _run(tuned, w1, w2, h), _run(plain, w1, w2, h)
     assert np.array_equal(got, want)
     np.testing.assert_allclose(got, w2 @ np.tanh(w1 @ h), rtol=2e-4, atol=2e-4 * np.sqrt(m * k))
