@@ -163,8 +163,7 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
         say(f"compiling for {tgt.name} ({tgt.note or tgt.driver})")
-        spec = tuning_spec(tuned, tiles) if tuned else None
-        seconds = compile_module(module, flags, staging / VMFB, timeout, spec)
+        seconds = compile_module(module, flags, staging / VMFB, timeout, tuning_spec(tuned, tiles) if tuned else None)
         weights = _place_weights(model_dir, staging, copy_weights)
         if loops:
             write_run_script(staging, loops[0], config, LOOP_DRIVER, weights)
@@ -173,10 +172,9 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
                 shutil.copyfile(model_dir / name, staging / name)
         manifest = {
             "format": FORMAT_VERSION, "model_config": dict(config.to_hf_dict(), **_quantization(model_dir)),
-            "eot_token_id": config.eot_token_id, "tuned_matmuls": [list(shape) for shape in tuned],
-            "matmul_tiles": tiles._asdict() if tuned else None,
-            "target": tgt.name, "driver": tgt.driver, "flags": list(flags), "iree_version": iree_version(),
-            "compute_dtype": dtype, "activations": activations, "parameters": layout.manifest(),
+            "eot_token_id": config.eot_token_id, "target": tgt.name, "driver": tgt.driver, "flags": list(flags),
+            "iree_version": iree_version(), "tuned_matmuls": [list(s) for s in tuned], "compute_dtype": dtype,
+            "matmul_tiles": tiles and tiles._asdict(), "activations": activations, "parameters": layout.manifest(),
             "max_len": max_len, "window": window, "batch_sizes": list(batch_sizes),
             "device_memory_budget": device_memory_budget, "staged": staged,
             "compile_seconds": round(seconds, 2), "weights": weights,
