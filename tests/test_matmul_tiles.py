@@ -59,6 +59,26 @@ def test_only_the_host_target_with_tiles_and_without_data_tiling_is_tuned(monkey
     assert tuned_matmuls(TARGETS["host"], False, text) == (None, [])
 
 
+def test_bundles_compiled_on_the_fly_are_cached_per_host_tiles(monkeypatch, tmp_path, tiny_dir):
+    """A bundle cached under one host's tiles is not reused under another's; under the same tiles it is."""
+    from lowering import bundle_cache
+
+    compiled = []
+
+    def compile_bundle(model_dir, target, out, **options):
+        compiled.append(out)
+        out.mkdir(parents=True)
+        (out / bundle_cache.MANIFEST).write_text("{}")
+
+    monkeypatch.setenv("LLADA_CACHE", str(tmp_path))
+    monkeypatch.setattr(bundle_cache, "compile_bundle", compile_bundle)
+    paths = []
+    for tiles in (AVX2_TILES, AVX512_TILES, AVX2_TILES):
+        monkeypatch.setattr(bundle_cache, "host_tiles", lambda tiles=tiles: tiles)
+        paths.append(bundle_cache.cached_bundle(tiny_dir, "host"))
+    assert paths[0] != paths[1] and paths[2] == paths[0] and compiled == paths[:2]
+
+
 def test_the_spec_is_applied_in_a_phase_of_its_own_on_one_thread(tmp_path):
     """IREE 3.13 can deadlock loading a spec on its thread pool (`lowering.bundle.TUNED_PHASES`)."""
     phases = [tmp_path / "sources.mlir", tmp_path / "configured.mlir"]
