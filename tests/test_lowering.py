@@ -69,8 +69,7 @@ def test_manifest_describes_every_step_and_file(host_bundle):
     # the float32 products over positions (batch x width) the host's register block divides run on its tiles
     tiles, tuned = host_tiles(), manifest["tuned_matmuls"]
     assert bool(tuned) == (tiles is not None)
-    assert manifest["matmul_tiles"] == ({"workgroup": list(tiles.workgroup), "registers": list(tiles.registers)}
-                                        if tiles else None)
+    assert manifest["matmul_tiles"] == (json.loads(json.dumps(tiles._asdict())) if tiles else None)
     assert all(m % tiles.registers[0] == 0 and n % tiles.registers[1] == 0 for m, _, n in tuned)
 
 

@@ -113,11 +113,12 @@ def _run(vmfb: bytes, *inputs) -> np.ndarray:
 
 
 @settings(max_examples=4)
-@given(m=st.integers(1, 24).map(lambda i: 8 * i), k=st.integers(1, 96), n=st.integers(1, 5).map(lambda i: 32 * i),
+@given(m=st.integers(1, 24).map(lambda i: 8 * i), k=st.integers(1, 300), n=st.integers(1, 5).map(lambda i: 32 * i),
        seed=st.integers(0, 2**16), tiles=st.sampled_from([AVX512_TILES, AVX2_TILES]))
 def test_tuned_matmuls_compute_what_untuned_ones_do(tmp_path_factory, m, k, n, seed, tiles: Tiles):
-    """Two products in a row (the second one's K is the first one's M), with and without the tiles. AVX-512
-    tiles are given to an AVX2 host too: IREE's x86 code for them spills registers, but computes the same."""
+    """Two products in a row (the second one's K is the first one's M; K below or above AVX2's sum block, in
+    whole blocks or not), with and without the tiles. AVX-512 tiles are given to an AVX2 host too: IREE's x86
+    code for them spills registers, but computes the same."""
     def chain(w1, w2, h):
         return w2 @ jnp.tanh(w1 @ h)
 
@@ -130,9 +131,10 @@ def test_tuned_matmuls_compute_what_untuned_ones_do(tmp_path_factory, m, k, n, s
     tmp = tmp_path_factory.mktemp("tiles")
     plain, _ = _compile(tmp, text, None, "plain")
     tuned, log = _compile(tmp, text, tuning_spec(shapes, tiles), "tuned")
-    (group_rows, group_columns), (rows, columns) = tiles
-    assert (f"distribution = [{group_rows}, {group_columns}, 0], vector_common_parallel = "
-            f"[{rows}, {columns}, 0]") in log
+    (group_rows, group_columns), (rows, columns), unroll, block = tiles
+    blocks = f"cache_reduction = [0, 0, {block}], " if block else ""  # IREE prints the levels by name
+    assert (f"<{blocks}distribution = [{group_rows}, {group_columns}, 0], vector_common_parallel = "
+            f"[{rows}, {columns}, 0], vector_reduction = [0, 0, {unroll}]>") in log
     got, want = _run(tuned, w1, w2, h), _run(plain, w1, w2, h)
     assert np.array_equal(got, want)
     np.testing.assert_allclose(got, w2 @ np.tanh(w1 @ h), rtol=2e-4, atol=2e-4 * np.sqrt(m * k))
