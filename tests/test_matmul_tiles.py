@@ -1,5 +1,5 @@
 """The host's matmul tiles: which CPUs and products get them, and that a tuned module computes bit for bit what
-an untuned one does (the tiles split M and N, never the sum over K), with either ISA's tiles."""
+an untuned one does (the tiles split M and N and add the sum over K in its order), with either ISA's tiles."""
 
 from __future__ import annotations
 
