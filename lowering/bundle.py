@@ -40,7 +40,7 @@ from lowering.export import (
 )
 from lowering.matmul_tiles import tuning_spec
 from lowering.run_script import write_run_script
-from lowering.targets import compile_flags, target, tuned_matmuls
+from lowering.targets import compile_flags, target, target_tiles, tuned_matmuls
 
 COMPILE_TIMEOUT_S = 900  # default; LLADA_COMPILE_TIMEOUT_S overrides (data tiling compiles take several times longer)
 # The driver compiled decode loops run on. IREE 3.13's asynchronous drivers (local-task, vulkan) run a loop
@@ -155,10 +155,12 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
     if any(spec.slots not in canvas_sizes(max_len) for spec in loop_specs):
         raise LladaError(f"a decode loop's canvas is not one of this bundle's sizes {canvas_sizes(max_len)}")
     say = progress or (lambda message: None)
-    functions = _functions(specs, loop_specs, config, compute, layout, activations, tgt.layout_rule(data_tiling))
+    tiles = target_tiles(tgt, data_tiling)
+    functions = _functions(specs, loop_specs, config, compute, layout, activations,
+                           tgt.layout_rule(data_tiling, tiles))
     say(f"exporting {len(specs)} steps{f' and {len(loop_specs)} decode loops' if loop_specs else ''} to StableHLO")
     module = bundle_module(functions, layout)
-    tiles, tuned = tuned_matmuls(tgt, data_tiling, module)
+    tuned = tuned_matmuls(tiles, module)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:

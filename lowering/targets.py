@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from llada_jax.errors import LladaError
-from llada_jax.layout import IREE_CPU_LAYOUT, POSITION_MAJOR, LayoutRule
+from llada_jax.layout import IREE_CPU_LAYOUT, IREE_TILED_CPU_LAYOUT, POSITION_MAJOR, LayoutRule
 from lowering.matmul_tiles import Tiles, host_tiles, tunable_matmuls
 
 
@@ -18,11 +18,14 @@ class Target:
     note: str = ""
     tunes_matmuls: bool = False  # float32 matmul tiles for the host's vectors (`lowering.matmul_tiles`)
 
-    def layout_rule(self, data_tiling: bool) -> LayoutRule:
-        """Activation layouts (`llada_jax.layout`): feature-major at every width for IREE's CPU code generation,
-        position-major with data tiling (the form it was measured faster in) and on Vulkan (Mesa's lavapipe
-        miscomputed the feature-major norm)."""
-        return IREE_CPU_LAYOUT if self.driver == "local-task" and not data_tiling else POSITION_MAJOR
+    def layout_rule(self, data_tiling: bool, tiles: Tiles | None) -> LayoutRule:
+        """Activation layouts (`llada_jax.layout`): feature-major at every width for IREE's CPU code generation
+        (long sums whole under `tiles` that walk them in blocks, else in pieces), position-major with data
+        tiling (the form it was measured faster in) and on Vulkan (Mesa's lavapipe miscomputed the
+        feature-major norm)."""
+        if self.driver != "local-task" or data_tiling:
+            return POSITION_MAJOR
+        return IREE_TILED_CPU_LAYOUT if tiles is not None and tiles.sum_block else IREE_CPU_LAYOUT
 
 
 def _cpu(*flags: str) -> tuple[str, ...]:
@@ -72,12 +75,15 @@ def compile_flags(tgt: Target, data_tiling: bool, staged: bool) -> tuple[str, ..
     return tgt.flags + DATA_TILING
 
 
-def tuned_matmuls(tgt: Target, data_tiling: bool, module_text: str) -> tuple[Tiles | None, list[tuple[int, int, int]]]:
-    """The host's matmul tiles and the float32 matmul shapes `(M, K, N)` given them: on a target that takes
-    them, compiled on a host with AVX-512 or AVX2, without data tiling (whose matmuls are IREE's own tiled
-    kernels). No tiles: no shapes."""
-    tiles = host_tiles() if tgt.tunes_matmuls and not data_tiling else None
-    return (tiles, tunable_matmuls(module_text, tiles)) if tiles else (None, [])
+def target_tiles(tgt: Target, data_tiling: bool) -> Tiles | None:
+    """The host's matmul tiles, on a target that takes them, compiled on a host with AVX-512 or AVX2, without
+    data tiling (whose matmuls are IREE's own tiled kernels)."""
+    return host_tiles() if tgt.tunes_matmuls and not data_tiling else None
+
+
+def tuned_matmuls(tiles: Tiles | None, module_text: str) -> list[tuple[int, int, int]]:
+    """The float32 matmul shapes `(M, K, N)` of the module given `tiles` (no tiles: none)."""
+    return tunable_matmuls(module_text, tiles) if tiles else []
 
 
 def target(name: str) -> Target:

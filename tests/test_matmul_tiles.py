@@ -10,10 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax import export
 
+from llada_jax.layout import IREE_CPU_LAYOUT, IREE_TILED_CPU_LAYOUT, POSITION_MAJOR
 from lowering import targets
 from lowering.bundle import _compile_commands, compile_module
 from lowering.matmul_tiles import AVX2_TILES, AVX512_TILES, Tiles, host_tiles, tunable_matmuls, tuning_spec
-from lowering.targets import TARGETS, tuned_matmuls
+from lowering.targets import TARGETS, target_tiles, tuned_matmuls
 
 
 def exported(fn, *args) -> str:
@@ -48,15 +49,20 @@ def test_the_tiles_follow_the_cpu_flags(tmp_path):
 
 
 def test_only_the_host_target_with_tiles_and_without_data_tiling_is_tuned(monkeypatch):
+    """Tiles (and the shapes they tune) on the host target alone, without data tiling; long sums stay whole
+    (the IREE CPU layout without pieces) only under tiles that walk them in blocks."""
     text = exported(lambda w, h: w @ h, f32(64, 32), f32(32, 64))
-    for tiles in (AVX512_TILES, AVX2_TILES):
+    for tiles, rule in ((AVX512_TILES, IREE_CPU_LAYOUT), (AVX2_TILES, IREE_TILED_CPU_LAYOUT)):
         monkeypatch.setattr(targets, "host_tiles", lambda tiles=tiles: tiles)
-        assert tuned_matmuls(TARGETS["host"], False, text) == (tiles, [(64, 32, 64)])
-        assert tuned_matmuls(TARGETS["host"], True, text) == (None, [])
-        assert tuned_matmuls(TARGETS["vulkan"], False, text) == (None, [])
-        assert tuned_matmuls(TARGETS["android-arm64"], False, text) == (None, [])
+        assert target_tiles(TARGETS["host"], False) == tiles and tuned_matmuls(tiles, text) == [(64, 32, 64)]
+        assert TARGETS["host"].layout_rule(False, tiles) == rule
+        for name, data_tiling in (("host", True), ("vulkan", False), ("android-arm64", False)):
+            assert target_tiles(TARGETS[name], data_tiling) is None
     monkeypatch.setattr(targets, "host_tiles", lambda: None)
-    assert tuned_matmuls(TARGETS["host"], False, text) == (None, [])
+    assert target_tiles(TARGETS["host"], False) is None and tuned_matmuls(None, text) == []
+    assert TARGETS["host"].layout_rule(False, None) == IREE_CPU_LAYOUT
+    assert TARGETS["android-arm64"].layout_rule(False, None) == IREE_CPU_LAYOUT
+    assert TARGETS["host"].layout_rule(True, AVX2_TILES) == TARGETS["vulkan"].layout_rule(False, None) == POSITION_MAJOR
 
 
 def test_bundles_compiled_on_the_fly_are_cached_per_host_tiles(monkeypatch, tmp_path, tiny_dir):
