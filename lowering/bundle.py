@@ -151,13 +151,11 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
     staged = _runs_staged(config, layout, device_memory_budget)
     flags, timeout = compile_flags(tgt, data_tiling, staged), compile_timeout()  # both checked before the export
     specs, loops = _functions_to_compile(config, max_len, window, batch_sizes, staged, loops, tgt.driver, progress)
-    loop_specs = list(dict.fromkeys(spec for baked in loops for spec in baked.specs))  # thresholds are inputs
-    if any(spec.slots not in canvas_sizes(max_len) for spec in loop_specs):
-        raise LladaError(f"a decode loop's canvas is not one of this bundle's sizes {canvas_sizes(max_len)}")
+    loop_specs = _loop_specs(loops, max_len)
     say = progress or (lambda message: None)
     tiles = target_tiles(tgt, data_tiling)
-    functions = _functions(specs, loop_specs, config, compute, layout, activations,
-                           tgt.layout_rule(data_tiling, tiles))
+    rule = tgt.layout_rule(data_tiling, tiles)
+    functions = _functions(specs, loop_specs, config, compute, layout, activations, rule)
     say(f"exporting {len(specs)} steps{f' and {len(loop_specs)} decode loops' if loop_specs else ''} to StableHLO")
     module = bundle_module(functions, layout)
     tuned = tuned_matmuls(tiles, module)
@@ -191,6 +189,14 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out_dir
+
+
+def _loop_specs(loops, max_len: int) -> list:
+    """The distinct decode loops of `loops` (thresholds are inputs, not shapes), each on a canvas of the bundle."""
+    specs = list(dict.fromkeys(spec for baked in loops for spec in baked.specs))
+    if any(spec.slots not in canvas_sizes(max_len) for spec in specs):
+        raise LladaError(f"a decode loop's canvas is not one of this bundle's sizes {canvas_sizes(max_len)}")
+    return specs
 
 
 def _functions(specs, loop_specs, config, compute, layout, activations: str, rule) -> list:
