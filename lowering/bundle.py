@@ -38,9 +38,9 @@ from lowering.export import (
     step,
     step_specs,
 )
-from lowering.matmul_tiles import tuning_spec
+from lowering.matmul_tiles import tunable_matmuls, tuning_spec
 from lowering.run_script import write_run_script
-from lowering.targets import compile_flags, target, target_tiles, tuned_matmuls
+from lowering.targets import compile_flags, target, target_tiles
 
 COMPILE_TIMEOUT_S = 900  # default; LLADA_COMPILE_TIMEOUT_S overrides (data tiling compiles take several times longer)
 # The driver compiled decode loops run on. IREE 3.13's asynchronous drivers (local-task, vulkan) run a loop
@@ -158,7 +158,7 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
     functions = _functions(specs, loop_specs, config, compute, layout, activations, rule)
     say(f"exporting {len(specs)} steps{f' and {len(loop_specs)} decode loops' if loop_specs else ''} to StableHLO")
     module = bundle_module(functions, layout)
-    tuned = tuned_matmuls(tiles, module)
+    tuned = tunable_matmuls(module, tiles)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:

@@ -51,9 +51,11 @@ def host_tiles(cpuinfo: Path = Path("/proc/cpuinfo")) -> Tiles | None:
     return None
 
 
-def tunable_matmuls(module_text: str, tiles: Tiles) -> list[tuple[int, int, int]]:
+def tunable_matmuls(module_text: str, tiles: Tiles | None) -> list[tuple[int, int, int]]:
     """The distinct `(M, K, N)` of the module's float32 matmuls the register block divides; others keep
-    IREE's own tiles."""
+    IREE's own tiles (no tiles: none)."""
+    if tiles is None:
+        return []
     shapes = {(int(m), int(k), int(n)) for m, k, k2, n in _MATMUL.findall(module_text) if k == k2}
     rows, columns = tiles.registers
     return sorted((m, k, n) for m, k, n in shapes if m % rows == 0 and n % columns == 0)

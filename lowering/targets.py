@@ -7,7 +7,7 @@ import dataclasses
 
 from llada_jax.errors import LladaError
 from llada_jax.layout import IREE_CPU_LAYOUT, IREE_TILED_CPU_LAYOUT, POSITION_MAJOR, LayoutRule
-from lowering.matmul_tiles import Tiles, host_tiles, tunable_matmuls
+from lowering.matmul_tiles import Tiles, host_tiles
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,11 +79,6 @@ def target_tiles(tgt: Target, data_tiling: bool) -> Tiles | None:
     """The host's matmul tiles, on a target that takes them, compiled on a host with AVX-512 or AVX2, without
     data tiling (whose matmuls are IREE's own tiled kernels)."""
     return host_tiles() if tgt.tunes_matmuls and not data_tiling else None
-
-
-def tuned_matmuls(tiles: Tiles | None, module_text: str) -> list[tuple[int, int, int]]:
-    """The float32 matmul shapes `(M, K, N)` of the module given `tiles` (no tiles: none)."""
-    return tunable_matmuls(module_text, tiles) if tiles else []
 
 
 def target(name: str) -> Target:

@@ -14,7 +14,7 @@ from llada_jax.layout import IREE_CPU_LAYOUT, IREE_TILED_CPU_LAYOUT, POSITION_MA
 from lowering import targets
 from lowering.bundle import _compile_commands, compile_module
 from lowering.matmul_tiles import AVX2_TILES, AVX512_TILES, Tiles, host_tiles, tunable_matmuls, tuning_spec
-from lowering.targets import TARGETS, target_tiles, tuned_matmuls
+from lowering.targets import TARGETS, target_tiles
 
 
 def exported(fn, *args) -> str:
@@ -54,12 +54,12 @@ def test_only_the_host_target_with_tiles_and_without_data_tiling_is_tuned(monkey
     text = exported(lambda w, h: w @ h, f32(64, 32), f32(32, 64))
     for tiles, rule in ((AVX512_TILES, IREE_CPU_LAYOUT), (AVX2_TILES, IREE_TILED_CPU_LAYOUT)):
         monkeypatch.setattr(targets, "host_tiles", lambda tiles=tiles: tiles)
-        assert target_tiles(TARGETS["host"], False) == tiles and tuned_matmuls(tiles, text) == [(64, 32, 64)]
+        assert target_tiles(TARGETS["host"], False) == tiles and tunable_matmuls(text, tiles) == [(64, 32, 64)]
         assert TARGETS["host"].layout_rule(False, tiles) == rule
         for name, data_tiling in (("host", True), ("vulkan", False), ("android-arm64", False)):
             assert target_tiles(TARGETS[name], data_tiling) is None
     monkeypatch.setattr(targets, "host_tiles", lambda: None)
-    assert target_tiles(TARGETS["host"], False) is None and tuned_matmuls(None, text) == []
+    assert target_tiles(TARGETS["host"], False) is None and tunable_matmuls(text, None) == []
     assert TARGETS["host"].layout_rule(False, None) == IREE_CPU_LAYOUT
     assert TARGETS["android-arm64"].layout_rule(False, None) == IREE_CPU_LAYOUT
     assert TARGETS["host"].layout_rule(True, AVX2_TILES) == TARGETS["vulkan"].layout_rule(False, None) == POSITION_MAJOR
