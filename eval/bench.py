@@ -109,9 +109,10 @@ def run_setting(generate, config, setting: DecoderSetting, prompts: list[Prompt]
         length = canvas + gen_length
         flops += sum(step_flops(config, r.shape_width, length if r.kind == "full" else length + r.shape_width,
                                 r.head_rows) for r in result.trace)
-        # The floor: real positions only (padding excluded), the LM head on the positions read out.
+        # The floor: real positions only (padding excluded), the LM head on the positions read out (the
+        # block's masks: the predictions the rule uses).
         floor_flops += sum(step_flops(config, r.width, len(prompt.ids) + gen_length,
-                                      min(r.width, r.head_rows or r.width)) for r in result.trace)
+                                      r.width if r.read_rows is None else r.read_rows) for r in result.trace)
         if prompt.answer is not None:
             correct.append(prompt.score(answer_text(tokenizer, result.output_ids, config), prompt.answer))
     side_seconds = [result.stats.get("side_seconds", 0.0) for result in results]

@@ -28,7 +28,7 @@ from llada_jax.loop_io import NOT_COMMITTED, LoopInputs, LoopOutputs, LoopSpec
 from llada_jax.model import Context
 from llada_jax.readout import ReadoutSpec
 from llada_jax.shapes import kv_shape
-from llada_jax.steps import full_step, window_step
+from llada_jax.steps import full_forward, head_rows, read_out, window_forward
 
 ARGMAX = ReadoutSpec(kind="argmax")
 
@@ -141,9 +141,10 @@ class _Run(NamedTuple):
     def step(self, block: Block, step, carry: Carry) -> Carry:
         masked = self.masked(carry.tokens)
         if self.spec.base == "vanilla":
-            out = self.full(block, carry)
+            out = self.full(block, carry, masked)
         else:
-            out = jax.lax.cond(step == 0, lambda: self.full(block, carry), lambda: self.window(block, carry, masked))
+            out = jax.lax.cond(step == 0, lambda: self.full(block, carry, masked),
+                               lambda: self.window(block, carry, masked))
         chosen = self.chosen(block, step, masked, out.logp)
         commit = chosen | (block.drafts & masked & (out.logp >= self.inputs.draft_cutoff))
         failed = out.bad_position != NOT_COMMITTED
@@ -164,32 +165,53 @@ class _Run(NamedTuple):
         per_step, extra = divmod(block.masked_at_start, self.spec.steps_per_block)
         return candidates & (rank < per_step + (step < extra))
 
-    def full(self, block: Block, carry: Carry) -> Computed:
+    def full(self, block: Block, carry: Carry, masked) -> Computed:
         valid = self.positions < self.length
-        rows = self.spec.head_rows(self.spec.slots)
-        width = None if rows == self.spec.slots else rows  # the block's rows, from its start
-        out, keys, values = full_step(self.params, carry.tokens[None], valid[None], jnp.float32(0.0),
-                                      self.inputs.logit_bias, self.inputs.confidence_bias, block.start,
-                                      config=self.config, readout_spec=ARGMAX, head_width=width,
-                                      layout_rule=self.layout_rule)
-        x0, logp = out.x0[0], out.logp[0]
-        if width is not None:  # spread over the canvas: mask / -inf outside the block
-            x0 = jax.lax.dynamic_update_slice(jnp.full(self.spec.slots, self.config.mask_token_id, x0.dtype), x0,
-                                              (block.start,))
-            logp = jax.lax.dynamic_update_slice(jnp.full(self.spec.slots, -jnp.inf, logp.dtype), logp, (block.start,))
+        out = full_forward(self.params, carry.tokens[None], valid[None], self.config, self.layout_rule)
+        needed = None if self.spec.lookahead else block.in_block & masked  # drafts: every row is read out
+        x0, logp, bad = self.read(out.hidden, self.positions, valid, needed, block.in_block)
         cached_keys, cached_values, filled = carry.keys, carry.values, carry.filled
         if self.spec.base != "vanilla":
             keep = valid & (self.positions < block.start) if self.spec.base == "prefix-cache" else valid
-            cached_keys = _keep(keep, keys, carry.keys)
-            cached_values = _keep(keep, values, carry.values)
+            cached_keys = _keep(keep, out.keys, carry.keys)
+            cached_values = _keep(keep, out.values, carry.values)
             filled = filled | keep
         else:
             # Vanilla reads no K/V; yet IREE 3.13 fails on its loop ("indirect buffer reference slot 0 is out
             # of range", local-sync) unless this carry changes. Not understood; the bundle tests run it.
             filled = filled | valid
-        return Computed(jnp.where(valid, x0, self.config.mask_token_id), jnp.where(valid, logp, -jnp.inf),
-                        cached_keys, cached_values, filled, jnp.int32(self.spec.slots), valid,
-                        _first_nonfinite(logp, valid, self.positions))
+        return Computed(x0, logp, cached_keys, cached_values, filled, jnp.int32(self.spec.slots), valid, bad)
+
+    def read(self, hidden, row_pos, row_valid, needed, in_reads) -> tuple:
+        """(x0, logp) over canvas positions (mask / -inf where not read out) and the first non-finite
+        position, the LM head run on the rows of `hidden` `[1, W, D]` whose prediction is `needed` `[W]`
+        (at least the first row `in_reads`; None: every row), in the declared width covering them, as the
+        host loop's plans read out (`policies.policy.StepPlan.read_columns`). Row i is canvas position
+        `row_pos[i]`, real where `row_valid[i]`."""
+        rows = row_pos.shape[0]
+        if needed is None:
+            return self._read_rows(hidden, row_pos, row_valid, jnp.arange(rows), rows)
+        first = jnp.argmax(in_reads) == jnp.arange(rows)
+        needed = jnp.where(jnp.any(needed), needed, first)
+        count = jnp.sum(needed)
+        widths = self.spec.head_widths(rows)
+        slot = jnp.arange(rows)
+        order = jnp.where(needed, jnp.cumsum(needed) - 1, rows)
+        at = jnp.sum((order[None, :] == slot[:, None]) * slot[None, :], axis=1)  # [W]: row of the i-th needed
+        at = jnp.where(slot < count, at, at[count - 1])
+        branches = [functools.partial(self._read_rows, hidden, row_pos, slot < count, at[:width], width)
+                    for width in widths]
+        which = jnp.sum(count > jnp.asarray(widths[:-1], jnp.int32)) if len(widths) > 1 else 0
+        return _switch(which, branches)
+
+    def _read_rows(self, hidden, row_pos, real, at, width: int) -> tuple:
+        """The readout of `width` rows `at` of `hidden` (real where `real`), spread over canvas positions."""
+        out = read_out(self.params, head_rows(hidden, at), jnp.float32(0.0), self.inputs.logit_bias,
+                       self.inputs.confidence_bias, ARGMAX, self.layout_rule)
+        x0, logp, real, pos = out.x0[0], out.logp[0], real[:width], row_pos[at]
+        spread = (pos[:, None] == self.positions[None, :]) & real[:, None]  # [R, S]
+        return (jnp.where(jnp.any(spread, axis=0), jnp.sum(spread * x0[:, None], axis=0), self.config.mask_token_id),
+                jnp.max(jnp.where(spread, logp[:, None], -jnp.inf), axis=0), _first_nonfinite(logp, real, pos))
 
     def window(self, block: Block, carry: Carry, masked) -> Computed:
         """The block (prefix-cache: and everything after it; speculation: and its first drafts) against
@@ -226,15 +248,12 @@ class _Run(NamedTuple):
         computed = jnp.any(at, axis=0)
         visible = (self.positions < self.length) & carry.filled & ~computed
         context = Context(carry.keys, carry.values, jnp.where(visible, 0.0, HIDDEN).astype(jnp.float32)[None])
-        reads = self.spec.head_rows(width)  # the window's first columns
-        out, _, _ = window_step(self.params, context, carry.tokens[window_pos][None], window_pos[None],
-                                window_valid[None], jnp.float32(0.0), self.inputs.logit_bias,
-                                self.inputs.confidence_bias, 0, config=self.config, readout_spec=ARGMAX,
-                                head_width=None if reads == width else reads, layout_rule=self.layout_rule)
-        x0, logp, at = out.x0[0], out.logp[0], at[:reads]
-        return (jnp.where(jnp.any(at, axis=0), jnp.sum(at * x0[:, None], axis=0), self.config.mask_token_id),
-                jnp.max(jnp.where(at, logp[:, None], -jnp.inf), axis=0), jnp.int32(width), computed,
-                _first_nonfinite(logp, window_valid[:reads], window_pos[:reads]))
+        out = window_forward(self.params, context, carry.tokens[window_pos][None], window_pos[None],
+                             window_valid[None], self.config, self.layout_rule)
+        in_reads = (slot < self.spec.block_length) & window_valid  # the block: the window's first columns
+        needed = None if self.spec.lookahead else in_reads & masked[window_pos]
+        x0, logp, bad = self.read(out.hidden, window_pos, window_valid, needed, in_reads)
+        return x0, logp, jnp.int32(width), computed, bad
 
 
 def _switch(index, branches):

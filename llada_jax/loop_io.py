@@ -55,11 +55,16 @@ class LoopSpec:
         wanted = (self.spec_width or 2 * self.block_length) if self.lookahead else self.block_length
         return bucket(wanted, self.slots)
 
-    def head_rows(self, width: int) -> int:
-        """The rows of a `width`-slot pass the LM head runs on: the block alone (the first block_length
-        columns of a window, the block's positions of a full step), or every row when drafts are read out.
-        The host loop's plans read out the same (`policies.policy.StepPlan.reads`)."""
-        return width if self.lookahead else min(width, self.block_length)
+    def head_widths(self, rows: int) -> tuple[int, ...]:
+        """The declared widths the LM head of a `rows`-row pass runs in: those covering 1 to block_length
+        of the block's masks (the rows whose predictions the rule uses)."""
+        return tuple(sorted({bucket(count, rows) for count in range(1, min(rows, self.block_length) + 1)}))
+
+    def head_rows(self, width: int, useful: int) -> int:
+        """The rows the LM head of a `width`-slot pass with `useful` masks to predict ran on: every row when
+        drafts are read out, else the declared width covering them (at least one row). The host loop's plans
+        read out the same (`policies.policy.StepPlan.read_columns`)."""
+        return width if self.lookahead else bucket(max(useful, 1), width)
 
     def prefix_windows(self) -> tuple[int, ...]:
         """Slots of prefix-cache's window step in each block: the block and everything after it."""

@@ -8,6 +8,7 @@ from typing import NamedTuple
 import numpy as np
 
 from llada_jax.errors import LladaError
+from llada_jax.shapes import bucket
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,16 +41,34 @@ class HeadChunkReadout(NamedTuple):
     ssum: object
 
 
-Reads = tuple  # (start, width): a step's readout columns, window columns [start, start + width); None: all
+Reads = tuple  # the window columns (ascending, distinct) whose predictions a step returns; None: all
+
+
+def head_rows_for(reads: Reads | None, rows: int) -> np.ndarray:
+    """The hidden rows `[R]` (int32) the LM head runs on for `reads` of a step's `rows`: `reads` padded to
+    the declared width R = bucket(len(reads)) by repeating the last (every row when `reads` is None).
+    A step returns the readout of the first len(reads) (`first_columns`)."""
+    if reads is None:
+        return np.arange(rows, dtype=np.int32)
+    columns = np.asarray(reads, np.int32)
+    if columns.size == 0 or columns.min() < 0 or columns.max() >= rows or np.any(np.diff(columns) <= 0):
+        raise ValueError(f"read-out columns must be distinct, ascending and within the step's {rows} rows")
+    padded = np.full(bucket(columns.size, rows), columns[-1], np.int32)
+    padded[: columns.size] = columns
+    return padded
+
+
+def first_columns(readout: Readout, count: int) -> Readout:
+    """The readout of its first `count` columns (the real part of a head run on padded rows)."""
+    return Readout(*(None if value is None else value[:, :count] for value in readout))
 
 
 def read_columns(readout: Readout, reads: Reads | None) -> Readout:
-    """The readout at columns [start, start + width) only: what a backend that computed every column
-    returns when a step asked for `reads`."""
+    """The readout at the columns `reads` only: what a backend that computed every column returns when a
+    step asked for `reads`."""
     if reads is None:
         return readout
-    start, width = reads
-    return Readout(*(None if value is None else value[:, start:start + width] for value in readout))
+    return Readout(*(None if value is None else value[:, list(reads)] for value in readout))
 
 
 @dataclasses.dataclass(frozen=True)

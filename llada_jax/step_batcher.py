@@ -2,8 +2,9 @@
 its own thread against a `RowBackend`, and the `StepBatcher` runs the rows' step calls together.
 
 Rounds: once every live row has a call waiting, the round runs. Calls of the same kind and shape (full
-steps of one canvas shape and read-out, window steps of one window shape) run as one backend call over
-the rows stacked, cut into the batch sizes the backend offers; K/V commits run one by one. A row's
+steps of one canvas shape, window steps of one window shape) run as one backend call over the rows
+stacked, cut into the batch sizes the backend offers, reading out every column any of them reads; K/V
+commits run one by one. A row's
 calls get back exactly what a backend call of that row alone returns, so a row decodes as it would
 alone: the same plans, commits and forward passes (only float rounding may differ with the batch).
 
@@ -20,7 +21,7 @@ import numpy as np
 
 from llada_jax import kv_state
 from llada_jax.errors import LladaError
-from llada_jax.readout import Readout, StepOutput
+from llada_jax.readout import Readout, Reads, StepOutput, read_columns
 
 
 class Cancelled(LladaError):
@@ -43,12 +44,15 @@ class _Call:
     def key(self, row: int) -> tuple:
         """Calls with equal keys run as one backend call (a commit never shares one)."""
         if self.method == "full":
-            tokens, _, reads = self.args
-            return ("full", tokens.shape, reads)
+            return ("full", self.args[0].shape)
         if self.method == "window":
-            state, _, window_ids, _, _, reads = self.args
-            return ("window", state.slots, window_ids.shape, reads)
+            state, _, window_ids = self.args[:3]
+            return ("window", state.slots, window_ids.shape)
         return ("commit", row)
+
+    @property
+    def reads(self) -> Reads | None:
+        return self.args[-1]
 
 
 class StepBatcher:
@@ -151,7 +155,10 @@ class StepBatcher:
             if len(chunk) == 1:
                 results = [getattr(self.backend, chunk[0].method)(*chunk[0].args)]
             else:
-                results = _split(self.backend, _stacked_call(self.backend, chunk), len(chunk))
+                joined = _joined_reads([call.reads for call in chunk])
+                stacked = _stacked_call(self.backend, chunk, joined)
+                results = [_own_columns(out, joined, call.reads)
+                           for out, call in zip(_split(self.backend, stacked, len(chunk)), chunk)]
             for call, result in zip(chunk, results):
                 call.result = result
         except Exception as error:  # every row of the call sees it
@@ -179,19 +186,34 @@ def _chunks(calls: list[_Call], sizes: tuple[int, ...] | None) -> list[list[_Cal
     return chunks
 
 
-def _stacked_call(backend, chunk: list[_Call]) -> StepOutput:
-    """The chunk's calls as one backend call over their rows stacked (in chunk order)."""
-    columns = list(zip(*(call.args for call in chunk)))
+def _joined_reads(reads: list) -> Reads | None:
+    """The columns a stacked call reads out: every column one of its calls reads (None: all)."""
+    if any(own is None for own in reads):
+        return None
+    return tuple(sorted(set().union(*reads)))
+
+
+def _own_columns(out: StepOutput, joined: Reads | None, own: Reads | None) -> StepOutput:
+    """A call's share of a stacked step's readout cut to the columns it asked for."""
+    if own == joined:
+        return out
+    at = own if joined is None else tuple(int(i) for i in np.searchsorted(joined, own))
+    return dataclasses.replace(out, readout=read_columns(out.readout, at))
+
+
+def _stacked_call(backend, chunk: list[_Call], reads: Reads | None) -> StepOutput:
+    """The chunk's calls as one backend call over their rows stacked (in chunk order), reading `reads`."""
+    columns = list(zip(*(call.args[:-1] for call in chunk)))
     if chunk[0].method == "full":
-        tokens, valid, reads = columns
-        return backend.full(np.concatenate(tokens), np.concatenate([np.asarray(v) for v in valid]), reads[0])
-    states, visible, window_ids, window_pos, window_valid, reads = columns
+        tokens, valid = columns
+        return backend.full(np.concatenate(tokens), np.concatenate([np.asarray(v) for v in valid]), reads)
+    states, visible, window_ids, window_pos, window_valid = columns
     state = kv_state.KVState(backend.join_rows([s.keys for s in states], axis=1),
                              backend.join_rows([s.values for s in states], axis=1),
                              np.concatenate([s.slot_token for s in states]),
                              np.concatenate([s.slot_nfe for s in states]))
     return backend.window(state, *(np.concatenate([np.asarray(a) for a in arrays])
-                                   for arrays in (visible, window_ids, window_pos, window_valid)), reads[0])
+                                   for arrays in (visible, window_ids, window_pos, window_valid)), reads)
 
 
 def _split(backend, out: StepOutput, parts: int) -> list[StepOutput]:

@@ -2,8 +2,8 @@
 
 Each returns a readout of the computed positions plus the proposed K/V (never committed here).
 The readout is either full float32 logits or, cheaper to read back, the argmax token and its
-log-probability per position. With a static `head_width`, only the `head_width` positions from
-`head_start` on are read out: the LM head runs on the positions whose prediction the decoder uses.
+log-probability per position. Given `rows`, only those rows are read out: the LM head runs on the
+positions whose prediction the decoder uses.
 """
 
 from __future__ import annotations
@@ -74,16 +74,15 @@ def argmax_logprob(logits: jax.Array, confidence_bias: jax.Array, axis: int = -1
     return x0, jnp.where(jnp.isneginf(top), -jnp.inf, logp)
 
 
-def head_rows(hidden: jax.Array, head_start, head_width: int | None) -> jax.Array:
-    """The hidden rows `[B, head_width, D]` from `head_start` on (all rows when `head_width` is None).
-    The caller keeps `head_start + head_width` within the rows.
+def head_rows(hidden: jax.Array, rows) -> jax.Array:
+    """The hidden rows `[B, R, D]` at `rows` `[R]` (all rows when None). The caller keeps `rows` within
+    the step's rows (a gather clamps silently).
 
     Gathered by index rather than sliced: IREE reads a dynamic slice's start back to the host, a wait in
     the middle of the call (the bench-size read step on the host CPU: 12.3 ms sliced, 9.5 gathered)."""
-    if head_width is None:
+    if rows is None:
         return hidden
-    rows = jnp.asarray(head_start, jnp.int32) + jnp.arange(head_width, dtype=jnp.int32)
-    return jnp.take(hidden, rows, axis=1, mode="clip")
+    return jnp.take(hidden, jnp.asarray(rows, jnp.int32), axis=1, mode="clip")
 
 
 def read_out(params: dict, hidden: jax.Array, cfg_scale, logit_bias, confidence_bias, readout_spec: ReadoutSpec,
@@ -113,25 +112,26 @@ def window_forward(params: dict, context: Context, window_ids: jax.Array, window
     return forward(params, window_ids, window_pos, bias, context, config, layout_rule)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "readout_spec", "head_width", "layout_rule"))
+@functools.partial(jax.jit, static_argnames=("config", "readout_spec", "layout_rule"))
 def full_step(params: dict, tokens: jax.Array, valid: jax.Array, cfg_scale: jax.Array, logit_bias: jax.Array,
-              confidence_bias: jax.Array, head_start=0, *, config: LLaDAConfig, readout_spec: ReadoutSpec,
-              head_width: int | None = None, layout_rule: LayoutRule = XLA_LAYOUT):
-    """Whole canvas `[B, L]`; `valid` marks real (non-padding) positions. Returns (readout, K, V)."""
+              confidence_bias: jax.Array, rows=None, *, config: LLaDAConfig, readout_spec: ReadoutSpec,
+              layout_rule: LayoutRule = XLA_LAYOUT):
+    """Whole canvas `[B, L]`; `valid` marks real (non-padding) positions. Returns (readout, K, V), the
+    readout at the rows `rows` `[R]` (None: every row)."""
     out = full_forward(params, tokens, valid, config, layout_rule)
-    hidden = head_rows(out.hidden, head_start, head_width)
+    hidden = head_rows(out.hidden, rows)
     readout = read_out(params, hidden, cfg_scale, logit_bias, confidence_bias, readout_spec, layout_rule)
     return readout, out.keys, out.values
 
 
-@functools.partial(jax.jit, static_argnames=("config", "readout_spec", "head_width", "layout_rule"))
+@functools.partial(jax.jit, static_argnames=("config", "readout_spec", "layout_rule"))
 def window_step(params: dict, context: Context, window_ids: jax.Array, window_pos: jax.Array,
                 window_valid: jax.Array, cfg_scale: jax.Array, logit_bias: jax.Array, confidence_bias: jax.Array,
-                head_start=0, *, config: LLaDAConfig, readout_spec: ReadoutSpec, head_width: int | None = None,
+                rows=None, *, config: LLaDAConfig, readout_spec: ReadoutSpec,
                 layout_rule: LayoutRule = XLA_LAYOUT):
     """W positions `[B, W]` attending to the visible cached slots and to the valid window positions."""
     out = window_forward(params, context, window_ids, window_pos, window_valid, config, layout_rule)
-    hidden = head_rows(out.hidden, head_start, head_width)
+    hidden = head_rows(out.hidden, rows)
     readout = read_out(params, hidden, cfg_scale, logit_bias, confidence_bias, readout_spec, layout_rule)
     return readout, out.keys, out.values
 

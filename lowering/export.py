@@ -92,8 +92,8 @@ def io_signature(spec: StepSpec, config: LLaDAConfig, compute_dtype) -> tuple[li
               ("confidence_bias", _sds((e,), jnp.float32))]
     if spec.kind in STAGED:
         return _staged_signature(spec, config, compute_dtype, extras)
-    if spec.kind == "read":  # the head on `w` of a step's `s` hidden rows, from `head_start` on
-        inputs = [("hidden", _sds((b, s, config.d_model), compute_dtype)), ("head_start", _sds((), jnp.int32)),
+    if spec.kind == "read":  # the head on `w` of a step's `s` hidden rows, those at `head_rows`
+        inputs = [("hidden", _sds((b, s, config.d_model), compute_dtype)), ("head_rows", _sds((w,), jnp.int32)),
                   *extras]
         return inputs, [("x0", _sds((b, w), jnp.int32)), ("logp", _sds((b, w), jnp.float32))]
     if spec.kind == "full":
@@ -191,9 +191,9 @@ def step_function(spec: StepSpec, config: LLaDAConfig, layout: WeightLayout, com
             context = Context(keys, values, context_bias)
             return tuple(window_forward(params_from(weights), context, ids, pos, valid > 0, config, layout_rule))
     elif spec.kind == "read":
-        def run(weights, hidden, head_start, cfg_scale, logit_bias, confidence_bias):
-            rows = head_rows(hidden, head_start, None if spec.width == spec.slots else spec.width)
-            out = read_out(params_from(weights), rows, cfg_scale, logit_bias, confidence_bias, ARGMAX, layout_rule)
+        def run(weights, hidden, rows, cfg_scale, logit_bias, confidence_bias):
+            hidden = head_rows(hidden, rows)
+            out = read_out(params_from(weights), hidden, cfg_scale, logit_bias, confidence_bias, ARGMAX, layout_rule)
             return out.x0, out.logp
     else:
         def run(keys, values, targets, new_keys, new_values):

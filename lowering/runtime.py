@@ -21,8 +21,8 @@ from llada_jax.config import LLaDAConfig
 from llada_jax.errors import LladaError
 from llada_jax.loop_io import LoopInputs, LoopOutputs, LoopSpec
 from llada_jax.params import HF_PREFIX, hf_shapes
-from llada_jax.readout import Readout, ReadoutSpec, Reads, StepOutput, TokenBiases, read_columns
-from llada_jax.shapes import bucket, kv_shape
+from llada_jax.readout import Readout, ReadoutSpec, Reads, StepOutput, TokenBiases, first_columns, head_rows_for
+from llada_jax.shapes import kv_shape
 from lowering.bundle_format import MANIFEST, PARAMETER_SCOPE, VMFB, StepSpec, check_files
 
 LOOP_MAX_STEP_FLOPS = 1e9  # a full step above this runs faster on the host loop (see compiled_loop_is_faster)
@@ -158,13 +158,10 @@ class IreeBackend(Backend):
     def _output(self, out, batch: int, rows: int, reads: Reads | None) -> StepOutput:
         """The readout of the step's hidden rows on the host, the LM head run only on the declared width
         covering `reads` (None: every row), and the step's K/V."""
-        start, width = (0, rows) if reads is None else reads
-        head_width = min(bucket(width), rows)
-        head_start = min(start, rows - head_width)  # the compiled slice must fit: a wider read starts earlier
-        x0, logp = self._call(StepSpec("read", batch, rows, head_width).name, out[0], np.int32(head_start),
-                              *self._extras)
+        head_rows = head_rows_for(reads, rows)
+        x0, logp = self._call(StepSpec("read", batch, rows, head_rows.size).name, out[0], head_rows, *self._extras)
         readout = Readout(x0=self.session.read(x0), logp=self.session.read(logp))
-        return StepOutput(read_columns(readout, (start - head_start, width)), out[1], out[2])
+        return StepOutput(readout if reads is None else first_columns(readout, len(reads)), out[1], out[2])
 
     def commit(self, state: kv_state.KVState, positions, write, out: StepOutput, tokens, nfe: int):
         targets = kv_state.write_targets(state, positions, write)

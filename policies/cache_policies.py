@@ -1,8 +1,8 @@
 """What each step computes: the whole canvas (vanilla), or a window against cached K/V.
 
 K/V enter the cache only where a plan says so (`keep_kv`), here at block starts: Fast-dLLM's caches
-are refreshed by one full step per block. Every step reads out only the current block: the rule commits
-nothing else, so the LM head runs on the block's positions alone.
+are refreshed by one full step per block. Every step reads out only the current block's masks: the rule
+commits nothing else, so the LM head runs on those positions alone.
 """
 
 from __future__ import annotations

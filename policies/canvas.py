@@ -22,12 +22,11 @@ class Window(NamedTuple):
     positions: np.ndarray  # [W] int
     valid: np.ndarray      # [W] bool
 
-    def columns(self, reads: tuple[int, int] | None) -> "Window":
-        """The part of the window in columns (start, width); None: all of it."""
+    def columns(self, reads: tuple[int, ...] | None) -> "Window":
+        """The part of the window in the columns `reads`; None: all of it."""
         if reads is None:
             return self
-        start, width = reads
-        return Window(self.positions[start:start + width], self.valid[start:start + width])
+        return Window(self.positions[list(reads)], self.valid[list(reads)])
 
 
 @dataclasses.dataclass

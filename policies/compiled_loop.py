@@ -84,11 +84,12 @@ def result_from(outputs: LoopOutputs, spec: LoopSpec, prompt_len: int, wall_s: f
         drafts = np.flatnonzero(mine & (np.arange(spec.slots) >= block_end))
         positions = np.concatenate([chosen, drafts])
         offsets = positions - prompt_len
-        trace.append(StepRecord(n, block, "full" if int(outputs.step_width[n]) == spec.slots else "window",
-                                int(outputs.step_real[n]), int(outputs.step_width[n]), int(outputs.step_useful[n]),
+        width, real, useful = int(outputs.step_width[n]), int(outputs.step_real[n]), int(outputs.step_useful[n])
+        trace.append(StepRecord(n, block, "full" if width == spec.slots else "window", real, width, useful,
                                 tuple(int(p) for p in positions), tuple(int(t) for t in generated[offsets]),
                                 tuple(float(c) for c in np.exp(logp[offsets])), len(drafts),
-                                head_rows=spec.head_rows(int(outputs.step_width[n]))))
+                                head_rows=spec.head_rows(width, useful),
+                                read_rows=real if spec.lookahead else max(useful, 1)))
     return Result(generated, nfe, wall_s, tuple(trace), prompt_len, {"loop": "compiled"})
 
 

@@ -16,6 +16,7 @@ import numpy as np
 
 from llada_jax import kv_state
 from llada_jax.readout import check_finite
+from llada_jax.shapes import bucket
 from policies.canvas import Block, Canvas
 from policies.canvas_steps import canvas_wide, commit_window, window_step
 from policies.policy import Policy, Reviser, StepPlan
@@ -40,6 +41,7 @@ class StepRecord:
     drafts: int = 0           # of `positions`, committed early in a later block
     revisions: tuple = ()     # (position, old token, new token) changed during this step
     head_rows: int | None = None  # positions the LM head ran on (padding included); None: all shape_width
+    read_rows: int | None = None  # real positions whose predictions the step returned; None: all `width`
 
     @property
     def utilisation(self) -> float:
@@ -138,7 +140,7 @@ def dense_step(backend, canvas: Canvas, kv, plan: StepPlan, reviser: Reviser, nf
     """Compute the plan, merge the reviser's side work (it ran beside this step), commit the plan's K/V.
     Returns (step output, window, the window's read-out part, KV state, revisions the merge made)."""
     window = plan.window(canvas)
-    reads = plan.read_columns(window)
+    reads = plan.read_columns(window, canvas)
     inputs = canvas.tokens[:, window.positions]  # a copy (fancy indexing): the tokens the step ran on
     if plan.full:
         out = backend.full(canvas.tokens, canvas.valid, reads)
@@ -174,7 +176,7 @@ def _step(backend, canvas: Canvas, kv, plan: StepPlan, reviser: Reviser, block: 
                         int(window.valid.sum()), int(window.valid.size), useful,
                         tuple(int(p) - canvas.offset for p in committed), tuple(int(t) for t in x0[committed]),
                         tuple(float(c) for c in confidence[committed]), len(drafts), unpadded(canvas, revisions),
-                        read.valid.size)
+                        bucket(read.valid.size, window.valid.size), int(read.valid.sum()))
     return kv, record
 
 

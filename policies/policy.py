@@ -30,7 +30,7 @@ class StepPlan:
     keep_kv: np.ndarray | None = None   # [S] bool: canvas positions whose computed K/V the step commits
     drafts: tuple[int, int] = (0, 0)    # canvas positions [start, end) whose masks may be committed early
     draft_threshold: float = 1.0        # ... at this confidence or above
-    reads: tuple[int, int] | None = None  # canvas positions [start, end) whose predictions are used; None: all
+    reads: tuple[int, int] | None = None  # canvas positions [start, end) whose masks' predictions are used; None: all
 
     @property
     def full(self) -> bool:
@@ -39,18 +39,19 @@ class StepPlan:
     def window(self, canvas: Canvas) -> Window:
         return canvas.full_window() if self.full else canvas.window(self.positions, self.width)
 
-    def read_columns(self, window: Window) -> tuple[int, int] | None:
-        """The window columns (start, width) the step reads out, when fewer than all: the positions of
-        `reads` sit in consecutive columns (a block is contiguous in every window that holds it)."""
+    def read_columns(self, window: Window, canvas: Canvas) -> tuple[int, ...] | None:
+        """The window columns the step reads out, when fewer than all: those of `reads` still masked (the
+        rule commits masks only, so the LM head runs on them alone), at least the first of `reads`."""
         if self.reads is None:
             return None
         start, end = self.reads
-        columns = np.flatnonzero((window.positions >= start) & (window.positions < end) & window.valid)
+        in_reads = (window.positions >= start) & (window.positions < end) & window.valid
+        columns = np.flatnonzero(in_reads & canvas.masked[window.positions])
+        if columns.size == 0:  # nothing left to predict (a fixed schedule's idle step): one column still reads
+            columns = np.flatnonzero(in_reads)[:1]
         if columns.size == window.positions.size:
             return None
-        if columns.size != end - start or columns[-1] - columns[0] != columns.size - 1:
-            raise AssertionError(f"positions [{start}, {end}) are not consecutive columns of the step's window")
-        return int(columns[0]), int(columns.size)
+        return tuple(int(column) for column in columns)
 
     def draft_positions(self, confidence: np.ndarray, canvas: Canvas) -> np.ndarray:
         """Masked positions of the draft region confident enough to commit now."""

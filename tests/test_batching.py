@@ -109,7 +109,7 @@ class CountingBackend:
     """A fake backend: `full` returns the rows it got (tagged with the call number); fails on request."""
 
     def __init__(self, fail_rows: int | None = None):
-        self.calls, self.fail_rows = [], fail_rows
+        self.calls, self.reads, self.fail_rows = [], [], fail_rows
 
     def batch_sizes(self):
         return None
@@ -120,7 +120,9 @@ class CountingBackend:
         if tokens.shape[0] == self.fail_rows:
             raise LladaError("device out of memory")
         self.calls.append(tokens.shape[0])
-        return StepOutput(Readout(x0=tokens.copy(), logp=np.zeros(tokens.shape)), np.zeros((1, tokens.shape[0])),
+        self.reads.append(reads)
+        read = tokens if reads is None else tokens[:, list(reads)]
+        return StepOutput(Readout(x0=read.copy(), logp=np.zeros(read.shape)), np.zeros((1, tokens.shape[0])),
                           np.zeros((1, tokens.shape[0])))
 
     def split_rows(self, array, parts, axis):
@@ -159,6 +161,25 @@ def test_rows_get_their_own_rows_of_one_call_and_leaving_rows_do_not_block():
 
     assert run_rows(batcher, rows, work) == [[0], [10, 11], [20, 21, 22]]
     assert backend.calls == [3, 2, 1]  # one call per round, shrinking as rows finish
+
+
+def test_rows_reading_different_columns_share_a_call_and_get_their_own_columns():
+    backend = CountingBackend()
+    batcher = StepBatcher(backend)
+    rows = [batcher.join() for _ in range(3)]
+    reads = [(1, 3), (0, 3), None]
+
+    def work(row, index):  # a canvas whose column j holds 10 * row + j
+        tokens = 10 * index + np.arange(4)[None]
+        return row.full(tokens, np.ones((1, 4), bool), reads[index]).readout.x0[0].tolist()
+
+    assert run_rows(batcher, rows, work) == [[1, 3], [10, 13], [20, 21, 22, 23]]
+    assert backend.calls == [3] and backend.reads == [None]  # a row reading everything: all columns
+    backend = CountingBackend()
+    batcher = StepBatcher(backend)
+    rows = [batcher.join() for _ in range(2)]
+    assert run_rows(batcher, rows, work) == [[1, 3], [10, 13]]
+    assert backend.reads == [(0, 1, 3)]
 
 
 def test_a_failed_call_fails_its_rows_and_cancel_stops_a_row():

@@ -11,10 +11,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import llada_jax
+from llada_jax.readout import read_columns
+from llada_jax.shapes import bucket
 from llada_jax.steps import full_step
 from policies.cache_policies import DualCache, PrefixCache
 from policies.canvas import Block, Canvas
 from policies.canvas_steps import commit_window
+from policies.loop import decode
+from policies.registry import make_policy
+from policies.sampling import Sampler
+from policies.schedule import Schedule, make_rule
 from tests.conftest import TINY, jax_backend, step_extras
 
 POLICIES = ["vanilla", "prefix-cache", "dual-cache"]
@@ -74,6 +80,45 @@ def test_vanilla_runs_every_scheduled_step_even_when_steps_exceed_block_length(t
     result = llada_jax.generate(tiny_model, prompt(1), gen_length=8, block_length=4, steps=12)
     assert result.nfe == 12
     assert [len(r.positions) for r in result.trace] == [1, 1, 1, 1, 0, 0] * 2
+
+
+class WholeHead:
+    """A backend running the LM head on every row of each step, then cutting the columns a step reads."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def full(self, tokens, valid, reads=None):
+        out = self.inner.full(tokens, valid)
+        return dataclasses.replace(out, readout=read_columns(out.readout, reads))
+
+    def window(self, state, visible, ids, positions, valid, reads=None):
+        out = self.inner.window(state, visible, ids, positions, valid)
+        return dataclasses.replace(out, readout=read_columns(out.readout, reads))
+
+
+@settings(max_examples=6)
+@given(policy=st.sampled_from(POLICIES), threshold=st.sampled_from([None, 0.3]), seed=st.integers(0, 1000))
+def test_the_head_on_the_blocks_masks_decodes_as_the_head_on_every_row(tiny_model, policy, threshold, seed):
+    """Each step's LM head runs on the block's masks alone, in the declared width covering them (8, 16 or
+    32 rows of a 32-position block), and the generation is the one the head on every row gives."""
+    ids, schedule = prompt(seed), Schedule(64, 32, 64)
+
+    def run(backend):
+        return decode(backend, ids, schedule, make_policy(policy), make_rule(schedule, threshold), Sampler(),
+                      mask_id=TINY.mask_token_id, max_len=TINY.max_sequence_length)
+
+    masks, whole = run(jax_backend(tiny_model)), run(WholeHead(jax_backend(tiny_model)))
+    assert masks.output_ids.tolist() == whole.output_ids.tolist()
+    assert [r.positions for r in masks.trace] == [r.positions for r in whole.trace]
+    for record in masks.trace:
+        assert record.read_rows == max(record.useful, 1)
+        assert record.head_rows == bucket(record.read_rows, record.shape_width)
+    if threshold is None:  # one commit per step: the masks run down from 32 to 1 in every block
+        assert {r.head_rows for r in masks.trace} == {8, 16, 32}
 
 
 @settings(max_examples=8)

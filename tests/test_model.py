@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -26,7 +27,8 @@ from llada_jax.layout import (
 from llada_jax.model import Context, decoder_layer, lm_logits, rotary_tables
 from llada_jax.qlinear import to_device
 from llada_jax.quantize import HostQuantized, QuantScheme, quantize_matrix
-from llada_jax.readout import ReadoutSpec, StepOutput
+from llada_jax.readout import ReadoutSpec, StepOutput, head_rows_for
+from llada_jax.shapes import bucket
 from llada_jax.steps import argmax_logprob, full_step, guided_logits, head_rows, window_step
 from tests import reference
 from tests.conftest import TINY, assert_close_to_scale, jax_backend, read_all, step_extras
@@ -266,10 +268,20 @@ def test_readout_over_vocabulary_columns_equals_the_row_readout(pairs, width, vo
 @settings(max_examples=30)
 @given(batch=st.integers(1, 3), rows=st.integers(1, 40), data=st.data())
 def test_head_rows_are_the_rows_they_name(batch, rows, data):
-    """The gathered head rows are exactly the slice `[head_start, head_start + head_width)`."""
-    width = data.draw(st.integers(1, rows))
-    start = data.draw(st.integers(0, rows - width))
+    """The head runs on the rows a step reads, padded to a declared width by repeating the last: its first
+    len(reads) rows are exactly the rows named, in order."""
+    reads = tuple(sorted(data.draw(st.sets(st.integers(0, rows - 1), min_size=1))))
+    padded = head_rows_for(reads, rows)
+    assert padded.size == bucket(len(reads), rows) and padded.size >= len(reads)
+    assert padded[len(reads):].tolist() == [reads[-1]] * (padded.size - len(reads))
     hidden = np.arange(batch * rows * 3, dtype=np.float32).reshape(batch, rows, 3)
-    got = head_rows(jnp.asarray(hidden), np.int32(start), width)
-    assert np.array_equal(np.asarray(got), hidden[:, start:start + width])
-    assert head_rows(jnp.asarray(hidden), np.int32(0), None).shape == hidden.shape
+    got = np.asarray(head_rows(jnp.asarray(hidden), padded))
+    assert np.array_equal(got[:, :len(reads)], hidden[:, list(reads)])
+    assert head_rows(jnp.asarray(hidden), None).shape == hidden.shape
+    assert head_rows_for(None, rows).tolist() == list(range(rows))
+
+
+def test_head_rows_refuse_columns_out_of_order_or_range():
+    for reads in [(), (3, 2), (1, 1), (0, 8)]:
+        with pytest.raises(ValueError, match="read-out columns"):
+            head_rows_for(reads, 8)

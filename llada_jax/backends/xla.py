@@ -16,7 +16,7 @@ from llada_jax.decode_loop import decode_loop
 from llada_jax.loop_io import LoopInputs, LoopOutputs, LoopSpec
 from llada_jax.mesh import put_kv, put_rows
 from llada_jax.model import Context
-from llada_jax.readout import ReadoutSpec, Reads, StepOutput, TokenBiases
+from llada_jax.readout import ReadoutSpec, Reads, StepOutput, TokenBiases, first_columns, head_rows_for
 from llada_jax.shapes import kv_shape
 from llada_jax.steps import full_step, scatter_slots, window_step
 
@@ -64,19 +64,18 @@ class JaxBackend(DeviceRows, Backend):
 
     def full(self, tokens: np.ndarray, valid: np.ndarray, reads: Reads | None = None) -> StepOutput:
         out, keys, values = full_step(self.params, self._rows(np.asarray(tokens, np.int32)), self._rows(valid),
-                                      *self._common, **_head(reads), config=self.config,
+                                      *self._common, _head(reads, tokens.shape[1]), config=self.config,
                                       readout_spec=self.readout_spec)
-        return StepOutput(to_host(out), keys, values)
+        return StepOutput(_read_back(out, reads), keys, values)
 
     def window(self, state: kv_state.KVState, visible: np.ndarray, window_ids: np.ndarray,
                window_pos: np.ndarray, window_valid: np.ndarray, reads: Reads | None = None) -> StepOutput:
         context = Context(self._kv(state.keys), self._kv(state.values), self._rows(kv_state.visible_bias(state, visible)))
         out, keys, values = window_step(
             self.params, context, self._rows(np.asarray(window_ids, np.int32)),
-            self._rows(np.asarray(window_pos, np.int32)), self._rows(window_valid), *self._common, **_head(reads),
-            config=self.config,
-            readout_spec=self.readout_spec)
-        return StepOutput(to_host(out), keys, values)
+            self._rows(np.asarray(window_pos, np.int32)), self._rows(window_valid), *self._common,
+            _head(reads, np.shape(window_ids)[1]), config=self.config, readout_spec=self.readout_spec)
+        return StepOutput(_read_back(out, reads), keys, values)
 
     def commit(self, state: kv_state.KVState, positions: np.ndarray, write: np.ndarray, out: StepOutput,
                tokens: np.ndarray, nfe: int) -> kv_state.KVState:
@@ -95,10 +94,15 @@ class JaxBackend(DeviceRows, Backend):
         return run
 
 
-def _head(reads: Reads | None) -> dict:
-    """The steps' head_start / head_width arguments for `reads` (None: the head on every row)."""
-    start, width = (0, None) if reads is None else reads
-    return {"head_start": jnp.int32(start), "head_width": None if width is None else int(width)}
+def _head(reads: Reads | None, rows: int):
+    """The steps' `rows` argument for `reads` of a step's `rows` (None: the head on every row)."""
+    return None if reads is None else jnp.asarray(head_rows_for(reads, rows))
+
+
+def _read_back(out, reads: Reads | None):
+    """The step's readout on the host, cut to the columns `reads` asked for (the head ran on them padded)."""
+    readout = to_host(out)
+    return readout if reads is None else first_columns(readout, len(reads))
 
 
 def commit_on_device(state: kv_state.KVState, positions, write, out: StepOutput, tokens, nfe: int):
