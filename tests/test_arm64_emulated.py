@@ -37,7 +37,7 @@ def test_arm64_step_under_qemu_matches_host(tiny_dir, tmp_path, tools, target):
     hidden, keys, _ = run_module(tools, arm / "steps.vmfb", "full_b1_s16", [tokens, valid.astype(np.int32)],
                                  [arm / "model.safetensors"], outputs=3)
     x0, logp = run_module(tools, arm / "steps.vmfb", "read_b1_s16_w16",
-                          [hidden, np.array(0, np.int32), np.array(0, np.float32), zeros, zeros],
+                          [hidden, np.arange(16, dtype=np.int32), np.array(0, np.float32), zeros, zeros],
                           [arm / "model.safetensors"], outputs=2)
     session = Session(host.path, host.manifest, "local-task")
     want = IreeBackend(host, session, ReadoutSpec(), TokenBiases.build(TINY.embedding_size)).full(tokens, valid)
