@@ -189,13 +189,12 @@ class _Run(NamedTuple):
         host loop's plans read out (`policies.policy.StepPlan.read_columns`). Row i is canvas position
         `row_pos[i]`, real where `row_valid[i]`."""
         rows = row_pos.shape[0]
+        slot = jnp.arange(rows)
         if needed is None:
-            return self._read_rows(hidden, row_pos, row_valid, jnp.arange(rows), rows)
-        first = jnp.argmax(in_reads) == jnp.arange(rows)
-        needed = jnp.where(jnp.any(needed), needed, first)
+            return self._read_rows(hidden, row_pos, row_valid, slot, rows)
+        needed = jnp.where(jnp.any(needed), needed, jnp.argmax(in_reads) == slot)
         count = jnp.sum(needed)
         widths = self.spec.head_widths(rows)
-        slot = jnp.arange(rows)
         order = jnp.where(needed, jnp.cumsum(needed) - 1, rows)
         at = jnp.sum((order[None, :] == slot[:, None]) * slot[None, :], axis=1)  # [W]: row of the i-th needed
         at = jnp.where(slot < count, at, at[count - 1])

@@ -16,7 +16,7 @@ VMFB = "steps.vmfb"
 FORMAT_VERSION = 6  # 2: staged pieces take one argument per weight tensor; 3: the head is staged in vocabulary
 # chunks; 4: quantized parameters, and whether the weights stream recorded as "staged"; 5: full and window
 # steps give hidden rows, `read` steps the readout on the rows a decoder uses; 6: `read` takes those rows'
-# indices (the block's masks), not the first row of a slice; the decode loops record their head's rows
+# indices (the block's masks), not the first row of a slice
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
