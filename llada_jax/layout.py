@@ -130,26 +130,12 @@ class Features:
         return heads.transpose(2, 3, 0, 1).reshape(n * hd, b * w)
 
 
-class OpenFeatures(Features):
-    """Feature-major without the barrier, for IREE: it keeps the layouts it is given, and its decode loops
-    failed to compile holding the barrier ("failed to solve for timepoint coverage")."""
-
-    @staticmethod
-    def fence(h):
-        return h
-
-    @classmethod
-    def logits(cls, h, b, w):
-        """`[B, W, E]`, axis 2: IREE read out 32 bench-size columns in 3.4 ms, transposed to rows in 1.3."""
-        return cls.leave(h, b, w), 2
-
-
-# With its own tiles, IREE's CPU matmul `W [O, I] @ h [I, R]` slows down when the sum is long and the columns
-# many: the down projection of the bench-size model (I = 2816), 1024 x 2816 on 192 columns, ran at 257 GFLOP/s,
-# on 256 at 139, while I = 1024 products ran at ~320 (AVX-512 tiles; without them 228 on 192). Summed in pieces
-# of 704 it ran at 313-339 on 192 and 343 on 256; on 96 columns or fewer the split gained nothing. Tiles that
-# walk the sum in blocks (`lowering.matmul_tiles`) keep the rows of h in cache themselves, and there the pieces
-# cost: on AVX2 (Zen 3) the same product ran at 109 whole and 63 in pieces (IREE's own tiles: 82 and 91).
+# IREE's CPU matmul `W [O, I] @ h [I, R]` slowed down when the sum is long and the columns many: the down
+# projection of the bench-size model (I = 2816), 1024 x 2816 on 192 columns, ran at 257 GFLOP/s, on 256 at 139,
+# while I = 1024 products ran at ~320 (AVX-512 tiles; without them 228 on 192). Summed in pieces of 704 it ran
+# at 313-339 on 192 and 343 on 256; on 96 columns or fewer the split gained nothing. Under the AVX2 tiles of
+# `lowering.matmul_tiles` the bench-size layers' products on 192 columns ran in 0.94-0.96x XLA's time whole and
+# 0.91-1.04x in pieces (two runs each): no difference beyond the machine's drift.
 SPLIT_COLUMNS = 128  # products on at least this many columns...
 SPLIT_SUM = 1024     # ...summing over more than this many features...
 SUM_PIECE = 768      # ...add up pieces of at most this many
@@ -164,8 +150,19 @@ def split_sum(features: int, columns: int) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-class PiecewiseFeatures(OpenFeatures):
-    """`OpenFeatures` with long sums on many columns added up in pieces (`split_sum`), for IREE's own tiles."""
+class OpenFeatures(Features):
+    """Feature-major for IREE: without the barrier (it keeps the layouts it is given, and its decode loops
+    failed to compile holding the barrier: "failed to solve for timepoint coverage"), long sums on many
+    columns added up in pieces (`split_sum`)."""
+
+    @staticmethod
+    def fence(h):
+        return h
+
+    @classmethod
+    def logits(cls, h, b, w):
+        """`[B, W, E]`, axis 2: IREE read out 32 bench-size columns in 3.4 ms, transposed to rows in 1.3."""
+        return cls.leave(h, b, w), 2
 
     @staticmethod
     def matmul(h, weight):
@@ -179,8 +176,7 @@ class LayoutRule(NamedTuple):
     """Which layout a step of `rows` positions (all rows of the batch) runs in, for one compiler."""
 
     feature_rows: int         # steps of at most this many positions run feature-major
-    fenced: bool              # XLA: the barrier in `Features.fence`; IREE: none (`OpenFeatures`)
-    sum_pieces: bool = False  # IREE's own tiles: long sums in pieces (`PiecewiseFeatures`)
+    fenced: bool        # XLA: the barrier in `Features.fence`; IREE: none, long sums in pieces (`OpenFeatures`)
 
     def pick(self, rows: int, block: dict):
         """Feature-major up to `feature_rows`; position-major above, and for W8A8 weights (their activations
@@ -188,12 +184,9 @@ class LayoutRule(NamedTuple):
         int8 = any(isinstance(weight, QuantizedWeight) and weight.activations == "int8" for weight in block.values())
         if rows > self.feature_rows or int8:
             return Positions
-        if self.fenced:
-            return Features
-        return PiecewiseFeatures if self.sum_pieces else OpenFeatures
+        return Features if self.fenced else OpenFeatures
 
 
 XLA_LAYOUT = LayoutRule(FEATURE_ROWS, fenced=True)
-IREE_CPU_LAYOUT = LayoutRule(1 << 30, fenced=False, sum_pieces=True)  # every width (see the module docstring)
-IREE_TILED_CPU_LAYOUT = LayoutRule(1 << 30, fenced=False)  # ... with tiles that walk sums in blocks
+IREE_CPU_LAYOUT = LayoutRule(1 << 30, fenced=False)  # every width (see the module docstring)
 POSITION_MAJOR = LayoutRule(0, fenced=False)         # Vulkan targets

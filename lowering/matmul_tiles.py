@@ -1,17 +1,17 @@
 """Tile sizes for IREE's x86 code generation of float32 matmuls, given to iree-compile as a tuning spec.
 
-A feature-major step multiplies `W [M, K] @ h [K, N]` (`llada_jax.layout`). Tiles split M and N; the sum over
-K is only walked in blocks, in order: every output is summed over K in the same order as before, so a tuned
-bundle computes bit for bit what an untuned one does. The tiles depend on the vector registers of the CPU
+A feature-major step multiplies `W [M, K] @ h [K, N]` (`llada_jax.layout`). Tiles split M and N and unroll the
+sum over K, in order: every output is summed over K in the same order as before, so a tuned bundle computes
+bit for bit what an untuned one does. The tiles depend on the vector registers of the CPU
 compiling for `-target-cpu=host`:
 - AVX-512 (32 zmm): IREE 3.13 tiles into 64 x 64 workgroups holding an 8 x 16 block of the output in
   registers. Holding 8 x 32 (16 registers) and giving each workgroup 64 x 32 ran the bench-size products
   17-39% faster (README, "IREE at the bench size").
 - AVX2 (16 ymm): IREE 3.13 holds an 8 x 8 block (8 accumulators, one register wide). A 4 x 16 block (8
-  accumulators, two registers wide) in 32 x 32 workgroups, the sum unrolled by 8 and walked in blocks of 128
-  (so a workgroup's rows of `h` stay in cache), ran the bench-size products faster on both widths (AMD Zen 3,
-  medians of 80 interleaved calls, GFLOP/s, the sum unrolled by 1 in one pass -> these: on 192 columns
-  70-79 -> 93-100, on 32 columns 59-78 -> 70-98; README).
+  accumulators, two registers wide) in 32 x 16 workgroups, the sum unrolled by 8, ran the bench-size
+  model's 12 layers of products (cold weights, as in a step) faster on every width than IREE's own tiles
+  and than 32 x 32 workgroups walking the sum in blocks of 128, the tiles before (AMD Zen 3, GFLOP/s,
+  medians: on 32 columns 88.6 -> 101.2, on 96 135 -> 140, on 192 112 -> 125; README).
 """
 
 from __future__ import annotations
@@ -25,11 +25,10 @@ class Tiles(NamedTuple):
     workgroup: tuple[int, int]  # output rows x columns one workgroup computes
     registers: tuple[int, int]  # output rows x columns held in vector registers
     sum_unroll: int = 1         # terms of the sum over K each step of the register loop adds, in order
-    sum_block: int = 0          # K walked in blocks of this many (0: in one pass)
 
 
 AVX512_TILES = Tiles((64, 32), (8, 32))  # 8 x 2 zmm accumulators
-AVX2_TILES = Tiles((32, 32), (4, 16), sum_unroll=8, sum_block=128)  # 4 x 2 ymm accumulators
+AVX2_TILES = Tiles((32, 16), (4, 16), sum_unroll=8)  # 4 x 2 ymm accumulators
 
 # The 2-D float32 products of an exported StableHLO module, `[M, K] x [K, N] -> [M, N]`.
 _MATMUL = re.compile(r"stablehlo\.dot_general [^:\n]*contracting_dims = \[1\] x \[0\](?:, precision = [^:\n]*)? : "
@@ -86,10 +85,9 @@ def tuning_spec(shapes: list[tuple[int, int, int]], tiles: Tiles) -> str:
 
 def _matcher(index: int, shape: tuple[int, int, int], tiles: Tiles) -> str:
     m, k, n = shape
-    (group_rows, group_columns), (rows, columns), unroll, block = tiles
-    blocks = f"cache_reduction = [0, 0, {block}], " if block else ""
+    (group_rows, group_columns), (rows, columns), unroll = tiles
     config = ("#iree_codegen.compilation_info<lowering_config = #iree_cpu.lowering_config<"
-              f"distribution = [{group_rows}, {group_columns}, 0], {blocks}"
+              f"distribution = [{group_rows}, {group_columns}, 0], "
               f"vector_common_parallel = [{rows}, {columns}, 0], vector_reduction = [0, 0, {unroll}]>, "
               "translation_info = #iree_codegen.translation_info<pipeline = #iree_cpu.pipeline<DoubleTilingExpert>>>")
     return "\n".join([

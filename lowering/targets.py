@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from llada_jax.errors import LladaError
-from llada_jax.layout import IREE_CPU_LAYOUT, IREE_TILED_CPU_LAYOUT, POSITION_MAJOR, LayoutRule
+from llada_jax.layout import IREE_CPU_LAYOUT, POSITION_MAJOR, LayoutRule
 from lowering.matmul_tiles import Tiles, host_tiles
 
 
@@ -18,14 +18,13 @@ class Target:
     note: str = ""
     tunes_matmuls: bool = False  # float32 matmul tiles for the host's vectors (`lowering.matmul_tiles`)
 
-    def layout_rule(self, data_tiling: bool, tiles: Tiles | None) -> LayoutRule:
-        """Activation layouts (`llada_jax.layout`): feature-major at every width for IREE's CPU code generation
-        (long sums whole under `tiles` that walk them in blocks, else in pieces), position-major with data
-        tiling (the form it was measured faster in) and on Vulkan (Mesa's lavapipe miscomputed the
-        feature-major norm)."""
+    def layout_rule(self, data_tiling: bool) -> LayoutRule:
+        """Activation layouts (`llada_jax.layout`): feature-major at every width for IREE's CPU code generation,
+        position-major with data tiling (the form it was measured faster in) and on Vulkan (Mesa's lavapipe
+        miscomputed the feature-major norm)."""
         if self.driver != "local-task" or data_tiling:
             return POSITION_MAJOR
-        return IREE_TILED_CPU_LAYOUT if tiles is not None and tiles.sum_block else IREE_CPU_LAYOUT
+        return IREE_CPU_LAYOUT
 
 
 def _cpu(*flags: str) -> tuple[str, ...]:

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax import export
 
-from llada_jax.layout import IREE_CPU_LAYOUT, IREE_TILED_CPU_LAYOUT, POSITION_MAJOR
+from llada_jax.layout import IREE_CPU_LAYOUT, POSITION_MAJOR
 from lowering import targets
 from lowering.bundle import _compile_commands, compile_module
 from lowering.matmul_tiles import AVX2_TILES, AVX512_TILES, Tiles, host_tiles, tunable_matmuls, tuning_spec
@@ -49,20 +49,18 @@ def test_the_tiles_follow_the_cpu_flags(tmp_path):
 
 
 def test_only_the_host_target_with_tiles_and_without_data_tiling_is_tuned(monkeypatch):
-    """Tiles (and the shapes they tune) on the host target alone, without data tiling; long sums stay whole
-    (the IREE CPU layout without pieces) only under tiles that walk them in blocks."""
+    """Tiles (and the shapes they tune) on the host target alone, without data tiling; the IREE CPU layout on
+    CPU targets without data tiling, tiles or not."""
     text = exported(lambda w, h: w @ h, f32(64, 32), f32(32, 64))
-    for tiles, rule in ((AVX512_TILES, IREE_CPU_LAYOUT), (AVX2_TILES, IREE_TILED_CPU_LAYOUT)):
+    for tiles in (AVX512_TILES, AVX2_TILES):
         monkeypatch.setattr(targets, "host_tiles", lambda tiles=tiles: tiles)
         assert target_tiles(TARGETS["host"], False) == tiles and tunable_matmuls(text, tiles) == [(64, 32, 64)]
-        assert TARGETS["host"].layout_rule(False, tiles) == rule
         for name, data_tiling in (("host", True), ("vulkan", False), ("android-arm64", False)):
             assert target_tiles(TARGETS[name], data_tiling) is None
     monkeypatch.setattr(targets, "host_tiles", lambda: None)
     assert target_tiles(TARGETS["host"], False) is None and tunable_matmuls(text, None) == []
-    assert TARGETS["host"].layout_rule(False, None) == IREE_CPU_LAYOUT
-    assert TARGETS["android-arm64"].layout_rule(False, None) == IREE_CPU_LAYOUT
-    assert TARGETS["host"].layout_rule(True, AVX2_TILES) == TARGETS["vulkan"].layout_rule(False, None) == POSITION_MAJOR
+    assert TARGETS["host"].layout_rule(False) == TARGETS["android-arm64"].layout_rule(False) == IREE_CPU_LAYOUT
+    assert TARGETS["host"].layout_rule(True) == TARGETS["vulkan"].layout_rule(False) == POSITION_MAJOR
 
 
 def test_bundles_compiled_on_the_fly_are_cached_per_host_tiles(monkeypatch, tmp_path, tiny_dir):
@@ -122,8 +120,8 @@ def _run(vmfb: bytes, *inputs) -> np.ndarray:
 @given(m=st.integers(1, 24).map(lambda i: 8 * i), k=st.integers(1, 300), n=st.integers(1, 5).map(lambda i: 32 * i),
        seed=st.integers(0, 2**16), tiles=st.sampled_from([AVX512_TILES, AVX2_TILES]))
 def test_tuned_matmuls_compute_what_untuned_ones_do(tmp_path_factory, m, k, n, seed, tiles: Tiles):
-    """Two products in a row (the second one's K is the first one's M; K below or above AVX2's sum block, in
-    whole blocks or not), with and without the tiles. AVX-512 tiles are given to an AVX2 host too: IREE's x86
+    """Two products in a row (the second one's K is the first one's M; K a multiple of the sum's unrolling
+    or not), with and without the tiles. AVX-512 tiles are given to an AVX2 host too: IREE's x86
     code for them spills registers, but computes the same."""
     def chain(w1, w2, h):
         return w2 @ jnp.tanh(w1 @ h)
@@ -137,9 +135,8 @@ def test_tuned_matmuls_compute_what_untuned_ones_do(tmp_path_factory, m, k, n, s
     tmp = tmp_path_factory.mktemp("tiles")
     plain, _ = _compile(tmp, text, None, "plain")
     tuned, log = _compile(tmp, text, tuning_spec(shapes, tiles), "tuned")
-    (group_rows, group_columns), (rows, columns), unroll, block = tiles
-    blocks = f"cache_reduction = [0, 0, {block}], " if block else ""  # IREE prints the levels by name
-    assert (f"<{blocks}distribution = [{group_rows}, {group_columns}, 0], vector_common_parallel = "
+    (group_rows, group_columns), (rows, columns), unroll = tiles
+    assert (f"<distribution = [{group_rows}, {group_columns}, 0], vector_common_parallel = "
             f"[{rows}, {columns}, 0], vector_reduction = [0, 0, {unroll}]>") in log
     got, want = _run(tuned, w1, w2, h), _run(plain, w1, w2, h)
     assert np.array_equal(got, want)

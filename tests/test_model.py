@@ -13,13 +13,11 @@ import llada_jax
 from llada_jax import kv_state, layout
 from llada_jax.layout import (
     IREE_CPU_LAYOUT,
-    IREE_TILED_CPU_LAYOUT,
     POSITION_MAJOR,
     XLA_LAYOUT,
     Features,
     LayoutRule,
     OpenFeatures,
-    PiecewiseFeatures,
     Positions,
     linear,
     split_sum,
@@ -156,7 +154,7 @@ def quantized_block(block: dict, scheme: QuantScheme | None) -> dict:
 @settings(max_examples=15, deadline=None)
 @given(batch=st.integers(1, 3), width=st.integers(1, 40), cached=st.integers(0, 24), seed=st.integers(0, 10_000),
        scheme=st.sampled_from([None, QuantScheme(8), QuantScheme(4, 16)]),
-       columns=st.sampled_from([Features, OpenFeatures, PiecewiseFeatures]))
+       columns=st.sampled_from([Features, OpenFeatures]))
 def test_feature_major_layer_equals_position_major(tiny_model, batch, width, cached, seed, scheme, columns):
     """The layer computed with one column per position (XLA's fenced form or IREE's open ones) gives the
     position-major layer's x, K and V, with float or weight-only quantized matrices."""
@@ -183,7 +181,7 @@ SHORT_OR_LONG = st.one_of(st.tuples(st.integers(1, 1024), st.integers(1, 260)), 
 @given(out=st.integers(1, 48), shape=SHORT_OR_LONG, dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
        seed=st.integers(0, 10_000))
 def test_piecewise_feature_products_split_long_sums_and_equal_the_whole_product(out, shape, dtype, seed):
-    """IREE's feature-major product under its own tiles sums over more than SPLIT_SUM features on at least
+    """IREE's feature-major product sums over more than SPLIT_SUM features on at least
     SPLIT_COLUMNS columns in consecutive pieces of at most SUM_PIECE, and gives the one-piece product to
     float32 rounding."""
     features, columns = shape
@@ -197,7 +195,7 @@ def test_piecewise_feature_products_split_long_sums_and_equal_the_whole_product(
     rng = np.random.default_rng(seed)
     weight = jnp.asarray(rng.normal(size=(out, features)), dtype)
     h = jnp.asarray(rng.normal(size=(features, columns)), jnp.float32)
-    got = np.asarray(jax.jit(PiecewiseFeatures.matmul)(h, weight), np.float64)
+    got = np.asarray(jax.jit(OpenFeatures.matmul)(h, weight), np.float64)
     w64, h64 = np.asarray(weight, np.float64), np.asarray(h, np.float64)
     rounding = 2 * features * np.finfo(np.float32).eps * (np.abs(w64) @ np.abs(h64))  # float32 sums, any order
     assert np.all(np.abs(got - w64 @ h64) <= rounding)
@@ -205,12 +203,11 @@ def test_piecewise_feature_products_split_long_sums_and_equal_the_whole_product(
 
 def test_layout_rules_pick_by_width_and_weights(tiny_model):
     """XLA goes feature-major up to its row limit, fenced; IREE's CPU rules at every width, open, summing long
-    products in pieces under IREE's own tiles; W8A8 weights and the Vulkan rule stay position-major."""
+    products in pieces; W8A8 weights and the Vulkan rule stay position-major."""
     block = tiny_model.params["blocks"][0]
     assert XLA_LAYOUT.pick(XLA_LAYOUT.feature_rows, block) is Features
     assert XLA_LAYOUT.pick(XLA_LAYOUT.feature_rows + 1, block) is Positions
-    assert IREE_CPU_LAYOUT.pick(4096, block) is PiecewiseFeatures
-    assert IREE_TILED_CPU_LAYOUT.pick(4096, block) is OpenFeatures
+    assert IREE_CPU_LAYOUT.pick(4096, block) is OpenFeatures
     assert POSITION_MAJOR.pick(1, block) is Positions
     w8a8 = {name: to_device(HostQuantized(*quantize_matrix(np.asarray(w), QuantScheme(8)), QuantScheme(8)),
                             activations="int8") if w.ndim == 2 else w for name, w in block.items()}
@@ -227,7 +224,7 @@ def test_feature_major_lm_head_equals_the_plain_product(tiny_model, batch, width
     hidden = jnp.asarray(rng.normal(size=(batch, width, TINY.d_model)), dtype)
     run = jax.jit(lm_logits, static_argnames="layout_rule")
     exact = np.asarray(hidden, np.float64) @ np.asarray(head["lm_head"], np.float64).T
-    for rule in (POSITION_MAJOR, XLA_LAYOUT, IREE_CPU_LAYOUT, IREE_TILED_CPU_LAYOUT):
+    for rule in (POSITION_MAJOR, XLA_LAYOUT, IREE_CPU_LAYOUT):
         got = run(head, hidden, layout_rule=rule)
         assert got.dtype == jnp.float32 and got.shape == (batch, width, TINY.embedding_size)
         assert_close_to_scale(np.asarray(got, np.float64), exact)
