@@ -176,7 +176,7 @@ class LayoutRule(NamedTuple):
     """Which layout a step of `rows` positions (all rows of the batch) runs in, for one compiler."""
 
     feature_rows: int         # steps of at most this many positions run feature-major
-    fenced: bool        # XLA: the barrier in `Features.fence`; IREE: none, long sums in pieces (`OpenFeatures`)
+    fenced: bool              # XLA: the barrier in `Features.fence`; IREE: none, long sums in pieces (`OpenFeatures`)
 
     def pick(self, rows: int, block: dict):
         """Feature-major up to `feature_rows`; position-major above, and for W8A8 weights (their activations
