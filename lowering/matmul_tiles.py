@@ -9,9 +9,9 @@ compiling for `-target-cpu=host`:
   17-39% faster (README, "IREE at the bench size").
 - AVX2 (16 ymm): IREE 3.13 holds an 8 x 8 block (8 accumulators, one register wide). A 4 x 16 block (8
   accumulators, two registers wide) in 32 x 16 workgroups, the sum unrolled by 8, ran the bench-size
-  model's 12 layers of products (cold weights, as in a step) faster on every width than IREE's own tiles
-  and than 32 x 32 workgroups walking the sum in blocks of 128, the tiles before (AMD Zen 3, GFLOP/s,
-  medians: on 32 columns 88.6 -> 101.2, on 96 135 -> 140, on 192 112 -> 125; README).
+  model's 12 layers of products (cold weights, as in a step) faster on every width than the tiles before,
+  32 x 32 workgroups walking the sum in blocks of 128 (AMD Zen 3, GFLOP/s, medians: on 32 columns
+  88.6 -> 101.2, on 96 135 -> 140, on 192 112 -> 125; IREE's own tiles on 192: 82-85; README).
 """
 
 from __future__ import annotations

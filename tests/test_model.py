@@ -16,7 +16,6 @@ from llada_jax.layout import (
     POSITION_MAJOR,
     XLA_LAYOUT,
     Features,
-    LayoutRule,
     OpenFeatures,
     Positions,
     linear,
@@ -156,7 +155,7 @@ def quantized_block(block: dict, scheme: QuantScheme | None) -> dict:
        scheme=st.sampled_from([None, QuantScheme(8), QuantScheme(4, 16)]),
        columns=st.sampled_from([Features, OpenFeatures]))
 def test_feature_major_layer_equals_position_major(tiny_model, batch, width, cached, seed, scheme, columns):
-    """The layer computed with one column per position (XLA's fenced form or IREE's open ones) gives the
+    """The layer computed with one column per position (XLA's fenced form or IREE's open one) gives the
     position-major layer's x, K and V, with float or weight-only quantized matrices."""
     rng = np.random.default_rng(seed)
     block = quantized_block(tiny_model.params["blocks"][1], scheme)
@@ -211,7 +210,7 @@ def test_layout_rules_pick_by_width_and_weights(tiny_model):
     assert POSITION_MAJOR.pick(1, block) is Positions
     w8a8 = {name: to_device(HostQuantized(*quantize_matrix(np.asarray(w), QuantScheme(8)), QuantScheme(8)),
                             activations="int8") if w.ndim == 2 else w for name, w in block.items()}
-    assert LayoutRule(1 << 30, fenced=False).pick(1, w8a8) is Positions
+    assert IREE_CPU_LAYOUT.pick(1, w8a8) is Positions
 
 
 @settings(max_examples=10, deadline=None)
