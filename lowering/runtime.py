@@ -25,6 +25,7 @@ from llada_jax.readout import Readout, ReadoutSpec, Reads, StepOutput, TokenBias
 from llada_jax.shapes import kv_shape
 from lowering.bundle_format import MANIFEST, PARAMETER_SCOPE, VMFB, StepSpec, check_files
 
+HOST_CPU_DRIVERS = ("local-task", "local-sync")  # IREE's drivers that run compiled code on the host's own cores
 LOOP_MAX_STEP_FLOPS = 1e9  # a full step above this runs faster on the host loop (see compiled_loop_is_faster)
 
 
@@ -39,6 +40,7 @@ class Session:
         except Exception as err:  # IREE raises plain RuntimeErrors for missing drivers
             raise LladaError(f"IREE driver {driver!r} is not available here ({str(err).splitlines()[0]})") from None
         self.device = config.device
+        self.on_host_cpu = driver in HOST_CPU_DRIVERS
         self.vulkan = driver == "vulkan"
         self.host_params = None  # XLA copy of the weights for the revision side path, loaded on first use
         index = rt.ParameterIndex()

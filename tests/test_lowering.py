@@ -137,6 +137,14 @@ def test_decoders_give_identical_tokens_through_iree_and_jax(tiny_model, host_se
         assert [r.revisions for r in got.trace] == [r.revisions for r in want.trace]
 
 
+def test_revision_side_path_runs_inline_on_the_host_cpu(host_session):
+    """Where the dense path runs on the host's own cores, XLA beside it would only take turns with it."""
+    bundle, session = host_session
+    got = generate_with_bundle(OpenBundle(bundle, session, None), np.arange(3, 9), gen_length=16, block_length=8,
+                               steps=8, policy="dual-cache+revision:0.4")
+    assert got.stats["probes"] > 0 and got.stats["side_concurrent"] is False
+
+
 def test_bundle_canvas_limit_is_a_clear_error(host_session):
     bundle, session = host_session
     with pytest.raises(LladaError, match="compiled with --max-len 32"):
@@ -153,12 +161,16 @@ from lowering.runtime import IreeBackend, Session, load_bundle
 path, policies, tokens, valid = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), json.loads(sys.argv[4])
 bundle = load_bundle(path, "vulkan")
 session = Session(bundle.path, bundle.manifest, "vulkan")
-ids = {policy: generate_with_bundle(OpenBundle(bundle, session, None), np.arange(3, 9), gen_length=8, block_length=4,
-                                    steps=4, policy=policy).output_ids.tolist() for policy in policies}
+results = {policy: generate_with_bundle(OpenBundle(bundle, session, None), np.arange(3, 9), gen_length=8,
+                                        block_length=4, steps=4, policy=policy) for policy in policies}
 readout = IreeBackend(bundle, session, ReadoutSpec(), TokenBiases.build(bundle.config.embedding_size)).full(
     np.array(tokens), np.array(valid)).readout
-print(json.dumps({"ids": ids, "logp": np.asarray(readout.logp).tolist()}))
+print(json.dumps({"ids": {policy: result.output_ids.tolist() for policy, result in results.items()},
+                  "revisions": {policy: [list(r.revisions) for r in result.trace] for policy, result in results.items()},
+                  "side_concurrent": {policy: result.stats.get("side_concurrent") for policy, result in results.items()},
+                  "logp": np.asarray(readout.logp).tolist()}))
 """
+VULKAN_POLICIES = POLICIES + ["dual-cache+speculative+revision:0.4"]
 
 
 def test_vulkan_matches_jax(tiny_dir, tiny_model, tmp_path):
@@ -167,14 +179,17 @@ def test_vulkan_matches_jax(tiny_dir, tiny_model, tmp_path):
     require(vulkan_available(), "a Vulkan driver (Mesa's mesa-vulkan-drivers and libvulkan1)")
     path = compile_bundle(tiny_dir, "vulkan", tmp_path / "vk", max_len=16, window=16)
     tokens, valid = random_canvas(3, 16, 12)
-    child = subprocess.run([sys.executable, "-c", VULKAN_CHILD, str(path), json.dumps(POLICIES),
+    child = subprocess.run([sys.executable, "-c", VULKAN_CHILD, str(path), json.dumps(VULKAN_POLICIES),
                             json.dumps(tokens.tolist()), json.dumps(valid.tolist())],
                            capture_output=True, text=True, timeout=600)
     assert child.returncode == 0, child.stderr[-3000:]
     got = json.loads(child.stdout)
-    for policy in POLICIES:
-        options = dict(gen_length=8, block_length=4, steps=4, policy=policy)
-        assert got["ids"][policy] == llada_jax.generate(tiny_model, np.arange(3, 9), **options).output_ids.tolist()
+    for policy in VULKAN_POLICIES:
+        want = llada_jax.generate(tiny_model, np.arange(3, 9), gen_length=8, block_length=4, steps=4, policy=policy)
+        assert got["ids"][policy] == want.output_ids.tolist()
+        assert got["revisions"][policy] == [[list(r) for r in record.revisions] for record in want.trace]
+    # On a GPU, revision's side path is XLA on the host, beside the dense path.
+    assert got["side_concurrent"]["dual-cache+speculative+revision:0.4"] is True
     want = jax_backend(tiny_model).full(tokens, valid)
     assert_close(np.array(got["logp"])[:, :12], want.readout.logp[:, :12])
 

@@ -1,4 +1,4 @@
-"""The revision side path of an IREE dense path: XLA on the host CPU, driven on a worker thread.
+"""The revision side path of an IREE dense path on a GPU: XLA on the host CPU, driven on a worker thread.
 
 The accelerator runs the dense window steps; the host recomputes stale K/V and re-scores tokens with
 the same weights (read once per session from the bundle's safetensors). The KV snapshot crosses to the
