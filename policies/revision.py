@@ -13,9 +13,9 @@ Side path: after step t's commits, a job is submitted with a snapshot of the can
 token of step t's window the way LLaDA predicts, with that token masked and everything else visible.
 Every side step is `side_width` slots wide (a fixed shape): stale slots are refreshed in chunks,
 later chunks seeing earlier ones refreshed; tokens to re-score are split into interleaved groups, so
-each keeps most neighbours visible. The job runs while dense step t+1 computes (on the host with XLA under an IREE
-GPU dense path; inline, just before it, otherwise) and is merged right after that dense step: refreshed K/V go into slots
-that are still stale, and re-scores confirm or revise tokens. Invariant: a dense step attends to a stale
+each keeps most neighbours visible. The job runs while dense step t+1 computes (on the host with XLA
+under an IREE GPU dense path; inline, just before it, otherwise) and is merged right after that dense
+step: refreshed K/V go into slots that are still stale, and re-scores confirm or revise tokens. Invariant: a dense step attends to a stale
 slot only if it went stale after the previous dense step (a draft or revision then sees its previous
 K/V for one step); the merge makes it current before the next dense step.
 

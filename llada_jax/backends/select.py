@@ -75,8 +75,7 @@ def _host_side_path(opened: OpenBundle):
     on its own thread, when the dense path runs elsewhere (a GPU) and JAX is installed. Inline on the IREE
     backend otherwise: without JAX (a phone's runtime), and where the dense path runs on the host's cores
     itself, since XLA there would only take turns with it on the same cores while the K/V crosses between
-    the two (README: inline took 0.59x the threaded time on the
-    embedded model, 0.94x at the bench size)."""
+    the two (README: inline took 0.59x the threaded time on the embedded model, 0.94x at the bench size)."""
     if opened.session.on_host_cpu:
         return None
 
