@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eval.figure_file import save_png
 from eval.reference_bench import add_reference_columns, faster_pass
 from eval.task_eval import BLOCK_LENGTH, GEN_LENGTH, answer_text
 from llada_jax.config import LLaDAConfig
@@ -213,7 +214,7 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(report: dict, path) -> None:
+def plot(report: dict, path, force: bool = False) -> None:
     """Latency against accuracy, one point per decoder setting."""
     import matplotlib  # heavy (~0.4 s) and only for --plot
 
@@ -231,5 +232,6 @@ def plot(report: dict, path) -> None:
     axes.set_ylabel("exact-match accuracy")
     axes.set_title("decoders: latency vs accuracy")
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    figure.set_dpi(120)
+    save_png(figure, path, "llada bench", force)
     plt.close(figure)

@@ -13,8 +13,8 @@ import json
 import re
 from pathlib import Path
 
-from eval.jsonl import read_rows
-from llada_jax.atomic import atomic_write_text
+from eval.jsonl import check_results_file, read_rows
+from llada_jax.atomic import atomic_write_bytes
 from llada_jax.errors import LladaError
 
 _PART = re.compile(r"-host(\d+)-of-(\d+)$")
@@ -64,9 +64,10 @@ def part_files(out: Path) -> list[Path]:
     return [parts[index] for index in range(count)]
 
 
-def merge(out: Path) -> list[dict]:
+def merge(out: Path, force: bool = False) -> list[dict]:
     """Every part file's rows, checked (one run setting, each problem exactly once, none missing) and written
-    to `out` in problem order; the rows."""
+    to `out` in problem order (replacing only an earlier results file there, with `force`); the rows."""
+    check_results_file(out, force)
     rows: dict[int, dict] = {}
     run = None
     for path in part_files(out):
@@ -93,7 +94,7 @@ def merge(out: Path) -> list[dict]:
                          "finish (or resume) every host first")
     ordered = [rows[index] for index in sorted(rows)]
     try:
-        atomic_write_text(out, "".join(json.dumps(row) + "\n" for row in ordered))
+        atomic_write_bytes(out, "".join(json.dumps(row) + "\n" for row in ordered).encode())
     except OSError as err:
         raise LladaError(f"cannot write {out}: {err.strerror}") from None
     return ordered

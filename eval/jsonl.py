@@ -12,7 +12,9 @@ from llada_jax.errors import LladaError
 
 
 def read_rows(path: Path | None) -> list[dict]:
-    """The complete rows of `path` (none if it does not exist); a truncated last line is cut off the file."""
+    """The complete rows of results file `path` (none if it does not exist); a truncated last row is cut off
+    the file. A file that is not a results file (a line that is not a row with an `index`) is refused
+    untouched: it is the user's, not this command's."""
     if path is None or not Path(path).exists():
         return []
     try:
@@ -20,22 +22,35 @@ def read_rows(path: Path | None) -> list[dict]:
     except OSError as err:
         raise LladaError(f"cannot read {path}: {err.strerror}") from None
     # Invariant: a row is complete iff its "\n" is on disk (it is the last byte each write adds).
-    complete = data[: data.rfind(b"\n") + 1]
-    rows = []
-    for number, line in enumerate(complete.split(b"\n"), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            row = None
-        if not isinstance(row, dict):
-            raise LladaError(f"{path}:{number}: not a JSON object; use a new --out file")
-        rows.append(row)
-    if len(complete) < len(data):
+    complete, tail = data[: data.rfind(b"\n") + 1], data[data.rfind(b"\n") + 1:]
+    rows = [_results_row(line, number, path) for number, line in enumerate(complete.split(b"\n"), start=1)
+            if line.strip()]
+    if tail.strip() and not tail.startswith(ROW_START):
+        raise LladaError(f"{path}: the last line is not a results row; not a results file (use a new --out file)")
+    if tail:
         with open(path, "r+b") as handle:
             handle.truncate(len(complete))
     return rows
+
+
+ROW_START = b'{"index": '  # how every row this module writes begins (rows are built with their index first)
+
+
+def _results_row(line: bytes, number: int, path) -> dict:
+    try:
+        row = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        row = None
+    if not isinstance(row, dict) or "index" not in row:
+        raise LladaError(f"{path}:{number}: not a results row; not a results file (use a new --out file)")
+    return row
+
+
+def check_results_file(path: Path, force: bool) -> None:
+    """Refuse to replace `path` unless it is a results file (and `force`): the user's files stay theirs."""
+    read_rows(path)
+    if Path(path).exists() and not force:
+        raise LladaError(f"{path} holds earlier results; pass --force to replace it")
 
 
 def read_jsonl(path, required: tuple[str, ...]) -> list[dict]:
@@ -77,6 +92,7 @@ class RowWriter:
     def write(self, row: dict) -> None:
         if self.handle is None:
             return
+        row = {"index": row["index"], **row}  # index first (ROW_START): a truncated row is recognisable as one
         self.handle.write(json.dumps(row) + "\n")
         self.handle.flush()
         os.fsync(self.handle.fileno())

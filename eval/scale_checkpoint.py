@@ -33,6 +33,7 @@ METADATA_DIR = Path(__file__).resolve().parent / "data" / "llada-8b-instruct"
 # pool, distinct for every row. With 2**24 the LM head's rows repeated every 4096, so each logit tied with 30
 # others and argmax comparisons (eval.quant_agreement) were meaningless.
 POOL_SIZE = (1 << 24) + 1
+SCALE_COMMAND = "python -m eval.scale_checkpoint"
 
 
 def random_tensor(shape: tuple[int, ...], pool: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -45,7 +46,7 @@ def random_tensor(shape: tuple[int, ...], pool: np.ndarray, rng: np.random.Gener
 
 
 def write_scale_checkpoint(out_dir: Path, seed: int = 0, metadata_dir: Path = METADATA_DIR,
-                           layers: int | None = None) -> Path:
+                           layers: int | None = None, force: bool = False) -> Path:
     """The checkpoint; with `layers`, only the first `layers` decoder layers, in one shard (every tensor
     keeps its real shape: a real-vocabulary, real-width test model of any size)."""
     config = read_config(metadata_dir)
@@ -56,7 +57,7 @@ def write_scale_checkpoint(out_dir: Path, seed: int = 0, metadata_dir: Path = ME
     shapes = hf_shapes(config)
     rng = np.random.default_rng(seed)
     pool = (rng.standard_normal(POOL_SIZE, np.float32) * 0.02).astype(ml_dtypes.bfloat16)
-    with atomic_dir(out_dir) as staging:
+    with atomic_dir(out_dir, SCALE_COMMAND, inputs=(metadata_dir,), force=force) as staging:
         for path in metadata_dir.iterdir():
             shutil.copyfile(path, staging / path.name)
         if layers is not None:
@@ -83,14 +84,15 @@ def _rewrite_layers(staging: Path, shapes: dict[str, tuple[int, ...]], weight_ma
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True, help="directory to write (replaced atomically)")
+    parser.add_argument("--out", type=Path, required=True, help="new directory to write (atomically)")
+    parser.add_argument("--force", action="store_true", help="replace an earlier output of this command in --out")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--layers", type=int, default=None, help="only the first N decoder layers, one shard")
     args = parser.parse_args(argv)
     most = read_config(METADATA_DIR).n_layers
     if args.layers is not None and not 1 <= args.layers <= most:
         parser.error(f"--layers must be between 1 and {most}, got {args.layers}")
-    write_scale_checkpoint(args.out, args.seed, layers=args.layers)
+    write_scale_checkpoint(args.out, args.seed, layers=args.layers, force=args.force)
     print(args.out)
 
 

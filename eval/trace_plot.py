@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from eval.figure_file import save_png
+
 
 def commit_grid(result, gen_length: int) -> tuple[np.ndarray, np.ndarray, list]:
     """(step that first committed each generated position, whether it was a draft, revision points)."""
@@ -19,7 +21,7 @@ def commit_grid(result, gen_length: int) -> tuple[np.ndarray, np.ndarray, list]:
     return committed_at, drafted, revisions
 
 
-def plot_trace(result, tokens: list[str], path, title: str = "") -> None:
+def plot_trace(result, tokens: list[str], path, title: str = "", force: bool = False) -> None:
     """One column per generated token, one row per dense step; a cell is filled from its commit step on."""
     import matplotlib  # heavy (~0.4 s) and only for `llada trace`
 
@@ -44,5 +46,6 @@ def plot_trace(result, tokens: list[str], path, title: str = "") -> None:
     axes.set_title(title or f"{result.nfe} steps")
     axes.legend(loc="lower right", fontsize=7)
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    figure.set_dpi(110)
+    save_png(figure, path, "llada trace", force)
     plt.close(figure)

@@ -55,14 +55,17 @@ def load_params(model_dir: Path, config: LLaDAConfig, dtype="float32", activatio
 
 
 def save_hf(params: dict, config: LLaDAConfig, out_dir: Path, *, stored_dtype: str = "float32",
-            shard_bytes: int | None = None, extra_files: dict[str, Path] | None = None) -> Path:
+            shard_bytes: int | None = None, extra_files: dict[str, Path] | None = None, command: str = "save_hf",
+            inputs=(), force: bool = False) -> Path:
     """Write an HF LLaDA directory atomically (temp dir + rename): config.json, weights (one file, or
-    shards + index when `shard_bytes` is set), and any `extra_files` (name -> source path)."""
+    shards + index when `shard_bytes` is set), and any `extra_files` (name -> source path). It replaces only
+    an earlier output of `command`, with `force`, and never contains `inputs` (`llada_jax.atomic`)."""
     out_dir = Path(out_dir)
     if stored_dtype not in ("float32", "bfloat16"):
         raise LladaError(f"cannot store weights as {stored_dtype!r}; use float32 or bfloat16")
     np_dtype = np.float32 if stored_dtype == "float32" else ml_dtypes.bfloat16
-    with atomic_dir(out_dir) as staging:
+    sources = (*inputs, *(extra_files or {}).values())
+    with atomic_dir(out_dir, command, inputs=sources, force=force) as staging:
         hf_config = dict(config.to_hf_dict(), torch_dtype=stored_dtype)
         (staging / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         tensors = {name: np.asarray(value).astype(np_dtype) for name, value in params_to_hf(params).items()}

@@ -13,20 +13,23 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
-from typing import Callable
 
 import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
+from tqdm import tqdm
 
 from llada_jax.atomic import atomic_dir
 from llada_jax.config import read_config, read_hf_dict
 from llada_jax.errors import LladaError
+from llada_jax.params import hf_shapes
 from llada_jax.quant_config import EDGE_SCHEME, planned_modules, quantization_config
 from llada_jax.quantize import QuantScheme, pack_int32, quantize_matrix
 from llada_jax.weights_io import INDEX_FILE, checkpoint_quantization, iter_tensors
 
+QUANTIZE_COMMAND = "llada quantize"
 SHARD_BYTES = 2_000_000_000
 WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json")
 
@@ -76,24 +79,24 @@ class ShardWriter:
 
 
 def quantize_checkpoint(model_dir: Path, out_dir: Path, scheme: QuantScheme, shard_bytes: int = SHARD_BYTES,
-                        progress: Callable[[str], None] | None = None, head: QuantScheme = EDGE_SCHEME) -> Path:
+                        progress: bool = False, head: QuantScheme = EDGE_SCHEME, force: bool = False) -> Path:
+    """Write the quantized copy of `model_dir` to `out_dir` (never over the input or the user's files; over
+    an earlier quantized copy only with `force`); `progress`: a bar on stderr, one step per tensor."""
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     config = read_config(model_dir)
     if checkpoint_quantization(model_dir, config):
         raise LladaError(f"{model_dir} is already quantized: quantize the original checkpoint")
-    if out_dir.resolve() == model_dir.resolve():
-        raise LladaError("--out must differ from --model (the original checkpoint is never overwritten)")
     for name in ("d_model", "mlp_hidden_size"):
         scheme.groups(getattr(config, name))
     head.groups(config.d_model)
     schemes = planned_modules(config, scheme, head)
-    with atomic_dir(out_dir) as staging:
+    with atomic_dir(out_dir, QUANTIZE_COMMAND, inputs=(model_dir,), force=force) as staging:
         _copy_metadata(model_dir, staging, quantization_config(scheme, head))
         writer = ShardWriter(staging, shard_bytes)
-        for name, array in iter_tensors(model_dir, config):
+        tensors = tqdm(iter_tensors(model_dir, config), total=len(hf_shapes(config)), desc="quantize", unit="tensor",
+                       disable=not progress, file=sys.stderr)
+        for name, array in tensors:
             writer.add(stored_tensors(name, array, schemes.get(name[: -len(".weight")])))
-            if progress and name.endswith("ff_out.weight"):
-                progress(f"quantized {name[: -len('.weight')]}")
         writer.finish()
     return out_dir
 

@@ -4,6 +4,7 @@ template from `tokenizer_config.json` / `special_tokens_map.json`."""
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
 import json
 from pathlib import Path
@@ -56,29 +57,61 @@ class Tokenizer:
 
 @functools.lru_cache(maxsize=8)
 def _compiled_template(template: str):
-    """Compile a chat template once, in a sandbox, with the helpers HF templates expect."""
+    """Compile a chat template once, in a sandbox, as transformers compiles it: loop controls (`break`,
+    `continue`), `{% generation %}` blocks, `raise_exception`, `strftime_now`, and `tojson` that keeps
+    non-ASCII text and takes json.dumps' options."""
     from jinja2 import TemplateError
+    from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    def raise_exception(message):
-        raise TemplateError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols, _generation_blocks()])
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda format: datetime.datetime.now().strftime(format)
+    env.filters["tojson"] = _tojson
     try:
         return env.from_string(template)
     except TemplateError as err:
         raise LladaError(f"chat template does not parse: {err}") from None
 
 
+def _raise_exception(message):
+    from jinja2 import TemplateError
+
+    raise TemplateError(message)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _generation_blocks():
+    """`{% generation %}...{% endgeneration %}` (marks the assistant's text for training masks): its body, as is."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class GenerationBlocks(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    return GenerationBlocks
+
+
 def render_chat_template(template: str, messages: list[dict], special_tokens: dict,
                          add_generation_prompt: bool = True) -> str:
-    """Render a jinja chat template with the variables HF passes."""
+    """Render a jinja chat template with the variables transformers passes (no tools, no documents)."""
     from jinja2 import TemplateError
 
     try:
         return _compiled_template(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                   **special_tokens)
+                                                   tools=None, documents=None, **special_tokens)
     except TemplateError as err:
         raise LladaError(f"chat template failed: {err}") from None
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import tempfile
 import time
 from functools import partial
 from pathlib import Path
@@ -137,16 +138,18 @@ def train_step(params, opt_state, key, tokens, prompt_len, *, config: LLaDAConfi
     return optax.apply_updates(params, updates), opt_state, loss
 
 
-def export_model(params, config: LLaDAConfig, out_dir: Path) -> Path:
-    """An HF LLaDA directory with the char tokenizer files, written atomically."""
-    staging = Path(out_dir).parent / f".{Path(out_dir).name}.tokenizer"
-    staging.mkdir(parents=True, exist_ok=True)
-    char_tokenizer.write_tokenizer_files(staging)
-    files = {name: staging / name for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")}
-    save_hf(jax.device_get(params), config, out_dir, extra_files=files)
-    for path in files.values():
-        path.unlink()
-    staging.rmdir()
+TRAIN_COMMAND = "llada train"
+
+
+def export_model(params, config: LLaDAConfig, out_dir: Path, run_dir: Path, force: bool = False) -> Path:
+    """An HF LLaDA directory with the char tokenizer files, written atomically; it replaces only an earlier
+    export (with `force`), and never the run directory or one holding it."""
+    with tempfile.TemporaryDirectory() as tokenizer_dir:
+        char_tokenizer.write_tokenizer_files(Path(tokenizer_dir))
+        files = {name: Path(tokenizer_dir) / name
+                 for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")}
+        save_hf(jax.device_get(params), config, out_dir, extra_files=files, command=TRAIN_COMMAND,
+                inputs=(run_dir,), force=force)
     return Path(out_dir)
 
 
@@ -176,7 +179,7 @@ def train(run_dir: Path, settings: TrainSettings, config: LLaDAConfig, progress:
     with ocp.CheckpointManager(run_dir / "checkpoints", options=options) as manager:
         params, opt_state = _train_loop(manager, params, opt_state, tokenizer, excluded, settings, config, progress,
                                         stop)
-    return export_model(params, config, run_dir / "model")
+    return export_model(params, config, run_dir / "model", run_dir / "checkpoints", force=True)  # the run's own export, made anew
 
 
 def _train_loop(manager, params, opt_state, tokenizer, excluded, settings: TrainSettings, config: LLaDAConfig,
@@ -205,7 +208,7 @@ def _train_loop(manager, params, opt_state, tokenizer, excluded, settings: Train
     return params, opt_state
 
 
-def export_latest(run_dir: Path, out_dir: Path) -> tuple[Path, int]:
+def export_latest(run_dir: Path, out_dir: Path, force: bool = False) -> tuple[Path, int]:
     """Export the newest complete checkpoint of a run (finished or still going) as an HF directory."""
     import orbax.checkpoint as ocp  # heavy (~0.4 s): only a training run loads it, not every `llada` command
 
@@ -219,7 +222,7 @@ def export_latest(run_dir: Path, out_dir: Path) -> tuple[Path, int]:
         if step is None:
             raise LladaError(f"{run_dir} has no checkpoint yet")
         restored = manager.restore(step, args=ocp.args.StandardRestore())
-    return export_model(restored["params"], config, out_dir), step
+    return export_model(restored["params"], config, out_dir, run_dir, force=force), step
 
 
 def _check_run_settings(run_dir: Path, settings: TrainSettings, config: LLaDAConfig) -> None:
@@ -229,5 +232,7 @@ def _check_run_settings(run_dir: Path, settings: TrainSettings, config: LLaDACon
     if path.exists():
         if json.loads(path.read_text()) != json.loads(json.dumps(record)):
             raise LladaError(f"{run_dir} holds a run with other settings; use a new --out directory")
+    elif any(run_dir.iterdir()):
+        raise LladaError(f"{run_dir} is not empty and holds no training run (no run.json); use a new --out directory")
     else:
         path.write_text(json.dumps(record, indent=2) + "\n")

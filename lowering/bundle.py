@@ -13,11 +13,10 @@ import os
 import shutil
 import signal
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
-from llada_jax.atomic import replace_dir
+from llada_jax.atomic import atomic_dir, check_output_dir
 from llada_jax.checkpoint import compute_dtype
 from llada_jax.config import read_config, read_hf_dict
 from llada_jax.errors import LladaError
@@ -47,6 +46,7 @@ COMPILE_TIMEOUT_S = 900  # default; LLADA_COMPILE_TIMEOUT_S overrides (data tili
 # whose body allocates transient buffers wrongly (a crash, or the loop stopping after one pass with garbage;
 # tests/test_decode_loop_bundle.py); the synchronous CPU driver runs it correctly, on one thread.
 LOOP_DRIVER = "local-sync"
+COMPILE_COMMAND = "llada compile"
 
 
 def iree_version() -> str:
@@ -132,7 +132,7 @@ def _run_compiler(command: list[str], seconds_left: float, timeout: float) -> No
 def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, window: int = 64,
                    dtype: str = "float32", copy_weights: bool = True, device_memory_budget: int | None = None,
                    loops: tuple[BakedLoops, ...] = (), batch_sizes: tuple[int, ...] = (1,), activations: str = "float",
-                   data_tiling: bool = False, progress=None) -> Path:
+                   data_tiling: bool = False, progress=None, force: bool = False) -> Path:
     """Compile every step for canvases up to `max_len`, windows up to `window` and each of `batch_sizes`
     rows (a batch of prompts runs in steps of these sizes) into a bundle; with a
     device memory budget smaller than the weights, the per-layer pieces that staged execution streams
@@ -140,10 +140,12 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
     decode loops go beside the steps, with a `run.sh` that runs the first one without Python. A quantized
     checkpoint's integers are bound as they are stored (`lowering.bundle_weights`); `activations="int8"`
     runs its int8 per-channel layers as W8A8 matmuls. `data_tiling`: IREE's data tiling on a CPU target with
-    resident weights (faster steps; a re-laid copy of the weights is held beside them)."""
+    resident weights (faster steps; a re-laid copy of the weights is held beside them). The bundle replaces only
+an earlier bundle, with `force` (`llada_jax.atomic`)."""
     tgt = target(target_name)
     model_dir, out_dir = Path(model_dir).absolute(), Path(out_dir).absolute()
     config = _checked_config(model_dir, max_len, window)
+    check_output_dir(out_dir, COMPILE_COMMAND, (model_dir,), force)  # before minutes of export and compile
     compute = compute_dtype(dtype)
     layout = weight_layout(model_dir, config)
     check_activations(activations, layout.quantized)
@@ -158,9 +160,7 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
     say(f"exporting {len(specs)} steps{f' and {len(loop_specs)} decode loops' if loop_specs else ''} to StableHLO")
     module = bundle_module(functions, layout)
     tuned = tunable_matmuls(module, tiles)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    with atomic_dir(out_dir, COMPILE_COMMAND, inputs=(model_dir,), force=force) as staging:
         say(f"compiling for {tgt.name} ({tgt.note or tgt.driver})")
         seconds = compile_module(module, flags, staging / VMFB, timeout, tuning_spec(tuned, tiles) if tuned else None)
         weights = _place_weights(model_dir, staging, copy_weights)
@@ -182,11 +182,6 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
             "decoding": [baked.manifest() for baked in loops], "loop_driver": LOOP_DRIVER,
         }
         _write_manifest(staging, manifest)
-        staging.chmod(0o755)
-        _swap_into_place(staging, out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return out_dir
 
 
@@ -275,10 +270,4 @@ def _place_weights(model_dir: Path, staging: Path, copy: bool) -> dict:
     for name in files + ([INDEX_FILE] if (model_dir / INDEX_FILE).is_file() else []):
         shutil.copyfile(model_dir / name, staging / name)
     return {"files": files, "copied": True}
-
-
-def _swap_into_place(staging: Path, out_dir: Path) -> None:
-    if out_dir.exists() and not (out_dir / MANIFEST).is_file():
-        raise LladaError(f"{out_dir} exists and is not a bundle; refusing to replace it")
-    replace_dir(staging, out_dir)
 

@@ -45,11 +45,12 @@ def embedded():
 
 
 @contextlib.contextmanager
-def serving(model, max_batch: int = 4, max_queue: int = 8, make_backend=None):
+def serving(model, max_batch: int = 4, max_queue: int = 8, make_backend=None, api_key=None):
     """The app on uvicorn in a thread; yields (base URL, engine)."""
     served = Served(NAME, model.config, model.tokenizer, DEFAULTS)
     engine = Engine(make_backend or functools.partial(select_backend, model), 256, max_batch, max_queue)
-    server = uvicorn.Server(uvicorn.Config(create_app(served, engine), host="127.0.0.1", port=0, log_level="warning"))
+    app = create_app(served, engine, api_key)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
@@ -93,7 +94,57 @@ def streamed_chat(client, question: str, **extra) -> tuple[str, str, list]:
 
 
 def test_models_lists_the_served_model(client):
-    assert [model.id for model in client.models.list().data] == [NAME]
+    before = time.time()
+    models = client.models.list().data
+    assert [model.id for model in models] == [NAME]
+    assert before - 3600 < models[0].created <= before  # the server's start time
+
+
+def test_fields_clients_send_at_neutral_values_are_accepted(client, embedded):
+    out = client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": QUESTIONS[0]}], response_format={"type": "text"},
+        tool_choice="none", store=False, parallel_tool_calls=False, user="someone", metadata={"team": "a"},
+        service_tier="auto", seed=3, logit_bias={}, presence_penalty=0, frequency_penalty=0, n=1, top_p=1,
+        stream_options=None, modalities=["text"])
+    assert out.choices[0].message.content == alone(embedded, QUESTIONS[0]) == "0 1 2 3 4 5 6 7 8 9"
+
+
+def test_fields_the_api_does_not_have_are_ignored_with_a_warning(client, embedded, caplog):
+    with caplog.at_level("WARNING", logger="llada.serve"):
+        out = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": QUESTIONS[0]}],
+                                             extra_body={"colour": "blue", "top_k": 5})
+    assert out.choices[0].message.content == alone(embedded, QUESTIONS[0])
+    assert any("colour, top_k" in record.getMessage() for record in caplog.records)
+
+
+UNSUPPORTED = [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools", "tools are unsupported"),
+    ({"tool_choice": "required"}, "tool_choice", "tool_choice is unsupported"),
+    ({"response_format": {"type": "json_object"}}, "response_format", "'json_object' is unsupported"),
+    ({"store": True}, "store", "store is unsupported"),
+    ({"extra_body": {"reasoning_effort": "high"}}, "reasoning_effort", "reasoning_effort is unsupported"),
+]
+
+
+@pytest.mark.parametrize("fields,param,words", UNSUPPORTED, ids=[case[1] for case in UNSUPPORTED])
+def test_fields_that_cannot_be_honoured_are_refused_as_unsupported(client, fields, param, words):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "sort 3 1"}], **fields)
+    assert caught.value.body["param"] == param and words in caught.value.body["message"], caught.value.body
+
+
+def test_an_api_key_guards_every_v1_route(embedded):
+    with serving(embedded, api_key="s3cret") as (url, _):
+        with pytest.raises(openai.AuthenticationError, match="wrong API key"):
+            openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).models.list()
+        with pytest.raises(urllib.error.HTTPError) as caught:  # no Authorization header at all
+            urllib.request.urlopen(f"{url}/models", timeout=30)
+        assert caught.value.code == 401 and "no API key" in json.loads(caught.value.read())["error"]["message"]
+        keyed = openai.OpenAI(base_url=url, api_key="s3cret", max_retries=0, timeout=60)
+        out = keyed.chat.completions.create(model=NAME, messages=[{"role": "user", "content": QUESTIONS[0]}])
+        assert out.choices[0].message.content == alone(embedded, QUESTIONS[0])
+        with urllib.request.urlopen(url.removesuffix("/v1") + "/health", timeout=30) as health:
+            assert json.loads(health.read())["status"] == "ok"
 
 
 def test_streaming_chat_answers_as_generate_alone(client, embedded):
@@ -161,14 +212,13 @@ BAD_REQUESTS = [
     ({"temperature": -1}, "temperature", "greater than or equal to 0"),
     ({"top_p": 0.5}, "top_p", "only top_p=1"),
     ({"n": 50}, "n", "less than or equal to 8"),
-    ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
-    ({"logprobs": True}, "logprobs", "not supported"),
+    ({"presence_penalty": 0.5}, "presence_penalty", "unsupported"),
+    ({"logprobs": True}, "logprobs", "unsupported"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
     ({"extra_body": {"policy": "turbo"}}, "policy", "unknown policy 'turbo'"),
     ({"extra_body": {"block_length": 8, "steps": 6}}, "steps", "not divisible"),
     ({"extra_body": {"policy": "dual-cache@0.9", "threshold": 0.5}}, "threshold", "give the commit threshold once"),
     ({"extra_body": {"remasking": "sideways"}}, "remasking", "'low_confidence' or 'random'"),
-    ({"extra_body": {"colour": "blue"}}, "colour", "unknown field"),
 ]
 
 

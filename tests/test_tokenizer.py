@@ -21,6 +21,45 @@ def test_real_instruct_chat_template_renders_one_user_turn():
                     "<|start_header_id|>assistant<|end_header_id|>\n\n")
 
 
+# A Llama-3.1-style template: the date from strftime_now, the turns until a {% break %}, a {% continue %}.
+LLAMA3_STYLE = (
+    "{{- bos_token }}{%- set date_string = strftime_now('%d %b %Y') %}"
+    "{{- '<|start_header_id|>system<|end_header_id|>\n\nToday Date: ' + date_string + '<|eot_id|>' }}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'ipython' %}{% continue %}{% endif %}"
+    "{%- if message['content'] == 'STOP' %}{% break %}{% endif %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}")
+
+
+def test_templates_render_as_transformers_renders_them():
+    import datetime
+
+    turns = [{"role": "user", "content": "hi "}, {"role": "ipython", "content": "x"},
+             {"role": "assistant", "content": "hello"}, {"role": "user", "content": "STOP"},
+             {"role": "user", "content": "never shown"}]
+    today = datetime.datetime.now().strftime("%d %b %Y")
+    assert render_chat_template(LLAMA3_STYLE, turns, {"bos_token": "<s>"}) == (
+        f"<s><|start_header_id|>system<|end_header_id|>\n\nToday Date: {today}<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\nhello<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n")
+    non_ascii = [{"role": "user", "content": "caf\u00e9 \u2615"}]
+    assert render_chat_template("{{ messages | tojson }}", non_ascii, {}) == \
+        '[{"role": "user", "content": "caf\u00e9 \u2615"}]'
+    assert render_chat_template("{{ messages[0] | tojson(indent=1, sort_keys=true) }}", non_ascii, {}) == \
+        '{\n "content": "caf\u00e9 \u2615",\n "role": "user"\n}'
+    marked = "{% for m in messages %}{% generation %}[{{ m['content'] }}]{% endgeneration %}{% endfor %}"
+    assert render_chat_template(marked, non_ascii, {}) == "[caf\u00e9 \u2615]"
+
+
+def test_a_template_that_raises_is_a_one_line_error():
+    template = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('turns must start with the user') }}{% endif %}"
+    with pytest.raises(LladaError, match="chat template failed: turns must start with the user"):
+        render_chat_template(template, [{"role": "assistant", "content": "x"}], {})
+
+
 def test_real_instruct_eot_id_is_read_from_added_tokens():
     assert eot_id_from_files(LLADA_8B_DIR) == 126348
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from importlib.metadata import version
 
 from jax.errors import JaxRuntimeError
 
@@ -18,11 +19,24 @@ from llada_jax.cli.train import add_train
 from llada_jax.errors import LladaError
 
 
+class DefaultsFormatter(argparse.HelpFormatter):
+    """Help that shows each option's default, unless it is unset or the help already names it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if not action.option_strings or action.default in (None, False, argparse.SUPPRESS) or "default" in text:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llada", description="Diffusion LLM (LLaDA) inference in JAX")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version('llada-jax')}")
     commands = parser.add_subparsers(dest="command", required=True)
     for add in (add_generate, add_serve, add_compile, add_quantize, add_eval, add_bench, add_trace, add_train):
         add(commands)
+    for command in commands.choices.values():
+        command.formatter_class = DefaultsFormatter
     return parser
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from eval.figure_file import check_png_target
 from eval.bench import ENGINE_CONFIG, ENGINE_WORKLOAD, Prompt, bench, format_table, plot
 from eval.bench_lowering import bench_model_dir
 from eval.gsm8k import extract_answer, load_problems, prompt_text, same_number
@@ -77,6 +78,8 @@ def reference_runner(args, config, prompts: list[Prompt], settings: list[Decoder
 
 def cmd_bench(args) -> None:
     settings = [DecoderSetting.parse(spec) for spec in (args.policy or DEFAULT_BENCH)]
+    if args.plot:
+        check_png_target(args.plot, "llada bench", args.force)  # before minutes of benchmarking
     resolve_workload(args)
     check_reference_flags(args, settings)
     loops = ("host", "compiled") if args.loop == "both" else (args.loop,)
@@ -97,7 +100,7 @@ def cmd_bench(args) -> None:
         _, _, alone = generation_runner(argparse.Namespace(**{**vars(args), "mesh": None}), baked, args.batch_sizes)
         report = mesh_report(report, measure(alone), args.mesh)
     if args.plot:
-        plot(report, args.plot)
+        plot(report, args.plot, force=args.force)
     print(json.dumps(report["rows"]) if args.json else format_table(report))
 
 
@@ -136,6 +139,7 @@ def add_bench(commands) -> None:
                          "the same prompts and weights in the same run (columns ref(s), x/ref, same)")
     be.add_argument("--reference-python", default=sys.executable, metavar="PYTHON",
                     help="interpreter with torch and transformers for --reference (default: this one)")
-    be.add_argument("--plot", default=None, help="PNG: latency vs accuracy")
+    be.add_argument("--plot", default=None, help="PNG to write: latency vs accuracy (never over a file of yours)")
+    be.add_argument("--force", action="store_true", help="replace an earlier `llada bench` PNG at --plot")
     be.add_argument("--json", action="store_true")
     be.set_defaults(run=cmd_bench)

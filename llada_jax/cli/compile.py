@@ -3,8 +3,6 @@ bundle for one target."""
 
 from __future__ import annotations
 
-import sys
-
 from llada_jax.cli.flags import (
     add_data_tiling_flag,
     add_loop_flags,
@@ -13,6 +11,7 @@ from llada_jax.cli.flags import (
     batch_sizes_arg,
     model_dir,
 )
+from llada_jax.cli.progress import stage_printer
 from llada_jax.errors import LladaError
 from lowering.bundle import compile_bundle
 from lowering.export import canvas_sizes
@@ -27,7 +26,7 @@ def cmd_compile(args) -> None:
                          window=args.window, dtype=args.dtype, copy_weights=not args.link_weights,
                          device_memory_budget=args.device_memory_budget, loops=loops,
                          batch_sizes=args.batch_sizes, activations=args.activations, data_tiling=args.data_tiling,
-                         progress=lambda message: print(message, file=sys.stderr))
+                         progress=stage_printer(), force=args.force)
     script = f"; run it without Python: {out / SCRIPT} ID,ID,..." if (out / SCRIPT).is_file() else ""
     print(f"bundle written to {out}{script}")
 
@@ -37,7 +36,8 @@ def add_compile(commands) -> None:
     comp = commands.add_parser("compile", help="compile a model's steps into an IREE bundle for a target")
     add_model_flags(comp)
     comp.add_argument("--target", required=True, help="host, vulkan, android-arm64, android-adreno, android-mali")
-    comp.add_argument("--out", required=True, help="bundle directory to write (atomically)")
+    comp.add_argument("--out", required=True, help="new bundle directory to write (atomically)")
+    comp.add_argument("--force", action="store_true", help="replace an earlier bundle in --out")
     comp.add_argument("--max-len", type=int, default=128, help="longest canvas (prompt + gen-length)")
     comp.add_argument("--window", type=int, default=128, help="widest window step")
     comp.add_argument("--link-weights", action="store_true", help="point at the model's weights instead of copying")

@@ -109,7 +109,7 @@ def print_humaneval(summary: dict, as_json: bool, share: HostShare = HostShare()
 
 def cmd_merge(args) -> None:
     """`llada eval merge OUT`: the hosts' part files as one results file, scored once."""
-    rows = merge(Path(args.out))
+    rows = merge(Path(args.out), force=args.force)
     run = rows[0]["run"]
     if run.get("suite") == "gsm8k":
         print_gsm8k(gsm8k.summarize(rows, run), args.json)
@@ -173,6 +173,7 @@ def add_merge(suites) -> None:
     """`llada eval merge`."""
     parser = suites.add_parser("merge", help="join the part files of a run over several hosts (--hosts) and score it")
     parser.add_argument("out", metavar="OUT", help="the --out the hosts were given; their parts sit next to it")
+    parser.add_argument("--force", action="store_true", help="replace an earlier results file at OUT")
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     parser.set_defaults(run=cmd_merge)
 

@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 
+from eval.figure_file import check_png_target
 from eval.trace_plot import plot_trace
 from llada_jax.cli.flags import (
     add_decoding_flags,
@@ -125,11 +126,13 @@ def cmd_generate(args) -> None:
 
 
 def cmd_trace(args) -> None:
+    check_png_target(args.out, "llada trace", args.force)  # before the model loads
     _, tokenizer, run = generation_runner(args)
     ids = prompt_ids(args, tokenizer)
     result = run(ids, **decoding_kwargs(args))
     pieces = [(tokenizer.decode([int(t)]) or "\u00b7") if tokenizer else str(int(t)) for t in result.output_ids]
-    plot_trace(result, pieces, args.out, title=f"{policy_arg(args)}: {result.nfe} steps, {result.revisions} revisions")
+    plot_trace(result, pieces, args.out, title=f"{policy_arg(args)}: {result.nfe} steps, {result.revisions} revisions",
+               force=args.force)
     print(f"trace of {result.nfe} steps written to {args.out}")
 
 
@@ -154,6 +157,7 @@ def add_trace(commands) -> None:
     add_prompt_flags(trace)
     add_model_flags(trace)
     add_runner_flags(trace)
-    trace.add_argument("--out", required=True, help="PNG file")
+    trace.add_argument("--out", required=True, help="PNG file to write (never over a file of yours)")
+    trace.add_argument("--force", action="store_true", help="replace an earlier `llada trace` PNG at --out")
     add_decoding_flags(trace)
     trace.set_defaults(run=cmd_trace)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-
 from llada_jax.cli.flags import model_dir
 from llada_jax.config import read_config
 from llada_jax.quant_config import EDGE_SCHEME, default_group_size
@@ -16,15 +14,16 @@ def cmd_quantize(args) -> None:
     group = args.group_size or default_group_size(read_config(source)) or GROUP_SIZES[0]  # for 4-bit matrices
     scheme = QuantScheme(args.bits, group if args.bits == 4 else args.group_size)
     head = QuantScheme(4, group) if args.head_bits == 4 else EDGE_SCHEME
-    out = quantize_checkpoint(source, args.out, scheme, head=head,
-                              progress=lambda message: print(message, file=sys.stderr, flush=True))
+    out = quantize_checkpoint(source, args.out, scheme, head=head, progress=True, force=args.force)
     print(f"{scheme.bits}-bit checkpoint written to {out}")
 
 
 def add_quantize(commands) -> None:
     quant = commands.add_parser("quantize", help="write an int8 / int4 copy of a checkpoint (compressed-tensors)")
     quant.add_argument("--model", help="HF LLaDA directory (default: the embedded tiny model)")
-    quant.add_argument("--out", required=True, help="directory to write (atomically)")
+    quant.add_argument("--out", required=True,
+                       help="new directory to write (atomically); never the model's own or one holding it")
+    quant.add_argument("--force", action="store_true", help="replace an earlier `llada quantize` output in --out")
     quant.add_argument("--bits", type=int, choices=BITS, required=True,
                        help="8: one scale per output channel; 4: group-wise scales")
     quant.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=None,

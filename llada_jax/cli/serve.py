@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import socket
 import sys
 
@@ -73,8 +74,21 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def api_key(args) -> str | None:
+    """--api-key, else LLADA_API_KEY, else none (an open server)."""
+    key = args.api_key if args.api_key is not None else os.environ.get("LLADA_API_KEY")
+    if key is not None and not key.strip():
+        raise LladaError("the API key (--api-key or LLADA_API_KEY) must not be empty")
+    return key
+
+
 def cmd_serve(args) -> None:
+    if args.model_path is not None:
+        if args.model is not None:
+            raise LladaError("give the model either positionally or with --model, not both")
+        args.model = args.model_path
     check_serve_flags(args)
+    key = api_key(args)
     sock = listening_socket(args.host, args.port)
     served, engine = served_model(args)
     import uvicorn  # the server itself, only for this command
@@ -82,14 +96,16 @@ def cmd_serve(args) -> None:
     from llada_jax.server.app import create_app
 
     print(f"llada: serving {served.name} on http://{args.host}:{args.port}/v1 ({args.max_batch} generations at "
-          f"once, {args.max_queue} waiting; context {served.context} tokens)", file=sys.stderr)
-    server = uvicorn.Server(uvicorn.Config(create_app(served, engine), log_level=args.log_level))
+          f"once, {args.max_queue} waiting; context {served.context} tokens{'; API key required' if key else ''})",
+          file=sys.stderr)
+    server = uvicorn.Server(uvicorn.Config(create_app(served, engine, key), log_level=args.log_level))
     server.run(sockets=[sock])
 
 
 def add_serve(commands) -> None:
     """`llada serve`."""
     serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming)")
+    serve.add_argument("model_path", nargs="?", metavar="MODEL", help="HF LLaDA directory (the same as --model)")
     add_model_flags(serve)
     add_runner_flags(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
@@ -98,6 +114,8 @@ def add_serve(commands) -> None:
                        "model directory's name)")
     serve.add_argument("--max-batch", type=int, default=8, help="generations decoded together (rows of one batch)")
     serve.add_argument("--max-queue", type=int, default=32, help="requests waiting for a row; beyond: 429")
+    serve.add_argument("--api-key", default=None, help="require this bearer token on /v1 requests (default: "
+                       "LLADA_API_KEY if set, else none)")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_decoding_flags(serve)
     serve.set_defaults(run=cmd_serve)

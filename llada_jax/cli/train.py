@@ -13,7 +13,7 @@ from llada_jax.training import (
 
 def cmd_train(args) -> None:
     if args.export_to:
-        out_dir, step = export_latest(args.out, args.export_to)
+        out_dir, step = export_latest(args.out, args.export_to, force=args.force)
         print(f"checkpoint of step {step} exported to {out_dir}")
         return
     settings = TrainSettings(steps=args.steps, batch=args.batch, learning_rate=args.lr, seed=args.seed,
@@ -38,4 +38,5 @@ def add_train(commands) -> None:
     tr.add_argument("--stop-at", type=int, default=None, help="stop (and export) at this step of the schedule")
     tr.add_argument("--quiet", action="store_true", help="no progress bar")
     tr.add_argument("--export-to", default=None, help="only export the run's newest checkpoint to this HF dir")
+    tr.add_argument("--force", action="store_true", help="with --export-to: replace an earlier export there")
     tr.set_defaults(run=cmd_train)

@@ -1,15 +1,18 @@
 """The OpenAI-compatible HTTP server (FastAPI on uvicorn): `/v1/completions`, `/v1/chat/completions`
 (streamed as server-sent events with `stream=true`), `/v1/models` and `/health`.
 
-Errors come as OpenAI error bodies: 400 for a bad field (named in `param`), 404 for an unknown model, 429
-when every row runs and the queue is full, 500 when a generation fails. A client that goes away cancels
-its generations at their next step.
+Errors come as OpenAI error bodies: 400 for a bad field (named in `param`), 401 for a missing or wrong API
+key (when the server has one), 404 for an unknown model, 429 when every row runs and the queue is full, 500
+when a generation fails. Fields the API does not have are ignored with a logged warning. A client that goes
+away cancels its generations at their next step.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import secrets
+import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -26,8 +29,9 @@ RETRY_AFTER_S = 1
 log = logging.getLogger("llada.serve")
 
 
-def create_app(served: Served, engine: Engine) -> FastAPI:
-    """The server's ASGI app; `engine` is closed when the app shuts down."""
+def create_app(served: Served, engine: Engine, api_key: str | None = None) -> FastAPI:
+    """The server's ASGI app; `engine` is closed when the app shuts down. With `api_key`, every `/v1` request
+    must carry it as its bearer token."""
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         yield
@@ -35,6 +39,9 @@ def create_app(served: Served, engine: Engine) -> FastAPI:
 
     app = FastAPI(title="llada-jax", lifespan=lifespan)
     _add_error_handlers(app)
+    if api_key:
+        _require_api_key(app, api_key)
+    started = int(time.time())
 
     @app.get("/health")
     async def health():
@@ -42,7 +49,7 @@ def create_app(served: Served, engine: Engine) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": served.name, "object": "model", "created": 0, "owned_by": "llada-jax",
+        return {"object": "list", "data": [{"id": served.name, "object": "model", "created": started, "owned_by": "llada-jax",
                                             "max_model_len": served.context}]}
 
     @app.post("/v1/completions")
@@ -57,6 +64,9 @@ def create_app(served: Served, engine: Engine) -> FastAPI:
 
 
 async def _answer(served: Served, engine: Engine, body, request: Request, chat: bool):
+    unknown = body.unknown_fields()
+    if unknown:
+        log.warning("ignoring fields the API does not have: %s", ", ".join(unknown))
     jobs = jobs_of(served, body)
     run = Run(engine, jobs, served.tokenizer, body.canvas)
     response = Response(served.name, chat, sum(job.prompt_tokens for job in jobs[:: body.n]))
@@ -105,6 +115,20 @@ async def _stream(run: Run, response: Response, include_usage: bool, request: Re
     yield DONE
 
 
+def _require_api_key(app: FastAPI, api_key: str) -> None:
+    expected = f"Bearer {api_key}".encode()
+
+    @app.middleware("http")
+    async def authorize(request: Request, call_next):
+        if request.url.path.startswith("/v1"):
+            given = request.headers.get("authorization", "").encode()
+            if not secrets.compare_digest(given, expected):
+                message = "a wrong API key" if given else "no API key (send it as the bearer token)"
+                return JSONResponse(error_body(f"the request carries {message}", "invalid_request_error", None,
+                                               "invalid_api_key"), status_code=401)
+        return await call_next(request)
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(_request, error: RequestValidationError):
@@ -144,9 +168,7 @@ def _validation_message(errors: list[dict]) -> tuple[str, str, str | None]:
     if len(location) > 1 and _type_tag(location[1]):  # pydantic names a union's alternatives in the location
         return f"{param}: {UNION_HINTS.get(param, 'has the wrong type')}", "invalid_request_error", param
     message = first["msg"].removeprefix("Value error, ")
-    if first.get("type") == "extra_forbidden":
-        message = "unknown field (not part of the API, nor a llada-jax extension)"
-    elif first.get("type") == "missing":
+    if first.get("type") == "missing":
         message = "field required"
     return f"{'.'.join(part for part in location if not _type_tag(part))}: {message}", "invalid_request_error", param
 

@@ -1,7 +1,9 @@
 """The OpenAI request bodies the server takes, as pydantic models: types and ranges are checked here, so a
 bad field is a 400 naming it before anything runs. Fields of the OpenAI API that LLaDA cannot honour are
-accepted only at their neutral value (a request that asks for log-probabilities, penalties or a logit
-bias is refused, never silently answered without them); fields the API does not have are refused.
+accepted at their neutral value (what clients send routinely: `response_format` text, `tool_choice`
+none/auto without tools, `store` false, ...) and otherwise refused as unsupported, never silently answered
+without them. Fields the API does not have are ignored (`unknown_fields` names them for a logged warning),
+as vLLM does.
 
 Extension fields (the `openai` client sends them with `extra_body`): `block_length`, `steps`, `policy`
 (`POLICY[@THRESHOLD]`, as `llada generate --policy`), `threshold`, `cfg_scale`, `remasking`, and `canvas`
@@ -20,18 +22,46 @@ MAX_CHOICES = 8
 
 def _neutral(name: str, value, neutral: tuple) -> None:
     if value not in neutral:
-        raise ValueError(f"{name} is not supported by LLaDA decoding; leave it unset")
+        raise ValueError(f"{name} is unsupported by llada-jax (accepted only at its neutral value); leave it unset")
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class Lenient(BaseModel):
+    """A body part that keeps unknown fields aside (`model_extra`) instead of refusing them."""
+
+    model_config = ConfigDict(extra="allow")
+
+    def unknown_fields(self, prefix: str = "") -> list[str]:
+        names = [prefix + name for name in self.model_extra or {}]
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            for index, part in enumerate(value if isinstance(value, list) else [value]):
+                if isinstance(part, Lenient):
+                    at = f"{name}[{index}]." if isinstance(value, list) else f"{name}."
+                    names += part.unknown_fields(prefix + at)
+        return names
+
+
+class StreamOptions(Lenient):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # padding against side channels: nothing to pad here
 
 
-class GenerationFields(BaseModel):
+class ResponseFormat(Lenient):
+    type: str
+
+    @field_validator("type")
+    @classmethod
+    def _text_only(cls, kind):
+        if kind != "text":
+            raise ValueError(f"{kind!r} is unsupported by llada-jax (structured output); use 'text' or leave it unset")
+        return kind
+
+
+SERVICE_TIERS = (None, "auto", "default")
+
+
+class GenerationFields(Lenient):
     """What completions and chat completions share."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -46,6 +76,10 @@ class GenerationFields(BaseModel):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # OpenAI platform fields with nothing to do here (no storage, one tier)
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
     # llada-jax extensions
     block_length: int | None = Field(None, ge=1)
     steps: int | None = Field(None, ge=1)
@@ -82,6 +116,18 @@ class GenerationFields(BaseModel):
     @classmethod
     def _logit_bias(cls, value):
         _neutral("logit_bias", value or None, (None,))
+        return value
+
+    @field_validator("store")
+    @classmethod
+    def _store(cls, value):
+        _neutral("store", value, (None, False))
+        return value
+
+    @field_validator("service_tier")
+    @classmethod
+    def _service_tier(cls, value):
+        _neutral("service_tier", value, SERVICE_TIERS)
         return value
 
     @model_validator(mode="after")
@@ -130,20 +176,26 @@ class CompletionRequest(GenerationFields):
         return list(self.prompt)
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class TextPart(Lenient):
     type: Literal["text"]
     text: str
 
 
-class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class Message(Lenient):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list | None = None
+    refusal: str | None = None
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _no_tool_calls(cls, value):
+        _neutral("tool_calls", value or None, (None,))
+        return value
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content or [])
 
 
 class ChatRequest(GenerationFields):
@@ -151,11 +203,41 @@ class ChatRequest(GenerationFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: Any = None
+    response_format: ResponseFormat | None = None
+    tools: list | None = None
+    functions: list | None = None
+    tool_choice: Any = None
+    function_call: Any = None
+    parallel_tool_calls: bool | None = None
+    modalities: list[str] | None = None
+    audio: Any = None
+    prediction: Any = None
+    reasoning_effort: str | None = None
+    web_search_options: Any = None
 
-    @field_validator("logprobs", "top_logprobs")
+    @field_validator("logprobs", "top_logprobs", "audio", "prediction", "reasoning_effort", "web_search_options")
     @classmethod
     def _unsupported(cls, value, info):
         _neutral(info.field_name, value, (None, False))
+        return value
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, value, info):
+        if value:
+            raise ValueError(f"{info.field_name} are unsupported by llada-jax (no tool calling); leave them unset")
+        return value
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_tool_choice(cls, value, info):
+        _neutral(info.field_name, value, (None, "none", "auto"))
+        return value
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_modality(cls, value):
+        _neutral("modalities", value, (None, ["text"]))
         return value
 
     @model_validator(mode="after")

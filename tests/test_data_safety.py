@@ -1,0 +1,203 @@
+"""Nothing the user has is deleted or overwritten: every command that writes a directory or a file refuses an
+existing target that is not its own earlier output, and any target that is or holds one of its inputs; with
+--force it replaces only its own earlier output. Each refusal is one line and leaves every byte in place."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from eval.jsonl import RowWriter, read_rows
+from eval.scale_checkpoint import main as scale_main
+from llada_jax import training
+from llada_jax.atomic import MARKER, previous_output
+from llada_jax.cli import main
+from llada_jax.errors import LladaError
+from tests.conftest import write_checkpoint
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    """Every file under `root` (relative path -> bytes)."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(Path(root).rglob("*")) if p.is_file()}
+
+
+def user_dir(path: Path) -> Path:
+    """A directory of the user's own: a notes file and a subfolder."""
+    (path / "sub").mkdir(parents=True)
+    (path / "notes.txt").write_text("my notes\n")
+    (path / "sub" / "data.bin").write_bytes(bytes(range(256)))
+    return path
+
+
+def refused(capsys, argv: list[str], expected: str) -> None:
+    capsys.readouterr()  # what earlier commands printed
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert expected in err and err.count("\n") == 1 and "Traceback" not in err, err
+
+
+@pytest.fixture
+def model_in_folder(tmp_path) -> Path:
+    """A tiny checkpoint inside a folder that also holds the user's other files."""
+    folder = user_dir(tmp_path / "models")
+    return write_checkpoint(folder / "tiny")
+
+
+QUANTIZE = ["quantize", "--bits", "8", "--model", "{model}", "--out"]
+COMPILE = ["compile", "--target", "host", "--max-len", "64", "--window", "16", "--model", "{model}", "--out"]
+
+
+@pytest.mark.parametrize("command", [QUANTIZE, COMPILE], ids=["quantize", "compile"])
+@pytest.mark.parametrize("target, expected", [
+    ("unrelated", "not an output of this command"),
+    ("parent", "contains this command's input"),
+    ("input", "is this command's input"),
+])
+def test_directory_writers_refuse_what_is_not_theirs(capsys, tmp_path, model_in_folder, command, target, expected):
+    folder = model_in_folder.parent
+    unrelated = user_dir(tmp_path / "unrelated")
+    out = {"unrelated": unrelated, "parent": folder, "input": model_in_folder}[target]
+    before = snapshot(tmp_path)
+    refused(capsys, [a.replace("{model}", str(model_in_folder)) for a in command] + [str(out)], expected)
+    assert snapshot(tmp_path) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["models", "unrelated"]  # no temporary left behind
+
+
+def test_quantize_replaces_its_own_output_only_with_force(capsys, tmp_path, model_in_folder):
+    argv = [a.replace("{model}", str(model_in_folder)) for a in QUANTIZE] + [str(tmp_path / "q8")]
+    assert main(argv) == 0
+    assert previous_output(tmp_path / "q8") == "llada quantize"
+    first = snapshot(tmp_path / "q8")
+    refused(capsys, argv, "pass --force to replace it")
+    assert snapshot(tmp_path / "q8") == first
+    assert main(argv + ["--force"]) == 0
+    assert snapshot(tmp_path / "q8") == first  # the same copy, written anew
+    assert main(argv[:2] + ["4"] + argv[3:] + ["--force"]) == 0
+    assert json.loads((tmp_path / "q8" / "config.json").read_text())["quantization_config"]
+    assert snapshot(tmp_path / "q8") != first
+
+
+def test_force_never_replaces_another_commands_output_or_the_users(capsys, tmp_path, model_in_folder):
+    quantized = tmp_path / "q8"
+    assert main([a.replace("{model}", str(model_in_folder)) for a in QUANTIZE] + [str(quantized)]) == 0
+    before = snapshot(tmp_path)
+    # A checkpoint written by save_hf is not a quantize output: --force does not make it one.
+    refused(capsys, [a.replace("{model}", str(quantized)) for a in COMPILE] + [str(model_in_folder), "--force"],
+            "is an output of `save_hf`")
+    unrelated = user_dir(tmp_path / "unrelated")
+    before = snapshot(tmp_path)
+    refused(capsys, [a.replace("{model}", str(model_in_folder)) for a in QUANTIZE] + [str(unrelated), "--force"],
+            "not an output of this command")
+    assert snapshot(tmp_path) == before
+
+
+def test_an_empty_directory_or_a_new_path_is_written(tmp_path, model_in_folder):
+    (tmp_path / "empty").mkdir()
+    for out in (tmp_path / "empty", tmp_path / "new" / "deeper"):
+        assert main([a.replace("{model}", str(model_in_folder)) for a in QUANTIZE] + [str(out)]) == 0
+        assert (out / "config.json").is_file() and (out / MARKER).is_file()
+
+
+def test_a_file_where_a_directory_goes_is_refused(capsys, tmp_path, model_in_folder):
+    target = tmp_path / "file"
+    target.write_text("mine")
+    refused(capsys, [a.replace("{model}", str(model_in_folder)) for a in QUANTIZE] + [str(target)],
+            "exists and is not a directory")
+    assert target.read_text() == "mine"
+
+
+@pytest.mark.parametrize("target, expected", [
+    ("unrelated", "not an output of this command"),
+    ("parent", "contains this command's input"),
+])
+def test_scale_checkpoint_refuses_before_writing(tmp_path, target, expected):
+    from eval.scale_checkpoint import METADATA_DIR
+
+    out = user_dir(tmp_path / "unrelated") if target == "unrelated" else METADATA_DIR.parent
+    before = snapshot(out)
+    with pytest.raises(LladaError, match=expected):
+        scale_main(["--out", str(out), "--layers", "1"])
+    assert snapshot(out) == before
+
+
+SETTINGS = training.TrainSettings(steps=1, batch=2, seq_len=96, warmup=1, checkpoint_every=1)
+CONFIG = dataclasses.replace(training.embedded_model_config(d_model=32, n_layers=1), max_sequence_length=128)
+
+
+def test_training_export_refuses_what_is_not_its_own(capsys, tmp_path):
+    run_dir = tmp_path / "work" / "run"
+    training.train(run_dir, SETTINGS, CONFIG, progress=False)
+    unrelated = user_dir(tmp_path / "unrelated")
+    before = snapshot(tmp_path)
+    for out, expected in [(unrelated, "not an output of this command"), (run_dir, "is this command's input"),
+                          (run_dir.parent, "contains this command's input")]:
+        refused(capsys, ["train", "--out", str(run_dir), "--export-to", str(out)], expected)
+        assert snapshot(tmp_path) == before
+    exported = tmp_path / "exported"
+    assert main(["train", "--out", str(run_dir), "--export-to", str(exported)]) == 0
+    refused(capsys, ["train", "--out", str(run_dir), "--export-to", str(exported)], "pass --force")
+    assert main(["train", "--out", str(run_dir), "--export-to", str(exported), "--force"]) == 0
+    assert previous_output(exported) == "llada train"
+
+
+def test_training_refuses_a_folder_that_holds_no_run(tmp_path):
+    folder = user_dir(tmp_path / "mine")
+    before = snapshot(folder)
+    with pytest.raises(LladaError, match="holds no training run"):
+        training.train(folder, SETTINGS, CONFIG, progress=False)
+    assert snapshot(folder) == before
+
+
+def test_results_files_never_take_over_the_users_file(tmp_path):
+    notes = tmp_path / "notes.txt"
+    for text in ("a line of mine", "{\"a\": 1}\n{\"b\": 2}", "one\ntwo\n"):
+        notes.write_text(text)
+        with pytest.raises(LladaError, match="not a results file"):
+            read_rows(notes)
+        assert notes.read_text() == text
+
+
+def test_a_row_cut_by_a_kill_is_dropped_and_the_run_resumes(tmp_path):
+    out = tmp_path / "results.jsonl"
+    with RowWriter(out) as writer:
+        writer.write({"key": "a", "index": 0})
+    with open(out, "ab") as handle:
+        handle.write(b'{"index": 1, "key": "b')  # killed mid-row
+    assert read_rows(out) == [{"index": 0, "key": "a"}]
+    assert out.read_bytes().endswith(b"\n")
+
+
+def test_eval_merge_never_replaces_a_file_of_the_users(capsys, tmp_path):
+    out = tmp_path / "results.jsonl"
+    run = {"suite": "gsm8k"}
+    (tmp_path / "results-host0-of-1.jsonl").write_text(json.dumps({"index": 0, "run": run, "problems": 1}) + "\n")
+    out.write_text("my own notes\n")
+    refused(capsys, ["eval", "merge", str(out)], "not a results file")
+    assert out.read_text() == "my own notes\n"
+
+
+@pytest.mark.parametrize("command", ["trace", "bench"])
+def test_pictures_are_never_drawn_over_a_file_of_the_users(capsys, tmp_path, tiny_dir, command):
+    picture = tmp_path / "photo.png"
+    picture.write_bytes(b"\x89PNG\r\n\x1a\n my holiday")
+    flag = "--out" if command == "trace" else "--plot"
+    for extra in ([], ["--force"]):
+        refused(capsys, [command, "--model", str(tiny_dir), flag, str(picture), *extra], "not an output of this command")
+        assert picture.read_bytes() == b"\x89PNG\r\n\x1a\n my holiday"
+
+
+def test_trace_replaces_its_own_picture_only_with_force(capsys, tmp_path, tiny_dir):
+    picture = tmp_path / "trace.png"
+    argv = ["trace", "--model", str(tiny_dir), "--prompt-ids", "1,2", "--gen-length", "8", "--steps", "8",
+            "--block-length", "8", "--out", str(picture)]
+    assert main(argv) == 0
+    first = picture.read_bytes()
+    assert first.startswith(b"\x89PNG")
+    refused(capsys, argv, "pass --force")
+    assert main(argv + ["--force"]) == 0
+    shutil.copy(picture, tmp_path / "copy.png")
+    assert (tmp_path / "copy.png").read_bytes()[:8] == first[:8]
