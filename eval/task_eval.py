@@ -9,6 +9,7 @@ import sys
 import time
 
 import numpy as np
+from tqdm import tqdm
 
 from eval.tasks import exact_match, held_out
 from llada_jax.api import generate
@@ -54,7 +55,8 @@ def evaluate(model, setting: DecoderSetting, limit: int | None = None, steps: in
     examples = held_out() if limit is None else held_out(limit)
     correct: dict[str, list[bool]] = {}
     nfes, revisions, tokens, seconds = [], [], 0, 0.0
-    for index, example in enumerate(examples):
+    bar = tqdm(examples, desc=str(setting), unit="task", disable=not progress, file=sys.stderr)
+    for example in bar:
         ids = np.array(model.tokenizer.encode(model.tokenizer.chat_prompt(example.prompt)))
         result = generate(model, ids, gen_length=GEN_LENGTH, block_length=block_length, steps=steps,
                           policy=setting.policy, threshold=setting.threshold)
@@ -64,12 +66,7 @@ def evaluate(model, setting: DecoderSetting, limit: int | None = None, steps: in
         revisions.append(result.revisions)
         tokens += GEN_LENGTH
         seconds += result.wall_s
-        if progress:
-            done = sum(map(sum, correct.values()))
-            print(f"\r{setting}: {index + 1}/{len(examples)} accuracy {done / (index + 1):.3f}", end="", flush=True,
-                  file=sys.stderr)
-    if progress:
-        print(file=sys.stderr)
+        bar.set_postfix(accuracy=f"{np.mean([c for family in correct.values() for c in family]):.3f}")
     every = [c for family in correct.values() for c in family]
     return {"setting": str(setting), "overall": float(np.mean(every)),
             "families": {name: float(np.mean(v)) for name, v in sorted(correct.items())},
