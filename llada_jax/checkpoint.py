@@ -36,12 +36,13 @@ def compute_dtype(name: str):
 
 
 def read_tensors(model_dir: Path, config: LLaDAConfig, dtype, activations: str = "float", mesh=None,
-                 quantized: dict | None = None) -> dict:
+                 quantized: dict | None = None, wrap=iter) -> dict:
     """Load and validate every tensor, converting each to the compute dtype on the device, or with a
     `jax.sharding.Mesh`, straight into its shards there (quantized matrices stay integers, see `qlinear`).
-    `quantized` (module -> scheme) defaults to what the directory's config.json says."""
+    `quantized` (module -> scheme) defaults to what the directory's config.json says; `wrap` wraps the
+    stream of (name, tensor) pairs (a progress bar)."""
     tensors = {}
-    for name, array in iter_tensors(model_dir, config, quantized=quantized):
+    for name, array in wrap(iter_tensors(model_dir, config, quantized=quantized)):
         put = jnp.asarray if mesh is None else functools.partial(place_weight, name=tensor_role(name), mesh=mesh)
         tensors[name] = (to_device(array, activations, put) if isinstance(array, HostQuantized)
                          else put(np.asarray(array, dtype)))
@@ -49,9 +50,9 @@ def read_tensors(model_dir: Path, config: LLaDAConfig, dtype, activations: str =
 
 
 def load_params(model_dir: Path, config: LLaDAConfig, dtype="float32", activations: str = "float",
-                mesh=None, quantized: dict | None = None) -> dict:
-    return hf_to_params(read_tensors(Path(model_dir), config, compute_dtype(dtype), activations, mesh, quantized),
-                        config)
+                mesh=None, quantized: dict | None = None, wrap=iter) -> dict:
+    return hf_to_params(read_tensors(Path(model_dir), config, compute_dtype(dtype), activations, mesh, quantized,
+                                     wrap), config)
 
 
 def save_hf(params: dict, config: LLaDAConfig, out_dir: Path, *, stored_dtype: str = "float32",

@@ -5,11 +5,14 @@ staged execution."""
 from __future__ import annotations
 
 import dataclasses
+import functools
+import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
 
 from llada_jax.checkpoint import compute_dtype, load_params
 from llada_jax.config import LLaDAConfig, read_config
@@ -17,6 +20,7 @@ from llada_jax.errors import LladaError
 from llada_jax.host_memory import release_freed_memory
 from llada_jax.memory_plan import check_fits, resident_need, weight_bytes
 from llada_jax.mesh import MODEL, check_fits_model_axis
+from llada_jax.params import hf_shapes
 from llada_jax.qlinear import check_activations
 from llada_jax.quant_config import default_group_size, planned_modules
 from llada_jax.quantize import QuantScheme
@@ -27,6 +31,8 @@ from llada_jax.weights_io import (
     checkpoint_quantization,
     iter_tensors,
 )
+
+LOAD_BAR_BYTES = 1 << 30  # a load that takes seconds or more shows a progress bar
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,11 +95,13 @@ def load(path, dtype: str = "float32", device_memory_budget: int | None = None, 
             raise LladaError("staged execution (--device-memory-budget) runs on one device; drop --mesh, or shard "
                              "the weights over a model axis (--mesh model=N) instead of staging them")
     check_memory(model, staged)
+    bar = functools.partial(tqdm, total=len(hf_shapes(config)), desc=f"loading {model_dir.name}", unit="tensor",
+                            file=sys.stderr, leave=False, disable=model.weight_bytes < LOAD_BAR_BYTES)
     if staged:
-        model = dataclasses.replace(model, staged=pack_weights(iter_tensors(model_dir, config),
+        model = dataclasses.replace(model, staged=pack_weights(bar(iter_tensors(model_dir, config)),
                                                                config, np.dtype(model.jnp_dtype), activations))
     else:
-        model = dataclasses.replace(model, params=load_params(model_dir, config, dtype, activations, mesh))
+        model = dataclasses.replace(model, params=load_params(model_dir, config, dtype, activations, mesh, wrap=bar))
     release_freed_memory()
     return model
 
