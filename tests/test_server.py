@@ -255,6 +255,19 @@ def test_serve_refuses_a_taken_port_in_one_line(capsys):
     assert error.startswith("llada: error: cannot listen on 127.0.0.1:") and "\n" not in error
 
 
+def test_serve_takes_the_model_positionally_or_by_flag_once(capsys, tmp_path, monkeypatch):
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = str(free.getsockname()[1])
+    assert main(["serve", str(tmp_path / "nowhere"), "--port", port]) == 1
+    assert f"{tmp_path / 'nowhere'} does not exist" in capsys.readouterr().err
+    assert main(["serve", str(tmp_path), "--model", str(tmp_path), "--port", port]) == 1
+    assert "either positionally or with --model" in capsys.readouterr().err
+    monkeypatch.setenv("LLADA_API_KEY", " ")
+    assert main(["serve", "--port", port]) == 1
+    assert "must not be empty" in capsys.readouterr().err
+
+
 def test_a_client_that_disconnects_cancels_its_generation(embedded):
     """The client reads the first chunk and closes its connection: the generation stops at its next step,
     freeing its row. A raw socket, because the `openai` client's `stream.close()` (httpx2's pool) may keep
