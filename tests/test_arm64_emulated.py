@@ -18,6 +18,8 @@ from lowering.emulation import QEMU, SYSROOT, emulator_available, run_module, ru
 from lowering.runtime import IreeBackend, Session, load_bundle
 from tests.conftest import TINY, require
 
+pytestmark = pytest.mark.slow  # IREE compiles or child processes: the full tier only
+
 
 @pytest.fixture(scope="module")
 def tools():

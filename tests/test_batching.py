@@ -45,6 +45,7 @@ def assert_rows_alone(batch, alone) -> None:
 @settings(max_examples=12)
 @given(setting=st.sampled_from(SETTINGS), lengths=st.lists(st.integers(1, 24), min_size=1, max_size=4),
        blocks=st.integers(1, 3), seed=st.integers(0, 1000))
+@pytest.mark.slow
 def test_each_row_decodes_as_alone(tiny_model, setting, lengths, blocks, seed):
     policy, threshold = setting
     options = dict(gen_length=8 * blocks, block_length=8, steps=4 * blocks, policy=policy, threshold=threshold,
@@ -57,6 +58,7 @@ def test_each_row_decodes_as_alone(tiny_model, setting, lengths, blocks, seed):
 
 @settings(max_examples=4)
 @given(lengths=st.lists(st.integers(1, 12), min_size=2, max_size=3), seed=st.integers(0, 1000))
+@pytest.mark.slow
 def test_cfg_and_sampling_rows_decode_as_alone(tiny_model, lengths, seed):
     """CFG stacks (conditional, unconditional) pairs; sampling draws from each row's own generator."""
     options = dict(gen_length=16, block_length=8, steps=8, cfg_scale=1.5, temperature=0.7, seed=seed,
@@ -68,6 +70,7 @@ def test_cfg_and_sampling_rows_decode_as_alone(tiny_model, lengths, seed):
 
 @pytest.mark.parametrize("policy, threshold", [("vanilla", None), ("dual-cache+speculative:1:0.3", 0.3),
                                                ("dual-cache+revision:0.4", None)])
+@pytest.mark.slow
 def test_iree_batch_rows_match_xla_alone(tiny_model, host_bundle, policy, threshold):
     """Three rows run through a bundle compiled for batches of 1 and 2: steps of 2 rows, then 1."""
     _, _, generate = bundle_runner(host_bundle)

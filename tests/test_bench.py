@@ -12,6 +12,7 @@ from llada_jax.cli import main
 from tests.conftest import TINY
 
 
+@pytest.mark.slow
 def test_bench_rows_ratios_and_plot(capsys, tiny_dir, tmp_path):
     plot = tmp_path / "bench.png"
     code = main(["bench", "--model", str(tiny_dir), "--limit", "2", "--policy", "vanilla", "--policy",
@@ -28,6 +29,7 @@ def test_bench_rows_ratios_and_plot(capsys, tiny_dir, tmp_path):
     assert all(r["host_ms_per_step"] >= 0 for r in rows)
 
 
+@pytest.mark.slow
 def test_bench_loop_both_gives_a_host_and_a_compiled_row(capsys, tiny_dir):
     code = main(["bench", "--model", str(tiny_dir), "--limit", "2", "--policy", "dual-cache@0.5", "--policy",
                  "dual-cache+revision", "--loop", "both", "--json"])

@@ -92,6 +92,7 @@ def test_xla_runtime_error_is_one_line(capsys, tiny_dir, monkeypatch):
     assert "--device-memory-budget" in err
 
 
+@pytest.mark.slow
 def test_real_process_exits_nonzero_without_traceback(tiny_dir):
     proc = subprocess.run([sys.executable, "-m", "llada_jax.cli", "generate", "--model", str(tiny_dir),
                            *replace(VALID, "--prompt-ids", "999999")], capture_output=True, text=True,
@@ -175,6 +176,7 @@ def test_default_decoder_is_the_fast_one_and_help_says_so(capsys):
     assert "default: dual-cache+speculative@0.9" in help_text and "vanilla is LLaDA's reference decoder" in help_text
 
 
+@pytest.mark.slow
 def test_a_new_process_reuses_compiled_steps(tmp_path):
     """XLA's persistent cache lives in the user's cache directory: the second process compiles nothing."""
     import os

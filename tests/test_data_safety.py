@@ -128,6 +128,7 @@ SETTINGS = training.TrainSettings(steps=1, batch=2, seq_len=96, warmup=1, checkp
 CONFIG = dataclasses.replace(training.embedded_model_config(d_model=32, n_layers=1), max_sequence_length=128)
 
 
+@pytest.mark.slow
 def test_training_export_refuses_what_is_not_its_own(capsys, tmp_path):
     run_dir = tmp_path / "work" / "run"
     training.train(run_dir, SETTINGS, CONFIG, progress=False)

@@ -45,6 +45,7 @@ def assert_same_generation(model, ids, **options):
 @given(policy=st.sampled_from(COVERED), threshold=st.sampled_from([None, 0.3, 0.7]),
        prompt_len=st.integers(1, 20), blocks=st.integers(1, 3), block_length=st.sampled_from([4, 8]),
        steps_per_block=st.sampled_from([1, 2, 4, 8]), seed=st.integers(0, 10_000))
+@pytest.mark.slow
 def test_compiled_loop_equals_host_loop_on_a_test_checkpoint(tiny_model, policy, threshold, prompt_len, blocks,
                                                             block_length, steps_per_block, seed):
     ids = np.random.default_rng(seed).integers(0, TINY.mask_token_id, prompt_len)
@@ -55,6 +56,7 @@ def test_compiled_loop_equals_host_loop_on_a_test_checkpoint(tiny_model, policy,
 @settings(max_examples=12)
 @given(policy=st.sampled_from(COVERED + ["dual-cache+speculative"]), threshold=st.sampled_from([None, 0.9]),
        prompt_len=st.integers(3, 60), steps=st.sampled_from([16, 32]), seed=st.integers(0, 10_000))
+@pytest.mark.slow
 def test_compiled_loop_equals_host_loop_on_the_embedded_model(embedded, policy, threshold, prompt_len, steps, seed):
     ids = np.random.default_rng(seed).integers(10, 90, prompt_len)
     assert_same_generation(embedded, ids, gen_length=32, block_length=8, steps=steps, policy=policy,

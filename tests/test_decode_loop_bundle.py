@@ -23,6 +23,8 @@ from lowering.export import canvas_sizes
 from policies.compiled_loop import baked_loops
 from tests.conftest import TINY
 
+pytestmark = pytest.mark.slow  # IREE compiles or child processes: the full tier only
+
 MAX_LEN, GEN, BLOCK = 32, 16, 8
 SETTINGS = [("vanilla", None, 8), ("prefix-cache", 0.3, 16), ("dual-cache", None, 8),
             ("dual-cache+speculative:1:0.3", 0.5, 16), ("vanilla+speculative:1:0.3", None, 8),

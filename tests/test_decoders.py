@@ -66,6 +66,7 @@ def test_committed_tokens_never_change_and_commits_stay_in_their_block(tiny_mode
 @settings(max_examples=10)
 @given(policy=st.sampled_from(POLICIES), blocks=st.integers(1, 4), steps_per_block=st.sampled_from([1, 2, 4, 8]),
        seed=st.integers(0, 1000))
+@pytest.mark.slow
 def test_fixed_schedule_commits_gen_length_tokens_in_steps_forwards(tiny_model, policy, blocks, steps_per_block,
                                                                     seed):
     result = llada_jax.generate(tiny_model, prompt(seed), gen_length=8 * blocks, block_length=8,
@@ -102,6 +103,7 @@ class WholeHead:
 
 @settings(max_examples=6)
 @given(policy=st.sampled_from(POLICIES), threshold=st.sampled_from([None, 0.3]), seed=st.integers(0, 1000))
+@pytest.mark.slow
 def test_the_head_on_the_blocks_masks_decodes_as_the_head_on_every_row(tiny_model, policy, threshold, seed):
     """Each step's LM head runs on the block's masks alone, in the declared width covering them (8, 16 or
     32 rows of a 32-position block), and the generation is the one the head on every row gives."""

@@ -28,6 +28,7 @@ def test_embedded_model_is_a_small_llada_in_hf_layout(embedded):
 
 
 @pytest.mark.parametrize("policy, threshold", [("vanilla", None), ("dual-cache+speculative", 0.9)])
+@pytest.mark.slow
 def test_embedded_model_solves_held_out_tasks(embedded, policy, threshold):
     examples = held_out(5)
     solved = 0

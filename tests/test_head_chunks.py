@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -30,6 +31,7 @@ def chunked(logits: np.ndarray, biases: TokenBiases, rows: int) -> Readout:
 @settings(max_examples=40)
 @given(seed=st.integers(0, 10_000), vocab=st.integers(2, 70), rows=st.integers(1, 40),
        scale=st.sampled_from([0.1, 3.0, 40.0]), ties=st.booleans(), hidden=st.integers(0, 3))
+@pytest.mark.slow
 def test_chunked_readout_equals_the_whole_head(seed, vocab, rows, scale, ties, hidden):
     rng = np.random.default_rng(seed)
     logits = (rng.normal(size=(2, 5, vocab)) * scale).astype(np.float32)

@@ -104,6 +104,7 @@ def finished(process: subprocess.Popen) -> str:
     return out
 
 
+@pytest.mark.slow
 def test_two_hosts_through_jax_distributed_score_as_one(char_model_dir, tmp_path):  # noqa: F811
     """Two processes join one jax.distributed run (coordinator on 127.0.0.1), each with two simulated devices
     and its batches split over them; the merged parts equal a one-host, one-device run row for row."""

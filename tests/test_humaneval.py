@@ -46,6 +46,7 @@ def check_samples(tmp_path, capsys, samples: list[tuple[str, str]], *flags: str)
     return json.loads(capsys.readouterr().out), read_rows(out)
 
 
+@pytest.mark.slow
 def test_every_canonical_solution_passes(tmp_path, capsys):
     samples = [(problem["task_id"], problem["canonical_solution"]) for problem in PROBLEMS]
     summary, rows = check_samples(tmp_path, capsys, samples, "--workers", "2")
@@ -114,6 +115,7 @@ def test_a_root_harness_gets_every_layer():
                                       "fsview+netns+pidns+uid-readall+rlimits+pgroup")
 
 
+@pytest.mark.slow
 def test_hostile_completions_are_contained(tmp_path, capsys):
     level = detect_sandbox().level
     if not ("pidns" in level and "+uid" in level):  # kill(-1) and fork bombs are only safe with both
@@ -259,6 +261,7 @@ def char_model_dir(tmp_path_factory) -> Path:
     return model_dir
 
 
+@pytest.mark.slow
 def test_generation_run_checks_the_models_code(char_model_dir, tmp_path, capsys):
     out = tmp_path / "gen.jsonl"
     run_cli("--model", str(char_model_dir), "--limit", "2", "--out", str(out), "--json", *TINY_RUN)

@@ -21,6 +21,8 @@ from eval.task_eval import answer_text
 from eval.tasks import held_out
 from llada_jax.errors import LladaError
 
+pytestmark = pytest.mark.slow  # IREE compiles or child processes: the full tier only
+
 MASK = 5
 
 

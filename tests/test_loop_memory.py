@@ -65,6 +65,7 @@ def largest_float32_matrix(params) -> int:
 
 
 @pytest.mark.parametrize("form", sorted(FORMS))
+@pytest.mark.slow
 def test_compiled_loop_temporaries_stay_below_two_float32_matrices(form):
     dtype, stored = FORMS[form]
     params = abstract_params(dtype, stored)

@@ -24,6 +24,8 @@ from lowering.matmul_tiles import host_tiles
 from lowering.runtime import IreeBackend, Session, load_bundle
 from tests.conftest import BUNDLE_MAX_LEN, TINY, jax_backend, require, vulkan_available
 
+pytestmark = pytest.mark.slow  # IREE compiles or child processes: the full tier only
+
 MAX_LEN = BUNDLE_MAX_LEN
 POLICIES = ["vanilla", "prefix-cache", "dual-cache"]
 
@@ -158,6 +160,7 @@ from llada_jax.backends.select import OpenBundle
 from llada_jax.bundle_runner import generate_with_bundle
 from llada_jax.readout import ReadoutSpec, TokenBiases
 from lowering.runtime import IreeBackend, Session, load_bundle
+
 path, policies, tokens, valid = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), json.loads(sys.argv[4])
 bundle = load_bundle(path, "vulkan")
 session = Session(bundle.path, bundle.manifest, "vulkan")

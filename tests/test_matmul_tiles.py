@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax import export
@@ -15,6 +16,8 @@ from lowering import targets
 from lowering.bundle import _compile_commands, compile_module
 from lowering.matmul_tiles import AVX2_TILES, AVX512_TILES, Tiles, host_tiles, tunable_matmuls, tuning_spec
 from lowering.targets import TARGETS, target_tiles
+
+pytestmark = pytest.mark.slow  # IREE compiles or child processes: the full tier only
 
 
 def exported(fn, *args) -> str:

@@ -38,6 +38,7 @@ def test_one_device_mesh_is_all_this_host_has():
         MeshSpec.parse("data=2").build()
 
 
+@pytest.mark.slow
 def test_on_four_devices_a_sharded_model_decodes_as_one_device():
     """tests/mesh_properties.py under 4 simulated devices: every row of any batch, for every policy and mesh
     shape, gives the tokens and forward passes of one device; weights and rows split as the mesh says."""

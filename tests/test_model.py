@@ -43,6 +43,7 @@ def random_ids(seed: int, shape, with_masks: bool = True) -> np.ndarray:
 
 @settings(max_examples=10)
 @given(batch=st.integers(1, 3), length=st.integers(1, 70), seed=st.integers(0, 10_000))
+@pytest.mark.slow
 def test_logits_match_float64_oracle(tiny_model, tiny_dir, batch, length, seed):
     ids = random_ids(seed, (batch, length))
     expected, _ = reference.forward(read_all(tiny_dir), TINY, ids)
@@ -91,7 +92,7 @@ def test_padding_to_a_larger_bucket_changes_nothing(tiny_model, length, seed):
     ids = random_ids(seed, (length,))
     small = np.asarray(full_outputs(tiny_model, ids, 32)[0].logits)[0, :length]
     large = np.asarray(full_outputs(tiny_model, ids, 128)[0].logits)[0, :length]
-    assert_close_to_scale(small, large)
+    assert_close_to_scale(small, large, tol=3e-5)  # another bucket is another matmul shape: sums reorder
 
 
 def test_argmax_readout_agrees_with_logits(tiny_model):
@@ -154,6 +155,7 @@ def quantized_block(block: dict, scheme: QuantScheme | None) -> dict:
 @given(batch=st.integers(1, 3), width=st.integers(1, 40), cached=st.integers(0, 24), seed=st.integers(0, 10_000),
        scheme=st.sampled_from([None, QuantScheme(8), QuantScheme(4, 16)]),
        columns=st.sampled_from([Features, OpenFeatures]))
+@pytest.mark.slow
 def test_feature_major_layer_equals_position_major(tiny_model, batch, width, cached, seed, scheme, columns):
     """The layer computed with one column per position (XLA's fenced form or IREE's open one) gives the
     position-major layer's x, K and V, with float or weight-only quantized matrices."""
@@ -232,6 +234,7 @@ def test_feature_major_lm_head_equals_the_plain_product(tiny_model, batch, width
 @settings(max_examples=30, deadline=None)
 @given(pairs=st.integers(1, 2), width=st.integers(1, 9), vocab=st.integers(2, 70), cfg=st.booleans(),
        ties=st.booleans(), hidden=st.integers(0, 3), nan=st.booleans(), seed=st.integers(0, 10_000))
+@pytest.mark.slow
 def test_readout_over_vocabulary_columns_equals_the_row_readout(pairs, width, vocab, cfg, ties, hidden, nan, seed):
     """Guided logits and the argmax readout reduced over a leading vocabulary axis `[E, B, W]` (how a
     feature-major head leaves them) give the tokens and log-probabilities of the `[B, W, E]` readout."""

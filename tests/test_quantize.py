@@ -119,6 +119,7 @@ def random_quantized(scheme: QuantScheme, rows: int, columns: int, seed: int) ->
 @settings(max_examples=15)
 @given(scheme=st.sampled_from(QUANT_SCHEMES), batch=st.integers(1, 2), width=st.integers(1, 5),
        rows=st.integers(1, 6), groups=st.integers(1, 3), seed=st.integers(0, 2**16), copy_rows=st.integers(1, 7))
+@pytest.mark.slow
 def test_float_activation_matmul_equals_dequantized_matmul(scheme, batch, width, rows, groups, seed, copy_rows):
     """`copy_rows`: rows per float copy (below `rows`, the matmul runs in row blocks, as LLaDA-8B's head)."""
     host = random_quantized(scheme, rows, groups * (scheme.group_size or 8), seed)
@@ -155,6 +156,7 @@ def int8_reference(x: np.ndarray, q: np.ndarray, scale: np.ndarray) -> np.ndarra
 @settings(max_examples=15)
 @given(batch=st.integers(1, 2), width=st.integers(1, 5), rows=st.integers(1, 6), columns=st.integers(1, 40),
        seed=st.integers(0, 2**16), ties=st.booleans())
+@pytest.mark.slow
 def test_int8_activations_match_integer_reference(batch, width, rows, columns, seed, ties):
     host = random_quantized(QuantScheme(8), rows, columns, seed)
     rng = np.random.default_rng(seed + 1)
@@ -171,6 +173,7 @@ def test_int8_activations_match_integer_reference(batch, width, rows, columns, s
 
 @settings(max_examples=10)
 @given(rows=st.integers(1, 20), columns=st.integers(1, 24), ids=st.lists(st.integers(0, 19), min_size=1, max_size=6))
+@pytest.mark.slow
 def test_quantized_rows_equal_dequantized_rows(rows, columns, ids):
     host = random_quantized(QuantScheme(8), rows, columns, rows * columns)
     ids = np.asarray([i % rows for i in ids])[None]
@@ -222,6 +225,7 @@ def test_quantized_checkpoint_layout_and_values(checkpoints, label):
 
 
 @pytest.mark.parametrize("label", list(SCHEMES))
+@pytest.mark.slow
 def test_quantized_model_generates_like_its_dequantized_twin(checkpoints, label):
     quantized, twin = llada_jax.load(checkpoints[label]), llada_jax.load(checkpoints[label + "-float"])
     assert quantized.params["lm_head"].values.dtype == jnp.int8
@@ -246,7 +250,7 @@ def test_quantize_refuses_quantized_input_and_in_place_output(checkpoints, tmp_p
     one_line_error(lambda: quantize_checkpoint(checkpoints["int8"], tmp_path / "again", QuantScheme(8)),
                    "is already quantized")
     one_line_error(lambda: quantize_checkpoint(checkpoints["src"], checkpoints["src"], QuantScheme(8)),
-                   "--out must differ from --model")
+                   "is this command's input")
     one_line_error(lambda: quantize_checkpoint(checkpoints["src"], tmp_path / "g", QuantScheme(4, 48)),
                    "group size 48 does not divide")
     assert not (tmp_path / "again").exists() and not (tmp_path / "g").exists()

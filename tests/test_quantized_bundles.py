@@ -30,6 +30,8 @@ from lowering.runtime import IreeBackend, Session, load_bundle
 from tests.conftest import TINY, jax_backend, write_checkpoint
 from tests.test_lowering import assert_close, random_canvas
 
+pytestmark = pytest.mark.slow  # IREE compiles or child processes: the full tier only
+
 # (label, scheme of the decoder layers, activations): group-wise int4 (the LM head too) with float activations,
 # and per-channel int8 as W8A8. The embedding is int8 per row in both, the W8A8 head too (`EDGE_SCHEME`).
 CASES = [("int4-g16", QuantScheme(4, 16), "float"), ("w8a8", QuantScheme(8), "int8")]

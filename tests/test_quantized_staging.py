@@ -40,6 +40,7 @@ def models(tmp_path_factory) -> dict:
 @settings(max_examples=12)
 @given(label=st.sampled_from(list(CASES)), fraction=st.floats(0.0, 1.0), policy=st.sampled_from(POLICIES),
        seed=st.integers(0, 500), threshold=st.sampled_from([None, 0.3]))
+@pytest.mark.slow
 def test_quantized_staged_equals_quantized_resident(models, label, fraction, policy, seed, threshold):
     checkpoint, resident = models[label]
     probe = llada_jax.load(checkpoint, device_memory_budget=1, activations=CASES[label][1])

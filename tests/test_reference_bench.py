@@ -93,6 +93,7 @@ def bench_rows(capsys, tiny_dir, checkout, *policies) -> tuple[int, list[dict], 
     return code, json.loads(out) if code == 0 else [], err
 
 
+@pytest.mark.slow
 def test_reference_rows_time_the_same_answers(capsys, tiny_dir, fake_reference):
     code, rows, _ = bench_rows(capsys, tiny_dir, fake_reference, "vanilla", "prefix-cache@0.3", "dual-cache@0.9",
                             "dual-cache+speculative@0.9")
@@ -105,6 +106,7 @@ def test_reference_rows_time_the_same_answers(capsys, tiny_dir, fake_reference):
     assert all("answers" not in row and "setting_key" not in row for row in rows)
 
 
+@pytest.mark.slow
 def test_the_reference_runs_before_and_after_ours_and_keeps_its_faster_time(capsys, tiny_dir, fake_reference,
                                                                            monkeypatch, tmp_path):
     monkeypatch.setenv("FAKE_REFERENCE_SLOW_ONCE", str(tmp_path / "ran"))  # the pass before ours: +0.1 s an answer
@@ -121,6 +123,7 @@ def test_the_reference_runs_before_and_after_ours_and_keeps_its_faster_time(caps
     assert rows[0]["ref_latency_s"] == pytest.approx(sum(fastest) / 2, abs=0.006)  # the median of 2 prompts
 
 
+@pytest.mark.slow
 def test_different_reference_tokens_are_reported(capsys, tiny_dir, fake_reference, monkeypatch):
     monkeypatch.setenv("FAKE_REFERENCE_SHIFT", "1")
     code, rows, _ = bench_rows(capsys, tiny_dir, fake_reference, "dual-cache")

@@ -24,6 +24,7 @@ def weights(tiny_dir):
 @given(policy=st.sampled_from(POLICIES), threshold=st.sampled_from([None, 0.05, 0.3]),
        prompt_len=st.integers(1, 20), blocks=st.integers(1, 3), block_length=st.sampled_from([4, 8]),
        steps_per_block=st.sampled_from([1, 2, 4, 8]), seed=st.integers(0, 10_000))
+@pytest.mark.slow
 def test_matches_reference(tiny_model, weights, policy, threshold, prompt_len, blocks, block_length,
                            steps_per_block, seed):
     prompt = np.random.default_rng(seed).integers(0, TINY.mask_token_id, prompt_len)
@@ -37,6 +38,7 @@ def test_matches_reference(tiny_model, weights, policy, threshold, prompt_len, b
     assert result.nfe == expected_nfe
 
 
+@pytest.mark.slow
 def test_full_vocabulary_sharded_bf16_checkpoint(tmp_path):
     """LLaDA-8B's vocabulary and default special ids, stored as sharded bf16 and run in float32."""
     config = LLaDAConfig(d_model=16, n_layers=1, n_heads=2, n_kv_heads=2, mlp_hidden_size=32, vocab_size=126464,

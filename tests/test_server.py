@@ -155,6 +155,7 @@ def test_streaming_chat_answers_as_generate_alone(client, embedded):
     assert chunks[-1].usage.completion_tokens == len(embedded.tokenizer.encode(text))
 
 
+@pytest.mark.slow
 def test_concurrent_streams_each_answer_as_alone(client, embedded, server):
     """Eight streams at once, over four rows: each answer is its prompt's answer alone."""
     answers: dict[str, str] = {}
@@ -199,6 +200,7 @@ def test_stop_sequences_cut_the_answer(client):
     assert streamed_chat(client, question, stop=["5 6", "xyz"])[:2] == ("0 1 2 3 4 ", "stop")
 
 
+@pytest.mark.slow
 def test_max_tokens_rounds_up_to_whole_blocks(client, embedded):
     out = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": QUESTIONS[0]}],
                                          max_tokens=17)  # three blocks of 8
@@ -340,6 +342,7 @@ def wait_for(condition, seconds: float = 30.0) -> bool:
 @settings(max_examples=6)
 @given(lengths=st.lists(st.integers(1, 20), min_size=2, max_size=5), delays=st.lists(st.integers(0, 3), max_size=5),
        seed=st.integers(0, 1000))
+@pytest.mark.slow
 def test_requests_joining_at_any_step_decode_as_alone(tiny_model, lengths, delays, seed):
     """Continuous batching: generations submitted while others run (different lengths, settings, policies)
     each give the tokens and forward passes of their prompt alone."""

@@ -23,6 +23,7 @@ def prompt(seed: int) -> np.ndarray:
 
 @settings(max_examples=10)
 @given(base=st.sampled_from(BASES), threshold=st.sampled_from([None, 0.2]), seed=st.integers(0, 500))
+@pytest.mark.slow
 def test_lookahead_zero_is_the_base_decoder(tiny_model, base, threshold, seed):
     options = dict(gen_length=24, block_length=8, steps=12, threshold=threshold)
     want = llada_jax.generate(tiny_model, prompt(seed), policy=base, **options)
@@ -34,6 +35,7 @@ def test_lookahead_zero_is_the_base_decoder(tiny_model, base, threshold, seed):
 @settings(max_examples=12)
 @given(base=st.sampled_from(BASES), lookahead=st.integers(1, 3), draft_threshold=st.sampled_from([0.05, 0.3, 0.9]),
        threshold=st.sampled_from([None, 0.3]), seed=st.integers(0, 500))
+@pytest.mark.slow
 def test_drafts_are_committed_once_inside_the_canvas_and_lookahead(tiny_model, base, lookahead, draft_threshold,
                                                                     threshold, seed):
     ids = prompt(seed)

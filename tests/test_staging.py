@@ -36,6 +36,7 @@ def check_staged_bytes(stats: dict, stages, nfe: int) -> None:
 @settings(max_examples=10)
 @given(fraction=st.floats(0.0, 0.6), policy=st.sampled_from(POLICIES), seed=st.integers(0, 500),
        threshold=st.sampled_from([None, 0.3]))
+@pytest.mark.slow
 def test_staged_equals_resident(tiny_dir, tiny_model, fraction, policy, seed, threshold):
     slot = 4 * max(layer_layout(TINY).size, head_layout(TINY).size)
     budget = slot + kv_bytes(TINY, 2, 32, 4) + int(fraction * (tiny_model.weight_bytes - slot))
@@ -119,6 +120,7 @@ def test_ring_pins_the_largest_stages_and_surfaces_copy_failures():
         StagingRing(stages, 2, failing, StagingStats()).run(lambda stage, slot: None)
 
 
+@pytest.mark.slow
 def test_iree_staged_equals_iree_resident_and_jax(tiny_dir, tiny_model, tmp_path):
     from llada_jax.backends.select import OpenBundle
     from llada_jax.bundle_runner import generate_with_bundle

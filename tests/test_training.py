@@ -40,6 +40,7 @@ def test_corruption_never_masks_the_prompt_and_weights_are_inverse_t(block_aware
             assert full[first_full:].all() and not blocks[: max(first_full - 1, 0)].any()
 
 
+@pytest.mark.slow
 def test_training_resumes_exactly_after_a_kill(tmp_path, monkeypatch):
     straight = train(tmp_path / "straight", SETTINGS, CONFIG, progress=False)
     real_step = training.train_step
