@@ -16,6 +16,7 @@ from llada_jax.errors import LladaError
 from lowering.bundle import compile_bundle
 from lowering.export import canvas_sizes
 from lowering.run_script import SCRIPT
+from lowering.targets import TARGETS
 
 
 def cmd_compile(args) -> None:
@@ -35,7 +36,7 @@ def add_compile(commands) -> None:
     """`llada compile`."""
     comp = commands.add_parser("compile", help="compile a model's steps into an IREE bundle for a target")
     add_model_flags(comp)
-    comp.add_argument("--target", required=True, help="host, vulkan, android-arm64, android-adreno, android-mali")
+    comp.add_argument("--target", required=True, help=", ".join(TARGETS))
     comp.add_argument("--out", required=True, help="new bundle directory to write (atomically)")
     comp.add_argument("--force", action="store_true", help="replace an earlier bundle in --out")
     comp.add_argument("--max-len", type=int, default=128, help="longest canvas (prompt + gen-length)")
