@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from importlib.metadata import version
 
 import numpy as np
 import pytest
@@ -248,3 +249,15 @@ def test_bad_prompt_files_are_one_line_errors(capsys, tmp_path, tiny_dir, conten
                          "--gen-length", "16", "--block-length", "8", "--steps", "8")
     assert code == 1 and out == ""
     assert err.startswith("llada: error: ") and expected in err and err.count("\n") == 1
+
+
+def test_version_and_help_show_defaults(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"llada {version('llada-jax')}"
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    assert "(default: 8000)" in " ".join(capsys.readouterr().out.split())
+    with pytest.raises(SystemExit):
+        main(["eval", "gsm8k", "--help"])
+    assert "(default: float32)" in " ".join(capsys.readouterr().out.split())

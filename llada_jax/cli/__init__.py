@@ -35,9 +35,19 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     for add in (add_generate, add_serve, add_compile, add_quantize, add_eval, add_bench, add_trace, add_train):
         add(commands)
-    for command in commands.choices.values():
-        command.formatter_class = DefaultsFormatter
+    _show_defaults(parser)
     return parser
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Every command's and subcommand's help shows its defaults (an option without help text too)."""
+    for action in parser._actions:
+        if action.help is None and action.option_strings and action.default not in (None, False):
+            action.help = "(default: %(default)s)"
+        if isinstance(action, argparse._SubParsersAction):
+            for command in action.choices.values():
+                command.formatter_class = DefaultsFormatter
+                _show_defaults(command)
 
 
 def main(argv: list[str] | None = None) -> int:
