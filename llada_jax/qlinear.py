@@ -38,6 +38,10 @@ class QuantizedWeight:
     # bundles build their weights without it: with it iree-compile failed on LLaDA-8B's 32-layer decode loop
     # ("failed to solve for timepoint coverage").
     hoist_barrier: bool = dataclasses.field(default=True, metadata={"static": True})
+    # `values` as stored, unsigned and offset by this much (IREE bundles: undoing the offset in float, after
+    # the bit-extend, keeps the integers a pure parameter read; a sign-restoring xor on them is hoisted by
+    # iree-compile into a full copy of the weights). 0: `values` are signed.
+    offset: int = dataclasses.field(default=0, metadata={"static": True})
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -102,7 +106,13 @@ def unpack_stage(weights: dict, quantization) -> dict:
     return out
 
 
-def stored_matmul(x: jax.Array, weight: jax.Array, columns: bool = False) -> jax.Array:
+def as_numbers(values: jax.Array, dtype, offset: int = 0) -> jax.Array:
+    """Integer `values` as `dtype` numbers, their storage offset undone (exact: small integers)."""
+    numbers = values.astype(dtype)
+    return numbers - jnp.asarray(offset, dtype) if offset else numbers
+
+
+def stored_matmul(x: jax.Array, weight: jax.Array, columns: bool = False, offset: int = 0) -> jax.Array:
     """x `[B, W, I]` @ weight `[O, I]`.T in float32, the weight read in the dtype it is stored in. With
     `columns`, x is feature-major `[I, R]` and the product is weight @ x `[O, R]` (`llada_jax.layout`).
 
@@ -110,9 +120,9 @@ def stored_matmul(x: jax.Array, weight: jax.Array, columns: bool = False) -> jax
     from it (an int8 -> float conversion, a bf16 transpose for its CPU matmul) depends on the step's input
     and cannot be hoisted out of a loop: in the compiled decode loop XLA otherwise built a float32 or
     transposed copy of every weight before the loop (LLaDA-8B: the whole model again)."""
-    if weight.dtype != jnp.float32:
+    if weight.dtype != jnp.float32 and not offset:
         weight, x = jax.lax.optimization_barrier((weight, x))
-    return _product(x, weight.astype(x.dtype), columns)
+    return _product(x, as_numbers(weight, x.dtype, offset), columns)
 
 
 def _product(x: jax.Array, weight: jax.Array, columns: bool) -> jax.Array:
@@ -128,26 +138,27 @@ def quantized_linear(x: jax.Array, w: QuantizedWeight, columns: bool = False) ->
             raise ValueError("W8A8 matmuls run position-major (llada_jax.layout.LayoutRule.pick)")
         return _int8_linear(x, w)
     if not w.row_block:
-        return _float_linear(x, w.values, w.scale, w.hoist_barrier, columns)
+        return _float_linear(x, w.values, w.scale, w, columns)
     # The matmul consumes a float copy of the weights: for LLaDA-8B's LM head that is 2 GB at once. Made
     # per block of rows, each copy is freed before the next is made.
     block = w.row_block
-    parts = [_float_linear(x, w.values[start:start + block], w.scale[start:start + block], w.hoist_barrier,
-                           columns) for start in range(0, w.shape[0], block)]
+    parts = [_float_linear(x, w.values[start:start + block], w.scale[start:start + block], w, columns)
+             for start in range(0, w.shape[0], block)]
     return jnp.concatenate(parts, axis=0 if columns else -1)
 
 
-def _float_linear(x: jax.Array, values: jax.Array, scale: jax.Array, hoist_barrier: bool,
+def _float_linear(x: jax.Array, values: jax.Array, scale: jax.Array, w: QuantizedWeight,
                   columns: bool) -> jax.Array:
+    """x @ (values dequantized by `scale`).T; `w` says how the values are stored."""
     if scale.shape[1] == 1:
-        return (stored_matmul(x, values, columns) * (scale if columns else scale[:, 0])).astype(x.dtype)
+        return (stored_matmul(x, values, columns, w.offset) * (scale if columns else scale[:, 0])).astype(x.dtype)
     rows, width = values.shape
     groups = scale.shape[1]
     # The float copy depends on x through the barrier, so XLA cannot hoist it out of a loop (the compiled
     # decode loop's while body: LLaDA-8B int4 asked for 30 GB, every weight dequantized at once before it).
-    if hoist_barrier:
+    if w.hoist_barrier:
         values, x = jax.lax.optimization_barrier((values, x))
-    weight = values.astype(jnp.float32).reshape(rows, groups, width // groups) * scale[..., None]
+    weight = as_numbers(values, jnp.float32, w.offset).reshape(rows, groups, width // groups) * scale[..., None]
     return _product(x, weight.reshape(rows, width).astype(x.dtype), columns).astype(x.dtype)
 
 
@@ -164,10 +175,10 @@ def quantized_rows(w: QuantizedWeight, ids: jax.Array, dtype) -> jax.Array:
     """Rows `ids` of a per-row quantized table (the embedding), dequantized to `dtype`."""
     if w.scale.shape[1] != 1:
         raise LladaError("a quantized embedding needs one scale per row")
-    return (w.values[ids].astype(jnp.float32) * w.scale[ids]).astype(dtype)
+    return (as_numbers(w.values[ids], jnp.float32, w.offset) * w.scale[ids]).astype(dtype)
 
 
 def nbytes(leaf) -> int:
     if isinstance(leaf, QuantizedWeight):
-        return int(np.prod(leaf.shape)) * (8 if leaf.values.dtype == jnp.int8 else 4) // 8 + leaf.scale.nbytes
+        return int(np.prod(leaf.shape)) * jnp.iinfo(leaf.values.dtype).bits // 8 + leaf.scale.nbytes
     return int(leaf.nbytes)

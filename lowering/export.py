@@ -256,11 +256,25 @@ def params_of(weights, layout: WeightLayout, config: LLaDAConfig, compute_dtype,
         if module not in layout.quantized:
             tensors[name] = stored[name].astype(compute_dtype)
             continue
-        values = restore_sign(stored[module + ".weight_packed"], layout.quantized[module].bits)
+        bits = layout.quantized[module].bits
         scale = stored[module + ".weight_scale"].astype(jnp.float32)
         activation = layout.quantized[module].matmul_activations(activations)
-        tensors[name] = QuantizedWeight(values, scale, activation, row_block_for(values.shape), hoist_barrier=False)
+        values, offset = stored_integers(stored[module + ".weight_packed"], bits, activation)
+        tensors[name] = QuantizedWeight(values, scale, activation, row_block_for(values.shape), hoist_barrier=False,
+                                        offset=offset)
     return hf_to_params(tensors, config)
+
+
+def stored_integers(packed: jax.Array, bits: int, activations: str) -> tuple[jax.Array, int]:
+    """(values, offset) of a quantized parameter: for float activations its offset integers read unsigned, the
+    offset undone in float after the bit-extend (no op on the integers that iree-compile would hoist into a
+    copy of every weight); for int8 activations (int8 x int8 matmuls) signed again."""
+    if activations == "int8":
+        return restore_sign(packed, bits), 0
+    return jax.lax.bitcast_convert_type(packed, UNSIGNED[bits]), 1 << (bits - 1)
+
+
+UNSIGNED = {4: jnp.uint4, 8: jnp.uint8}
 
 
 def _weight_structs(layout: WeightLayout) -> list[jax.ShapeDtypeStruct]:

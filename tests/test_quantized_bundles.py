@@ -177,7 +177,7 @@ def test_a_head_in_row_blocks_decodes_as_xla(quantized, tmp_path, monkeypatch):
     assert row_block_for((TINY.embedding_size, TINY.d_model)) == 32
     texts = captured_modules(monkeypatch)
     bundle = load_bundle(compile_bundle(checkpoint, "host", tmp_path / "blocks", max_len=32, window=32), "host")
-    assert "(tensor<512x32xi4>) -> tensor<32x32xi4>" in texts[0]  # a block of the head's rows
+    assert "(tensor<512x32xui4>) -> tensor<32x32xui4>" in texts[0]  # a block of the head's rows, read unsigned
     opened = OpenBundle(bundle, Session(bundle.path, bundle.manifest, "local-task"), None)
     for seed, policy in enumerate(["vanilla", "dual-cache+speculative:1:0.3"]):
         prompt = np.random.default_rng(seed).integers(0, TINY.mask_token_id, 6 + seed)
