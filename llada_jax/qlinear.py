@@ -85,6 +85,18 @@ def restore_sign(offset: jax.Array, bits: int) -> jax.Array:
     return jax.lax.bitwise_xor(offset, jnp.asarray(-(1 << (bits - 1)), offset.dtype))
 
 
+def offset_values(packed: jax.Array, bits: int, activations: str) -> tuple[jax.Array, int]:
+    """(values, offset) of compressed-tensors' offset integers read as int4/int8: for float activations read
+    unsigned, the offset undone in float after the bit-extend (IREE bundles: no op on the integers that
+    iree-compile would hoist into a copy of every weight); for int8 activations (int8 x int8) signed again."""
+    if activations == "int8":
+        return restore_sign(packed, bits), 0
+    return jax.lax.bitcast_convert_type(packed, UNSIGNED[bits]), 1 << (bits - 1)
+
+
+UNSIGNED = {4: jnp.uint4, 8: jnp.uint8}
+
+
 def from_packed_bytes(packed: jax.Array, scale: jax.Array, bits: int, activations: str) -> QuantizedWeight:
     """A QuantizedWeight from a matrix's packed bytes `[O, I * bits / 8]` uint8 (two 4-bit values per
     byte, low nibble first, as XLA's int4 bitcast reads them) and its float32 scales."""

@@ -25,7 +25,7 @@ from llada_jax.loop_io import LoopInputs, LoopOutputs, LoopSpec
 from llada_jax.model import Context
 from llada_jax.packing import PackedLayout, head_chunks, head_layout, layer_layout
 from llada_jax.params import hf_shapes, hf_to_params
-from llada_jax.qlinear import QuantizedWeight, restore_sign, row_block_for
+from llada_jax.qlinear import QuantizedWeight, offset_values, row_block_for
 from llada_jax.readout import HeadChunkReadout, ReadoutSpec
 from llada_jax.shapes import kv_shape, widths_within
 from llada_jax.steps import full_forward, head_rows, read_out, scatter_slots, window_forward
@@ -259,22 +259,10 @@ def params_of(weights, layout: WeightLayout, config: LLaDAConfig, compute_dtype,
         bits = layout.quantized[module].bits
         scale = stored[module + ".weight_scale"].astype(jnp.float32)
         activation = layout.quantized[module].matmul_activations(activations)
-        values, offset = stored_integers(stored[module + ".weight_packed"], bits, activation)
+        values, offset = offset_values(stored[module + ".weight_packed"], bits, activation)
         tensors[name] = QuantizedWeight(values, scale, activation, row_block_for(values.shape), hoist_barrier=False,
                                         offset=offset)
     return hf_to_params(tensors, config)
-
-
-def stored_integers(packed: jax.Array, bits: int, activations: str) -> tuple[jax.Array, int]:
-    """(values, offset) of a quantized parameter: for float activations its offset integers read unsigned, the
-    offset undone in float after the bit-extend (no op on the integers that iree-compile would hoist into a
-    copy of every weight); for int8 activations (int8 x int8 matmuls) signed again."""
-    if activations == "int8":
-        return restore_sign(packed, bits), 0
-    return jax.lax.bitcast_convert_type(packed, UNSIGNED[bits]), 1 << (bits - 1)
-
-
-UNSIGNED = {4: jnp.uint4, 8: jnp.uint8}
 
 
 def _weight_structs(layout: WeightLayout) -> list[jax.ShapeDtypeStruct]:
