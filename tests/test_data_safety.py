@@ -202,3 +202,11 @@ def test_trace_replaces_its_own_picture_only_with_force(capsys, tmp_path, tiny_d
     assert main(argv + ["--force"]) == 0
     shutil.copy(picture, tmp_path / "copy.png")
     assert (tmp_path / "copy.png").read_bytes()[:8] == first[:8]
+
+
+@pytest.mark.slow
+def test_compile_refuses_its_own_earlier_bundle_without_force(capsys, tiny_dir, host_bundle):
+    before = snapshot(host_bundle)
+    refused(capsys, ["compile", "--target", "host", "--model", str(tiny_dir), "--out", str(host_bundle)],
+            "pass --force to replace it")
+    assert snapshot(host_bundle) == before and previous_output(host_bundle) == "llada compile"
