@@ -25,8 +25,8 @@ from llada_jax.memory_plan import weight_bytes
 from llada_jax.qlinear import check_activations
 from llada_jax.tokenizer import eot_id_from_files
 from llada_jax.weights_io import INDEX_FILE, weight_files
-from lowering.bundle_format import FORMAT_VERSION, MANIFEST, TOKENIZER_FILES, VMFB, runs_staged, sha256
-from lowering.bundle_weights import WeightLayout, weight_layout
+from lowering.bundle_format import ARCHIVE, FORMAT_VERSION, MANIFEST, TOKENIZER_FILES, VMFB, runs_staged, sha256
+from lowering.bundle_weights import WeightLayout, weight_layout, write_archive
 from lowering.export import (
     bundle_module,
     canvas_sizes,
@@ -163,7 +163,7 @@ an earlier bundle, with `force` (`llada_jax.atomic`)."""
     with atomic_dir(out_dir, COMPILE_COMMAND, inputs=(model_dir,), force=force) as staging:
         say(f"compiling for {tgt.name} ({tgt.note or tgt.driver})")
         seconds = compile_module(module, flags, staging / VMFB, timeout, tuning_spec(tuned, tiles) if tuned else None)
-        weights = _place_weights(model_dir, staging, copy_weights)
+        weights = _place_weights(model_dir, staging, copy_weights, archive=tgt.driver == "local-task" and not staged)
         if loops:
             write_run_script(staging, loops[0], config, LOOP_DRIVER, weights)
         for name in TOKENIZER_FILES:
@@ -262,11 +262,17 @@ def _functions_to_compile(config, max_len: int, window: int, batch_sizes: tuple[
     return staged_specs(specs) + [spec for spec in specs if spec.kind == "commit"], ()
 
 
-def _place_weights(model_dir: Path, staging: Path, copy: bool) -> dict:
-    """Copy the safetensors files into the bundle, or record absolute paths to them."""
+def _place_weights(model_dir: Path, staging: Path, copy: bool, archive: bool) -> dict:
+    """Record absolute paths to the model's safetensors files, or copy them into the bundle: with `archive`
+    (a CPU device reading resident named parameters) as one IREE parameter archive, whose aligned entries
+    the device maps in place (safetensors entries are not aligned for that: the device copies every weight
+    at load); else as they are (a GPU uploads them anyway; staged pieces and the host side path read them)."""
     files = sorted(set(weight_files(model_dir).values()))
     if not copy:
         return {"files": [str(model_dir / f) for f in files], "copied": False}
+    if archive:
+        write_archive([model_dir / name for name in files], staging / ARCHIVE)
+        return {"files": [ARCHIVE], "copied": True}
     for name in files + ([INDEX_FILE] if (model_dir / INDEX_FILE).is_file() else []):
         shutil.copyfile(model_dir / name, staging / name)
     return {"files": files, "copied": True}

@@ -81,3 +81,14 @@ def _quantized_parameters(module: str, shape: tuple[int, int], scheme: QuantSche
                          f"got {list(scale[1])}")
     return [Parameter(f"{module}.weight_packed", shape, f"int{scheme.bits}"),
             Parameter(f"{module}.weight_scale", scale[1], _float_dtype(f"{module}.weight_scale", scale[0], where))]
+
+
+def write_archive(files: list[Path], out: Path) -> None:
+    """The tensors of safetensors `files`, under their own names, as one IREE parameter archive (`.irpa`):
+    the same bytes, each entry aligned so that a CPU device can map it in place."""
+    import iree.runtime as rt
+
+    index = rt.ParameterIndex()
+    for file in files:
+        index.load(str(file))
+    index.create_archive_file(str(out))

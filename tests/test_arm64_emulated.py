@@ -37,10 +37,10 @@ def test_arm64_step_under_qemu_matches_host(tiny_dir, tmp_path, tools, target):
     valid = np.arange(16)[None] < 13
     zeros = np.zeros(TINY.embedding_size, np.float32)
     hidden, keys, _ = run_module(tools, arm / "steps.vmfb", "full_b1_s16", [tokens, valid.astype(np.int32)],
-                                 [arm / "model.safetensors"], outputs=3)
+                                 [arm / "weights.irpa"], outputs=3)
     x0, logp = run_module(tools, arm / "steps.vmfb", "read_b1_s16_w16",
                           [hidden, np.arange(16, dtype=np.int32), np.array(0, np.float32), zeros, zeros],
-                          [arm / "model.safetensors"], outputs=2)
+                          [arm / "weights.irpa"], outputs=2)
     session = Session(host.path, host.manifest, "local-task")
     want = IreeBackend(host, session, ReadoutSpec(), TokenBiases.build(TINY.embedding_size)).full(tokens, valid)
     assert x0[:, :13].tolist() == want.readout.x0[:, :13].tolist()

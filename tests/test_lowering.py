@@ -67,7 +67,7 @@ def test_manifest_describes_every_step_and_file(host_bundle):
     window = next(s for s in manifest["steps"] if s["name"] == "window_b1_s32_w8")
     assert [i["name"] for i in window["inputs"]][:6] == ["keys", "values", "context_bias", "window_ids",
                                                          "window_pos", "window_valid"]
-    assert {"steps.vmfb", "model.safetensors", "manifest.json"} - set(manifest["files"]) == {"manifest.json"}
+    assert {"steps.vmfb", "weights.irpa", "manifest.json"} - set(manifest["files"]) == {"manifest.json"}
     # the float32 products over positions (batch x width) the host's register block divides run on its tiles
     tiles, tuned = host_tiles(), manifest["tuned_matmuls"]
     assert bool(tuned) == (tiles is not None)
@@ -219,7 +219,7 @@ def other_iree(path):
 @pytest.mark.parametrize("fault, message", [
     (corrupt_vmfb, "steps.vmfb does not match its checksum"),
     (other_iree, "compiled with IREE 1.0.0"),
-    (lambda p: (p / "model.safetensors").unlink(), "model.safetensors is missing"),
+    (lambda p: (p / "weights.irpa").unlink(), "weights.irpa is missing"),
     (lambda p: (p / "manifest.json").unlink(), "is not a bundle"),
 ])
 def test_bad_bundles_are_refused(host_bundle, tmp_path, fault, message):

@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import iree.runtime as rt
 import numpy as np
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from safetensors.numpy import load_file
 
 import llada_jax
 from llada_jax import qlinear
@@ -24,7 +26,6 @@ from llada_jax.quantize_checkpoint import quantize_checkpoint
 from llada_jax.readout import ReadoutSpec, TokenBiases
 from lowering import bundle as bundle_mod
 from lowering.bundle import compile_bundle
-from lowering.bundle_format import sha256
 from lowering.bundle_weights import _quantized_parameters
 from lowering.runtime import IreeBackend, Session, load_bundle
 from tests.conftest import TINY, jax_backend, write_checkpoint
@@ -144,8 +145,12 @@ def test_quantized_manifest_binds_the_checkpoint_as_stored(quantized):
     assert "model.transformer.blocks.0.attn_norm.weight" in parameters and q_proj + ".weight" not in parameters
     assert manifest["model_config"]["quantization_config"] == json.loads(
         (checkpoint / "config.json").read_text())["quantization_config"]
-    for file in manifest["weights"]["files"]:  # the checkpoint's own files, unconverted
-        assert sha256(opened.bundle.path / file) == sha256(checkpoint / file)
+    assert manifest["weights"] == {"files": ["weights.irpa"], "copied": True}  # a CPU bundle's archive
+    archive = rt.ParameterIndex()
+    archive.load(str(opened.bundle.path / "weights.irpa"))
+    entries = {name: bytes(entry.file_view) for name, entry in archive.items()}
+    stored = {name: array.tobytes() for file in checkpoint.glob("*.safetensors") for name, array in load_file(file).items()}
+    assert entries == stored  # every tensor as the checkpoint stores it, byte for byte
 
 
 def captured_modules(monkeypatch) -> list[str]:
