@@ -124,15 +124,17 @@ def as_numbers(values: jax.Array, dtype, offset: int = 0) -> jax.Array:
     return numbers - jnp.asarray(offset, dtype) if offset else numbers
 
 
-def stored_matmul(x: jax.Array, weight: jax.Array, columns: bool = False, offset: int = 0) -> jax.Array:
+def stored_matmul(x: jax.Array, weight: jax.Array, columns: bool = False, offset: int = 0,
+                  barrier: bool = True) -> jax.Array:
     """x `[B, W, I]` @ weight `[O, I]`.T in float32, the weight read in the dtype it is stored in. With
     `columns`, x is feature-major `[I, R]` and the product is weight @ x `[O, R]` (`llada_jax.layout`).
 
     A weight that is not float32 passes through an optimization barrier with x, so whatever XLA derives
     from it (an int8 -> float conversion, a bf16 transpose for its CPU matmul) depends on the step's input
     and cannot be hoisted out of a loop: in the compiled decode loop XLA otherwise built a float32 or
-    transposed copy of every weight before the loop (LLaDA-8B: the whole model again)."""
-    if weight.dtype != jnp.float32 and not offset:
+    transposed copy of every weight before the loop (LLaDA-8B: the whole model again). IREE bundles pass
+    `barrier=False` (`QuantizedWeight.hoist_barrier`): a barrier there keeps the conversion out of the matmul."""
+    if weight.dtype != jnp.float32 and barrier:
         weight, x = jax.lax.optimization_barrier((weight, x))
     return _product(x, as_numbers(weight, x.dtype, offset), columns)
 
@@ -163,7 +165,8 @@ def _float_linear(x: jax.Array, values: jax.Array, scale: jax.Array, w: Quantize
                   columns: bool) -> jax.Array:
     """x @ (values dequantized by `scale`).T; `w` says how the values are stored."""
     if scale.shape[1] == 1:
-        return (stored_matmul(x, values, columns, w.offset) * (scale if columns else scale[:, 0])).astype(x.dtype)
+        product = stored_matmul(x, values, columns, w.offset, w.hoist_barrier)
+        return (product * (scale if columns else scale[:, 0])).astype(x.dtype)
     rows, width = values.shape
     groups = scale.shape[1]
     # The float copy depends on x through the barrier, so XLA cannot hoist it out of a loop (the compiled

@@ -8,6 +8,7 @@ directory and renamed into place, so a half-written bundle never exists.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -151,6 +152,8 @@ an earlier bundle, with `force` (`llada_jax.atomic`)."""
     check_activations(activations, layout.quantized)
     batch_sizes = check_batch_sizes(batch_sizes)
     staged = _runs_staged(config, layout, device_memory_budget)
+    archive = copy_weights and tgt.driver == "local-task" and not staged  # a CPU device maps it in place
+    layout = dataclasses.replace(layout, signed=archive)
     flags, timeout = compile_flags(tgt, data_tiling, staged), compile_timeout()  # both checked before the export
     specs, loops = _functions_to_compile(config, max_len, window, batch_sizes, staged, loops, tgt.driver, progress)
     loop_specs = _loop_specs(loops, max_len)
@@ -163,7 +166,7 @@ an earlier bundle, with `force` (`llada_jax.atomic`)."""
     with atomic_dir(out_dir, COMPILE_COMMAND, inputs=(model_dir,), force=force) as staging:
         say(f"compiling for {tgt.name} ({tgt.note or tgt.driver})")
         seconds = compile_module(module, flags, staging / VMFB, timeout, tuning_spec(tuned, tiles) if tuned else None)
-        weights = _place_weights(model_dir, staging, copy_weights, archive=tgt.driver == "local-task" and not staged)
+        weights = _place_weights(model_dir, staging, copy_weights, layout)
         if loops:
             write_run_script(staging, loops[0], config, LOOP_DRIVER, weights)
         for name in TOKENIZER_FILES:
@@ -262,16 +265,17 @@ def _functions_to_compile(config, max_len: int, window: int, batch_sizes: tuple[
     return staged_specs(specs) + [spec for spec in specs if spec.kind == "commit"], ()
 
 
-def _place_weights(model_dir: Path, staging: Path, copy: bool, archive: bool) -> dict:
-    """Record absolute paths to the model's safetensors files, or copy them into the bundle: with `archive`
-    (a CPU device reading resident named parameters) as one IREE parameter archive, whose aligned entries
-    the device maps in place (safetensors entries are not aligned for that: the device copies every weight
-    at load); else as they are (a GPU uploads them anyway; staged pieces and the host side path read them)."""
+def _place_weights(model_dir: Path, staging: Path, copy: bool, layout: WeightLayout) -> dict:
+    """Record absolute paths to the model's safetensors files, or copy them into the bundle: for a layout of
+    signed integers (a CPU device reading resident named parameters) as one IREE parameter archive, whose
+    aligned entries the device maps in place (safetensors entries are not aligned for that: the device copies
+    every weight at load); else as they are (a GPU uploads them anyway; staged pieces and the host side path
+    read them)."""
     files = sorted(set(weight_files(model_dir).values()))
     if not copy:
         return {"files": [str(model_dir / f) for f in files], "copied": False}
-    if archive:
-        write_archive([model_dir / name for name in files], staging / ARCHIVE)
+    if layout.signed:
+        write_archive([model_dir / name for name in files], staging / ARCHIVE, layout.quantized)
         return {"files": [ARCHIVE], "copied": True}
     for name in files + ([INDEX_FILE] if (model_dir / INDEX_FILE).is_file() else []):
         shutil.copyfile(model_dir / name, staging / name)

@@ -18,7 +18,7 @@ FORMAT_VERSION = 7  # 2: staged pieces take one argument per weight tensor; 3: t
 # chunks; 4: quantized parameters, and whether the weights stream recorded as "staged"; 5: full and window
 # steps give hidden rows, `read` steps the readout on the rows a decoder uses; 6: `read` takes those rows'
 # indices (the block's masks), not the first row of a slice; 7: resident CPU bundles copy their weights as
-# one parameter archive
+# one parameter archive, quantized integers signed
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import numpy as np
+
 from llada_jax.config import LLaDAConfig
 from llada_jax.errors import LladaError
 from llada_jax.params import hf_shapes
@@ -36,6 +38,9 @@ class Parameter:
 class WeightLayout:
     parameters: tuple[Parameter, ...]
     quantized: dict[str, QuantScheme]  # module -> scheme ({} for a float checkpoint)
+    # Quantized integers as the bundle holds them: False, offset as the checkpoint stores them; True, signed
+    # (a bundle's own archive, `write_archive`), so that the step reads them with a bare sign-extend.
+    signed: bool = False
 
     def manifest(self) -> list[dict]:
         return [{"name": p.name, "shape": list(p.shape), "dtype": p.dtype} for p in self.parameters]
@@ -83,12 +88,22 @@ def _quantized_parameters(module: str, shape: tuple[int, int], scheme: QuantSche
             Parameter(f"{module}.weight_scale", scale[1], _float_dtype(f"{module}.weight_scale", scale[0], where))]
 
 
-def write_archive(files: list[Path], out: Path) -> None:
-    """The tensors of safetensors `files`, under their own names, as one IREE parameter archive (`.irpa`):
-    the same bytes, each entry aligned so that a CPU device can map it in place."""
+def write_archive(files: list[Path], out: Path, quantized: dict[str, QuantScheme]) -> None:
+    """The tensors of safetensors `files`, under their own names, as one IREE parameter archive (`.irpa`),
+    each entry aligned so that a CPU device can map it in place: float tensors byte for byte, the packed
+    integers of `quantized` modules signed (the offset removed: one xor of every value's sign bit)."""
     import iree.runtime as rt
 
-    index = rt.ParameterIndex()
+    stored, index = rt.ParameterIndex(), rt.ParameterIndex()
     for file in files:
-        index.load(str(file))
+        stored.load(str(file))
+    for name, entry in stored.items():
+        module = name.removesuffix(".weight_packed")
+        if module != name and module in quantized:
+            index.add_buffer(name, np.frombuffer(entry.file_view, np.uint32) ^ SIGN_BITS[quantized[module].bits])
+        else:
+            index.add_buffer(name, entry.file_view)
     index.create_archive_file(str(out))
+
+
+SIGN_BITS = {4: np.uint32(0x88888888), 8: np.uint32(0x80808080)}  # each packed value's sign bit, per int32 word

@@ -259,7 +259,8 @@ def params_of(weights, layout: WeightLayout, config: LLaDAConfig, compute_dtype,
         bits = layout.quantized[module].bits
         scale = stored[module + ".weight_scale"].astype(jnp.float32)
         activation = layout.quantized[module].matmul_activations(activations)
-        values, offset = offset_values(stored[module + ".weight_packed"], bits, activation)
+        packed = stored[module + ".weight_packed"]
+        values, offset = (packed, 0) if layout.signed else offset_values(packed, bits, activation)
         tensors[name] = QuantizedWeight(values, scale, activation, row_block_for(values.shape), hoist_barrier=False,
                                         offset=offset)
     return hf_to_params(tensors, config)

@@ -149,8 +149,21 @@ def test_quantized_manifest_binds_the_checkpoint_as_stored(quantized):
     archive = rt.ParameterIndex()
     archive.load(str(opened.bundle.path / "weights.irpa"))
     entries = {name: bytes(entry.file_view) for name, entry in archive.items()}
-    stored = {name: array.tobytes() for file in checkpoint.glob("*.safetensors") for name, array in load_file(file).items()}
-    assert entries == stored  # every tensor as the checkpoint stores it, byte for byte
+    stored = {name: array for file in checkpoint.glob("*.safetensors") for name, array in load_file(file).items()}
+    assert entries.keys() == stored.keys()
+    for name, array in stored.items():
+        bits = {"int4": 4, "int8": 8}.get(parameters.get(name, {}).get("dtype"))
+        if bits is None:  # float tensors (and the shape records) byte for byte
+            assert entries[name] == array.tobytes(), name
+        else:  # packed integers signed: each value is the stored one less its offset
+            assert (unpack(entries[name], bits, signed=True) == unpack(array.tobytes(), bits) - (1 << bits - 1)).all()
+
+
+def unpack(data: bytes, bits: int, signed: bool = False) -> np.ndarray:
+    """Packed values, low bits first: two's complement when `signed`, else unsigned."""
+    raw = np.frombuffer(data, np.uint8)
+    values = raw.astype(np.int16) if bits == 8 else np.stack([raw & 0xF, raw >> 4], -1).reshape(-1).astype(np.int16)
+    return np.where(values >= 1 << bits - 1, values - (1 << bits), values) if signed else values
 
 
 def captured_modules(monkeypatch) -> list[str]:
@@ -182,7 +195,23 @@ def test_a_head_in_row_blocks_decodes_as_xla(quantized, tmp_path, monkeypatch):
     assert row_block_for((TINY.embedding_size, TINY.d_model)) == 32
     texts = captured_modules(monkeypatch)
     bundle = load_bundle(compile_bundle(checkpoint, "host", tmp_path / "blocks", max_len=32, window=32), "host")
-    assert "(tensor<512x32xui4>) -> tensor<32x32xui4>" in texts[0]  # a block of the head's rows, read unsigned
+    assert "(tensor<512x32xi4>) -> tensor<32x32xi4>" in texts[0]  # a block of the head's rows (signed in the archive)
+    opened = OpenBundle(bundle, Session(bundle.path, bundle.manifest, "local-task"), None)
+    for seed, policy in enumerate(["vanilla", "dual-cache+speculative:1:0.3"]):
+        prompt = np.random.default_rng(seed).integers(0, TINY.mask_token_id, 6 + seed)
+        options = dict(gen_length=16, block_length=8, steps=8, policy=policy)
+        want = llada_jax.generate(model, prompt, **options)
+        assert generate_with_bundle(opened, prompt, **options).output_ids.tolist() == want.output_ids.tolist()
+
+
+@pytest.mark.parametrize("label, activations", [(label, acts) for label, _, acts in CASES])
+def test_a_bundle_linking_the_checkpoint_decodes_as_xla(quantized, tmp_path, label, activations):
+    """Linked weights stay the checkpoint's offset integers (float activations: read unsigned, the offset
+    undone in float; int8 activations: signed again in the step)."""
+    checkpoint, model, _ = quantized[label]
+    bundle = load_bundle(compile_bundle(checkpoint, "host", tmp_path / "linked", max_len=32, window=32,
+                                        copy_weights=False, activations=activations), "host")
+    assert bundle.manifest["weights"]["copied"] is False
     opened = OpenBundle(bundle, Session(bundle.path, bundle.manifest, "local-task"), None)
     for seed, policy in enumerate(["vanilla", "dual-cache+speculative:1:0.3"]):
         prompt = np.random.default_rng(seed).integers(0, TINY.mask_token_id, 6 + seed)
