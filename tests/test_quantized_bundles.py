@@ -196,12 +196,7 @@ def test_a_head_in_row_blocks_decodes_as_xla(quantized, tmp_path, monkeypatch):
     texts = captured_modules(monkeypatch)
     bundle = load_bundle(compile_bundle(checkpoint, "host", tmp_path / "blocks", max_len=32, window=32), "host")
     assert "(tensor<512x32xi4>) -> tensor<32x32xi4>" in texts[0]  # a block of the head's rows (signed in the archive)
-    opened = OpenBundle(bundle, Session(bundle.path, bundle.manifest, "local-task"), None)
-    for seed, policy in enumerate(["vanilla", "dual-cache+speculative:1:0.3"]):
-        prompt = np.random.default_rng(seed).integers(0, TINY.mask_token_id, 6 + seed)
-        options = dict(gen_length=16, block_length=8, steps=8, policy=policy)
-        want = llada_jax.generate(model, prompt, **options)
-        assert generate_with_bundle(opened, prompt, **options).output_ids.tolist() == want.output_ids.tolist()
+    assert_decodes_as_xla(bundle, model)
 
 
 @pytest.mark.parametrize("label, activations", [(label, acts) for label, _, acts in CASES])
@@ -212,6 +207,11 @@ def test_a_bundle_linking_the_checkpoint_decodes_as_xla(quantized, tmp_path, lab
     bundle = load_bundle(compile_bundle(checkpoint, "host", tmp_path / "linked", max_len=32, window=32,
                                         copy_weights=False, activations=activations), "host")
     assert bundle.manifest["weights"]["copied"] is False
+    assert_decodes_as_xla(bundle, model)
+
+
+def assert_decodes_as_xla(bundle, model) -> None:
+    """Two prompts and decoders through the bundle give the XLA model's tokens."""
     opened = OpenBundle(bundle, Session(bundle.path, bundle.manifest, "local-task"), None)
     for seed, policy in enumerate(["vanilla", "dual-cache+speculative:1:0.3"]):
         prompt = np.random.default_rng(seed).integers(0, TINY.mask_token_id, 6 + seed)
