@@ -83,10 +83,15 @@ def replace_dir(staging: Path, out_dir: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def publish_permissions(directory: Path) -> None:
-    """mkdtemp makes a private directory; an output is readable like any other (executables stay executable)."""
+def _umask() -> int:
     umask = os.umask(0)
     os.umask(umask)
+    return umask
+
+
+def publish_permissions(directory: Path) -> None:
+    """mkdtemp makes a private directory; an output is readable like any other (executables stay executable)."""
+    umask = _umask()
     directory.chmod(0o777 & ~umask)
     for path in directory.iterdir():
         path.chmod((0o777 if path.stat().st_mode & 0o100 else 0o666) & ~umask)
@@ -114,9 +119,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             out.write(data)
             out.flush()
             os.fsync(out.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(staging, 0o666 & ~umask)
+        os.chmod(staging, 0o666 & ~_umask())  # mkstemp's file is private
         os.replace(staging, path)
     except BaseException:
         Path(staging).unlink(missing_ok=True)

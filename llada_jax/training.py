@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from eval.tasks import held_out, training_examples
 from llada_jax import char_tokenizer
+from llada_jax.atomic import check_output_dir
 from llada_jax.checkpoint import save_hf
 from llada_jax.config import LLaDAConfig
 from llada_jax.errors import LladaError
@@ -179,7 +180,8 @@ def train(run_dir: Path, settings: TrainSettings, config: LLaDAConfig, progress:
     with ocp.CheckpointManager(run_dir / "checkpoints", options=options) as manager:
         params, opt_state = _train_loop(manager, params, opt_state, tokenizer, excluded, settings, config, progress,
                                         stop)
-    return export_model(params, config, run_dir / "model", run_dir / "checkpoints", force=True)  # the run's own export, made anew
+    # The run's own export, made anew each time the run ends.
+    return export_model(params, config, run_dir / "model", run_dir / "checkpoints", force=True)
 
 
 def _train_loop(manager, params, opt_state, tokenizer, excluded, settings: TrainSettings, config: LLaDAConfig,
@@ -215,6 +217,7 @@ def export_latest(run_dir: Path, out_dir: Path, force: bool = False) -> tuple[Pa
     run_dir = Path(run_dir).absolute()
     if not (run_dir / "run.json").is_file():
         raise LladaError(f"{run_dir} is not a training run directory (no run.json)")
+    check_output_dir(out_dir, TRAIN_COMMAND, (run_dir,), force)  # before restoring the checkpoint
     record = json.loads((run_dir / "run.json").read_text())
     config = LLaDAConfig.from_hf_dict(record["config"])
     with ocp.CheckpointManager(run_dir / "checkpoints") as manager:

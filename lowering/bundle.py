@@ -2,8 +2,9 @@
 
 A bundle directory holds `manifest.json` (model config, every step's name/shapes/argument order,
 target and flags, IREE version, sha256 of each file), `steps.vmfb`, the tokenizer files, and the
-weights (a copy, or a pointer to the model's own safetensors files). It is written to a temporary
-directory and renamed into place, so a half-written bundle never exists.
+weights (a copy: a parameter archive on CPU targets, the safetensors files elsewhere; or a pointer to the
+model's own files). It is written to a temporary directory and renamed into place, so a half-written bundle
+never exists.
 """
 
 from __future__ import annotations
@@ -141,8 +142,8 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
     decode loops go beside the steps, with a `run.sh` that runs the first one without Python. A quantized
     checkpoint's integers are bound as they are stored (`lowering.bundle_weights`); `activations="int8"`
     runs its int8 per-channel layers as W8A8 matmuls. `data_tiling`: IREE's data tiling on a CPU target with
-    resident weights (faster steps; a re-laid copy of the weights is held beside them). The bundle replaces only
-an earlier bundle, with `force` (`llada_jax.atomic`)."""
+    resident weights (faster steps; a re-laid copy of the weights is held beside them). The bundle replaces
+only an earlier bundle, with `force` (`llada_jax.atomic`)."""
     tgt = target(target_name)
     model_dir, out_dir = Path(model_dir).absolute(), Path(out_dir).absolute()
     config = _checked_config(model_dir, max_len, window)

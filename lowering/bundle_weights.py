@@ -1,12 +1,13 @@
-"""The weights a bundle reads as IREE named parameters, exactly as the checkpoint stores them (no JAX).
+"""The weights a bundle reads as IREE named parameters, with the checkpoint's names and shapes (no JAX).
 
-IREE binds each parameter to a byte range of the checkpoint's own safetensors files, so nothing is
-converted or copied at load. A float tensor is one parameter of its stored dtype. A quantized module
-(compressed-tensors "pack-quantized", see `llada_jax.quant_config`) is two:
+IREE binds each parameter to a byte range of a weights file: the checkpoint's own safetensors files, or a
+CPU bundle's parameter archive (`write_archive`), the same tensors with the quantized integers signed.
+A float tensor is one parameter of its stored dtype. A quantized module (compressed-tensors
+"pack-quantized", see `llada_jax.quant_config`) is two:
 - `<module>.weight_packed`, declared as an `[O, I]` i4 or i8 tensor. Its int32 words hold 32 / bits
   values, the first in the lowest bits, so on a little-endian device their bytes are an `[O, I]`
-  array of 4-bit values (two per byte, low nibble first) or bytes, each offset by 2**(bits-1). The step
-  undoes the offset with one xor of the sign bit, which IREE fuses into the matmul's operand read.
+  array of 4-bit values (two per byte, low nibble first) or bytes. In the checkpoint each is offset by
+  2**(bits-1), which the step undoes (`llada_jax.qlinear.offset_values`); in an archive they are signed.
 - `<module>.weight_scale` `[O, G]`, in its stored float dtype.
 """
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
-from eval.figure_file import check_png_target
 from eval.bench import ENGINE_CONFIG, ENGINE_WORKLOAD, Prompt, bench, format_table, plot
 from eval.bench_lowering import bench_model_dir
+from eval.figure_file import check_png_target
 from eval.gsm8k import extract_answer, load_problems, prompt_text, same_number
 from eval.reference_bench import check_reference, run_reference
 from eval.task_eval import GEN_LENGTH
