@@ -135,7 +135,7 @@ def head_logits(params: dict, hidden: jax.Array, layout_rule: LayoutRule = XLA_L
     took 13.0 ms against 16.9 position-major)."""
     head = params["lm_head"]
     if isinstance(head, QuantizedWeight):
-        return quantized_linear(hidden.astype(jnp.float32), head), 2
+        return quantized_linear(hidden, head, dtype=jnp.float32), 2
     b, w, _ = hidden.shape
     layout = layout_rule.pick(b * w, {"lm_head": head})
     if layout is Positions:

@@ -1,9 +1,9 @@
 """Quantized weights on the device and the matmuls that consume them.
 
-A `QuantizedWeight` is a pytree leaf pair: integer values (int8, or int4 that XLA stores two per
-byte) and float32 scales `[O, G]`. Its matmul never builds a dequantized copy of the whole model:
+A `QuantizedWeight` is a pytree leaf pair: integer values (int8, or 4-bit two per byte) and float32
+scales `[O, G]`. Its matmul never builds a dequantized copy of the whole model:
 - per-channel scales (G = 1) multiply the matmul's output: `(x @ q.T) * scale`;
-- group-wise scales are applied to the weights of one matrix at a time, inside the step;
+- group-wise scales are applied to the weights of a few rows of one matrix at a time, inside the step;
 - with `activations="int8"` (W8A8, per-channel 8-bit weights only), each position's activations are
   quantized to int8 on the fly (symmetric, one scale per position) and the matmul runs int8 x int8 with
   int32 accumulation, XLA's fastest CPU matmul (measured 150 GFLOP/s at 32 rows x 4096 x 12288 against
@@ -22,50 +22,87 @@ from llada_jax.errors import LladaError
 from llada_jax.quantize import HostQuantized
 
 ACTIVATIONS = ("float", "int8")
-# The largest float32 copy of one quantized matrix a float-activation matmul makes at once; LLaDA-8B's
-# decoder matrices (201 MB at most) are under it, its LM head (2.07 GB) is split into 9 row blocks.
+# The largest float32 copy of one quantized matrix a float-activation matmul makes at once in an IREE bundle;
+# LLaDA-8B's decoder matrices (201 MB at most) are under it, its LM head (2.07 GB) is split into 9 row blocks.
 FLOAT_COPY_BYTES = 256 << 20
+# On XLA the copy is made a few rows at a time in a loop over the matrix: a small copy stays in the cache and
+# reuses its memory, where a whole-matrix copy is a fresh mapping written and read back from RAM each step.
+LOOP_COPY_BYTES = 16 << 20
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QuantizedWeight:
-    values: jax.Array  # [O, I] int8 or int4
+    values: jax.Array  # [O, I] int8 or int4, or with `nibbles` [O, I / 2] uint8
     scale: jax.Array   # [O, G] float32
     activations: str = dataclasses.field(default="float", metadata={"static": True})
     row_block: int = dataclasses.field(default=0, metadata={"static": True})  # rows per float copy (0: all)
-    # Group-wise dequantization behind an optimization barrier (see `_float_linear`). XLA needs it; IREE
-    # bundles build their weights without it: with it iree-compile failed on LLaDA-8B's 32-layer decode loop
-    # ("failed to solve for timepoint coverage").
+    # XLA's form (see `quantized_linear`): group-wise dequantization behind an optimization barrier, in a loop
+    # over row blocks. IREE bundles build their weights without it: with the barrier iree-compile failed on
+    # LLaDA-8B's 32-layer decode loop ("failed to solve for timepoint coverage").
     hoist_barrier: bool = dataclasses.field(default=True, metadata={"static": True})
     # `values` as stored, unsigned and offset by this much (IREE bundles: undoing the offset in float, after
     # the bit-extend, keeps the integers a pure parameter read; a sign-restoring xor on them is hoisted by
     # iree-compile into a full copy of the weights). 0: `values` are signed.
     offset: int = dataclasses.field(default=0, metadata={"static": True})
+    # 4-bit values as bytes, two signed values each, low nibble first (XLA: its int4 arrays are read one
+    # element at a time, bytes split by shifts are vectorized).
+    nibbles: bool = dataclasses.field(default=False, metadata={"static": True})
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.values.shape
+        rows, columns = self.values.shape
+        return (rows, 2 * columns) if self.nibbles else (rows, columns)
 
     @property
     def group_size(self) -> int:
-        return self.values.shape[1] // self.scale.shape[1]
+        return self.shape[1] // self.scale.shape[1]
 
 
 def to_device(host: HostQuantized, activations: str = "float", put=jnp.asarray) -> QuantizedWeight:
-    """The weight on the device; `put(host_array)` places each part (default: the default device)."""
+    """The weight on the device for XLA; `put(host_array)` places each part (default: the default device)."""
     if activations not in ACTIVATIONS:
         raise LladaError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
-    values = host.values if host.scheme.bits == 8 else host.values.astype(jnp.int4)
+    nibbles = host.scheme.bits == 4 and _splits_in_nibbles(host.shape, host.scale.shape)
+    values = pack_nibbles(host.values) if nibbles else host.values
+    if host.scheme.bits == 4 and not nibbles:
+        values = values.astype(jnp.int4)
     return QuantizedWeight(put(values), put(np.asarray(host.scale, np.float32)),
-                           host.scheme.matmul_activations(activations), row_block_for(host.shape))
+                           host.scheme.matmul_activations(activations), xla_row_block(host.shape, values.dtype),
+                           nibbles=nibbles)
 
 
-def row_block_for(shape: tuple[int, int]) -> int:
-    """Rows per float copy for a float-activation matmul on a matrix of `shape` (0: the whole matrix), on
-    XLA and in IREE bundles (LLaDA-8B's 4-bit head unsplit gave a 2.07 GB float copy, and a NaN, there)."""
+def xla_row_block(shape: tuple[int, int], dtype) -> int:
+    """Rows per float copy on XLA: small blocks in a loop, but int4 values in whole blocks, unrolled (XLA's
+    while loop carries them widened to int8: a copy of the matrix)."""
+    return row_block_for(shape, None if dtype == jnp.int4 else LOOP_COPY_BYTES)
+
+
+def _splits_in_nibbles(shape: tuple[int, int], scale_shape: tuple[int, int]) -> bool:
+    """Whether a 4-bit matrix's rows split into byte pairs that never straddle a scale group."""
+    return shape[1] % 2 == 0 and (shape[1] // scale_shape[1]) % 2 == 0
+
+
+def pack_nibbles(values: np.ndarray) -> np.ndarray:
+    """Signed 4-bit `values` `[O, I]` as bytes `[O, I / 2]`, two per byte, low nibble first."""
+    low, high = values[:, 0::2].astype(np.uint8) & 0xF, values[:, 1::2].astype(np.uint8) & 0xF
+    return low | (high << 4)
+
+
+def split_nibbles(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The signed int8 values of the low and the high nibbles of `packed` bytes (columns 0, 2, ... and 1, 3, ...)."""
+    signed = jax.lax.bitcast_convert_type(packed, jnp.int8)
+    four = jnp.int8(4)
+    return (jax.lax.shift_right_arithmetic(jax.lax.shift_left(signed, four), four),
+            jax.lax.shift_right_arithmetic(signed, four))
+
+
+def row_block_for(shape: tuple[int, int], copy_bytes: int | None = None) -> int:
+    """Rows per float copy of at most `copy_bytes` (default FLOAT_COPY_BYTES) for a float-activation matmul on a
+    matrix of `shape` (0: the whole matrix; LLaDA-8B's 4-bit head unsplit gave a 2.07 GB float copy, and a
+    NaN, in an IREE bundle)."""
     rows, columns = shape
-    block = max(1, FLOAT_COPY_BYTES // (columns * 4))
+    block = max(1, (copy_bytes or FLOAT_COPY_BYTES) // (columns * 4))
     return block if rows > block else 0
 
 
@@ -98,13 +135,17 @@ UNSIGNED = {4: jnp.uint4, 8: jnp.uint8}
 
 
 def from_packed_bytes(packed: jax.Array, scale: jax.Array, bits: int, activations: str) -> QuantizedWeight:
-    """A QuantizedWeight from a matrix's packed bytes `[O, I * bits / 8]` uint8 (two 4-bit values per
-    byte, low nibble first, as XLA's int4 bitcast reads them) and its float32 scales."""
+    """A QuantizedWeight on XLA from a matrix's compressed-tensors bytes `[O, I * bits / 8]` uint8 (values
+    offset by 2**(bits-1); two 4-bit values per byte, low nibble first) and its float32 scales."""
+    shape = (packed.shape[0], packed.shape[1] * 8 // bits)
+    if bits == 4 and _splits_in_nibbles(shape, scale.shape):
+        return QuantizedWeight(packed ^ jnp.uint8(0x88), scale, activations, xla_row_block(shape, jnp.uint8),
+                               nibbles=True)
     if bits == 8:
         values = jax.lax.bitcast_convert_type(packed, jnp.int8)
     else:
         values = jax.lax.bitcast_convert_type(packed, jnp.int4).reshape(packed.shape[0], -1)
-    return QuantizedWeight(restore_sign(values, bits), scale, activations)
+    return QuantizedWeight(restore_sign(values, bits), scale, activations, xla_row_block(shape, values.dtype))
 
 
 def unpack_stage(weights: dict, quantization) -> dict:
@@ -120,8 +161,24 @@ def unpack_stage(weights: dict, quantization) -> dict:
 
 def as_numbers(values: jax.Array, dtype, offset: int = 0) -> jax.Array:
     """Integer `values` as `dtype` numbers, their storage offset undone (exact: small integers)."""
+    if dtype == jnp.bfloat16 and not offset and jnp.issubdtype(values.dtype, jnp.integer) and values.itemsize == 1:
+        return _truncated_bf16(values.astype(jnp.float32))
     numbers = values.astype(dtype)
     return numbers - jnp.asarray(offset, dtype) if offset else numbers
+
+
+def _truncated_bf16(x: jax.Array) -> jax.Array:
+    """float32 `x` whose low 16 bits are zero (8-bit integers) as bf16, exactly, without XLA's rounding code."""
+    return jax.lax.bitcast_convert_type((jax.lax.bitcast_convert_type(x, jnp.uint32) >> 16).astype(jnp.uint16),
+                                        jnp.bfloat16)
+
+
+def rounded_bf16(x: jax.Array) -> jax.Array:
+    """float32 `x` rounded to the nearest bf16, ties to even: `x.astype(bfloat16)` for every finite x and
+    infinity, in half XLA's CPU instructions (its conversion also keeps the payload of any NaN)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    bits = bits + jnp.uint32(0x7FFF) + ((bits >> 16) & jnp.uint32(1))
+    return jax.lax.bitcast_convert_type((bits >> 16).astype(jnp.uint16), jnp.bfloat16)
 
 
 def stored_matmul(x: jax.Array, weight: jax.Array, columns: bool = False, offset: int = 0,
@@ -144,37 +201,81 @@ def _product(x: jax.Array, weight: jax.Array, columns: bool) -> jax.Array:
     return jnp.einsum(spec, *((weight, x) if columns else (x, weight)), preferred_element_type=jnp.float32)
 
 
-def quantized_linear(x: jax.Array, w: QuantizedWeight, columns: bool = False) -> jax.Array:
-    """x `[B, W, I]` @ dequantized(w).T, float32 accumulation, in x's dtype. With `columns` (float
-    activations only), x is feature-major `[I, R]` and the result dequantized(w) @ x `[O, R]`."""
+def quantized_linear(x: jax.Array, w: QuantizedWeight, columns: bool = False, dtype=None) -> jax.Array:
+    """x `[B, W, I]` @ dequantized(w).T, float32 accumulation, in `dtype` (default x's). With `columns` (float
+    activations only), x is feature-major `[I, R]` and the result dequantized(w) @ x `[O, R]`.
+
+    Float activations: the weights are dequantized `w.row_block` rows at a time. On XLA that is a loop over
+    the rows, behind a barrier with x: the float copies depend on the step's input, so XLA cannot hoist them
+    out of a loop (the compiled decode loop's while body: LLaDA-8B int4 asked for 30 GB, every weight
+    dequantized at once before it). IREE bundles, and int4 values (`xla_row_block`), unroll the blocks."""
+    dtype = dtype or x.dtype
     if w.activations == "int8":
         if columns:
             raise ValueError("W8A8 matmuls run position-major (llada_jax.layout.LayoutRule.pick)")
-        return _int8_linear(x, w)
-    if not w.row_block:
-        return _float_linear(x, w.values, w.scale, w, columns)
-    # The matmul consumes a float copy of the weights: for LLaDA-8B's LM head that is 2 GB at once. Made
-    # per block of rows, each copy is freed before the next is made.
-    block = w.row_block
-    parts = [_float_linear(x, w.values[start:start + block], w.scale[start:start + block], w, columns)
-             for start in range(0, w.shape[0], block)]
-    return jnp.concatenate(parts, axis=0 if columns else -1)
-
-
-def _float_linear(x: jax.Array, values: jax.Array, scale: jax.Array, w: QuantizedWeight,
-                  columns: bool) -> jax.Array:
-    """x @ (values dequantized by `scale`).T; `w` says how the values are stored."""
-    if scale.shape[1] == 1:
-        product = stored_matmul(x, values, columns, w.offset, w.hoist_barrier)
-        return (product * (scale if columns else scale[:, 0])).astype(x.dtype)
-    rows, width = values.shape
-    groups = scale.shape[1]
-    # The float copy depends on x through the barrier, so XLA cannot hoist it out of a loop (the compiled
-    # decode loop's while body: LLaDA-8B int4 asked for 30 GB, every weight dequantized at once before it).
+        return _int8_linear(x, w).astype(dtype)
+    values = w.values
     if w.hoist_barrier:
         values, x = jax.lax.optimization_barrier((values, x))
-    weight = as_numbers(values, jnp.float32, w.offset).reshape(rows, groups, width // groups) * scale[..., None]
-    return _product(x, weight.reshape(rows, width).astype(x.dtype), columns).astype(x.dtype)
+    halves = _nibble_activations(x, columns) if w.nibbles else (x,)
+
+    def rows(start, count):
+        return _block_product(halves, _row_slice(values, start, count), _row_slice(w.scale, start, count), w, columns)
+
+    total, block = w.shape[0], w.row_block or w.shape[0]
+    axis = 0 if columns else x.ndim - 1
+    if not w.hoist_barrier or values.dtype == jnp.int4:
+        blocks = [rows(start, min(block, total - start)).astype(dtype) for start in range(0, total, block)]
+        return jnp.concatenate(blocks, axis)
+    shape = (total, x.shape[1]) if columns else (*x.shape[:-1], total)
+    return _row_loop(rows, total, block, axis, shape).astype(dtype)
+
+
+def _row_slice(array: jax.Array, start, count: int) -> jax.Array:
+    if isinstance(start, int):
+        return array[start:start + count]
+    return jax.lax.dynamic_slice_in_dim(array, start, count)
+
+
+def _row_loop(rows, total: int, block: int, axis: int, shape: tuple) -> jax.Array:
+    """The float32 product `shape` built from `rows(start, count)` in a loop over whole blocks, then the rest
+    (a float32 buffer: XLA updated a bf16 one by copying it whole each time)."""
+    count, rest = divmod(total, block)
+    if count == 1 and not rest:
+        return rows(0, total)
+
+    def step(index, out):
+        return jax.lax.dynamic_update_slice_in_dim(out, rows(index * block, block), index * block, axis)
+
+    out = jax.lax.fori_loop(0, count, step, jnp.zeros(shape, jnp.float32))
+    if rest:
+        out = jax.lax.dynamic_update_slice_in_dim(out, rows(count * block, rest), count * block, axis)
+    return out
+
+
+def _nibble_activations(x: jax.Array, columns: bool) -> tuple[jax.Array, jax.Array]:
+    """x's even and odd features, which the low and high nibbles of `nibbles` weights multiply."""
+    if columns:
+        return x[0::2], x[1::2]
+    return x[..., 0::2], x[..., 1::2]
+
+
+def _block_product(xs: tuple, values: jax.Array, scale: jax.Array, w: QuantizedWeight, columns: bool) -> jax.Array:
+    """The float32 product of activation parts `xs` with rows `values` of `w` dequantized by `scale`."""
+    parts = split_nibbles(values) if w.nibbles else (values,)
+    if scale.shape[1] == 1:
+        product = sum(stored_matmul(x, part, columns, w.offset, barrier=False) for x, part in zip(xs, parts))
+        return product * (scale if columns else scale[:, 0])
+    return sum(_product(x, _dequantized(part, scale, w.offset, x.dtype), columns) for x, part in zip(xs, parts))
+
+
+def _dequantized(values: jax.Array, scale: jax.Array, offset: int, dtype) -> jax.Array:
+    """values `[O, I]` times their group's scale `[O, G]`, computed in float32, in `dtype`."""
+    rows, width = values.shape
+    groups = scale.shape[1]
+    weight = (as_numbers(values, jnp.float32, offset).reshape(rows, groups, width // groups) * scale[..., None])
+    weight = weight.reshape(rows, width)
+    return rounded_bf16(weight) if dtype == jnp.bfloat16 else weight.astype(dtype)
 
 
 def _int8_linear(x: jax.Array, w: QuantizedWeight) -> jax.Array:
@@ -183,17 +284,20 @@ def _int8_linear(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     x_scale = jnp.where(absmax > 0, absmax / 127.0, 1.0)
     x_q = jnp.clip(jnp.round(x32 / x_scale), -127, 127).astype(jnp.int8)
     acc = jnp.einsum("bwi,oi->bwo", x_q, w.values, preferred_element_type=jnp.int32)
-    return (acc.astype(jnp.float32) * x_scale * w.scale[:, 0]).astype(x.dtype)
+    return acc.astype(jnp.float32) * x_scale * w.scale[:, 0]
 
 
 def quantized_rows(w: QuantizedWeight, ids: jax.Array, dtype) -> jax.Array:
     """Rows `ids` of a per-row quantized table (the embedding), dequantized to `dtype`."""
     if w.scale.shape[1] != 1:
         raise LladaError("a quantized embedding needs one scale per row")
-    return (as_numbers(w.values[ids], jnp.float32, w.offset) * w.scale[ids]).astype(dtype)
+    values = w.values[ids]
+    if w.nibbles:
+        values = jnp.stack(split_nibbles(values), axis=-1).reshape(*values.shape[:-1], -1)
+    return (as_numbers(values, jnp.float32, w.offset) * w.scale[ids]).astype(dtype)
 
 
 def nbytes(leaf) -> int:
     if isinstance(leaf, QuantizedWeight):
-        return int(np.prod(leaf.shape)) * jnp.iinfo(leaf.values.dtype).bits // 8 + leaf.scale.nbytes
+        return int(np.prod(leaf.values.shape)) * jnp.iinfo(leaf.values.dtype).bits // 8 + leaf.scale.nbytes
     return int(leaf.nbytes)

@@ -3,6 +3,7 @@ the checkpoint written and read back (same tokens as its dequantized float twin)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from unittest import mock
@@ -118,13 +119,23 @@ def random_quantized(scheme: QuantScheme, rows: int, columns: int, seed: int) ->
 
 @settings(max_examples=15)
 @given(scheme=st.sampled_from(QUANT_SCHEMES), batch=st.integers(1, 2), width=st.integers(1, 5),
-       rows=st.integers(1, 6), groups=st.integers(1, 3), seed=st.integers(0, 2**16), copy_rows=st.integers(1, 7))
+       rows=st.integers(1, 6), groups=st.integers(1, 3), odd=st.booleans(), seed=st.integers(0, 2**16),
+       copy_rows=st.integers(1, 7))
 @pytest.mark.slow
-def test_float_activation_matmul_equals_dequantized_matmul(scheme, batch, width, rows, groups, seed, copy_rows):
-    """`copy_rows`: rows per float copy (below `rows`, the matmul runs in row blocks, as LLaDA-8B's head)."""
-    host = random_quantized(scheme, rows, groups * (scheme.group_size or 8), seed)
-    with mock.patch.object(qlinear, "FLOAT_COPY_BYTES", copy_rows * host.shape[1] * 4):
+def test_float_activation_matmul_equals_dequantized_matmul(scheme, batch, width, rows, groups, odd, seed, copy_rows):
+    """`copy_rows`: rows per float copy (below `rows`, the matmul runs in row blocks: in a loop on XLA, unrolled
+    in IREE bundles). `odd`: a per-channel matrix of odd width (4-bit: not split in byte pairs)."""
+    columns = groups * (scheme.group_size or 8) + (odd and not scheme.group_size)
+    host = random_quantized(scheme, rows, columns, seed)
+    with mock.patch.object(qlinear, "LOOP_COPY_BYTES", copy_rows * host.shape[1] * 4):
         float_activation_matmul_equals_dequantized_matmul(host, batch, width, seed)
+        unrolled = to_device(host, "float")
+        assert unrolled.nibbles == (scheme.bits == 4 and columns % 2 == 0)
+        unrolled = dataclasses.replace(unrolled, hoist_barrier=False)
+        x = np.random.default_rng(seed + 1).normal(0, 2, (batch, width, host.shape[1])).astype(np.float32)
+        weight = host.dequantize().astype(np.float64)
+        got = np.asarray(quantized_linear(jnp.asarray(x), unrolled))
+        assert np.all(np.abs(got - x @ weight.T) <= 1e-5 * (np.abs(x) @ np.abs(weight).T) + 1e-30)
 
 
 def float_activation_matmul_equals_dequantized_matmul(host: HostQuantized, batch: int, width: int, seed: int):
@@ -172,10 +183,11 @@ def test_int8_activations_match_integer_reference(batch, width, rows, columns, s
 
 
 @settings(max_examples=10)
-@given(rows=st.integers(1, 20), columns=st.integers(1, 24), ids=st.lists(st.integers(0, 19), min_size=1, max_size=6))
+@given(bits=st.sampled_from([4, 8]), rows=st.integers(1, 20), columns=st.integers(1, 24),
+       ids=st.lists(st.integers(0, 19), min_size=1, max_size=6))
 @pytest.mark.slow
-def test_quantized_rows_equal_dequantized_rows(rows, columns, ids):
-    host = random_quantized(QuantScheme(8), rows, columns, rows * columns)
+def test_quantized_rows_equal_dequantized_rows(bits, rows, columns, ids):
+    host = random_quantized(QuantScheme(bits), rows, columns, rows * columns)
     ids = np.asarray([i % rows for i in ids])[None]
     got = np.asarray(quantized_rows(to_device(host), jnp.asarray(ids), jnp.float32))
     assert np.array_equal(got, host.dequantize()[ids])
@@ -229,7 +241,8 @@ def test_quantized_checkpoint_layout_and_values(checkpoints, label):
 def test_quantized_model_generates_like_its_dequantized_twin(checkpoints, label):
     quantized, twin = llada_jax.load(checkpoints[label]), llada_jax.load(checkpoints[label + "-float"])
     assert quantized.params["lm_head"].values.dtype == jnp.int8
-    assert quantized.params["blocks"][0]["q_proj"].values.dtype == (jnp.int8 if label == "int8" else jnp.int4)
+    q_proj = quantized.params["blocks"][0]["q_proj"]
+    assert q_proj.values.dtype == (jnp.int8 if label == "int8" else jnp.uint8) and q_proj.nibbles == (label != "int8")
     ids = np.random.default_rng(3).integers(0, 400, (2, 24))
     want = llada_jax.logits(twin, ids)
     np.testing.assert_allclose(llada_jax.logits(quantized, ids), want, atol=1e-4 * np.abs(want).max(), rtol=0)
@@ -372,11 +385,12 @@ def test_a_large_matrix_is_dequantized_in_row_blocks():
     import jax
 
     x = jax.ShapeDtypeStruct((1, 8, 256), jnp.float32)
-    for groups, kind in ((1, jnp.int8), (8, jnp.int4)):
+    for groups, kind, nibbles in ((1, jnp.int8, False), (8, jnp.int4, False), (8, jnp.uint8, True)):
         scale = jax.ShapeDtypeStruct((4096, groups), jnp.float32)
         with mock.patch.object(qlinear, "FLOAT_COPY_BYTES", 256 << 10):
             block = row_block_for((4096, 256))
-        weight = QuantizedWeight(jax.ShapeDtypeStruct((4096, 256), kind), scale, "float", block)
+        values = jax.ShapeDtypeStruct((4096, 128 if nibbles else 256), kind)
+        weight = QuantizedWeight(values, scale, "float", block, nibbles=nibbles)
         temp = jax.jit(quantized_linear).lower(x, weight).compile().memory_analysis().temp_size_in_bytes
         assert temp < 3 * (256 << 10), (groups, temp)
 
@@ -432,3 +446,19 @@ def test_scale_checkpoint_rows_are_distinct():
     assert len({row.tobytes() for row in rows}) == 97
     even = scale_checkpoint.random_tensor((96, 8), pool[:96], np.random.default_rng(1))
     assert len({row.tobytes() for row in even}) < 96
+
+
+@settings(max_examples=50)
+@given(hnp.arrays(np.float32, st.integers(1, 64), elements=st.floats(width=32, allow_nan=False)))
+def test_rounded_bf16_is_the_bf16_conversion(x):
+    """The short rounding the XLA dequantization uses gives XLA's own conversion for every non-NaN float."""
+    got = np.asarray(qlinear.rounded_bf16(jnp.asarray(x)))
+    assert np.array_equal(got.view(np.uint16), np.asarray(jnp.asarray(x).astype(jnp.bfloat16)).view(np.uint16))
+
+
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.int4, jnp.uint8])
+def test_small_integers_become_bf16_exactly(dtype):
+    info = jnp.iinfo(dtype)
+    values = jnp.arange(int(info.min), int(info.max) + 1).astype(dtype)
+    got = np.asarray(qlinear.as_numbers(values, jnp.bfloat16)).astype(np.float32)
+    assert np.array_equal(got, np.arange(int(info.min), int(info.max) + 1, dtype=np.float32))
