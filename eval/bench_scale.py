@@ -5,118 +5,205 @@ same run). Each setting runs in its own process so its peak RSS is its own. Noth
     python -m eval.scale_checkpoint --out /tmp/llada-8b-random            # bf16, ~16 GB, ~1 min
     llada quantize --model /tmp/llada-8b-random --out /tmp/llada-8b-int8 --bits 8
     llada quantize --model /tmp/llada-8b-random --out /tmp/llada-8b-int4 --bits 4 --group-size 32
+    llada compile --model /tmp/llada-8b-int4 --target host --out /tmp/llada-8b-int4-host --no-loop \\
+        --max-len 160 --window 32                                          # the phone path's IREE steps
     python -m eval.bench_scale --setting bf16=/tmp/llada-8b-random --setting int8=/tmp/llada-8b-int8 \\
-        --setting int8-w8a8=/tmp/llada-8b-int8:int8 --setting int4=/tmp/llada-8b-int4 [--budget 2000000000]
+        --setting int8-w8a8=/tmp/llada-8b-int8:int8 --setting int4=/tmp/llada-8b-int4 \\
+        --setting int4-iree=/tmp/llada-8b-int4-host [--budget 2000000000] \\
+        [--llama-bench llama.cpp/build/bin/llama-bench --gguf Q4_0=llada-8b-Q4_0.gguf]
 
 A forward pass is one vanilla step over the whole canvas: 16 prompt + 16 generated positions (32), and
-32 + 128 (160). `--budget` adds the same settings staged through that much device memory.
+32 + 128 (160); a setting that is a bundle runs through IREE without JAX (`llada_jax.bundle_runner`), and
+reports IREE's device-local peak beside the peak RSS. `--budget` adds the checkpoints staged through that much
+device memory. A peer row runs llama.cpp's `llama-bench -p 32,160 -n 0` on a GGUF with as many threads as
+this process may use.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
 import llada_jax
 from eval.bench import matmul_peak_gflops, step_flops
-from llada_jax.config import read_config
+from llada_jax.bundle_runner import generate_with_bundle
+from llada_jax.backends.select import open_bundle
+from llada_jax.config import LLaDAConfig, read_config
+from llada_jax.host_cpu import describe
+from lowering.bundle_format import MANIFEST
 
 CANVASES = ((16, 16), (32, 128))  # (prompt, generated) positions
 REPEATS = 3
 
 
-def forward_pass(model, prompt: int, generated: int) -> tuple[float, float]:
-    """Median seconds and bytes streamed per full-canvas forward pass (vanilla steps), after a warm-up."""
-    ids = np.random.default_rng(0).integers(0, min(model.config.vocab_size, model.config.mask_token_id), prompt)
+def forward_pass(generate, config, prompt: int, generated: int) -> tuple[float, float]:
+    """Median seconds and bytes streamed per full-canvas forward pass (vanilla steps) of `generate(ids,
+    **options)`, after a warm-up."""
+    ids = np.random.default_rng(0).integers(0, min(config.vocab_size, config.mask_token_id), prompt)
     # The warm-up is the timed call itself: the compiled loop is compiled per step count.
     options = {"gen_length": generated, "block_length": generated, "policy": "vanilla", "steps": 2}
-    llada_jax.generate(model, ids, **options)
+    generate(ids, **options)
     times, streamed = [], []
     for _ in range(REPEATS):
         started = time.perf_counter()
-        result = llada_jax.generate(model, ids, **options)
+        result = generate(ids, **options)
         times.append((time.perf_counter() - started) / result.nfe)
         streamed.append(result.stats.get("bytes_staged", 0) / result.nfe)
     return statistics.median(times), statistics.median(streamed)
 
 
 def measure(path: str, activations: str, dtype: str, budget: int | None) -> dict:
+    """One checkpoint through XLA (`llada_jax.load`), or one bundle through IREE."""
+    if (Path(path) / MANIFEST).is_file():
+        return measure_bundle(Path(path))
     started = time.perf_counter()
     model = llada_jax.load(path, dtype=dtype, device_memory_budget=budget, activations=activations)
     row = {"load_s": time.perf_counter() - started, "weight_bytes": model.weight_bytes}
+    return canvas_rows(row, lambda ids, **options: llada_jax.generate(model, ids, **options), model.config,
+                       model.config.max_sequence_length)
+
+
+def measure_bundle(path: Path) -> dict:
+    started = time.perf_counter()
+    opened = open_bundle(path, "iree-host")
+    files = [Path(file) if Path(file).is_absolute() else path / file for file in opened.bundle.manifest["weights"]["files"]]
+    row = {"load_s": time.perf_counter() - started, "weight_bytes": sum(file.stat().st_size for file in files)}
+    limit = opened.bundle.manifest["max_len"]
+    row = canvas_rows(row, lambda ids, **options: generate_with_bundle(opened, ids, **options), opened.config, limit)
+    row["device_peak_bytes"] = opened.session.device.allocator.statistics["device_bytes_peak"]
+    return row
+
+
+def canvas_rows(row: dict, generate, config, limit: int) -> dict:
+    """`row` with the forward time and bytes streamed of each canvas (those within `limit` positions)."""
     for prompt, generated in CANVASES:
-        seconds, streamed = forward_pass(model, prompt, generated)
-        row[f"forward_s_{prompt + generated}"] = seconds
-        row[f"streamed_bytes_{prompt + generated}"] = streamed
+        if prompt + generated <= limit:
+            seconds, streamed = forward_pass(generate, config, prompt, generated)
+            row[f"forward_s_{prompt + generated}"] = seconds
+            row[f"streamed_bytes_{prompt + generated}"] = streamed
     row["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return row
 
 
-def run_child(name: str, spec: str, dtype: str, budget: int | None) -> dict:
-    path, _, activations = spec.partition(":")
-    child = [sys.executable, "-m", "eval.bench_scale", "--one", f"{path}:{activations or 'float'}", "--dtype", dtype]
-    if budget is not None:
-        child += ["--budget", str(budget)]
-    done = subprocess.run(child, capture_output=True, text=True)
-    mode = "resident" if budget is None else f"staged {budget / 1e9:.1f} GB"
+def measure_peer(llama_bench: str, gguf: str) -> dict:
+    """llama.cpp's time per forward over each canvas's positions (`llama-bench -p N -n 0`: one non-causal
+    pass with logits at every position), same thread count, and its peak RSS."""
+    widths = ",".join(str(prompt + generated) for prompt, generated in CANVASES)
+    command = [llama_bench, "-m", gguf, "-p", widths, "-n", "0", "-r", str(REPEATS),
+               "-t", str(len(os.sched_getaffinity(0))), "-o", "jsonl"]
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    row = {"load_s": None, "weight_bytes": Path(gguf).stat().st_size}
+    for line in done.stdout.splitlines():
+        if line.startswith("{"):
+            result = json.loads(line)
+            row[f"forward_s_{result['n_prompt']}"] = result["avg_ns"] / 1e9
+            row[f"streamed_bytes_{result['n_prompt']}"] = 0
+    row["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    return row
+
+
+def run_child(name: str, mode: str, arguments: list[str]) -> dict:
+    """One row measured in a child process of its own (`--one ...`), so its peak RSS is its own."""
+    done = subprocess.run([sys.executable, "-m", "eval.bench_scale", *arguments], capture_output=True, text=True)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["failed"])[-1]
         return {"setting": name, "mode": mode, "error": last.removeprefix("llada_jax.errors.LladaError: ")}
     return {"setting": name, "mode": mode, **json.loads(done.stdout)}
 
 
+def setting_rows(setting: str, dtype: str, budget: int | None) -> list[dict]:
+    name, _, spec = setting.partition("=")
+    path, _, activations = spec.partition(":")
+    if (Path(path) / MANIFEST).is_file():
+        return [run_child(name, "IREE bundle", ["--one", f"{path}:float"])]
+    rows = []
+    for each in (None, budget) if budget else (None,):
+        arguments = ["--one", f"{path}:{activations or 'float'}", "--dtype", dtype]
+        if each is not None:
+            arguments += ["--budget", str(each)]
+        rows.append(run_child(name, "resident" if each is None else f"staged {each / 1e9:.1f} GB", arguments))
+    return rows
+
+
+def _cell(value, width: int, digits: int, scale: float = 1.0) -> str:
+    return f"{'-':>{width}}" if value is None else f"{value / scale:>{width}.{digits}f}"
+
+
 def print_table(rows: list[dict], config, peak: float) -> None:
+    print(f"CPU: {describe()}; {len(os.sched_getaffinity(0))} threads")
     print(f"float32 matmul peak {peak:.1f} GFLOP/s; floor = forward FLOPs / peak")
-    print(f"{'setting':<12}{'mode':<16}{'weights GB':>11}{'load s':>8}{'peak RSS GB':>12}"
+    print(f"{'setting':<12}{'mode':<16}{'weights GB':>11}{'load s':>8}{'peak RSS GB':>12}{'device GB':>10}"
           + "".join(f"{f'fwd{p + g} s':>10}{'xfloor':>8}{'streamed GB':>12}" for p, g in CANVASES))
     for row in rows:
         if "error" in row:
             print(f"{row['setting']:<12}{row['mode']:<16} {row['error']}")
             continue
-        line = (f"{row['setting']:<12}{row['mode']:<16}{row['weight_bytes'] / 1e9:>11.2f}{row['load_s']:>8.1f}"
-                f"{row['peak_rss_bytes'] / 1e9:>12.2f}")
+        line = (f"{row['setting']:<12}{row['mode']:<16}{row['weight_bytes'] / 1e9:>11.2f}{_cell(row['load_s'], 8, 1)}"
+                f"{row['peak_rss_bytes'] / 1e9:>12.2f}{_cell(row.get('device_peak_bytes'), 10, 2, 1e9)}")
         for prompt, generated in CANVASES:
             width = prompt + generated
+            seconds = row.get(f"forward_s_{width}")
             floor = step_flops(config, width, width) / (peak * 1e9)
-            seconds = row[f"forward_s_{width}"]
-            line += f"{seconds:>10.2f}{seconds / floor:>8.2f}{row[f'streamed_bytes_{width}'] / 1e9:>12.2f}"
+            line += (_cell(seconds, 10, 2) + _cell(None if seconds is None else seconds / floor, 8, 2)
+                     + _cell(row.get(f"streamed_bytes_{width}"), 12, 2, 1e9))
         print(line)
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--setting", action="append", default=[], metavar="NAME=DIR[:int8]",
-                        help="a checkpoint to measure (':int8': W8A8 activations); repeat for several")
+                        help="a checkpoint (':int8': W8A8 activations) or a compiled bundle to measure; repeat for "
+                             "several")
     parser.add_argument("--dtype", default="bfloat16", help="compute dtype (default bfloat16)")
-    parser.add_argument("--budget", type=int, default=None, help="also run each setting staged at this budget")
+    parser.add_argument("--budget", type=int, default=None, help="also run each checkpoint staged at this budget")
+    parser.add_argument("--llama-bench", default=None, metavar="BIN", help="llama.cpp's llama-bench, for peer rows")
+    parser.add_argument("--gguf", action="append", default=[], metavar="NAME=FILE",
+                        help="a GGUF for a peer row (with --llama-bench); repeat for several")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child process: one setting
+    parser.add_argument("--one-peer", default=None, help=argparse.SUPPRESS)  # child process: one GGUF
     args = parser.parse_args(argv)
     if args.one is not None:
         path, activations = args.one.rsplit(":", 1)
         print(json.dumps(measure(path, activations, args.dtype, args.budget)))
         return
+    if args.one_peer is not None:
+        print(json.dumps(measure_peer(args.llama_bench, args.one_peer)))
+        return
     if not args.setting:
         parser.error("give at least one --setting NAME=DIR")
+    if args.gguf and not args.llama_bench:
+        parser.error("--gguf needs --llama-bench BIN")
     rows = []
     for setting in args.setting:
-        name, _, spec = setting.partition("=")
-        for budget in (None, args.budget) if args.budget else (None,):
-            rows.append(run_child(name, spec, args.dtype, budget))
-            print(f"measured {name} {rows[-1]['mode']}", file=sys.stderr, flush=True)
-    config = read_config(args.setting[0].partition("=")[2].partition(":")[0])
+        rows += setting_rows(setting, args.dtype, args.budget)
+        print(f"measured {setting.partition('=')[0]}", file=sys.stderr, flush=True)
+    for gguf in args.gguf:
+        name, _, file = gguf.partition("=")
+        rows.append(run_child(name, "llama.cpp", ["--llama-bench", args.llama_bench, "--one-peer", file]))
+        print(f"measured {name}", file=sys.stderr, flush=True)
+    config = model_config(Path(args.setting[0].partition("=")[2].partition(":")[0]))
     peak = matmul_peak_gflops()
     if args.json:
-        print(json.dumps({"peak_gflops": peak, "rows": rows}, indent=2))
+        print(json.dumps({"cpu": describe(), "peak_gflops": peak, "rows": rows}, indent=2))
     else:
         print_table(rows, config, peak)
+
+
+def model_config(path: Path) -> LLaDAConfig:
+    """The model config of a checkpoint or a bundle (from its manifest: no checksums of its weights)."""
+    if (path / MANIFEST).is_file():
+        return LLaDAConfig.from_hf_dict(json.loads((path / MANIFEST).read_text())["model_config"])
+    return read_config(path)
 
 
 if __name__ == "__main__":

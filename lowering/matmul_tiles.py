@@ -20,6 +20,8 @@ import re
 from pathlib import Path
 from typing import NamedTuple
 
+from llada_jax.host_cpu import CPUINFO, cpu_flags
+
 
 class Tiles(NamedTuple):
     workgroup: tuple[int, int]  # output rows x columns one workgroup computes
@@ -35,14 +37,10 @@ _MATMUL = re.compile(r"stablehlo\.dot_general [^:\n]*contracting_dims = \[1\] x 
                      r"\(tensor<(\d+)x(\d+)xf32>, tensor<(\d+)x(\d+)xf32>\)")
 
 
-def host_tiles(cpuinfo: Path = Path("/proc/cpuinfo")) -> Tiles | None:
+def host_tiles(cpuinfo: Path = CPUINFO) -> Tiles | None:
     """The tiles for the CPU compiling for `--iree-llvmcpu-target-cpu=host`: by its widest float32 FMA vectors
     (None: neither AVX-512 nor AVX2 with FMA, IREE's own tiles)."""
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
-        return None
-    flags = next((set(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")), set())
+    flags = cpu_flags(cpuinfo)
     if "avx512f" in flags:
         return AVX512_TILES
     if {"avx2", "fma"} <= flags:

@@ -128,3 +128,27 @@ def test_a_row_is_timed_on_a_pass_that_compiled_nothing(monkeypatch):
     monkeypatch.setattr(eval_bench, "run_setting", fake_run_setting)
     row = eval_bench.warm_row("a", "b")
     assert len(passes) == 2 and row["total_s"] == 2.0 and row["compile_s"] > 0
+
+
+@pytest.mark.slow
+def test_scale_bench_rows_for_a_checkpoint_a_bundle_and_a_peer(capsys, tiny_dir, host_bundle, tmp_path):
+    """Each row in its own process: XLA on the checkpoint, IREE on the bundle (only the canvases the model and
+    the bundle's --max-len hold; for IREE its allocator's peak too), and a peer row parsed from llama-bench's JSON lines (a stand-in
+    script here, printing what llama-bench prints for `-p 32,160 -n 0 -o jsonl`)."""
+    from eval import bench_scale
+
+    peer = tmp_path / "llama-bench"
+    peer.write_text("#!/bin/sh\necho 'build: 0c1e570'\n" + "".join(
+        f"echo '{{\"n_prompt\": {n}, \"n_gen\": 0, \"avg_ns\": {n}000000, \"stddev_ns\": 1}}'\n" for n in (32, 160)))
+    peer.chmod(0o755)
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(60))
+    bench_scale.main(["--setting", f"xla={tiny_dir}", "--setting", f"iree={host_bundle}", "--llama-bench", str(peer),
+                      "--gguf", f"peer={gguf}", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert not [row for row in report["rows"] if "error" in row], report["rows"]
+    xla, iree, peer_row = report["rows"]
+    assert report["cpu"] and (xla["mode"], iree["mode"], peer_row["mode"]) == ("resident", "IREE bundle", "llama.cpp")
+    assert xla["forward_s_32"] > 0 and "forward_s_160" not in xla and "device_peak_bytes" not in xla  # 128 at most
+    assert iree["forward_s_32"] > 0 and "forward_s_160" not in iree and iree["device_peak_bytes"] >= 0
+    assert (peer_row["forward_s_32"], peer_row["forward_s_160"], peer_row["weight_bytes"]) == (0.032, 0.16, 64)
