@@ -13,6 +13,8 @@ scales `[O, G]`. Its matmul never builds a dequantized copy of the whole model:
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -264,9 +266,10 @@ def _block_product(xs: tuple, values: jax.Array, scale: jax.Array, w: QuantizedW
     """The float32 product of activation parts `xs` with rows `values` of `w` dequantized by `scale`."""
     parts = split_nibbles(values) if w.nibbles else (values,)
     if scale.shape[1] == 1:
-        product = sum(stored_matmul(x, part, columns, w.offset, barrier=False) for x, part in zip(xs, parts))
-        return product * (scale if columns else scale[:, 0])
-    return sum(_product(x, _dequantized(part, scale, w.offset, x.dtype), columns) for x, part in zip(xs, parts))
+        products = (stored_matmul(x, part, columns, w.offset, barrier=False) for x, part in zip(xs, parts))
+        return functools.reduce(operator.add, products) * (scale if columns else scale[:, 0])
+    products = (_product(x, _dequantized(part, scale, w.offset, x.dtype), columns) for x, part in zip(xs, parts))
+    return functools.reduce(operator.add, products)
 
 
 def _dequantized(values: jax.Array, scale: jax.Array, offset: int, dtype) -> jax.Array:
