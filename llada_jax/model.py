@@ -132,13 +132,14 @@ def head_logits(params: dict, hidden: jax.Array, layout_rule: LayoutRule = XLA_L
     """Vocabulary logits in float32 and the axis holding the vocabulary: `[B, W, E]` (axis 2), or `[E, B, W]`
     (axis 0) where a feature-major head leaves them for the readout (`Features.logits`). Float heads run in the
     layout `layout_rule` picks for this many rows (`llada_jax.layout`; on XLA the bench-size head on 32 rows
-    took 13.0 ms against 16.9 position-major)."""
+    took 13.0 ms against 16.9 position-major), except bf16 heads on XLA, which run position-major."""
     head = params["lm_head"]
     if isinstance(head, QuantizedWeight):
         return quantized_linear(hidden, head, dtype=jnp.float32), 2
     b, w, _ = hidden.shape
     layout = layout_rule.pick(b * w, {"lm_head": head})
-    if layout is Positions:
+    # XLA runs a feature-major head that is not float32 as a float32 matmul on a float32 copy of the whole head.
+    if layout is Positions or (layout_rule.fenced and head.dtype != jnp.float32):
         return stored_matmul(hidden, head), 2
     return layout.logits(layout.matmul(layout.enter(hidden), head), b, w)
 

@@ -284,3 +284,16 @@ def test_head_rows_refuse_columns_out_of_order_or_range():
     for reads in [(), (3, 2), (1, 1), (0, 8)]:
         with pytest.raises(ValueError, match="read-out columns"):
             head_rows_for(reads, 8)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_a_head_on_few_rows_makes_no_float32_copy_of_itself(dtype):
+    """XLA ran a bf16 head feature-major as a float32 matmul on a float32 copy of the whole head (LLaDA-8B:
+    2 GB per step); it runs position-major instead. A float32 head needs no copy either way."""
+    from llada_jax.model import head_logits
+
+    vocab, width = 8192, 256
+    params = {"lm_head": jax.ShapeDtypeStruct((vocab, width), dtype)}
+    hidden = jax.ShapeDtypeStruct((1, 32, width), dtype)
+    compiled = jax.jit(lambda p, h: head_logits(p, h)[0]).lower(params, hidden).compile()
+    assert compiled.memory_analysis().temp_size_in_bytes < vocab * width * 4 // 4
