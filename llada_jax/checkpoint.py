@@ -12,10 +12,10 @@ import json
 import shutil
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy so safetensors can return it)
 import numpy as np
-from safetensors.numpy import save_file
 
 from llada_jax.atomic import atomic_dir
 from llada_jax.config import LLaDAConfig
@@ -24,6 +24,7 @@ from llada_jax.mesh import place_weight
 from llada_jax.params import hf_to_params, params_to_hf, tensor_role
 from llada_jax.qlinear import to_device
 from llada_jax.quantize import HostQuantized
+from llada_jax.safetensors_file import aligned_empty, write_safetensors
 from llada_jax.weights_io import INDEX_FILE, SINGLE_FILE, iter_tensors
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -42,11 +43,21 @@ def read_tensors(model_dir: Path, config: LLaDAConfig, dtype, activations: str =
     `quantized` (module -> scheme) defaults to what the directory's config.json says; `wrap` wraps the
     stream of (name, tensor) pairs (a progress bar)."""
     tensors = {}
-    for name, array in wrap(iter_tensors(model_dir, config, quantized=quantized)):
-        put = jnp.asarray if mesh is None else functools.partial(place_weight, name=tensor_role(name), mesh=mesh)
+    for name, array in wrap(iter_tensors(model_dir, config, quantized=quantized, mapped=True)):
+        put = jax.device_put if mesh is None else functools.partial(place_weight, name=tensor_role(name), mesh=mesh)
         tensors[name] = (to_device(array, activations, put) if isinstance(array, HostQuantized)
-                         else put(np.asarray(array, dtype)))
+                         else put(in_dtype(array, dtype)))
     return tensors
+
+
+def in_dtype(array: np.ndarray, dtype) -> np.ndarray:
+    """`array` itself when it already has `dtype` (a CPU device then uses an aligned one in place), else an
+    aligned converted copy."""
+    if array.dtype == dtype:
+        return array
+    out = aligned_empty(array.shape, dtype)
+    np.copyto(out, array, casting="unsafe")
+    return out
 
 
 def load_params(model_dir: Path, config: LLaDAConfig, dtype="float32", activations: str = "float",
@@ -79,7 +90,7 @@ def save_hf(params: dict, config: LLaDAConfig, out_dir: Path, *, stored_dtype: s
 def _write_weights(tensors: dict[str, np.ndarray], out_dir: Path, shard_bytes: int | None) -> None:
     metadata = {"format": "pt"}
     if shard_bytes is None:
-        save_file(tensors, str(out_dir / SINGLE_FILE), metadata=metadata)
+        write_safetensors(out_dir / SINGLE_FILE, tensors, metadata)
         return
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
@@ -92,7 +103,7 @@ def _write_weights(tensors: dict[str, np.ndarray], out_dir: Path, shard_bytes: i
     weight_map = {}
     for number, shard in enumerate(shards, start=1):
         file = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out_dir / file), metadata=metadata)
+        write_safetensors(out_dir / file, shard, metadata)
         weight_map.update({name: file for name in shard})
     index = {"metadata": {"total_size": sum(v.nbytes for v in tensors.values())}, "weight_map": weight_map}
     (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
-from safetensors.numpy import save_file
 from tqdm import tqdm
 
 from llada_jax.atomic import atomic_dir
@@ -27,6 +26,7 @@ from llada_jax.errors import LladaError
 from llada_jax.params import hf_shapes
 from llada_jax.quant_config import EDGE_SCHEME, planned_modules, quantization_config
 from llada_jax.quantize import QuantScheme, pack_int32, quantize_matrix
+from llada_jax.safetensors_file import write_safetensors
 from llada_jax.weights_io import INDEX_FILE, checkpoint_quantization, iter_tensors
 
 QUANTIZE_COMMAND = "llada quantize"
@@ -63,7 +63,7 @@ class ShardWriter:
 
     def flush(self) -> None:
         if self.pending:
-            save_file(self.pending, str(self.out_dir / f"shard-{len(self.files)}.tmp"), metadata={"format": "pt"})
+            write_safetensors(self.out_dir / f"shard-{len(self.files)}.tmp", self.pending, {"format": "pt"})
             self.files.append(list(self.pending))
             self.pending = {}
 

@@ -1,15 +1,19 @@
-"""Reading one .safetensors file with plain positioned reads (no JAX, no memory map).
+"""One .safetensors file (no JAX): read, memory-mapped, or written.
 
 Format: an 8-byte little-endian header length, a JSON header mapping each tensor name to its dtype,
-shape and [start, end) byte range in the data section that follows. Reading a tensor with `os.pread`
-into a fresh array keeps the file out of the process's resident memory: a memory-mapped shard counts
-in RSS as its pages are touched (about 3 GB per LLaDA-8B shard on top of the weights being built).
+shape and [start, end) byte range in the data section that follows, with no holes. `read` copies a tensor
+with `os.pread` into a fresh array: a pass over a shard (quantizing, packing stages) then keeps the file out
+of the process's resident memory. `mapped` hands out the file's own pages instead, where a tensor's bytes
+sit on a 64-byte boundary (what XLA's CPU client needs to use a host buffer in place): weights that are
+used as stored then load without a copy, paged in when first used. `write_safetensors` places every
+tensor it can on such a boundary.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import struct
 from pathlib import Path
@@ -22,6 +26,15 @@ from llada_jax.errors import LladaError
 DTYPES = {"F32": np.float32, "BF16": ml_dtypes.bfloat16, "F16": np.float16, "I32": np.int32, "I64": np.int64,
           "I8": np.int8, "U8": np.uint8}
 MAX_HEADER = 100_000_000
+ALIGN = 64  # bytes: XLA's CPU client aliases host buffers aligned to this, and copies others
+
+
+def aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """An uninitialised array whose data starts on an ALIGN-byte boundary."""
+    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+    raw = np.empty(nbytes + ALIGN, np.uint8)
+    start = -raw.ctypes.data % ALIGN
+    return raw[start: start + nbytes].view(dtype).reshape(shape)
 
 
 class SafetensorsFile:
@@ -38,6 +51,7 @@ class SafetensorsFile:
         except BaseException:
             os.close(self.fd)
             raise
+        self._pages: np.ndarray | None = None  # the whole file mapped read-only, once `mapped` needs it
 
     def _header(self):
         size = os.fstat(self.fd).st_size
@@ -77,8 +91,9 @@ class SafetensorsFile:
         return LladaError(f"{self.path}: unreadable safetensors file ({why})")
 
     def read(self, name: str) -> np.ndarray:
+        """A fresh, writable, aligned copy of the tensor."""
         dtype, shape, start, end = self.entries[name]
-        out = np.empty(shape, DTYPES[dtype])
+        out = aligned_empty(shape, DTYPES[dtype])
         view = memoryview(out.reshape(-1).view(np.uint8))
         done = 0
         while done < end - start:
@@ -88,7 +103,20 @@ class SafetensorsFile:
             done += got
         return out
 
+    def mapped(self, name: str) -> np.ndarray:
+        """The tensor as a read-only view of the file's pages when its bytes are ALIGN-aligned in the file,
+        else `read(name)`. A view keeps the mapping alive after `close`; the file must not be truncated
+        while one is in use (as with any memory-mapped weights)."""
+        dtype, shape, start, end = self.entries[name]
+        offset = self.data_start + start
+        if offset % ALIGN or start == end:
+            return self.read(name)
+        if self._pages is None:
+            self._pages = np.frombuffer(mmap.mmap(self.fd, 0, access=mmap.ACCESS_READ), np.uint8)
+        return self._pages[offset: self.data_start + end].view(DTYPES[dtype]).reshape(shape)
+
     def close(self) -> None:
+        self._pages = None  # the mapping itself goes when the last view of it does
         os.close(self.fd)
 
     def __enter__(self):
@@ -96,3 +124,26 @@ class SafetensorsFile:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def write_safetensors(path: Path, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:
+    """Write `tensors` as a .safetensors file that any reader accepts, every tensor whose size allows it
+    starting on an ALIGN-byte boundary (those sizes first; the header is padded with spaces)."""
+    names_by_dtype = {np.dtype(v): k for k, v in DTYPES.items()}
+    arrays = {name: np.asarray(value, order="C") for name, value in tensors.items()}
+    order = sorted(arrays, key=lambda name: arrays[name].nbytes % ALIGN != 0)
+    header: dict = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name in order:
+        array = arrays[name]
+        if array.dtype not in names_by_dtype:
+            raise LladaError(f"{path}: cannot store tensor {name} of dtype {array.dtype} in safetensors")
+        header[name] = {"dtype": names_by_dtype[array.dtype], "shape": list(array.shape),
+                        "data_offsets": [offset, offset + array.nbytes]}
+        offset += array.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % ALIGN)
+    with open(path, "wb") as out:
+        out.write(struct.pack("<Q", len(text)) + text)
+        for name in order:
+            out.write(memoryview(arrays[name].reshape(-1).view(np.uint8)))

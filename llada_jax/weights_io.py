@@ -80,10 +80,11 @@ def checkpoint_quantization(model_dir: Path, config: LLaDAConfig) -> dict[str, Q
 
 
 def iter_tensors(model_dir: Path, config: LLaDAConfig, weight_map: dict[str, str] | None = None,
-                 quantized: dict[str, QuantScheme] | None = None):
+                 quantized: dict[str, QuantScheme] | None = None, mapped: bool = False):
     """(`.weight` name, host array or HostQuantized) for every tensor, in checkpoint order, validated,
     read one at a time. `weight_map` (tensor -> file, relative to model_dir or absolute) and
-    `quantized` default to the directory's own."""
+    `quantized` default to the directory's own. `mapped`: float tensors are read-only views of the files'
+    pages where aligned (see `SafetensorsFile.mapped`), for a caller that keeps them as they are."""
     weight_map = weight_map or weight_files(model_dir)
     quantized = checkpoint_quantization(model_dir, config) if quantized is None else quantized
     check_names(weight_map, config, model_dir, quantized)
@@ -91,20 +92,20 @@ def iter_tensors(model_dir: Path, config: LLaDAConfig, weight_map: dict[str, str
     with contextlib.ExitStack() as files:
         handles: dict[str, SafetensorsFile] = {}
 
-        def read(name: str) -> np.ndarray:
+        def read(name: str, view: bool = False) -> np.ndarray:
             file = weight_map[name]
             if file not in handles:
                 handles[file] = files.enter_context(SafetensorsFile(model_dir / file))
             if name not in handles[file].entries:
                 raise LladaError(f"{model_dir / file}: tensor {name} is listed in the index but not in this shard")
-            return handles[file].read(name)
+            return handles[file].mapped(name) if view else handles[file].read(name)
 
         for name, shape in shapes.items():
             module = name[: -len(".weight")]
             if module in quantized:
                 yield name, _read_quantized(read, module, shape, quantized[module], model_dir)
             else:
-                yield name, _check_float(read(name), name, shape, model_dir)
+                yield name, _check_float(read(name, view=mapped), name, shape, model_dir)
 
 
 def _check_float(array: np.ndarray, name: str, shape: tuple[int, ...], where: Path) -> np.ndarray:
