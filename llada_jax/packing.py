@@ -130,7 +130,7 @@ def head_chunk_tensors(ln_f: np.ndarray, lm_head, config: LLaDAConfig) -> list[d
 
 def _rows(matrix, start: int, rows: int):
     if isinstance(matrix, HostQuantized):
-        return HostQuantized(_rows(matrix.values, start, rows), _rows(matrix.scale, start, rows), matrix.scheme)
+        return matrix.rows(start, rows)
     part = matrix[start: start + rows]
     if part.shape[0] < rows:
         part = np.concatenate([np.asarray(part), np.zeros((rows - part.shape[0], *part.shape[1:]), part.dtype)])

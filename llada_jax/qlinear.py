@@ -66,9 +66,12 @@ def to_device(host: HostQuantized, activations: str = "float", put=jnp.asarray) 
     if activations not in ACTIVATIONS:
         raise LladaError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
     nibbles = host.scheme.bits == 4 and _splits_in_nibbles(host.shape, host.scale.shape)
-    values = pack_nibbles(host.values) if nibbles else host.values
-    if host.scheme.bits == 4 and not nibbles:
-        values = values.astype(jnp.int4)
+    if nibbles:
+        values = host.signed_bytes()[:, : host.shape[1] // 2]
+    elif host.scheme.bits == 8:
+        values = host.signed_bytes()[:, : host.shape[1]].view(np.int8)
+    else:
+        values = host.values.astype(jnp.int4)
     return QuantizedWeight(put(values), put(np.asarray(host.scale, np.float32)),
                            host.scheme.matmul_activations(activations), xla_row_block(host.shape, values.dtype),
                            nibbles=nibbles)
@@ -83,12 +86,6 @@ def xla_row_block(shape: tuple[int, int], dtype) -> int:
 def _splits_in_nibbles(shape: tuple[int, int], scale_shape: tuple[int, int]) -> bool:
     """Whether a 4-bit matrix's rows split into byte pairs that never straddle a scale group."""
     return shape[1] % 2 == 0 and (shape[1] // scale_shape[1]) % 2 == 0
-
-
-def pack_nibbles(values: np.ndarray) -> np.ndarray:
-    """Signed 4-bit `values` `[O, I]` as bytes `[O, I / 2]`, two per byte, low nibble first."""
-    low, high = values[:, 0::2].astype(np.uint8) & 0xF, values[:, 1::2].astype(np.uint8) & 0xF
-    return low | (high << 4)
 
 
 def split_nibbles(packed: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -19,6 +19,7 @@ import ml_dtypes
 import numpy as np
 
 from llada_jax.errors import LladaError
+from llada_jax.safetensors_file import aligned_empty
 
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
@@ -95,15 +96,46 @@ def unpack_int32(packed: np.ndarray, bits: int, columns: int) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True)
 class HostQuantized:
-    """One quantized matrix on the host: int8 values `[O, I]`, float32 scales `[O, G]`."""
+    """One quantized matrix on the host as a compressed-tensors checkpoint stores it: int32 `words`
+    `[O, ceil(I * bits / 32)]` holding `columns` = I values per row, float32 scales `[O, G]`."""
 
-    values: np.ndarray
+    words: np.ndarray
     scale: np.ndarray
     scheme: QuantScheme
+    columns: int
+
+    @classmethod
+    def of(cls, values: np.ndarray, scale: np.ndarray, scheme: QuantScheme) -> HostQuantized:
+        """From int8 values `[O, I]` (as `quantize_matrix` returns them)."""
+        return cls(pack_int32(values, scheme.bits), scale, scheme, values.shape[1])
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.values.shape
+        return self.words.shape[0], self.columns
+
+    @property
+    def values(self) -> np.ndarray:
+        """int8 `[O, I]`, unpacked from the words on each use."""
+        return unpack_int32(self.words, self.scheme.bits, self.columns)
+
+    def row_values(self, rows: np.ndarray) -> np.ndarray:
+        return unpack_int32(self.words[rows], self.scheme.bits, self.columns)
+
+    def signed_bytes(self) -> np.ndarray:
+        """The words' bytes less the offset, aligned, uint8 `[O, 4 * words]`: per byte one int8 value (8 bits)
+        or two signed nibbles, low first (4 bits); a row's padding last. One pass, no unpacking."""
+        data = np.ascontiguousarray(self.words.astype("<i4", copy=False)).view(np.uint8)
+        out = aligned_empty(data.shape, np.uint8)
+        return np.bitwise_xor(data, np.uint8(0x88 if self.scheme.bits == 4 else 0x80), out=out)
+
+    def rows(self, start: int, count: int) -> HostQuantized:
+        """Rows `start` .. `start + count`, zero rows (zero values, zero scales) past the end."""
+        words, scale = self.words[start: start + count], self.scale[start: start + count]
+        missing = count - words.shape[0]
+        if missing > 0:
+            words = np.concatenate([words, pack_int32(np.zeros((missing, self.columns), np.int8), self.scheme.bits)])
+            scale = np.concatenate([scale, np.zeros((missing, scale.shape[1]), scale.dtype)])
+        return HostQuantized(words, scale, self.scheme, self.columns)
 
     def dequantize(self) -> np.ndarray:
         return dequantize(self.values, self.scale)

@@ -24,7 +24,7 @@ from llada_jax.errors import LladaError
 from llada_jax.kv_state import HIDDEN, KVState, visible_bias
 from llada_jax.packing import PackedLayout, head_chunk_tensors, head_chunks, head_layout, layer_layout, quantized_layout
 from llada_jax.params import HF_PREFIX
-from llada_jax.quantize import HostQuantized, dequantize, pack_int32
+from llada_jax.quantize import HostQuantized, dequantize
 from llada_jax.readout import Reads, StepOutput, combine_head_chunks, read_columns
 from llada_jax.shapes import kv_shape
 
@@ -54,7 +54,7 @@ class StagedWeights:
         if not isinstance(self.embedding, HostQuantized):
             return self.embedding[ids]
         table, flat = self.embedding, ids.reshape(-1)
-        rows = dequantize(table.values[flat], table.scale[flat])
+        rows = dequantize(table.row_values(flat), table.scale[flat])
         return rows.reshape(*ids.shape, rows.shape[-1]).astype(self.dtype)
 
 
@@ -95,7 +95,7 @@ def _pack_stage(tensors: dict, layout: PackedLayout, dtype, activations: str) ->
     parts = {}
     for name, tensor in tensors.items():
         if name in schemes:
-            words = pack_int32(tensor.values, schemes[name].bits)
+            words = np.ascontiguousarray(tensor.words.astype("<i4", copy=False))
             parts[f"{name}.values"], parts[f"{name}.scale"] = words.view(np.uint8), tensor.scale
         else:
             parts[name] = tensor

@@ -17,7 +17,7 @@ from llada_jax.config import LLaDAConfig, read_hf_dict
 from llada_jax.errors import LladaError
 from llada_jax.params import hf_shapes
 from llada_jax.quant_config import quantized_modules
-from llada_jax.quantize import HostQuantized, QuantScheme, unpack_int32
+from llada_jax.quantize import HostQuantized, QuantScheme
 from llada_jax.safetensors_file import SafetensorsFile
 
 SINGLE_FILE = "model.safetensors"
@@ -129,7 +129,7 @@ def _read_quantized(read, module: str, shape: tuple[int, int], scheme: QuantSche
     if scale.shape != (rows, groups) or not (scale.dtype.kind == "f" or scale.dtype.name == "bfloat16"):
         raise LladaError(f"{where}: {module}.weight_scale must be float {[rows, groups]}, got {scale.dtype} "
                          f"{list(scale.shape)}")
-    return HostQuantized(unpack_int32(packed, scheme.bits, columns), scale.astype(np.float32), scheme)
+    return HostQuantized(packed, scale.astype(np.float32), scheme, columns)
 
 
 def check_finite_weights(model_dir: Path, config: LLaDAConfig, rows: int = 4096) -> None:

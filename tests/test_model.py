@@ -147,7 +147,7 @@ def quantized_block(block: dict, scheme: QuantScheme | None) -> dict:
     """The block with each matrix quantized to `scheme` (float activations); None: as it is."""
     if scheme is None:
         return block
-    return {name: to_device(HostQuantized(*quantize_matrix(np.asarray(w), scheme), scheme)) if w.ndim == 2 else w
+    return {name: to_device(HostQuantized.of(*quantize_matrix(np.asarray(w), scheme), scheme)) if w.ndim == 2 else w
             for name, w in block.items()}
 
 
@@ -210,7 +210,7 @@ def test_layout_rules_pick_by_width_and_weights(tiny_model):
     assert XLA_LAYOUT.pick(XLA_LAYOUT.feature_rows + 1, block) is Positions
     assert IREE_CPU_LAYOUT.pick(4096, block) is OpenFeatures
     assert POSITION_MAJOR.pick(1, block) is Positions
-    w8a8 = {name: to_device(HostQuantized(*quantize_matrix(np.asarray(w), QuantScheme(8)), QuantScheme(8)),
+    w8a8 = {name: to_device(HostQuantized.of(*quantize_matrix(np.asarray(w), QuantScheme(8)), QuantScheme(8)),
                             activations="int8") if w.ndim == 2 else w for name, w in block.items()}
     assert IREE_CPU_LAYOUT.pick(1, w8a8) is Positions
 

@@ -61,6 +61,27 @@ def test_pack_unpack_round_trip_and_layout(bits, rows, columns, data):
     assert unpacked.dtype == np.int8 and np.array_equal(unpacked, q)
 
 
+@settings(max_examples=25)
+@given(bits=st.sampled_from([4, 8]), rows=st.integers(1, 3), columns=st.integers(1, 37), start=st.integers(0, 3),
+       count=st.integers(1, 5), data=st.data())
+def test_signed_bytes_and_row_slices_hold_the_values(bits, rows, columns, start, count, data):
+    """The words' bytes less the offset are the values (8 bits) or their signed nibbles, low first (4 bits);
+    a row slice past the end is zero rows."""
+    low, high = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    q = data.draw(hnp.arrays(np.int8, (rows, columns), elements=st.integers(low, high)))
+    host = HostQuantized.of(q, np.ones((rows, 1), np.float32), QuantScheme(bits))
+    signed = host.signed_bytes().view(np.int8)
+    if bits == 8:
+        unpacked = signed[:, :columns]
+    else:
+        nibbles = np.stack([(signed << 4) >> 4, signed >> 4], axis=-1).reshape(rows, -1)
+        unpacked = nibbles[:, :columns]
+    assert np.array_equal(unpacked, q)
+    part = host.rows(start, count)
+    want = np.concatenate([q, np.zeros((start + count, columns), np.int8)])[start: start + count]
+    assert np.array_equal(part.values, want) and part.scale[:, 0].tolist() == [1.0] * min(count, max(rows - start, 0)) + [0.0] * (count - min(count, max(rows - start, 0)))
+
+
 @pytest.mark.parametrize("bits, values, words", [
     (8, [1, 2], [33409]),                        # 129 + 130 * 256: the compressed-tensors example
     (8, [-128, -128, -128, 127], [-16777216]),   # 255 << 24 as a signed int32
@@ -114,7 +135,7 @@ def test_tiny_nonzero_group_gets_a_usable_scale(bits, absmax):
 
 def random_quantized(scheme: QuantScheme, rows: int, columns: int, seed: int) -> HostQuantized:
     w = np.random.default_rng(seed).normal(0, 1, (rows, columns)).astype(np.float32)
-    return HostQuantized(*quantize_matrix(w, scheme), scheme)
+    return HostQuantized.of(*quantize_matrix(w, scheme), scheme)
 
 
 @settings(max_examples=15)

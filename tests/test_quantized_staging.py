@@ -89,7 +89,7 @@ def stored_integers(weight) -> np.ndarray:
 def test_packed_stage_rebuilds_the_integers_exactly(bits, group, rows, columns, seed, activations):
     scheme = QuantScheme(bits, group)
     w = np.random.default_rng(seed).normal(size=(rows, columns)).astype(np.float32)
-    host = HostQuantized(*quantize_matrix(w, scheme), scheme)
+    host = HostQuantized.of(*quantize_matrix(w, scheme), scheme)
     norm = np.random.default_rng(seed + 1).normal(size=(columns,)).astype(np.float32)
     packed, layout, quantization = _pack_stage({"m": host, "norm": norm}, _Layout(rows, columns), np.float32,
                                                activations)
