@@ -10,13 +10,17 @@ same run). Each setting runs in its own process so its peak RSS is its own. Noth
     python -m eval.bench_scale --setting bf16=/tmp/llada-8b-random --setting int8=/tmp/llada-8b-int8 \\
         --setting int8-w8a8=/tmp/llada-8b-int8:int8 --setting int4=/tmp/llada-8b-int4 \\
         --setting int4-iree=/tmp/llada-8b-int4-host [--budget 2000000000] \\
-        [--llama-bench llama.cpp/build/bin/llama-bench --gguf Q4_0=llada-8b-Q4_0.gguf]
+        [--llama-bench llama.cpp/build/bin/llama-bench --gguf Q4_0=llada-8b-Q4_0.gguf] \
+        [--reference Fast-dLLM --reference-python torch-venv/bin/python]
 
 A forward pass is one vanilla step over the whole canvas: 16 prompt + 16 generated positions (32), and
 32 + 128 (160); a setting that is a bundle runs through IREE without JAX (`llada_jax.bundle_runner`), and
 reports IREE's device-local peak beside the peak RSS. `--budget` adds the checkpoints staged through that much
 device memory. A peer row runs llama.cpp's `llama-bench -p 32,160 -n 0` on a GGUF with as many threads as
-this process may use.
+this process may use. `--reference` adds the PyTorch reference model (Fast-dLLM's `modeling_llada`, logits at
+every position) on the first float checkpoint, same dtype and threads. `first s` is the load plus the first
+call: ours a warm-up of two forwards that also compiles; the reference's one forward, which pages in its
+memory-mapped weights.
 """
 
 from __future__ import annotations
@@ -35,30 +39,34 @@ import numpy as np
 
 import llada_jax
 from eval.bench import matmul_peak_gflops, step_flops
+from eval.reference_bench import check_checkout, reference_forward
 from llada_jax.bundle_runner import generate_with_bundle
 from llada_jax.backends.select import open_bundle
 from llada_jax.config import LLaDAConfig, read_config
+from llada_jax.errors import LladaError
 from llada_jax.host_cpu import describe
+from llada_jax.weights_io import checkpoint_quantization
 from lowering.bundle_format import MANIFEST
 
 CANVASES = ((16, 16), (32, 128))  # (prompt, generated) positions
 REPEATS = 3
 
 
-def forward_pass(generate, config, prompt: int, generated: int) -> tuple[float, float]:
-    """Median seconds and bytes streamed per full-canvas forward pass (vanilla steps) of `generate(ids,
-    **options)`, after a warm-up."""
+def forward_pass(generate, config, prompt: int, generated: int) -> tuple[float, float, float]:
+    """Seconds of the warm-up call, then median seconds and bytes streamed per full-canvas forward pass
+    (vanilla steps) of `generate(ids, **options)`."""
     ids = np.random.default_rng(0).integers(0, min(config.vocab_size, config.mask_token_id), prompt)
     # The warm-up is the timed call itself: the compiled loop is compiled per step count.
     options = {"gen_length": generated, "block_length": generated, "policy": "vanilla", "steps": 2}
+    started = time.perf_counter()
     generate(ids, **options)
-    times, streamed = [], []
+    times, streamed = [time.perf_counter() - started], []
     for _ in range(REPEATS):
         started = time.perf_counter()
         result = generate(ids, **options)
         times.append((time.perf_counter() - started) / result.nfe)
         streamed.append(result.stats.get("bytes_staged", 0) / result.nfe)
-    return statistics.median(times), statistics.median(streamed)
+    return times[0], statistics.median(times[1:]), statistics.median(streamed)
 
 
 def measure(path: str, activations: str, dtype: str, budget: int | None) -> dict:
@@ -87,7 +95,8 @@ def canvas_rows(row: dict, generate, config, limit: int) -> dict:
     """`row` with the forward time and bytes streamed of each canvas (those within `limit` positions)."""
     for prompt, generated in CANVASES:
         if prompt + generated <= limit:
-            seconds, streamed = forward_pass(generate, config, prompt, generated)
+            first, seconds, streamed = forward_pass(generate, config, prompt, generated)
+            row.setdefault("first_s", row["load_s"] + first)
             row[f"forward_s_{prompt + generated}"] = seconds
             row[f"streamed_bytes_{prompt + generated}"] = streamed
     row["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -109,6 +118,20 @@ def measure_peer(llama_bench: str, gguf: str) -> dict:
             row[f"streamed_bytes_{result['n_prompt']}"] = 0
     row["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
     return row
+
+
+def reference_row(args, config) -> dict:
+    """The PyTorch reference model on the first float checkpoint among the settings (see the docstring)."""
+    paths = [Path(s.partition("=")[2].partition(":")[0]) for s in args.setting]
+    floats = [p for p in paths if not (p / MANIFEST).is_file() and not checkpoint_quantization(p, read_config(p))]
+    if not floats:
+        raise LladaError("--reference runs the reference model on a float checkpoint; no --setting is one")
+    widths = [p + g for p, g in CANVASES if p + g <= config.max_sequence_length]
+    row = reference_forward(args.reference, args.reference_python, floats[0], args.dtype,
+                            min(config.vocab_size, config.mask_token_id), widths, REPEATS)
+    row["first_s"] += row["load_s"]
+    weights = sum(file.stat().st_size for file in floats[0].glob("*.safetensors"))
+    return {"setting": "reference", "mode": f"torch {args.dtype}", "weight_bytes": weights, **row}
 
 
 def run_child(name: str, mode: str, arguments: list[str]) -> dict:
@@ -141,13 +164,14 @@ def _cell(value, width: int, digits: int, scale: float = 1.0) -> str:
 def print_table(rows: list[dict], config, peak: float) -> None:
     print(f"CPU: {describe()}; {len(os.sched_getaffinity(0))} threads")
     print(f"float32 matmul peak {peak:.1f} GFLOP/s; floor = forward FLOPs / peak")
-    print(f"{'setting':<12}{'mode':<16}{'weights GB':>11}{'load s':>8}{'peak RSS GB':>12}{'device GB':>10}"
+    print(f"{'setting':<12}{'mode':<16}{'weights GB':>11}{'load s':>8}{'first s':>8}{'peak RSS GB':>12}{'device GB':>10}"
           + "".join(f"{f'fwd{p + g} s':>10}{'xfloor':>8}{'streamed GB':>12}" for p, g in CANVASES))
     for row in rows:
         if "error" in row:
             print(f"{row['setting']:<12}{row['mode']:<16} {row['error']}")
             continue
         line = (f"{row['setting']:<12}{row['mode']:<16}{row['weight_bytes'] / 1e9:>11.2f}{_cell(row['load_s'], 8, 1)}"
+                f"{_cell(row.get('first_s'), 8, 1)}"
                 f"{row['peak_rss_bytes'] / 1e9:>12.2f}{_cell(row.get('device_peak_bytes'), 10, 2, 1e9)}")
         for prompt, generated in CANVASES:
             width = prompt + generated
@@ -168,6 +192,10 @@ def main(argv=None) -> None:
     parser.add_argument("--llama-bench", default=None, metavar="BIN", help="llama.cpp's llama-bench, for peer rows")
     parser.add_argument("--gguf", action="append", default=[], metavar="NAME=FILE",
                         help="a GGUF for a peer row (with --llama-bench); repeat for several")
+    parser.add_argument("--reference", default=None, metavar="DIR",
+                        help="a checkout of Fast-dLLM: its PyTorch model timed on the first float checkpoint")
+    parser.add_argument("--reference-python", default=sys.executable, metavar="PYTHON",
+                        help="interpreter with torch and transformers for --reference (default: this one)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child process: one setting
     parser.add_argument("--one-peer", default=None, help=argparse.SUPPRESS)  # child process: one GGUF
@@ -183,6 +211,11 @@ def main(argv=None) -> None:
         parser.error("give at least one --setting NAME=DIR")
     if args.gguf and not args.llama_bench:
         parser.error("--gguf needs --llama-bench BIN")
+    try:
+        if args.reference:
+            check_checkout(args.reference, args.reference_python)
+    except LladaError as err:
+        parser.error(str(err))
     rows = []
     for setting in args.setting:
         rows += setting_rows(setting, args.dtype, args.budget)
@@ -192,6 +225,12 @@ def main(argv=None) -> None:
         rows.append(run_child(name, "llama.cpp", ["--llama-bench", args.llama_bench, "--one-peer", file]))
         print(f"measured {name}", file=sys.stderr, flush=True)
     config = model_config(Path(args.setting[0].partition("=")[2].partition(":")[0]))
+    if args.reference:
+        try:
+            rows.append(reference_row(args, config))
+        except LladaError as err:
+            rows.append({"setting": "reference", "mode": f"torch {args.dtype}", "error": str(err)})
+        print("measured the reference", file=sys.stderr, flush=True)
     peak = matmul_peak_gflops()
     if args.json:
         print(json.dumps({"cpu": describe(), "peak_gflops": peak, "rows": rows}, indent=2))

@@ -31,12 +31,17 @@ def has_reference(setting: DecoderSetting) -> bool:
     return setting.policy in REFERENCE_POLICIES
 
 
-def check_reference(root: str, python: str, settings: list[DecoderSetting]) -> None:
-    """Before any model loads: the checkout, the interpreter and at least one comparable setting."""
+def check_checkout(root: str, python: str) -> None:
+    """The checkout and the interpreter, before any model loads."""
     if not (Path(root) / "llada" / "generate.py").is_file():
         raise LladaError(f"--reference {root}: no llada/generate.py there; give a checkout of Fast-dLLM")
     if shutil.which(python) is None:
         raise LladaError(f"--reference-python {python}: not an executable file or a command on PATH")
+
+
+def check_reference(root: str, python: str, settings: list[DecoderSetting]) -> None:
+    """Before any model loads: the checkout, the interpreter and at least one comparable setting."""
+    check_checkout(root, python)
     if not any(has_reference(setting) for setting in settings):
         raise LladaError(f"--reference: the reference has only {', '.join(REFERENCE_POLICIES)} (with or without "
                          "@THRESHOLD); none of the --policy settings is one of them")
@@ -53,29 +58,51 @@ def run_reference(root: str, python: str, model: Path, config, prompts: list[lis
            "gen_length": workload["gen_length"], "block_length": workload["block_length"],
            "steps": workload["steps"]}
     answers: dict[DecoderSetting, list[dict]] = {}
+    for row in filter(None, map(answer_row, run_child(python, job, "decoders"))):
+        setting = DecoderSetting(row["policy"], row["threshold"])
+        answers.setdefault(setting, []).append(row)
+        if progress:
+            progress(f"reference{label} {setting} prompt {row['prompt']}: {row['seconds']:.2f} s")
+    return answers
+
+
+def reference_forward(root: str, python: str, model: Path, dtype: str, vocab: int, widths: list[int],
+                      repeats: int) -> dict:
+    """The reference model's load time, first forward, median forward per width (logits at every position)
+    and peak RSS, on `model`'s weights in `dtype`, with as many threads as this process may use."""
+    job = {"kind": "forward", "reference": str(Path(root).resolve()), "model": str(Path(model).resolve()),
+           "dtype": dtype, "vocab": vocab, "widths": widths, "repeats": repeats,
+           "threads": len(os.sched_getaffinity(0))}
+    rows = [row for row in map(json_line, run_child(python, job, "model")) if row and "load_s" in row]
+    if not rows:
+        raise LladaError("the reference model printed no timings")
+    return rows[-1]
+
+
+def run_child(python: str, job: dict, what: str):
+    """The child's stdout lines as it prints them; a failure is one line naming its last error."""
     with tempfile.TemporaryFile("w+") as errors:
         child = subprocess.Popen([shutil.which(python), str(CHILD)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                  stderr=errors, text=True)
         child.stdin.write(json.dumps(job))
         child.stdin.close()
-        for row in filter(None, map(answer_row, child.stdout)):
-            setting = DecoderSetting(row["policy"], row["threshold"])
-            answers.setdefault(setting, []).append(row)
-            if progress:
-                progress(f"reference{label} {setting} prompt {row['prompt']}: {row['seconds']:.2f} s")
+        yield from child.stdout
         if child.wait() != 0:
             errors.seek(0)
             lines = errors.read().strip().splitlines() or ["(nothing on stderr)"]
-            raise LladaError(f"the reference decoders failed (exit {child.returncode}): {lines[-1]}")
-    return answers
+            raise LladaError(f"the reference {what} failed (exit {child.returncode}): {lines[-1]}")
+
+
+def json_line(line: str):
+    try:
+        return json.loads(line)
+    except ValueError:
+        return None
 
 
 def answer_row(line: str) -> dict | None:
     """One of the child's answers, or None for anything else on its stdout (the reference's own prints)."""
-    try:
-        row = json.loads(line)
-    except ValueError:
-        return None
+    row = json_line(line)
     return row if isinstance(row, dict) and {"policy", "threshold", "answer", "seconds"} <= row.keys() else None
 
 

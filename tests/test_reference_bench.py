@@ -46,6 +46,10 @@ class LLaDAModelLM:
     def eval(self):
         return self
 
+    def __call__(self, ids):
+        self.widths = getattr(self, "widths", []) + [np.asarray(ids).shape[1]]
+        assert np.asarray(ids).shape[0] == 1 and np.asarray(ids).max() < self.config.mask_token_id
+
 
 def decoder(policy):
     def run(model, prompt, steps, gen_length, block_length, temperature, remasking, mask_id, threshold):
@@ -66,7 +70,12 @@ generate_with_dual_cache = decoder("dual-cache")
 
 FAKE_TORCH = """
 import numpy as np
-float32 = "float32"
+float32, bfloat16 = "float32", "bfloat16"
+class no_grad:
+    def __enter__(self):
+        return self
+    def __exit__(self, *exc):
+        return False
 def set_num_threads(count):
     assert count >= 1
 def tensor(rows):
@@ -140,3 +149,20 @@ def test_reference_failures_are_one_line(capsys, tiny_dir, fake_reference, monke
             (fake_reference, ["--policy", "dual-cache+speculative"], "none of the --policy settings")):
         assert main(["bench", "--model", str(tiny_dir), "--reference", str(checkout)] + extra) == 1
         assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_scale_bench_times_the_reference_model_on_the_float_checkpoint(capsys, tiny_dir, fake_reference):
+    """A reference row beside ours: load, first call, a forward per canvas the model holds, its own peak RSS;
+    a checkout that is not one is refused before anything is measured."""
+    from eval import bench_scale
+
+    bench_scale.main(["--setting", f"xla={tiny_dir}", "--reference", str(fake_reference), "--json"])
+    ours, theirs = json.loads(capsys.readouterr().out)["rows"]
+    assert (theirs["setting"], theirs["mode"]) == ("reference", "torch bfloat16") and "error" not in theirs
+    assert set(ours) >= {"forward_s_32", "first_s"} and "forward_s_160" not in theirs  # the tiny model: 128 at most
+    assert theirs["forward_s_32"] >= 0 and theirs["first_s"] >= theirs["load_s"] >= 0 and theirs["peak_rss_bytes"] > 0
+    assert theirs["weight_bytes"] == sum(f.stat().st_size for f in tiny_dir.glob("*.safetensors"))
+    with pytest.raises(SystemExit):
+        bench_scale.main(["--setting", f"xla={tiny_dir}", "--reference", str(tiny_dir)])
+    assert "no llada/generate.py there" in capsys.readouterr().err
