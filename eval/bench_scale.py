@@ -164,13 +164,13 @@ def _cell(value, width: int, digits: int, scale: float = 1.0) -> str:
 def print_table(rows: list[dict], config, peak: float) -> None:
     print(f"CPU: {describe()}; {len(os.sched_getaffinity(0))} threads")
     print(f"float32 matmul peak {peak:.1f} GFLOP/s; floor = forward FLOPs / peak")
-    print(f"{'setting':<12}{'mode':<16}{'weights GB':>11}{'load s':>8}{'first s':>8}{'peak RSS GB':>12}{'device GB':>10}"
+    print(f"{'setting':<15}{'mode':<16}{'weights GB':>11}{'load s':>8}{'first s':>8}{'peak RSS GB':>12}{'device GB':>10}"
           + "".join(f"{f'fwd{p + g} s':>10}{'xfloor':>8}{'streamed GB':>12}" for p, g in CANVASES))
     for row in rows:
         if "error" in row:
-            print(f"{row['setting']:<12}{row['mode']:<16} {row['error']}")
+            print(f"{row['setting']:<15}{row['mode']:<16} {row['error']}")
             continue
-        line = (f"{row['setting']:<12}{row['mode']:<16}{row['weight_bytes'] / 1e9:>11.2f}{_cell(row['load_s'], 8, 1)}"
+        line = (f"{row['setting']:<15}{row['mode']:<16}{row['weight_bytes'] / 1e9:>11.2f}{_cell(row['load_s'], 8, 1)}"
                 f"{_cell(row.get('first_s'), 8, 1)}"
                 f"{row['peak_rss_bytes'] / 1e9:>12.2f}{_cell(row.get('device_peak_bytes'), 10, 2, 1e9)}")
         for prompt, generated in CANVASES:
