@@ -47,8 +47,9 @@ class QuantizedWeight:
     # the bit-extend, keeps the integers a pure parameter read; a sign-restoring xor on them is hoisted by
     # iree-compile into a full copy of the weights). 0: `values` are signed.
     offset: int = dataclasses.field(default=0, metadata={"static": True})
-    # 4-bit values as bytes, two signed values each, low nibble first (XLA: its int4 arrays are read one
-    # element at a time, bytes split by shifts are vectorized).
+    # 4-bit values as bytes, two each, low nibble first (XLA: its int4 arrays are read one element at a time,
+    # bytes split by shifts are vectorized). With an offset (8), the checkpoint's own bytes, used in place:
+    # the split restores the sign with an xor on the few rows it reads.
     nibbles: bool = dataclasses.field(default=False, metadata={"static": True})
 
     @property
@@ -66,15 +67,16 @@ def to_device(host: HostQuantized, activations: str = "float", put=jnp.asarray) 
     if activations not in ACTIVATIONS:
         raise LladaError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
     nibbles = host.scheme.bits == 4 and _splits_in_nibbles(host.shape, host.scale.shape)
+    offset = 0
     if nibbles:
-        values = host.signed_bytes()[:, : host.shape[1] // 2]
+        values, offset = host.stored_bytes()[:, : host.shape[1] // 2], 1 << (host.scheme.bits - 1)
     elif host.scheme.bits == 8:
         values = host.signed_bytes()[:, : host.shape[1]].view(np.int8)
     else:
         values = host.values.astype(jnp.int4)
     return QuantizedWeight(put(values), put(np.asarray(host.scale, np.float32)),
                            host.scheme.matmul_activations(activations), xla_row_block(host.shape, values.dtype),
-                           nibbles=nibbles)
+                           offset=offset, nibbles=nibbles)
 
 
 def xla_row_block(shape: tuple[int, int], dtype) -> int:
@@ -88,8 +90,11 @@ def _splits_in_nibbles(shape: tuple[int, int], scale_shape: tuple[int, int]) -> 
     return shape[1] % 2 == 0 and (shape[1] // scale_shape[1]) % 2 == 0
 
 
-def split_nibbles(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The signed int8 values of the low and the high nibbles of `packed` bytes (columns 0, 2, ... and 1, 3, ...)."""
+def split_nibbles(packed: jax.Array, offset: int = 0) -> tuple[jax.Array, jax.Array]:
+    """The signed int8 values of the low and the high nibbles of `packed` bytes (columns 0, 2, ... and 1, 3, ...),
+    each nibble stored plus `offset` (0 or 8)."""
+    if offset:
+        packed = packed ^ jnp.asarray(offset * 0x11, packed.dtype)
     signed = jax.lax.bitcast_convert_type(packed, jnp.int8)
     four = jnp.int8(4)
     return (jax.lax.shift_right_arithmetic(jax.lax.shift_left(signed, four), four),
@@ -138,8 +143,7 @@ def from_packed_bytes(packed: jax.Array, scale: jax.Array, bits: int, activation
     offset by 2**(bits-1); two 4-bit values per byte, low nibble first) and its float32 scales."""
     shape = (packed.shape[0], packed.shape[1] * 8 // bits)
     if bits == 4 and _splits_in_nibbles(shape, scale.shape):
-        return QuantizedWeight(packed ^ jnp.uint8(0x88), scale, activations, xla_row_block(shape, jnp.uint8),
-                               nibbles=True)
+        return QuantizedWeight(packed, scale, activations, xla_row_block(shape, jnp.uint8), offset=8, nibbles=True)
     if bits == 8:
         values = jax.lax.bitcast_convert_type(packed, jnp.int8)
     else:
@@ -261,12 +265,19 @@ def _nibble_activations(x: jax.Array, columns: bool) -> tuple[jax.Array, jax.Arr
 
 def _block_product(xs: tuple, values: jax.Array, scale: jax.Array, w: QuantizedWeight, columns: bool) -> jax.Array:
     """The float32 product of activation parts `xs` with rows `values` of `w` dequantized by `scale`."""
-    parts = split_nibbles(values) if w.nibbles else (values,)
+    parts, offset = _signed_parts(values, w)
     if scale.shape[1] == 1:
-        products = (stored_matmul(x, part, columns, w.offset, barrier=False) for x, part in zip(xs, parts))
+        products = (stored_matmul(x, part, columns, offset, barrier=False) for x, part in zip(xs, parts))
         return functools.reduce(operator.add, products) * (scale if columns else scale[:, 0])
-    products = (_product(x, _dequantized(part, scale, w.offset, x.dtype), columns) for x, part in zip(xs, parts))
+    products = (_product(x, _dequantized(part, scale, offset, x.dtype), columns) for x, part in zip(xs, parts))
     return functools.reduce(operator.add, products)
+
+
+def _signed_parts(values: jax.Array, w: QuantizedWeight) -> tuple[tuple, int]:
+    """The arrays of `w`'s values (rows `values`) its matmul multiplies, and the offset still on them."""
+    if w.nibbles:
+        return split_nibbles(values, w.offset), 0
+    return (values,), w.offset
 
 
 def _dequantized(values: jax.Array, scale: jax.Array, offset: int, dtype) -> jax.Array:
@@ -291,10 +302,9 @@ def quantized_rows(w: QuantizedWeight, ids: jax.Array, dtype) -> jax.Array:
     """Rows `ids` of a per-row quantized table (the embedding), dequantized to `dtype`."""
     if w.scale.shape[1] != 1:
         raise LladaError("a quantized embedding needs one scale per row")
-    values = w.values[ids]
-    if w.nibbles:
-        values = jnp.stack(split_nibbles(values), axis=-1).reshape(*values.shape[:-1], -1)
-    return (as_numbers(values, jnp.float32, w.offset) * w.scale[ids]).astype(dtype)
+    parts, offset = _signed_parts(w.values[ids], w)
+    values = jnp.stack(parts, axis=-1).reshape(*parts[0].shape[:-1], -1)
+    return (as_numbers(values, jnp.float32, offset) * w.scale[ids]).astype(dtype)
 
 
 def nbytes(leaf) -> int:

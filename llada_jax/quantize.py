@@ -121,10 +121,15 @@ class HostQuantized:
     def row_values(self, rows: np.ndarray) -> np.ndarray:
         return unpack_int32(self.words[rows], self.scheme.bits, self.columns)
 
+    def stored_bytes(self) -> np.ndarray:
+        """The words' bytes as stored, uint8 `[O, 4 * words]` (the words themselves where they are
+        little-endian: a view, no copy)."""
+        return np.ascontiguousarray(self.words.astype("<i4", copy=False)).view(np.uint8)
+
     def signed_bytes(self) -> np.ndarray:
         """The words' bytes less the offset, aligned, uint8 `[O, 4 * words]`: per byte one int8 value (8 bits)
         or two signed nibbles, low first (4 bits); a row's padding last. One pass, no unpacking."""
-        data = np.ascontiguousarray(self.words.astype("<i4", copy=False)).view(np.uint8)
+        data = self.stored_bytes()
         out = aligned_empty(data.shape, np.uint8)
         return np.bitwise_xor(data, np.uint8(0x88 if self.scheme.bits == 4 else 0x80), out=out)
 

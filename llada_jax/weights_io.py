@@ -8,6 +8,7 @@ and scales; those are read back as one `HostQuantized` per module, under the mod
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 from pathlib import Path
 
@@ -83,8 +84,8 @@ def iter_tensors(model_dir: Path, config: LLaDAConfig, weight_map: dict[str, str
                  quantized: dict[str, QuantScheme] | None = None, mapped: bool = False):
     """(`.weight` name, host array or HostQuantized) for every tensor, in checkpoint order, validated,
     read one at a time. `weight_map` (tensor -> file, relative to model_dir or absolute) and
-    `quantized` default to the directory's own. `mapped`: float tensors are read-only views of the files'
-    pages where aligned (see `SafetensorsFile.mapped`), for a caller that keeps them as they are."""
+    `quantized` default to the directory's own. `mapped`: tensors are read-only views of the files' pages
+    where aligned (see `SafetensorsFile.mapped`), for a caller that keeps them as they are."""
     weight_map = weight_map or weight_files(model_dir)
     quantized = checkpoint_quantization(model_dir, config) if quantized is None else quantized
     check_names(weight_map, config, model_dir, quantized)
@@ -103,7 +104,8 @@ def iter_tensors(model_dir: Path, config: LLaDAConfig, weight_map: dict[str, str
         for name, shape in shapes.items():
             module = name[: -len(".weight")]
             if module in quantized:
-                yield name, _read_quantized(read, module, shape, quantized[module], model_dir)
+                yield name, _read_quantized(functools.partial(read, view=mapped), module, shape, quantized[module],
+                                            model_dir)
             else:
                 yield name, _check_float(read(name, view=mapped), name, shape, model_dir)
 

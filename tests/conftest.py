@@ -64,6 +64,18 @@ def write_checkpoint(out_dir: Path, config: LLaDAConfig = TINY, seed: int = 0, s
                    shard_bytes=shard_bytes)
 
 
+def in_mapped_file(array) -> bool:
+    """Whether a device array's buffer lies in a memory-mapped .safetensors file of this process (Linux)."""
+    address = array.unsafe_buffer_pointer()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].endswith(".safetensors"):
+            start, end = (int(part, 16) for part in fields[0].split("-"))
+            if start <= address < end:
+                return True
+    return False
+
+
 def read_all(model_dir: Path) -> dict[str, np.ndarray]:
     """Every tensor of an HF directory as float64 numpy (for the reference oracle)."""
     tensors = {}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from pathlib import Path
 from unittest import mock
 
 import jax.numpy as jnp
@@ -29,7 +30,7 @@ from llada_jax.quantize import HostQuantized, QuantScheme, dequantize, pack_int3
 from llada_jax.quantize_checkpoint import quantize_checkpoint
 from llada_jax.safetensors_file import SafetensorsFile
 from llada_jax.weights_io import iter_tensors
-from tests.conftest import TINY, write_checkpoint
+from tests.conftest import TINY, in_mapped_file, write_checkpoint
 from tests.test_checkpoint import edit_json, raw_tensors
 
 SCHEMES = {"int8": QuantScheme(8), "int4-g16": QuantScheme(4, 16)}  # 16 divides d_model 32 and mlp 64
@@ -264,6 +265,8 @@ def test_quantized_model_generates_like_its_dequantized_twin(checkpoints, label)
     assert quantized.params["lm_head"].values.dtype == jnp.int8
     q_proj = quantized.params["blocks"][0]["q_proj"]
     assert q_proj.values.dtype == (jnp.int8 if label == "int8" else jnp.uint8) and q_proj.nibbles == (label != "int8")
+    if label != "int8" and Path("/proc/self/maps").is_file():  # 4-bit: the checkpoint's own bytes, used in place
+        assert q_proj.offset == 8 and in_mapped_file(q_proj.values)
     ids = np.random.default_rng(3).integers(0, 400, (2, 24))
     want = llada_jax.logits(twin, ids)
     np.testing.assert_allclose(llada_jax.logits(quantized, ids), want, atol=1e-4 * np.abs(want).max(), rtol=0)

@@ -19,6 +19,7 @@ import llada_jax
 from llada_jax.checkpoint import save_hf
 from llada_jax.params import params_to_hf
 from llada_jax.safetensors_file import ALIGN, SafetensorsFile, write_safetensors
+from tests.conftest import in_mapped_file
 
 DTYPES = [np.float32, ml_dtypes.bfloat16, np.float16, np.int32, np.int64, np.int8, np.uint8]
 
@@ -73,17 +74,6 @@ def test_mapped_is_a_read_only_view_where_aligned_and_a_copy_elsewhere(tmp_path)
     np.testing.assert_array_equal(copy, value)
 
 
-def file_mappings() -> list[tuple[int, int, str]]:
-    """(start, end, path) of every file-backed mapping of this process."""
-    spans = []
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        fields = line.split(maxsplit=5)
-        if len(fields) == 6 and fields[5].startswith("/"):
-            start, end = (int(part, 16) for part in fields[0].split("-"))
-            spans.append((start, end, fields[5]))
-    return spans
-
-
 @pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="reads the process's mappings from /proc")
 def test_a_checkpoint_in_the_compute_dtype_loads_in_place_on_a_cpu_device(tmp_path, tiny_model):
     """Every matrix of a bf16 checkpoint loaded as bf16 is the file's pages (no copy); loaded as float32
@@ -91,16 +81,10 @@ def test_a_checkpoint_in_the_compute_dtype_loads_in_place_on_a_cpu_device(tmp_pa
     saved = save_hf(tiny_model.params, tiny_model.config, tmp_path / "bf16", stored_dtype="bfloat16")
     in_place = llada_jax.load(saved, dtype="bfloat16")
     converted = llada_jax.load(saved, dtype="float32")
-    spans = file_mappings()
-
-    def in_file(array) -> bool:
-        address = array.unsafe_buffer_pointer()
-        return any(start <= address < end and path.endswith(".safetensors") for start, end, path in spans)
-
     matrices = [(name, value) for name, value in params_to_hf(in_place.params).items() if value.ndim == 2]
-    assert matrices and all(in_file(value) for _, value in matrices)
+    assert matrices and all(in_mapped_file(value) for _, value in matrices)
     for name, value in params_to_hf(converted.params).items():
-        assert not in_file(value), name
+        assert not in_mapped_file(value), name
         np.testing.assert_array_equal(np.asarray(value), np.asarray(params_to_hf(in_place.params)[name], np.float32))
 
 
