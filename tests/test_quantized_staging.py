@@ -79,7 +79,7 @@ def test_quantized_stages_stream_fewer_bytes(models, tiny_dir):
 def stored_integers(weight) -> np.ndarray:
     if not weight.nibbles:
         return np.asarray(weight.values).astype(np.int8)
-    low, high = (np.asarray(half) for half in split_nibbles(weight.values))
+    low, high = (np.asarray(half) for half in split_nibbles(weight.values, weight.offset))
     return np.stack([low, high], axis=-1).reshape(weight.shape)
 
 
