@@ -22,7 +22,7 @@ from llada_jax.config import LLaDAConfig
 from llada_jax.errors import LladaError
 from llada_jax.mesh import place_weight
 from llada_jax.params import hf_to_params, params_to_hf, tensor_role
-from llada_jax.qlinear import to_device
+from llada_jax.qlinear import to_device, uses_stored_words
 from llada_jax.quantize import HostQuantized
 from llada_jax.safetensors_file import aligned_empty, write_safetensors
 from llada_jax.weights_io import INDEX_FILE, SINGLE_FILE, iter_tensors
@@ -43,7 +43,11 @@ def read_tensors(model_dir: Path, config: LLaDAConfig, dtype, activations: str =
     `quantized` (module -> scheme) defaults to what the directory's config.json says; `wrap` wraps the
     stream of (name, tensor) pairs (a progress bar)."""
     tensors = {}
-    for name, array in wrap(iter_tensors(model_dir, config, quantized=quantized, mapped=True)):
+    # Only one CPU device uses host buffers in place; elsewhere a mapped view would only add to RSS.
+    in_place = np.dtype(dtype) if mesh is None and jax.default_backend() == "cpu" else None
+    words = functools.partial(uses_stored_words, activations=activations)
+    tensors_read = iter_tensors(model_dir, config, quantized=quantized, in_place=in_place, words_in_place=words)
+    for name, array in wrap(tensors_read):
         put = jax.device_put if mesh is None else functools.partial(place_weight, name=tensor_role(name), mesh=mesh)
         tensors[name] = (to_device(array, activations, put) if isinstance(array, HostQuantized)
                          else put(in_dtype(array, dtype)))

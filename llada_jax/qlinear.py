@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from llada_jax.errors import LladaError
-from llada_jax.quantize import HostQuantized
+from llada_jax.quantize import HostQuantized, QuantScheme
 
 ACTIVATIONS = ("float", "int8")
 # The largest float32 copy of one quantized matrix a float-activation matmul makes at once in an IREE bundle;
@@ -36,7 +36,7 @@ LOOP_COPY_BYTES = 16 << 20
 @dataclasses.dataclass(frozen=True)
 class QuantizedWeight:
     values: jax.Array  # [O, I] int8 or int4, or with `nibbles` [O, I / 2] uint8
-    scale: jax.Array   # [O, G] float32
+    scale: jax.Array   # [O, G] float, as stored (bf16 scales converted to float32 a few rows at a time)
     activations: str = dataclasses.field(default="float", metadata={"static": True})
     row_block: int = dataclasses.field(default=0, metadata={"static": True})  # rows per float copy (0: all)
     # XLA's form (see `quantized_linear`): group-wise dequantization behind an optimization barrier, in a loop
@@ -67,16 +67,23 @@ def to_device(host: HostQuantized, activations: str = "float", put=jnp.asarray) 
     if activations not in ACTIVATIONS:
         raise LladaError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
     nibbles = host.scheme.bits == 4 and _splits_in_nibbles(host.shape, host.scale.shape)
-    offset = 0
-    if nibbles:
-        values, offset = host.stored_bytes()[:, : host.shape[1] // 2], 1 << (host.scheme.bits - 1)
+    width, offset = host.shape[1] // 2 if nibbles else host.shape[1], 0
+    if uses_stored_words(host.scheme, activations) and (nibbles or host.scheme.bits == 8):
+        values, offset = host.stored_bytes()[:, :width], 1 << (host.scheme.bits - 1)
     elif host.scheme.bits == 8:
-        values = host.signed_bytes()[:, : host.shape[1]].view(np.int8)
+        values = host.signed_bytes()[:, :width].view(np.int8)
     else:
         values = host.values.astype(jnp.int4)
-    return QuantizedWeight(put(values), put(np.asarray(host.scale, np.float32)),
+    return QuantizedWeight(put(values), put(host.scale),
                            host.scheme.matmul_activations(activations), xla_row_block(host.shape, values.dtype),
                            offset=offset, nibbles=nibbles)
+
+
+def uses_stored_words(scheme: QuantScheme, activations: str) -> bool:
+    """Whether XLA multiplies this scheme's compressed-tensors bytes as stored (float activations: the sign is
+    restored on the rows a step reads), so a CPU device can use the checkpoint's own pages; W8A8 multiplies
+    signed int8 values, a copy."""
+    return scheme.matmul_activations(activations) == "float"
 
 
 def xla_row_block(shape: tuple[int, int], dtype) -> int:
@@ -223,7 +230,8 @@ def quantized_linear(x: jax.Array, w: QuantizedWeight, columns: bool = False, dt
     halves = _nibble_activations(x, columns) if w.nibbles else (x,)
 
     def rows(start, count):
-        return _block_product(halves, _row_slice(values, start, count), _row_slice(w.scale, start, count), w, columns)
+        scale = _row_slice(w.scale, start, count).astype(jnp.float32)
+        return _block_product(halves, _row_slice(values, start, count), scale, w, columns)
 
     total, block = w.shape[0], w.row_block or w.shape[0]
     axis = 0 if columns else x.ndim - 1
@@ -277,6 +285,8 @@ def _signed_parts(values: jax.Array, w: QuantizedWeight) -> tuple[tuple, int]:
     """The arrays of `w`'s values (rows `values`) its matmul multiplies, and the offset still on them."""
     if w.nibbles:
         return split_nibbles(values, w.offset), 0
+    if w.offset and w.hoist_barrier:  # XLA: offset int8 bytes, the sign restored on these rows only
+        return (jax.lax.bitcast_convert_type(values ^ jnp.uint8(0x80), jnp.int8),), 0
     return (values,), w.offset
 
 
@@ -295,7 +305,7 @@ def _int8_linear(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     x_scale = jnp.where(absmax > 0, absmax / 127.0, 1.0)
     x_q = jnp.clip(jnp.round(x32 / x_scale), -127, 127).astype(jnp.int8)
     acc = jnp.einsum("bwi,oi->bwo", x_q, w.values, preferred_element_type=jnp.int32)
-    return acc.astype(jnp.float32) * x_scale * w.scale[:, 0]
+    return acc.astype(jnp.float32) * x_scale * w.scale[:, 0].astype(jnp.float32)
 
 
 def quantized_rows(w: QuantizedWeight, ids: jax.Array, dtype) -> jax.Array:
@@ -304,7 +314,7 @@ def quantized_rows(w: QuantizedWeight, ids: jax.Array, dtype) -> jax.Array:
         raise LladaError("a quantized embedding needs one scale per row")
     parts, offset = _signed_parts(w.values[ids], w)
     values = jnp.stack(parts, axis=-1).reshape(*parts[0].shape[:-1], -1)
-    return (as_numbers(values, jnp.float32, offset) * w.scale[ids]).astype(dtype)
+    return (as_numbers(values, jnp.float32, offset) * w.scale[ids].astype(jnp.float32)).astype(dtype)
 
 
 def nbytes(leaf) -> int:

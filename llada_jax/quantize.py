@@ -70,6 +70,7 @@ def dequantize(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
     """float32 `[O, I]` from integers and their `[O, G]` scales."""
     rows, columns = q.shape
     groups = scale.shape[1]
+    scale = scale.astype(np.float32, copy=False)
     return (q.reshape(rows, groups, columns // groups).astype(np.float32) * scale[..., None]).reshape(rows, columns)
 
 
@@ -97,7 +98,7 @@ def unpack_int32(packed: np.ndarray, bits: int, columns: int) -> np.ndarray:
 @dataclasses.dataclass(frozen=True)
 class HostQuantized:
     """One quantized matrix on the host as a compressed-tensors checkpoint stores it: int32 `words`
-    `[O, ceil(I * bits / 32)]` holding `columns` = I values per row, float32 scales `[O, G]`."""
+    `[O, ceil(I * bits / 32)]` holding `columns` = I values per row, float scales `[O, G]` in their stored dtype."""
 
     words: np.ndarray
     scale: np.ndarray

@@ -103,17 +103,17 @@ class SafetensorsFile:
             done += got
         return out
 
-    def mapped(self, name: str) -> np.ndarray:
-        """The tensor as a read-only view of the file's pages when its bytes are ALIGN-aligned in the file,
-        else `read(name)`. A view keeps the mapping alive after `close`; the file must not be truncated
-        while one is in use (as with any memory-mapped weights)."""
-        dtype, shape, start, end = self.entries[name]
+    def mapped(self, name: str, dtype=None) -> np.ndarray:
+        """The tensor as a read-only view of the file's pages when its bytes are ALIGN-aligned in the file and it
+        is stored as `dtype` (None: any), else `read(name)`. A view keeps the mapping alive after `close`;
+        the file must not be truncated while one is in use (as with any memory-mapped weights)."""
+        stored, shape, start, end = self.entries[name]
         offset = self.data_start + start
-        if offset % ALIGN or start == end:
+        if offset % ALIGN or start == end or (dtype is not None and np.dtype(DTYPES[stored]) != np.dtype(dtype)):
             return self.read(name)
         if self._pages is None:
             self._pages = np.frombuffer(mmap.mmap(self.fd, 0, access=mmap.ACCESS_READ), np.uint8)
-        return self._pages[offset: self.data_start + end].view(DTYPES[dtype]).reshape(shape)
+        return self._pages[offset: self.data_start + end].view(DTYPES[stored]).reshape(shape)
 
     def close(self) -> None:
         self._pages = None  # the mapping itself goes when the last view of it does

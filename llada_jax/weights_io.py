@@ -8,7 +8,6 @@ and scales; those are read back as one `HostQuantized` per module, under the mod
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 from pathlib import Path
 
@@ -81,11 +80,13 @@ def checkpoint_quantization(model_dir: Path, config: LLaDAConfig) -> dict[str, Q
 
 
 def iter_tensors(model_dir: Path, config: LLaDAConfig, weight_map: dict[str, str] | None = None,
-                 quantized: dict[str, QuantScheme] | None = None, mapped: bool = False):
+                 quantized: dict[str, QuantScheme] | None = None, in_place=None, words_in_place=None):
     """(`.weight` name, host array or HostQuantized) for every tensor, in checkpoint order, validated,
     read one at a time. `weight_map` (tensor -> file, relative to model_dir or absolute) and
-    `quantized` default to the directory's own. `mapped`: tensors are read-only views of the files' pages
-    where aligned (see `SafetensorsFile.mapped`), for a caller that keeps them as they are."""
+    `quantized` default to the directory's own. With `in_place` (a float dtype), what a caller uses as stored
+    (float tensors stored in that dtype, quantization scales, and the packed words of the schemes for which
+    `words_in_place(scheme)` holds) is a read-only view of the files' pages where aligned (see
+    `SafetensorsFile.mapped`); everything else is read, so no page of a tensor the caller converts stays mapped."""
     weight_map = weight_map or weight_files(model_dir)
     quantized = checkpoint_quantization(model_dir, config) if quantized is None else quantized
     check_names(weight_map, config, model_dir, quantized)
@@ -93,21 +94,22 @@ def iter_tensors(model_dir: Path, config: LLaDAConfig, weight_map: dict[str, str
     with contextlib.ExitStack() as files:
         handles: dict[str, SafetensorsFile] = {}
 
-        def read(name: str, view: bool = False) -> np.ndarray:
+        def read(name: str, mapped: bool = False, dtype=None) -> np.ndarray:
             file = weight_map[name]
             if file not in handles:
                 handles[file] = files.enter_context(SafetensorsFile(model_dir / file))
             if name not in handles[file].entries:
                 raise LladaError(f"{model_dir / file}: tensor {name} is listed in the index but not in this shard")
-            return handles[file].mapped(name) if view else handles[file].read(name)
+            return handles[file].mapped(name, dtype) if mapped else handles[file].read(name)
 
         for name, shape in shapes.items():
             module = name[: -len(".weight")]
             if module in quantized:
-                yield name, _read_quantized(functools.partial(read, view=mapped), module, shape, quantized[module],
-                                            model_dir)
+                scheme, mapping = quantized[module], in_place is not None
+                words = mapping and words_in_place is not None and words_in_place(scheme)
+                yield name, _read_quantized(read, module, shape, scheme, model_dir, mapping, words)
             else:
-                yield name, _check_float(read(name, view=mapped), name, shape, model_dir)
+                yield name, _check_float(read(name, in_place is not None, in_place), name, shape, model_dir)
 
 
 def _check_float(array: np.ndarray, name: str, shape: tuple[int, ...], where: Path) -> np.ndarray:
@@ -118,10 +120,13 @@ def _check_float(array: np.ndarray, name: str, shape: tuple[int, ...], where: Pa
     return array
 
 
-def _read_quantized(read, module: str, shape: tuple[int, int], scheme: QuantScheme, where: Path) -> HostQuantized:
+def _read_quantized(read, module: str, shape: tuple[int, int], scheme: QuantScheme, where: Path,
+                    scales_in_place: bool = False, words_in_place: bool = False) -> HostQuantized:
+    """The module's parts, its scales and packed words mapped where asked and aligned."""
     rows, columns = shape
     words = -(-columns * scheme.bits // 32)
-    packed, scale, stored_shape = (read(f"{module}.{part}") for part in ("weight_packed", "weight_scale", "weight_shape"))
+    packed = read(f"{module}.weight_packed", words_in_place, np.int32)
+    scale, stored_shape = read(f"{module}.weight_scale", scales_in_place), read(f"{module}.weight_shape")
     if stored_shape.reshape(-1).tolist() != [rows, columns]:
         raise LladaError(f"{where}: {module}.weight_shape is {stored_shape.tolist()} but config.json implies {[rows, columns]}")
     if packed.dtype != np.int32 or packed.shape != (rows, words):
@@ -131,7 +136,7 @@ def _read_quantized(read, module: str, shape: tuple[int, int], scheme: QuantSche
     if scale.shape != (rows, groups) or not (scale.dtype.kind == "f" or scale.dtype.name == "bfloat16"):
         raise LladaError(f"{where}: {module}.weight_scale must be float {[rows, groups]}, got {scale.dtype} "
                          f"{list(scale.shape)}")
-    return HostQuantized(packed, scale.astype(np.float32), scheme, columns)
+    return HostQuantized(packed, scale, scheme, columns)
 
 
 def check_finite_weights(model_dir: Path, config: LLaDAConfig, rows: int = 4096) -> None:

@@ -79,8 +79,10 @@ def test_a_checkpoint_in_the_compute_dtype_loads_in_place_on_a_cpu_device(tmp_pa
     """Every matrix of a bf16 checkpoint loaded as bf16 is the file's pages (no copy); loaded as float32
     it is a converted copy with the same values."""
     saved = save_hf(tiny_model.params, tiny_model.config, tmp_path / "bf16", stored_dtype="bfloat16")
+    copy = shutil.copytree(saved, tmp_path / "copy")
+    converted = llada_jax.load(copy, dtype="float32")
+    assert str(copy) not in Path("/proc/self/maps").read_text()  # what is converted is read, never mapped
     in_place = llada_jax.load(saved, dtype="bfloat16")
-    converted = llada_jax.load(saved, dtype="float32")
     matrices = [(name, value) for name, value in params_to_hf(in_place.params).items() if value.ndim == 2]
     assert matrices and all(in_mapped_file(value) for _, value in matrices)
     for name, value in params_to_hf(converted.params).items():
