@@ -1,7 +1,8 @@
 """What loading a model will take, checked against the memory there is, before anything is read (no JAX).
 
 The need is the weights in the form they will be held (the compute dtype for float tensors, integers
-plus float32 scales for quantized ones; host-packed stages when staged), plus a KV state and the
+plus their scales for quantized ones, counted as float32: an upper bound, as checkpoints usually store them
+in 16 bits; host-packed stages when staged), plus a KV state and the
 working set of a full step over `PLAN_POSITIONS` positions (activations, attention scores, logits, and
 one dequantized matrix for group-wise weights), plus the largest tensor as it is read. A model
 that cannot fit is refused in one line naming the need and what would fit, before the OOM killer can
@@ -37,7 +38,7 @@ class MemoryNeed:
 
 def weight_bytes(config: LLaDAConfig, itemsize: int, quantized: dict[str, QuantScheme]) -> int:
     """Bytes of every tensor as held for compute: float tensors at `itemsize`, quantized ones as integers
-    (one byte, or half for 4 bits) plus float32 scales."""
+    (one byte, or half for 4 bits) plus their scales, counted as float32 (at most what they hold)."""
     total = 0
     for name, shape in hf_shapes(config).items():
         scheme = quantized.get(name[: -len(".weight")])
