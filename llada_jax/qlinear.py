@@ -224,13 +224,13 @@ def quantized_linear(x: jax.Array, w: QuantizedWeight, columns: bool = False, dt
         if columns:
             raise ValueError("W8A8 matmuls run position-major (llada_jax.layout.LayoutRule.pick)")
         return _int8_linear(x, w).astype(dtype)
-    values = w.values
-    if w.hoist_barrier:
-        values, x = jax.lax.optimization_barrier((values, x))
+    values, scales = w.values, w.scale
+    if w.hoist_barrier:  # the scales too: XLA hoisted their widening out of the decode loop, a float32 copy
+        values, scales, x = jax.lax.optimization_barrier((values, scales, x))
     halves = _nibble_activations(x, columns) if w.nibbles else (x,)
 
     def rows(start, count):
-        scale = _row_slice(w.scale, start, count).astype(jnp.float32)
+        scale = _row_slice(scales, start, count).astype(jnp.float32)
         return _block_product(halves, _row_slice(values, start, count), scale, w, columns)
 
     total, block = w.shape[0], w.row_block or w.shape[0]

@@ -36,8 +36,8 @@ FORMS = {  # name -> (compute dtype, how a [O, I] matrix is stored)
 }
 
 
-def scales(rows: int, groups: int):
-    return jax.ShapeDtypeStruct((rows, groups), jnp.float32)
+def scales(rows: int, groups: int, dtype=jnp.float32):
+    return jax.ShapeDtypeStruct((rows, groups), dtype)
 
 
 def abstract_params(dtype: str, stored) -> dict:
@@ -64,13 +64,40 @@ def largest_float32_matrix(params) -> int:
     return max(int(np.prod(leaf.shape)) * 4 for leaf in jax.tree.leaves(params))
 
 
+def loop_temporaries(params, dtype: str) -> int:
+    inputs = loop_inputs(np.arange(4, dtype=np.int32), SPEC, TokenBiases.build(CONFIG.embedding_size), None, 1.0)
+    inputs = LoopInputs(*(jnp.asarray(value) for value in inputs))
+    compiled = decode_loop.lower(params, inputs, config=CONFIG, spec=SPEC, kv_dtype=jnp.dtype(dtype)).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
 @pytest.mark.parametrize("form", sorted(FORMS))
 @pytest.mark.slow
 def test_compiled_loop_temporaries_stay_below_two_float32_matrices(form):
     dtype, stored = FORMS[form]
     params = abstract_params(dtype, stored)
-    inputs = loop_inputs(np.arange(4, dtype=np.int32), SPEC, TokenBiases.build(CONFIG.embedding_size), None, 1.0)
-    inputs = LoopInputs(*(jnp.asarray(value) for value in inputs))
-    compiled = decode_loop.lower(params, inputs, config=CONFIG, spec=SPEC, kv_dtype=jnp.dtype(dtype)).compile()
-    temp = compiled.memory_analysis().temp_size_in_bytes
+    temp = loop_temporaries(params, dtype)
     assert temp < 2 * largest_float32_matrix(params), (form, temp, largest_float32_matrix(params))
+
+
+def stored_nibbles(scale_dtype) -> dict:
+    """int4 group 8 as a checkpoint's own bytes (two offset values per byte), scales in `scale_dtype`."""
+    def as_stored(path, leaf):
+        if len(leaf.shape) != 2:
+            return leaf
+        rows, columns = leaf.shape
+        return QuantizedWeight(jax.ShapeDtypeStruct((rows, columns // 2), jnp.uint8),
+                               scales(rows, 1 if "wte" in jax.tree_util.keystr(path) else columns // 8, scale_dtype),
+                               offset=8, nibbles=True)
+
+    return jax.tree_util.tree_map_with_path(as_stored, jax.eval_shape(lambda: init_params(CONFIG, 0, "float32")))
+
+
+@pytest.mark.slow
+def test_stored_scales_are_widened_inside_the_step_not_ahead_of_the_loop():
+    """bf16 scales are widened a few rows at a time inside the step: the loop holds about what it holds with
+    float32 scales (widened ahead of the loop, they were a float32 copy of every scale)."""
+    bf16, f32 = (loop_temporaries(stored_nibbles(dtype), "float32") for dtype in (jnp.bfloat16, jnp.float32))
+    every_scale = sum(int(np.prod(w.scale.shape)) * 4 for w in jax.tree.leaves(
+        stored_nibbles(jnp.bfloat16), is_leaf=lambda leaf: isinstance(leaf, QuantizedWeight)) if hasattr(w, "scale"))
+    assert bf16 - f32 < every_scale / 2, (bf16, f32, every_scale)  # one widened row block of them at a time
