@@ -47,7 +47,7 @@ class SafetensorsFile:
         except OSError as err:
             raise LladaError(f"{self.path}: cannot open ({err.strerror})") from None
         try:
-            self.entries, self.data_start = self._header()
+            self.entries, self.data_start, self.metadata = self._header()
         except BaseException:
             os.close(self.fd)
             raise
@@ -67,11 +67,11 @@ class SafetensorsFile:
             raise self._bad("header is not JSON") from None
         if not isinstance(header, dict):
             raise self._bad("header is not a JSON object")
-        header.pop("__metadata__", None)
+        metadata = header.pop("__metadata__", None)
         entries = {}
         for name, entry in header.items():
             entries[name] = self._entry(name, entry, size - 8 - length)
-        return entries, 8 + length
+        return entries, 8 + length, metadata if isinstance(metadata, dict) else None
 
     def _entry(self, name: str, entry, data_size: int):
         try:
@@ -129,21 +129,32 @@ class SafetensorsFile:
 def write_safetensors(path: Path, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:
     """Write `tensors` as a .safetensors file that any reader accepts, every tensor whose size allows it
     starting on an ALIGN-byte boundary (those sizes first; the header is padded with spaces)."""
-    names_by_dtype = {np.dtype(v): k for k, v in DTYPES.items()}
     arrays = {name: np.asarray(value, order="C") for name, value in tensors.items()}
-    order = sorted(arrays, key=lambda name: arrays[name].nbytes % ALIGN != 0)
+    write_tensors(path, {name: (array.dtype, array.shape) for name, array in arrays.items()}, arrays.__getitem__,
+                  metadata)
+
+
+def write_tensors(path: Path, specs: dict[str, tuple], array_of, metadata: dict[str, str] | None = None) -> None:
+    """`write_safetensors` for tensors `specs` (name -> (dtype, shape)), each fetched by `array_of(name)` as it
+    is written: one in memory at a time."""
+    names_by_dtype = {np.dtype(v): k for k, v in DTYPES.items()}
+    nbytes = {name: math.prod(shape) * np.dtype(dtype).itemsize for name, (dtype, shape) in specs.items()}
+    order = sorted(specs, key=lambda name: nbytes[name] % ALIGN != 0)
     header: dict = {"__metadata__": metadata} if metadata else {}
     offset = 0
     for name in order:
-        array = arrays[name]
-        if array.dtype not in names_by_dtype:
-            raise LladaError(f"{path}: cannot store tensor {name} of dtype {array.dtype} in safetensors")
-        header[name] = {"dtype": names_by_dtype[array.dtype], "shape": list(array.shape),
-                        "data_offsets": [offset, offset + array.nbytes]}
-        offset += array.nbytes
+        dtype, shape = specs[name]
+        if np.dtype(dtype) not in names_by_dtype:
+            raise LladaError(f"{path}: cannot store tensor {name} of dtype {np.dtype(dtype)} in safetensors")
+        header[name] = {"dtype": names_by_dtype[np.dtype(dtype)], "shape": list(shape),
+                        "data_offsets": [offset, offset + nbytes[name]]}
+        offset += nbytes[name]
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-(8 + len(text)) % ALIGN)
     with open(path, "wb") as out:
         out.write(struct.pack("<Q", len(text)) + text)
         for name in order:
-            out.write(memoryview(arrays[name].reshape(-1).view(np.uint8)))
+            array = np.asarray(array_of(name), order="C")
+            if array.dtype != np.dtype(specs[name][0]) or array.shape != tuple(specs[name][1]):
+                raise LladaError(f"{path}: tensor {name} is not the {specs[name]} announced")
+            out.write(memoryview(array.reshape(-1).view(np.uint8)))

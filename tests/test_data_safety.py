@@ -48,9 +48,10 @@ def model_in_folder(tmp_path) -> Path:
 
 QUANTIZE = ["quantize", "--bits", "8", "--model", "{model}", "--out"]
 COMPILE = ["compile", "--target", "host", "--max-len", "64", "--window", "16", "--model", "{model}", "--out"]
+CONVERT = ["convert", "--model", "{model}", "--out"]
 
 
-@pytest.mark.parametrize("command", [QUANTIZE, COMPILE], ids=["quantize", "compile"])
+@pytest.mark.parametrize("command", [QUANTIZE, COMPILE, CONVERT], ids=["quantize", "compile", "convert"])
 @pytest.mark.parametrize("target, expected", [
     ("unrelated", "not an output of this command"),
     ("parent", "contains this command's input"),

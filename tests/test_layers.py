@@ -24,6 +24,7 @@ LAYERS = (
               "llada_jax.tokenizer", "llada_jax.char_tokenizer", "llada_jax.locations", "llada_jax.compilation",
               "llada_jax.backend", "llada_jax.loading", "llada_jax.safetensors_file", "llada_jax.quantize",
               "llada_jax.quant_config", "llada_jax.qlinear", "llada_jax.quantize_checkpoint", "llada_jax.memory_plan",
+              "llada_jax.realign_checkpoint",
               "llada_jax.loop_io", "llada_jax.decode_loop", "llada_jax.step_batcher", "llada_jax.mesh",
               "llada_jax.host_memory", "llada_jax.host_cpu")),
     ("lowering", ("lowering.*",)),

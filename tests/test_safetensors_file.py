@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from safetensors.numpy import load_file, save_file
 
 import llada_jax
+from llada_jax.cli import main
 from llada_jax.checkpoint import save_hf
 from llada_jax.params import params_to_hf
 from llada_jax.safetensors_file import ALIGN, SafetensorsFile, write_safetensors
@@ -90,17 +91,42 @@ def test_a_checkpoint_in_the_compute_dtype_loads_in_place_on_a_cpu_device(tmp_pa
         np.testing.assert_array_equal(np.asarray(value), np.asarray(params_to_hf(in_place.params)[name], np.float32))
 
 
-def test_an_hf_file_off_the_boundary_loads_the_same_weights(tmp_path, tiny_dir):
-    """A file from the official writer (header padded to 8 bytes only), here one whose tensors all sit off
-    the 64-byte boundary, loads by copy to the same values."""
+def off_the_boundary(tiny_dir: Path, out: Path) -> Path:
+    """`tiny_dir` as the official writer lays it out (header padded to 8 bytes only), here with every tensor
+    off the 64-byte boundary."""
     stored = load_file(str(tiny_dir / "model.safetensors"))
-    hf_dir = tmp_path / "hf"
-    shutil.copytree(tiny_dir, hf_dir)
+    shutil.copytree(tiny_dir, out)
     for pad in range(ALIGN):
-        save_file(stored, str(hf_dir / "model.safetensors"), metadata={"format": "pt", "pad": "x" * pad})
-        with SafetensorsFile(hf_dir / "model.safetensors") as handle:
+        save_file(stored, str(out / "model.safetensors"), metadata={"format": "pt", "pad": "x" * pad})
+        with SafetensorsFile(out / "model.safetensors") as handle:
             if handle.data_start % ALIGN:
-                break
-    model = llada_jax.load(hf_dir)
+                return out
+    raise AssertionError("no padding put the tensors off the boundary")
+
+
+def test_an_hf_file_off_the_boundary_loads_the_same_weights(tmp_path, tiny_dir):
+    hf_dir = off_the_boundary(tiny_dir, tmp_path / "hf")
+    model, stored = llada_jax.load(hf_dir), load_file(str(hf_dir / "model.safetensors"))
     for name, value in params_to_hf(model.params).items():
         assert np.asarray(value).tobytes() == stored[name].tobytes(), name
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="reads the process's mappings from /proc")
+def test_convert_relays_a_checkpoint_byte_for_byte_so_it_loads_in_place(tmp_path, tiny_dir, capsys):
+    hf_dir = off_the_boundary(tiny_dir, tmp_path / "hf")
+    (hf_dir / "notes.txt").write_text("the user's")
+    assert main(["convert", "--model", str(hf_dir), "--out", str(tmp_path / "out")]) == 0
+    out = tmp_path / "out"
+    assert "load in place" in capsys.readouterr().out and (out / "notes.txt").read_text() == "the user's"
+    before, after = load_file(str(hf_dir / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert before.keys() == after.keys() and all(before[n].tobytes() == after[n].tobytes() for n in before)
+    with SafetensorsFile(out / "model.safetensors") as handle:
+        assert handle.metadata == {"format": "pt", "pad": handle.metadata["pad"]}
+    model = llada_jax.load(out)
+    assert all(in_mapped_file(value) for value in params_to_hf(model.params).values() if value.ndim == 2)
+    ids = np.arange(3, 9)
+    assert (llada_jax.generate(model, ids, gen_length=8, block_length=8, steps=8).output_ids.tolist()
+            == llada_jax.generate(llada_jax.load(hf_dir), ids, gen_length=8, block_length=8, steps=8).output_ids.tolist())
+    assert main(["convert", "--model", str(hf_dir), "--out", str(hf_dir)]) == 1  # never over its input
+    assert main(["convert", "--model", str(tmp_path / "out"), "--out", str(hf_dir)]) == 1  # nor over the user's
+    assert capsys.readouterr().err.count("llada: error:") == 2 and (hf_dir / "notes.txt").is_file()

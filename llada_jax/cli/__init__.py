@@ -11,6 +11,7 @@ from jax.errors import JaxRuntimeError
 
 from llada_jax.cli.bench import add_bench
 from llada_jax.cli.compile import add_compile
+from llada_jax.cli.convert import add_convert
 from llada_jax.cli.evaluate import add_eval
 from llada_jax.cli.generate import add_generate, add_trace
 from llada_jax.cli.quantize import add_quantize
@@ -33,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llada", description="Diffusion LLM (LLaDA) inference in JAX")
     parser.add_argument("--version", action="version", version=f"%(prog)s {version('llada-jax')}")
     commands = parser.add_subparsers(dest="command", required=True)
-    for add in (add_generate, add_serve, add_compile, add_quantize, add_eval, add_bench, add_trace, add_train):
+    for add in (add_generate, add_serve, add_compile, add_quantize, add_convert, add_eval, add_bench, add_trace,
+                add_train):
         add(commands)
     _show_defaults(parser)
     return parser
