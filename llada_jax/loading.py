@@ -30,6 +30,7 @@ from llada_jax.weights_io import (
     check_finite_weights,
     checkpoint_quantization,
     iter_tensors,
+    stored_scale_itemsize,
 )
 
 LOAD_BAR_BYTES = 1 << 30  # a load that takes seconds or more shows a progress bar
@@ -50,6 +51,7 @@ class Model:
     activations: str = "float"  # "int8": W8A8 matmuls for per-channel int8 weights (see qlinear)
     quantized: dict = dataclasses.field(default_factory=dict)  # module -> QuantScheme of the checkpoint
     mesh: object = None  # a `jax.sharding.Mesh` the params are sharded over (see `llada_jax.mesh`); None: one device
+    scale_itemsize: int = 4  # bytes per quantization scale as held: as stored when resident, float32 when staged
 
     @property
     def jnp_dtype(self):
@@ -61,7 +63,7 @@ class Model:
 
     @property
     def weight_bytes(self) -> int:
-        return weight_bytes(self.config, self.itemsize, self.quantized)
+        return weight_bytes(self.config, self.itemsize, self.quantized, self.scale_itemsize)
 
 
 def load(path, dtype: str = "float32", device_memory_budget: int | None = None, check_weights: bool = False,
@@ -87,8 +89,10 @@ def load(path, dtype: str = "float32", device_memory_budget: int | None = None, 
     quantized = checkpoint_quantization(model_dir, config)
     check_activations(activations, quantized)
     model = Model(config, None, tokenizer, dtype, model_dir, device_memory_budget, activations=activations,
-                  quantized=quantized, mesh=mesh)
+                  quantized=quantized, mesh=mesh, scale_itemsize=stored_scale_itemsize(model_dir, quantized))
     staged = device_memory_budget is not None and model.weight_bytes > device_memory_budget
+    if staged:  # stages pack the scales as float32
+        model = dataclasses.replace(model, scale_itemsize=4)
     if mesh is not None:
         check_fits_model_axis(config, mesh)
         if staged:
@@ -109,12 +113,12 @@ def load(path, dtype: str = "float32", device_memory_budget: int | None = None, 
 def check_memory(model: Model, staged: bool) -> None:
     """Refuse, before reading any weight, a model the memory cannot hold (see `memory_plan`)."""
     config, itemsize, quantized = model.config, model.itemsize, model.quantized
-    need = resident_need(config, itemsize, quantized)
+    need = resident_need(config, itemsize, quantized, model.scale_itemsize)
     if staged:  # host-packed stages, plus the staging buffers (host memory on a CPU device)
         need = dataclasses.replace(need, working=need.working + min(model.device_memory_budget, need.weights))
     alternatives = []
     if model.dtype == "float32":
-        alternatives.append(("--dtype bfloat16", resident_need(config, 2, quantized)))
+        alternatives.append(("--dtype bfloat16", resident_need(config, 2, quantized, model.scale_itemsize)))
     if not quantized:
         schemes = [QuantScheme(8)] + ([QuantScheme(4, group)] if (group := default_group_size(config)) else [])
         for scheme in schemes:

@@ -1,8 +1,8 @@
 """What loading a model will take, checked against the memory there is, before anything is read (no JAX).
 
 The need is the weights in the form they will be held (the compute dtype for float tensors, integers
-plus their scales for quantized ones, counted as float32: an upper bound, as checkpoints usually store them
-in 16 bits; host-packed stages when staged), plus a KV state and the
+plus their scales for quantized ones: as the checkpoint stores them when resident, float32 in host-packed
+stages when staged), plus a KV state and the
 working set of a full step over `PLAN_POSITIONS` positions (activations, attention scores, logits, and
 one dequantized matrix for group-wise weights), plus the largest tensor as it is read. A model
 that cannot fit is refused in one line naming the need and what would fit, before the OOM killer can
@@ -36,9 +36,9 @@ class MemoryNeed:
         return self.weights + self.working
 
 
-def weight_bytes(config: LLaDAConfig, itemsize: int, quantized: dict[str, QuantScheme]) -> int:
+def weight_bytes(config: LLaDAConfig, itemsize: int, quantized: dict[str, QuantScheme], scale_itemsize: int = 4) -> int:
     """Bytes of every tensor as held for compute: float tensors at `itemsize`, quantized ones as integers
-    (one byte, or half for 4 bits) plus their scales, counted as float32 (at most what they hold)."""
+    (one byte, or half for 4 bits) plus their scales at `scale_itemsize`."""
     total = 0
     for name, shape in hf_shapes(config).items():
         scheme = quantized.get(name[: -len(".weight")])
@@ -46,7 +46,7 @@ def weight_bytes(config: LLaDAConfig, itemsize: int, quantized: dict[str, QuantS
             total += math.prod(shape) * itemsize
         else:
             rows, columns = shape
-            total += rows * columns * scheme.bits // 8 + rows * scheme.groups(columns) * 4
+            total += rows * columns * scheme.bits // 8 + rows * scheme.groups(columns) * scale_itemsize
     return total
 
 
@@ -65,8 +65,10 @@ def working_bytes(config: LLaDAConfig, itemsize: int, quantized: dict[str, Quant
     return kv + activations + scores + logits + dequantized + read_buffer
 
 
-def resident_need(config: LLaDAConfig, itemsize: int, quantized: dict[str, QuantScheme]) -> MemoryNeed:
-    return MemoryNeed(weight_bytes(config, itemsize, quantized), working_bytes(config, itemsize, quantized))
+def resident_need(config: LLaDAConfig, itemsize: int, quantized: dict[str, QuantScheme],
+                  scale_itemsize: int = 4) -> MemoryNeed:
+    return MemoryNeed(weight_bytes(config, itemsize, quantized, scale_itemsize),
+                      working_bytes(config, itemsize, quantized))
 
 
 def available_memory() -> int | None:

@@ -18,7 +18,7 @@ from llada_jax.errors import LladaError
 from llada_jax.params import hf_shapes
 from llada_jax.quant_config import quantized_modules
 from llada_jax.quantize import HostQuantized, QuantScheme
-from llada_jax.safetensors_file import SafetensorsFile
+from llada_jax.safetensors_file import DTYPES, SafetensorsFile
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -77,6 +77,24 @@ def checkpoint_quantization(model_dir: Path, config: LLaDAConfig) -> dict[str, Q
     if not (Path(model_dir) / "config.json").is_file():
         return {}
     return quantized_modules(read_hf_dict(model_dir), config)
+
+
+def stored_scale_itemsize(model_dir: Path, quantized: dict[str, QuantScheme]) -> int:
+    """Bytes per quantization scale as the checkpoint stores them (the widest, if its modules differ), from the
+    shards' headers; 4 for a plain checkpoint or where they cannot be read (loading then names the fault)."""
+    if not quantized:
+        return 4
+    try:
+        weight_map = weight_files(model_dir)
+        files = {weight_map.get(f"{module}.weight_scale") for module in quantized} - {None}
+        sizes = []
+        for file in files:
+            with SafetensorsFile(model_dir / file) as handle:
+                sizes += [np.dtype(DTYPES[entry[0]]).itemsize for name, entry in handle.entries.items()
+                          if name.endswith(".weight_scale")]
+        return max(sizes, default=4)
+    except LladaError:
+        return 4
 
 
 def iter_tensors(model_dir: Path, config: LLaDAConfig, weight_map: dict[str, str] | None = None,
