@@ -40,8 +40,8 @@ import numpy as np
 import llada_jax
 from eval.bench import matmul_peak_gflops, step_flops
 from eval.reference_bench import check_checkout, reference_forward
-from llada_jax.bundle_runner import generate_with_bundle
 from llada_jax.backends.select import open_bundle
+from llada_jax.bundle_runner import generate_with_bundle
 from llada_jax.config import LLaDAConfig, read_config
 from llada_jax.errors import LladaError
 from llada_jax.host_cpu import describe
@@ -83,7 +83,8 @@ def measure(path: str, activations: str, dtype: str, budget: int | None) -> dict
 def measure_bundle(path: Path) -> dict:
     started = time.perf_counter()
     opened = open_bundle(path, "iree-host")
-    files = [Path(file) if Path(file).is_absolute() else path / file for file in opened.bundle.manifest["weights"]["files"]]
+    listed = opened.bundle.manifest["weights"]["files"]
+    files = [Path(file) if Path(file).is_absolute() else path / file for file in listed]
     row = {"load_s": time.perf_counter() - started, "weight_bytes": sum(file.stat().st_size for file in files)}
     limit = opened.bundle.manifest["max_len"]
     row = canvas_rows(row, lambda ids, **options: generate_with_bundle(opened, ids, **options), opened.config, limit)
@@ -164,7 +165,8 @@ def _cell(value, width: int, digits: int, scale: float = 1.0) -> str:
 def print_table(rows: list[dict], config, peak: float) -> None:
     print(f"CPU: {describe()}; {len(os.sched_getaffinity(0))} threads")
     print(f"float32 matmul peak {peak:.1f} GFLOP/s; floor = forward FLOPs / peak")
-    print(f"{'setting':<15}{'mode':<16}{'weights GB':>11}{'load s':>8}{'first s':>8}{'peak RSS GB':>12}{'device GB':>10}"
+    print(f"{'setting':<15}{'mode':<16}{'weights GB':>11}{'load s':>8}{'first s':>8}{'peak RSS GB':>12}"
+          f"{'device GB':>10}"
           + "".join(f"{f'fwd{p + g} s':>10}{'xfloor':>8}{'streamed GB':>12}" for p, g in CANVASES))
     for row in rows:
         if "error" in row:

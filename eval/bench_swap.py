@@ -103,7 +103,8 @@ def main(argv=None) -> None:
     resident = rows[0]["median_s"]
     print(f"weights {weight_bytes() / 2**20:.0f} MiB, backend {args.backend}, {args.policy}, "
           f"prompt {args.prompt_length} + {GEN_LENGTH} generated tokens")
-    print(f"{'budget':<12}{'median s':>10}{'vs resident':>13}{'staged MiB':>12}{'copy s':>9}{'hidden':>8}{'RSS MiB':>9}")
+    print(f"{'budget':<12}{'median s':>10}{'vs resident':>13}{'staged MiB':>12}{'copy s':>9}{'hidden':>8}"
+          f"{'RSS MiB':>9}")
     for row in rows:
         name = "resident" if row["budget_fraction"] is None else f"{row['budget_fraction']:.0%}"
         print(f"{name:<12}{row['median_s']:>10.3f}{row['median_s'] / resident:>13.2f}"

@@ -13,7 +13,8 @@ def _signature(command: str) -> bytes:
 
 
 def check_png_target(path, command: str, force: bool) -> None:
-    """Refuse, before any work, a `path` that holds anything but an earlier PNG of `command` (that one: with `force`)."""
+    """Refuse, before any work, a `path` that holds anything but an earlier PNG of `command` (that one: with
+    `force`)."""
     check_output_file(Path(path), lambda existing: _signature(command) in existing.read_bytes()[:4096], force)
 
 

@@ -70,5 +70,6 @@ def evaluate(model, setting: DecoderSetting, limit: int | None = None, steps: in
     every = [c for family in correct.values() for c in family]
     return {"setting": str(setting), "overall": float(np.mean(every)),
             "families": {name: float(np.mean(v)) for name, v in sorted(correct.items())},
-            "mean_nfe": float(np.mean(nfes)), "revisions_per_answer": float(np.mean(revisions)), "tokens_per_s": tokens / seconds if seconds else 0.0,
+            "mean_nfe": float(np.mean(nfes)), "revisions_per_answer": float(np.mean(revisions)),
+            "tokens_per_s": tokens / seconds if seconds else 0.0,
             "examples": len(every), "gen_length": GEN_LENGTH, "block_length": block_length, "steps": steps}

@@ -59,9 +59,11 @@ class LLaDAConfig:
         if self.head_dim % 2:
             raise LladaError(f"config head dimension {self.head_dim} must be even for rotary embeddings")
         if self.embedding_size < self.vocab_size:
-            raise LladaError(f"config embedding_size={self.embedding_size} is smaller than vocab_size={self.vocab_size}")
+            raise LladaError(f"config embedding_size={self.embedding_size} is smaller than "
+                             f"vocab_size={self.vocab_size}")
         if not 0 <= self.mask_token_id < self.embedding_size:
-            raise LladaError(f"config mask_token_id={self.mask_token_id} is outside the embedding (size {self.embedding_size})")
+            raise LladaError(f"config mask_token_id={self.mask_token_id} is outside the embedding "
+                             f"(size {self.embedding_size})")
         if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
             raise LladaError("config rope_theta and rms_norm_eps must be positive")
 

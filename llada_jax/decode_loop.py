@@ -265,7 +265,8 @@ def _switch(index, branches):
 def _ranks(logp, candidates, positions):
     """Each position's rank among the candidates: how many have a higher log-probability, or an equal
     one at a lower position."""
-    higher = (logp[None, :] > logp[:, None]) | ((logp[None, :] == logp[:, None]) & (positions[None, :] < positions[:, None]))
+    earlier = positions[None, :] < positions[:, None]
+    higher = (logp[None, :] > logp[:, None]) | ((logp[None, :] == logp[:, None]) & earlier)
     return jnp.sum(candidates[None, :] & higher, axis=1)
 
 

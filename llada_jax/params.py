@@ -1,7 +1,7 @@
 """The params pytree and its shape-only twin, named exactly as the HF LLaDA checkpoint names tensors.
 
-No JAX at import time (the bundle runtime uses the shapes). Matrices keep the checkpoint's torch layout `[out_features, in_features]`, so loading is a plain copy
-and export back to HF is bit-exact. Pytree:
+No JAX at import time (the bundle runtime uses the shapes). Matrices keep the checkpoint's torch layout
+`[out_features, in_features]`, so loading is a plain copy and export back to HF is bit-exact. Pytree:
     {"wte": [E, D], "blocks": [{name: array} per layer], "ln_f": [D], "lm_head": [E, D]}
 """
 

@@ -146,7 +146,8 @@ def _read_quantized(read, module: str, shape: tuple[int, int], scheme: QuantSche
     packed = read(f"{module}.weight_packed", words_in_place, np.int32)
     scale, stored_shape = read(f"{module}.weight_scale", scales_in_place), read(f"{module}.weight_shape")
     if stored_shape.reshape(-1).tolist() != [rows, columns]:
-        raise LladaError(f"{where}: {module}.weight_shape is {stored_shape.tolist()} but config.json implies {[rows, columns]}")
+        raise LladaError(f"{where}: {module}.weight_shape is {stored_shape.tolist()} but config.json implies "
+                         f"{[rows, columns]}")
     if packed.dtype != np.int32 or packed.shape != (rows, words):
         raise LladaError(f"{where}: {module}.weight_packed must be int32 {[rows, words]} for {scheme.bits}-bit "
                          f"values, got {packed.dtype} {list(packed.shape)}")

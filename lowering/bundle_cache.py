@@ -18,8 +18,8 @@ def cached_bundle(model_dir, target: str, *, dtype: str = "float32", max_len: in
                   window: int | None = None, device_memory_budget: int | None = None, loops: tuple = (),
                   batch_sizes: tuple[int, ...] = (1,), activations: str = "float", data_tiling: bool = False,
                   progress=None) -> Path:
-    """A bundle for this model (by content), target, dtype, activations, data tiling, shapes, staged weight layouts, compiled decode
-    loops, IREE version and this host's matmul tiles; compiled if absent."""
+    """A bundle for this model (by content), target, dtype, activations, data tiling, shapes, staged weight
+    layouts, compiled decode loops, IREE version and this host's matmul tiles; compiled if absent."""
     model_dir = Path(model_dir).absolute()
     config = read_config(model_dir)
     max_len = max_len or config.max_sequence_length
@@ -43,14 +43,15 @@ def cached_bundle(model_dir, target: str, *, dtype: str = "float32", max_len: in
 
 
 # The source files that decide what a bundle computes: a change to any of them compiles a new bundle.
-EXPORTING_CODE = ("model.py", "layout.py", "steps.py", "layered.py", "decode_loop.py", "loop_io.py", "qlinear.py", "params.py",
-                  "packing.py", "shapes.py", "kv_state.py", "readout.py")
+EXPORTING_CODE = ("model.py", "layout.py", "steps.py", "layered.py", "decode_loop.py", "loop_io.py", "qlinear.py",
+                  "params.py", "packing.py", "shapes.py", "kv_state.py", "readout.py")
 LOWERING_CODE = ("export.py", "bundle.py", "bundle_weights.py", "targets.py", "matmul_tiles.py", "run_script.py")
 
 
 def _exporting_code() -> str:
     root = Path(__file__).resolve().parent.parent
-    files = [root / "llada_jax" / name for name in EXPORTING_CODE] + [root / "lowering" / name for name in LOWERING_CODE]
+    files = ([root / "llada_jax" / name for name in EXPORTING_CODE]
+             + [root / "lowering" / name for name in LOWERING_CODE])
     digest = hashlib.sha256()
     for file in files:
         digest.update(file.read_bytes())

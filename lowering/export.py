@@ -2,8 +2,8 @@
 weights are IREE named parameters (`#flow.parameter.named<"model"::"<HF tensor name>">`), never constants.
 
 Each step, and each compiled decode loop, is exported as a flat function `(weights..., inputs...) ->
-outputs`; a public wrapper named after it loads every weight from its global and calls it. The runtime binds scope "model" to
-the checkpoint's own safetensors file(s), so one weights file serves every target.
+outputs`; a public wrapper named after it loads every weight from its global and calls it. The runtime binds
+scope "model" to the checkpoint's own safetensors file(s), so one weights file serves every target.
 """
 
 from __future__ import annotations
@@ -127,7 +127,9 @@ def _staged_signature(spec: StepSpec, config: LLaDAConfig, compute_dtype, extras
         inputs = [*_stage_tensors(head_layout(config), compute_dtype), ("x", _sds((b, w, d), compute_dtype)),
                   extras[0], ("logit_bias", _sds((rows,), jnp.float32)),
                   ("confidence_bias", _sds((rows,), jnp.float32))]
-        return inputs, [(name, _sds((b, w), jnp.int32 if name == "x0" else jnp.float32)) for name in HeadChunkReadout._fields]
+        outputs = [(name, _sds((b, w), jnp.int32 if name == "x0" else jnp.float32))
+                   for name in HeadChunkReadout._fields]
+        return inputs, outputs
     width = w or s
     inputs = [*_stage_tensors(layer_layout(config), compute_dtype), ("x", _sds((b, width, d), compute_dtype)),
               ("positions", _sds((b, width), jnp.int32))]

@@ -32,7 +32,8 @@ def check_token_ids(ids, config: LLaDAConfig, what: str, allow_mask: bool) -> np
         raise LladaError(f"{what} must be integer token ids, got dtype {ids.dtype}")
     bad = (ids < 0) | (ids >= config.embedding_size)
     if bad.any():
-        raise LladaError(f"{what} holds token id {int(ids[bad][0])} outside the vocabulary [0, {config.embedding_size})")
+        raise LladaError(f"{what} holds token id {int(ids[bad][0])} outside the vocabulary "
+                         f"[0, {config.embedding_size})")
     if not allow_mask and (ids == config.mask_token_id).any():
         raise LladaError(f"{what} holds the mask token id {config.mask_token_id}")
     return ids.astype(np.int32)

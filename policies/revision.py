@@ -15,9 +15,9 @@ Every side step is `side_width` slots wide (a fixed shape): stale slots are refr
 later chunks seeing earlier ones refreshed; tokens to re-score are split into interleaved groups, so
 each keeps most neighbours visible. The job runs while dense step t+1 computes (on the host with XLA
 under an IREE GPU dense path; inline, just before it, otherwise) and is merged right after that dense
-step: refreshed K/V go into slots that are still stale, and re-scores confirm or revise tokens. Invariant: a dense step attends to a stale
-slot only if it went stale after the previous dense step (a draft or revision then sees its previous
-K/V for one step); the merge makes it current before the next dense step.
+step: refreshed K/V go into slots that are still stale, and re-scores confirm or revise tokens. Invariant: a
+dense step attends to a stale slot only if it went stale after the previous dense step (a draft or revision
+then sees its previous K/V for one step); the merge makes it current before the next dense step.
 
 Revision: if the re-score's argmax agrees, that is a confirmation; after `confirmations` of them, or
 when committed at confidence >= `stable_confidence`, the token is *stable*: final, and so is its K/V.

@@ -33,7 +33,8 @@ class Schedule:
         if self.gen_length % self.block_length:
             raise LladaError(f"gen_length={self.gen_length} is not a multiple of block_length={self.block_length}")
         if self.steps < self.num_blocks:
-            raise LladaError(f"steps={self.steps} is fewer than the {self.num_blocks} blocks (need one step per block at least)")
+            raise LladaError(f"steps={self.steps} is fewer than the {self.num_blocks} blocks "
+                             "(need one step per block at least)")
         if self.steps % self.num_blocks:
             raise LladaError(f"steps={self.steps} is not divisible by the number of blocks ({self.num_blocks})")
 

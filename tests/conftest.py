@@ -135,4 +135,5 @@ def jax_backend(model, readout_spec=None):
     from llada_jax.backends.xla import JaxBackend
     from llada_jax.readout import ReadoutSpec, TokenBiases
 
-    return JaxBackend(model.params, model.config, readout_spec or ReadoutSpec(), TokenBiases.build(model.config.embedding_size))
+    biases = TokenBiases.build(model.config.embedding_size)
+    return JaxBackend(model.params, model.config, readout_spec or ReadoutSpec(), biases)

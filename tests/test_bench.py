@@ -133,8 +133,8 @@ def test_a_row_is_timed_on_a_pass_that_compiled_nothing(monkeypatch):
 @pytest.mark.slow
 def test_scale_bench_rows_for_a_checkpoint_a_bundle_and_a_peer(capsys, tiny_dir, host_bundle, tmp_path):
     """Each row in its own process: XLA on the checkpoint, IREE on the bundle (only the canvases the model and
-    the bundle's --max-len hold; for IREE its allocator's peak too), and a peer row parsed from llama-bench's JSON lines (a stand-in
-    script here, printing what llama-bench prints for `-p 32,160 -n 0 -o jsonl`)."""
+    the bundle's --max-len hold; for IREE its allocator's peak too), and a peer row parsed from llama-bench's
+    JSON lines (a stand-in script here, printing what llama-bench prints for `-p 32,160 -n 0 -o jsonl`)."""
     from eval import bench_scale
 
     peer = tmp_path / "llama-bench"

@@ -187,7 +187,8 @@ def test_pictures_are_never_drawn_over_a_file_of_the_users(capsys, tmp_path, tin
     picture.write_bytes(b"\x89PNG\r\n\x1a\n my holiday")
     flag = "--out" if command == "trace" else "--plot"
     for extra in ([], ["--force"]):
-        refused(capsys, [command, "--model", str(tiny_dir), flag, str(picture), *extra], "not an output of this command")
+        refused(capsys, [command, "--model", str(tiny_dir), flag, str(picture), *extra],
+                "not an output of this command")
         assert picture.read_bytes() == b"\x89PNG\r\n\x1a\n my holiday"
 
 

@@ -133,7 +133,8 @@ def test_hostile_completions_are_contained(tmp_path, capsys):
                           "    except OSError:\n        raise RuntimeError(f'forked {n}')\n"
                           "    if pid == 0:\n        time.sleep(30)\n        os._exit(0)\n    n += 1"),
         "infinite loop": "while True:\n    pass",
-        "memory hog": "hog = []\nwhile True:\n    hog.append(bytes(64 << 20))",  # calloc: hits RLIMIT_AS at once, even on a busy machine
+        # calloc: hits RLIMIT_AS at once, even on a busy machine
+        "memory hog": "hog = []\nwhile True:\n    hog.append(bytes(64 << 20))",
         "write outside": f"open({str(outside)!r}, 'w').write('escaped')\nreturn True",
         "kill parent": "import os\nos.kill(os.getppid(), 9)\nreturn True",
         "kill the harness": f"import os\nos.kill({os.getpid()}, 9)\nreturn True",

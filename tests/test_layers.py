@@ -18,7 +18,8 @@ PACKAGES = ("llada_jax", "policies", "lowering", "eval")
 # Lowest first; a module may import its own layer and any layer below it. "pkg.*" names the package and every
 # module under it; any other name is exactly one module, so a new core file must be declared here.
 LAYERS = (
-    ("core", ("llada_jax.errors", "llada_jax.config", "llada_jax.params", "llada_jax.layout", "llada_jax.model", "llada_jax.kv_state",
+    ("core", ("llada_jax.errors", "llada_jax.config", "llada_jax.params", "llada_jax.layout", "llada_jax.model",
+              "llada_jax.kv_state",
               "llada_jax.steps", "llada_jax.layered", "llada_jax.packing", "llada_jax.shapes", "llada_jax.readout",
               "llada_jax.staging", "llada_jax.checkpoint", "llada_jax.weights_io", "llada_jax.atomic",
               "llada_jax.tokenizer", "llada_jax.char_tokenizer", "llada_jax.locations", "llada_jax.compilation",

@@ -169,8 +169,10 @@ results = {policy: generate_with_bundle(OpenBundle(bundle, session, None), np.ar
 readout = IreeBackend(bundle, session, ReadoutSpec(), TokenBiases.build(bundle.config.embedding_size)).full(
     np.array(tokens), np.array(valid)).readout
 print(json.dumps({"ids": {policy: result.output_ids.tolist() for policy, result in results.items()},
-                  "revisions": {policy: [list(r.revisions) for r in result.trace] for policy, result in results.items()},
-                  "side_concurrent": {policy: result.stats.get("side_concurrent") for policy, result in results.items()},
+                  "revisions": {policy: [list(r.revisions) for r in result.trace]
+                                for policy, result in results.items()},
+                  "side_concurrent": {policy: result.stats.get("side_concurrent")
+                                      for policy, result in results.items()},
                   "logp": np.asarray(readout.logp).tolist()}))
 """
 VULKAN_POLICIES = POLICIES + ["dual-cache+speculative+revision:0.4"]

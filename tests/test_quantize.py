@@ -80,7 +80,8 @@ def test_signed_bytes_and_row_slices_hold_the_values(bits, rows, columns, start,
     assert np.array_equal(unpacked, q)
     part = host.rows(start, count)
     want = np.concatenate([q, np.zeros((start + count, columns), np.int8)])[start: start + count]
-    assert np.array_equal(part.values, want) and part.scale[:, 0].tolist() == [1.0] * min(count, max(rows - start, 0)) + [0.0] * (count - min(count, max(rows - start, 0)))
+    inside = min(count, max(rows - start, 0))
+    assert np.array_equal(part.values, want) and part.scale[:, 0].tolist() == [1.0] * inside + [0.0] * (count - inside)
 
 
 @pytest.mark.parametrize("bits, values, words", [

@@ -142,7 +142,9 @@ def test_different_reference_tokens_are_reported(capsys, tiny_dir, fake_referenc
 def test_reference_failures_are_one_line(capsys, tiny_dir, fake_reference, monkeypatch, tmp_path):
     monkeypatch.setenv("FAKE_REFERENCE_FAIL", "1")
     code, _, err = bench_rows(capsys, tiny_dir, fake_reference, "vanilla")
-    assert code == 1 and err.strip().splitlines()[-1] == "llada: error: the reference decoders failed (exit 1): OSError: no model here"
+    assert code == 1
+    last = err.strip().splitlines()[-1]
+    assert last == "llada: error: the reference decoders failed (exit 1): OSError: no model here"
     for checkout, extra, message in (
             (tmp_path, [], "no llada/generate.py there"),
             (fake_reference, ["--reference-python", str(tmp_path / "nothing")], "not an executable file"),

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from safetensors.numpy import load_file, save_file
 
 import llada_jax
-from llada_jax.cli import main
 from llada_jax.checkpoint import save_hf
+from llada_jax.cli import main
 from llada_jax.params import params_to_hf
 from llada_jax.safetensors_file import ALIGN, SafetensorsFile, write_safetensors
 from tests.conftest import in_mapped_file
@@ -124,9 +124,9 @@ def test_convert_relays_a_checkpoint_byte_for_byte_so_it_loads_in_place(tmp_path
         assert handle.metadata == {"format": "pt", "pad": handle.metadata["pad"]}
     model = llada_jax.load(out)
     assert all(in_mapped_file(value) for value in params_to_hf(model.params).values() if value.ndim == 2)
-    ids = np.arange(3, 9)
-    assert (llada_jax.generate(model, ids, gen_length=8, block_length=8, steps=8).output_ids.tolist()
-            == llada_jax.generate(llada_jax.load(hf_dir), ids, gen_length=8, block_length=8, steps=8).output_ids.tolist())
+    ids, options = np.arange(3, 9), dict(gen_length=8, block_length=8, steps=8)
+    assert (llada_jax.generate(model, ids, **options).output_ids.tolist()
+            == llada_jax.generate(llada_jax.load(hf_dir), ids, **options).output_ids.tolist())
     assert main(["convert", "--model", str(hf_dir), "--out", str(hf_dir)]) == 1  # never over its input
     assert main(["convert", "--model", str(tmp_path / "out"), "--out", str(hf_dir)]) == 1  # nor over the user's
     assert capsys.readouterr().err.count("llada: error:") == 2 and (hf_dir / "notes.txt").is_file()

@@ -28,7 +28,8 @@ LLAMA3_STYLE = (
     "{%- for message in messages %}"
     "{%- if message['role'] == 'ipython' %}{% continue %}{% endif %}"
     "{%- if message['content'] == 'STOP' %}{% break %}{% endif %}"
-    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim"
+    " + '<|eot_id|>' }}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}")
 
@@ -55,7 +56,8 @@ def test_templates_render_as_transformers_renders_them():
 
 
 def test_a_template_that_raises_is_a_one_line_error():
-    template = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('turns must start with the user') }}{% endif %}"
+    template = ("{% if messages[0]['role'] != 'user' %}{{ raise_exception('turns must start with the user') }}"
+                "{% endif %}")
     with pytest.raises(LladaError, match="chat template failed: turns must start with the user"):
         render_chat_template(template, [{"role": "assistant", "content": "x"}], {})
 

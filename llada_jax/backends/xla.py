@@ -70,7 +70,8 @@ class JaxBackend(DeviceRows, Backend):
 
     def window(self, state: kv_state.KVState, visible: np.ndarray, window_ids: np.ndarray,
                window_pos: np.ndarray, window_valid: np.ndarray, reads: Reads | None = None) -> StepOutput:
-        context = Context(self._kv(state.keys), self._kv(state.values), self._rows(kv_state.visible_bias(state, visible)))
+        bias = self._rows(kv_state.visible_bias(state, visible))
+        context = Context(self._kv(state.keys), self._kv(state.values), bias)
         out, keys, values = window_step(
             self.params, context, self._rows(np.asarray(window_ids, np.int32)),
             self._rows(np.asarray(window_pos, np.int32)), self._rows(window_valid), *self._common,

@@ -43,10 +43,14 @@ def add_decoding_flags(parser: argparse.ArgumentParser) -> None:
                         help="BASE[+speculative[:L[:T]]][+revision[:R[:K]]][@THRESHOLD], BASE = vanilla, "
                              f"prefix-cache, dual-cache (default: {DEFAULT_POLICY}, the fastest setting that "
                              "keeps the held-out accuracy; vanilla is LLaDA's reference decoder, token for token)")
-    parser.add_argument("--lookahead", type=int, default=None, help="speculation: blocks ahead to draft (adds +speculative)")
-    parser.add_argument("--draft-threshold", type=float, default=None, help="speculation: commit a draft at this confidence")
-    parser.add_argument("--revise-threshold", type=float, default=None, help="revision: replace at this confidence (adds +revision)")
-    parser.add_argument("--confirmations", type=int, default=None, help="revision: agreeing re-scorings to become stable")
+    parser.add_argument("--lookahead", type=int, default=None,
+                        help="speculation: blocks ahead to draft (adds +speculative)")
+    parser.add_argument("--draft-threshold", type=float, default=None,
+                        help="speculation: commit a draft at this confidence")
+    parser.add_argument("--revise-threshold", type=float, default=None,
+                        help="revision: replace at this confidence (adds +revision)")
+    parser.add_argument("--confirmations", type=int, default=None,
+                        help="revision: agreeing re-scorings to become stable")
     parser.add_argument("--threshold", type=float, default=None, help="commit all tokens with confidence >= this")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--loop", choices=LOOPS, default="auto",
@@ -64,7 +68,8 @@ def add_loop_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", default=None,
                         help=f"BASE[+speculative[:L[:T]]][@THRESHOLD] (default: {DEFAULT_POLICY})")
     parser.add_argument("--lookahead", type=int, default=None, help="speculation: blocks ahead to draft")
-    parser.add_argument("--draft-threshold", type=float, default=None, help="speculation: commit a draft at this confidence")
+    parser.add_argument("--draft-threshold", type=float, default=None,
+                        help="speculation: commit a draft at this confidence")
     parser.add_argument("--threshold", type=float, default=None, help="commit all tokens with confidence >= this")
     parser.add_argument("--no-loop", action="store_true", help="steps only: no compiled decode loop, no run.sh")
     parser.set_defaults(revise_threshold=None, confirmations=None)

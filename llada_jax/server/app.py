@@ -49,8 +49,8 @@ def create_app(served: Served, engine: Engine, api_key: str | None = None) -> Fa
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": served.name, "object": "model", "created": started, "owned_by": "llada-jax",
-                                            "max_model_len": served.context}]}
+        return {"object": "list", "data": [{"id": served.name, "object": "model", "created": started,
+                                            "owned_by": "llada-jax", "max_model_len": served.context}]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
