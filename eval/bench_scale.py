@@ -123,7 +123,7 @@ def measure_peer(llama_bench: str, gguf: str) -> dict:
 
 def reference_row(args, config) -> dict:
     """The PyTorch reference model on the first float checkpoint among the settings (see the docstring)."""
-    paths = [Path(s.partition("=")[2].partition(":")[0]) for s in args.setting]
+    paths = [parse_setting(setting)[1] for setting in args.setting]
     floats = [p for p in paths if not (p / MANIFEST).is_file() and not checkpoint_quantization(p, read_config(p))]
     if not floats:
         raise LladaError("--reference runs the reference model on a float checkpoint; no --setting is one")
@@ -144,10 +144,16 @@ def run_child(name: str, mode: str, arguments: list[str]) -> dict:
     return {"setting": name, "mode": mode, **json.loads(done.stdout)}
 
 
-def setting_rows(setting: str, dtype: str, budget: int | None) -> list[dict]:
+def parse_setting(setting: str) -> tuple[str, Path, str]:
+    """`NAME=DIR[:int8]` -> (name, directory, activations or "")."""
     name, _, spec = setting.partition("=")
     path, _, activations = spec.partition(":")
-    if (Path(path) / MANIFEST).is_file():
+    return name, Path(path), activations
+
+
+def setting_rows(setting: str, dtype: str, budget: int | None) -> list[dict]:
+    name, path, activations = parse_setting(setting)
+    if (path / MANIFEST).is_file():
         return [run_child(name, "IREE bundle", ["--one", f"{path}:float"])]
     rows = []
     for each in (None, budget) if budget else (None,):
@@ -221,12 +227,12 @@ def main(argv=None) -> None:
     rows = []
     for setting in args.setting:
         rows += setting_rows(setting, args.dtype, args.budget)
-        print(f"measured {setting.partition('=')[0]}", file=sys.stderr, flush=True)
+        print(f"measured {parse_setting(setting)[0]}", file=sys.stderr, flush=True)
     for gguf in args.gguf:
         name, _, file = gguf.partition("=")
         rows.append(run_child(name, "llama.cpp", ["--llama-bench", args.llama_bench, "--one-peer", file]))
         print(f"measured {name}", file=sys.stderr, flush=True)
-    config = model_config(Path(args.setting[0].partition("=")[2].partition(":")[0]))
+    config = model_config(parse_setting(args.setting[0])[1])
     if args.reference:
         try:
             rows.append(reference_row(args, config))

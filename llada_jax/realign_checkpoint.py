@@ -1,7 +1,7 @@
 """`llada convert`: a checkpoint re-laid by llada-jax's safetensors writer, tensor for tensor and byte for
 byte, every tensor it can on a 64-byte boundary, so that a CPU device uses its weights in place
 (`SafetensorsFile.mapped`). The HF writer aligns its header to 8 bytes only: its shards' tensors usually
-sit off the boundary and are copied at every load (LLaDA-8B bf16: 15-27 s against well under one)."""
+sit off the boundary and are copied at every load."""
 
 from __future__ import annotations
 
