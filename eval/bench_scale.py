@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import statistics
 import subprocess
@@ -44,7 +43,7 @@ from llada_jax.backends.select import open_bundle
 from llada_jax.bundle_runner import generate_with_bundle
 from llada_jax.config import LLaDAConfig, read_config
 from llada_jax.errors import LladaError
-from llada_jax.host_cpu import describe
+from llada_jax.host_cpu import describe, usable_threads
 from llada_jax.weights_io import checkpoint_quantization
 from lowering.bundle_format import MANIFEST
 
@@ -109,7 +108,7 @@ def measure_peer(llama_bench: str, gguf: str) -> dict:
     pass with logits at every position), same thread count, and its peak RSS."""
     widths = ",".join(str(prompt + generated) for prompt, generated in CANVASES)
     command = [llama_bench, "-m", gguf, "-p", widths, "-n", "0", "-r", str(REPEATS),
-               "-t", str(len(os.sched_getaffinity(0))), "-o", "jsonl"]
+               "-t", str(usable_threads()), "-o", "jsonl"]
     done = subprocess.run(command, capture_output=True, text=True, check=True)
     row = {"load_s": None, "weight_bytes": Path(gguf).stat().st_size}
     for line in done.stdout.splitlines():
@@ -169,7 +168,7 @@ def _cell(value, width: int, digits: int, scale: float = 1.0) -> str:
 
 
 def print_table(rows: list[dict], config, peak: float) -> None:
-    print(f"CPU: {describe()}; {len(os.sched_getaffinity(0))} threads")
+    print(f"CPU: {describe()}; {usable_threads()} threads")
     print(f"float32 matmul peak {peak:.1f} GFLOP/s; floor = forward FLOPs / peak")
     print(f"{'setting':<15}{'mode':<16}{'weights GB':>11}{'load s':>8}{'first s':>8}{'peak RSS GB':>12}"
           f"{'device GB':>10}"

@@ -13,7 +13,6 @@ transformers its model code imports): llada-jax itself needs neither.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -21,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 from llada_jax.errors import LladaError
+from llada_jax.host_cpu import usable_threads
 from policies.registry import DecoderSetting
 
 CHILD = Path(__file__).with_name("reference_child.py")
@@ -54,7 +54,7 @@ def run_reference(root: str, python: str, model: Path, config, prompts: list[lis
     the progress lines."""
     decoders = [{"policy": s.policy, "threshold": s.threshold} for s in settings if has_reference(s)]
     job = {"reference": str(Path(root).resolve()), "model": str(Path(model).resolve()), "prompts": prompts,
-           "decoders": decoders, "mask_id": config.mask_token_id, "threads": os.cpu_count() or 1,
+           "decoders": decoders, "mask_id": config.mask_token_id, "threads": usable_threads(),
            "gen_length": workload["gen_length"], "block_length": workload["block_length"],
            "steps": workload["steps"]}
     answers: dict[DecoderSetting, list[dict]] = {}
@@ -72,7 +72,7 @@ def reference_forward(root: str, python: str, model: Path, dtype: str, vocab: in
     and peak RSS, on `model`'s weights in `dtype`, with as many threads as this process may use."""
     job = {"kind": "forward", "reference": str(Path(root).resolve()), "model": str(Path(model).resolve()),
            "dtype": dtype, "vocab": vocab, "widths": widths, "repeats": repeats,
-           "threads": len(os.sched_getaffinity(0))}
+           "threads": usable_threads()}
     rows = [row for row in map(json_line, run_child(python, job, "model")) if row and "load_s" in row]
     if not rows:
         raise LladaError("the reference model printed no timings")

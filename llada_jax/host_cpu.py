@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 CPUINFO = Path("/proc/cpuinfo")
@@ -32,3 +33,8 @@ def describe(cpuinfo: Path = CPUINFO) -> str:
     """One line: the model name and which of MATMUL_FLAGS it has."""
     flags = cpu_flags(cpuinfo)
     return f"{cpu_model(cpuinfo)} ({' '.join(f for f in MATMUL_FLAGS if f in flags) or 'no matmul extensions'})"
+
+
+def usable_threads() -> int:
+    """The cores this process may run on (its affinity mask, not the machine's count): what peers are given."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
