@@ -54,10 +54,6 @@ class Backend(Protocol):
         `LoopInputs -> LoopOutputs` (numpy); None: this backend runs only the host loop."""
         return None
 
-    def compiled_loop_is_faster(self, spec) -> bool:
-        """Whether `--loop auto` should take `compiled_loop(spec)` over the host loop."""
-        return True
-
     def staging_stats(self) -> dict:
         """Weight-staging counters of this generation (bytes copied, hidden fraction, ...); {} if resident."""
         return {}

@@ -134,17 +134,22 @@ class _Run(NamedTuple):
 
         def one_step(state):
             step, carry = state
-            return step + 1, self.step(block, step, carry)
+            return step + 1, self.step(block, step, carry, full=spec.base == "vanilla")
 
-        return jax.lax.while_loop(more_steps, one_step, (jnp.int32(0), carry))[1]
+        state = (jnp.int32(0), carry)
+        if spec.base != "vanilla":
+            # The cached decoders' first pass (the full forward that fills the cache) is peeled out of the
+            # step loop: IREE 3.13's multithreaded driver fails on a branch on the step inside it.
+            first = (jnp.int32(1), self.step(block, 0, carry, full=True))
+            if spec.lookahead:  # drafts may have filled the block: the pass is then dropped (a select, not a branch)
+                first = jax.tree.map(functools.partial(jnp.where, more_steps(state)), first, state)
+            state = first
+        return jax.lax.while_loop(more_steps, one_step, state)[1]
 
-    def step(self, block: Block, step, carry: Carry) -> Carry:
+    def step(self, block: Block, step, carry: Carry, full: bool) -> Carry:
+        """One pass: a full forward (`full`) or a window over the cache."""
         masked = self.masked(carry.tokens)
-        if self.spec.base == "vanilla":
-            out = self.full(block, carry, masked)
-        else:
-            out = jax.lax.cond(step == 0, lambda: self.full(block, carry, masked),
-                               lambda: self.window(block, carry, masked))
+        out = self.full(block, carry, masked) if full else self.window(block, carry, masked)
         chosen = self.chosen(block, step, masked, out.logp)
         commit = chosen | (block.drafts & masked & (out.logp >= self.inputs.draft_cutoff))
         failed = out.bad_position != NOT_COMMITTED

@@ -44,10 +44,6 @@ from lowering.run_script import write_run_script
 from lowering.targets import compile_flags, target, target_tiles
 
 COMPILE_TIMEOUT_S = 900  # default; LLADA_COMPILE_TIMEOUT_S overrides (data tiling compiles take several times longer)
-# The driver compiled decode loops run on. IREE 3.13's asynchronous drivers (local-task, vulkan) run a loop
-# whose body allocates transient buffers wrongly (a crash, or the loop stopping after one pass with garbage;
-# tests/test_decode_loop_bundle.py); the synchronous CPU driver runs it correctly, on one thread.
-LOOP_DRIVER = "local-sync"
 COMPILE_COMMAND = "llada compile"
 
 
@@ -169,7 +165,7 @@ only an earlier bundle, with `force` (`llada_jax.atomic`)."""
         seconds = compile_module(module, flags, staging / VMFB, timeout, tuning_spec(tuned, tiles) if tuned else None)
         weights = _place_weights(model_dir, staging, copy_weights, layout)
         if loops:
-            write_run_script(staging, loops[0], config, LOOP_DRIVER, weights)
+            write_run_script(staging, loops[0], config, tgt.driver, weights)
         for name in TOKENIZER_FILES:
             if (model_dir / name).is_file():
                 shutil.copyfile(model_dir / name, staging / name)
@@ -183,7 +179,7 @@ only an earlier bundle, with `force` (`llada_jax.atomic`)."""
             "compile_seconds": round(seconds, 2), "weights": weights,
             "steps": [signature_manifest(spec, config, compute) for spec in specs],
             "loops": [loop_manifest(spec, function) for spec, function in zip(loop_specs, functions[len(specs):])],
-            "decoding": [baked.manifest() for baked in loops], "loop_driver": LOOP_DRIVER,
+            "decoding": [baked.manifest() for baked in loops],
         }
         _write_manifest(staging, manifest)
     return out_dir

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from pathlib import Path
 from typing import Callable
 
@@ -20,13 +19,11 @@ from llada_jax.backend import Backend, SideBackend
 from llada_jax.config import LLaDAConfig
 from llada_jax.errors import LladaError
 from llada_jax.loop_io import LoopInputs, LoopOutputs, LoopSpec
-from llada_jax.params import HF_PREFIX, hf_shapes
 from llada_jax.readout import Readout, ReadoutSpec, Reads, StepOutput, TokenBiases, first_columns, head_rows_for
 from llada_jax.shapes import kv_shape
 from lowering.bundle_format import MANIFEST, PARAMETER_SCOPE, VMFB, StepSpec, check_files
 
 HOST_CPU_DRIVERS = ("local-task", "local-sync")  # IREE's drivers that run compiled code on the host's own cores
-LOOP_MAX_STEP_FLOPS = 1e9  # a full step above this runs faster on the host loop (see compiled_loop_is_faster)
 
 
 class Session:
@@ -130,13 +127,11 @@ class IreeBackend(Backend):
     runs (the caller may offer XLA on the host; this module never imports JAX)."""
 
     def __init__(self, bundle: Bundle, session: Session, readout_spec: ReadoutSpec, biases: TokenBiases,
-                 cfg_scale: float = 0.0, side: Callable[["IreeBackend"], SideBackend | None] | None = None,
-                 loop_session: Callable[[], Session] | None = None):
+                 cfg_scale: float = 0.0, side: Callable[["IreeBackend"], SideBackend | None] | None = None):
         if readout_spec != ReadoutSpec(kind="argmax") or cfg_scale != 0.0:
             raise LladaError("IREE bundles run argmax readouts without CFG: use temperature 0 and cfg-scale 0")
         self.bundle, self.session, self.config = bundle, session, bundle.config
         self.readout_spec, self.biases, self._side = readout_spec, biases, side
-        self._loop_session = loop_session or (lambda: session)
         # Uploaded once per generation; every step passes the same device buffers.
         self._extras = (np.asarray(cfg_scale, np.float32), session.upload(biases.logit_bias),
                         session.upload(biases.confidence_bias))
@@ -191,20 +186,11 @@ class IreeBackend(Backend):
     def _host(self, array) -> np.ndarray:
         return array if isinstance(array, np.ndarray) else self.session.read(array)
 
-    def compiled_loop_is_faster(self, spec: LoopSpec) -> bool:
-        """The compiled loop runs on one thread (`local-sync`, see `lowering.bundle.LOOP_DRIVER`), the host
-        loop's steps on all cores: the loop wins only where per-step host work outweighs the lost threads.
-        Measured on 2 cores (weight matmuls per full step): 0.17 GFLOP (the embedded model, 96 positions)
-        answers in 5.1 ms through the loop vs 7.8 ms; 23 GFLOP (d_model 1024, 64 positions) in 4.4 s vs 2.5 s."""
-        matmul_weights = sum(math.prod(shape) for name, shape in hf_shapes(self.config).items()
-                             if len(shape) == 2 and name != HF_PREFIX + "wte.weight")  # the embedding is a lookup
-        return 2 * spec.slots * matmul_weights <= LOOP_MAX_STEP_FLOPS
-
     def compiled_loop(self, spec: LoopSpec):
         """The bundle's compiled decode loop for `spec`, if `llada compile` baked one."""
         if spec.name not in {entry["name"] for entry in self.bundle.manifest.get("loops", [])}:
             return None
-        session = self._loop_session()
+        session = self.session
         invoker = session.invoker(spec.name)
 
         def run(inputs: LoopInputs) -> LoopOutputs:

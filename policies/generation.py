@@ -172,9 +172,8 @@ def _check_loop(loop: str, spec, on_step, several: bool):
 
 
 def _compiled_loop(backend, loop: str, spec, on_step):
-    """The backend's compiled loop when `loop` asks for it (auto: where it is faster), else None."""
-    wanted = loop == "compiled" or (loop == "auto" and on_step is None and spec is not None
-                                    and backend.compiled_loop_is_faster(spec))
+    """The backend's compiled loop when `loop` asks for it (auto: wherever it covers the setting), else None."""
+    wanted = loop == "compiled" or (loop == "auto" and on_step is None and spec is not None)
     compiled = backend.compiled_loop(spec) if wanted else None
     if loop == "compiled" and compiled is None:
         raise LladaError("this backend runs only the host loop (staged weights, or a bundle compiled without "

@@ -8,7 +8,6 @@ No JAX at import: a bundle runs without it. The XLA parts are imported when a mo
 from __future__ import annotations
 
 import dataclasses
-import functools
 from pathlib import Path
 
 from llada_jax.backend import Backend, SideBackend
@@ -32,11 +31,6 @@ class OpenBundle:
     @property
     def config(self):
         return self.bundle.config
-
-    @functools.cached_property
-    def loop_session(self) -> Session:
-        """The bundle opened on the driver its compiled decode loops run on (see `lowering.bundle.LOOP_DRIVER`)."""
-        return Session(self.bundle.path, self.bundle.manifest, self.bundle.manifest["loop_driver"])
 
 
 def open_bundle(path, backend: str = "iree-host") -> OpenBundle:
@@ -63,8 +57,7 @@ def select_backend(source, readout_spec: ReadoutSpec, biases: TokenBiases, cfg_s
 def _iree_backend(opened: OpenBundle, readout_spec, biases, cfg_scale, batch, slots) -> Backend:
     side = _host_side_path(opened)
     if opened.staged is None:
-        return IreeBackend(opened.bundle, opened.session, readout_spec, biases, cfg_scale, side,
-                           loop_session=lambda: opened.loop_session)
+        return IreeBackend(opened.bundle, opened.session, readout_spec, biases, cfg_scale, side)
     budget = opened.bundle.manifest["device_memory_budget"]
     return IreeStagedBackend(opened.bundle, opened.session, opened.staged, budget, readout_spec, biases, cfg_scale,
                              batch, slots, side)
