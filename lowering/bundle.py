@@ -151,8 +151,8 @@ only an earlier bundle, with `force` (`llada_jax.atomic`)."""
     staged = _runs_staged(config, layout, device_memory_budget)
     archive = copy_weights and tgt.driver == "local-task" and not staged  # a CPU device maps it in place
     layout = dataclasses.replace(layout, signed=archive)
-    flags, timeout = compile_flags(tgt, data_tiling, staged), compile_timeout()  # both checked before the export
     specs, loops = _functions_to_compile(config, max_len, window, batch_sizes, staged, loops, tgt.driver, progress)
+    flags, timeout = compile_flags(tgt, data_tiling, staged, bool(loops)), compile_timeout()  # checked before export
     loop_specs = _loop_specs(loops, max_len)
     say = progress or (lambda message: None)
     tiles = target_tiles(tgt, data_tiling)

@@ -61,18 +61,23 @@ TARGETS = {
 # once (a second copy of them stays in device memory); weights passed as arguments, as staged pieces take
 # them, would be re-laid on every call (the toolchain notes).
 DATA_TILING = ("--iree-opt-data-tiling",)
+# A decode loop's command buffers record direct bindings: with IREE 3.13's indirect ones, a loop body's
+# dispatch referenced a binding slot beyond its command buffer's declared capacity ("indirect buffer reference
+# slot 0 is out of range") at some canvas sizes, on every CPU driver. No cost measured on the loop.
+DIRECT_BINDINGS = ("--iree-hal-indirect-command-buffers=false",)
 
 
-def compile_flags(tgt: Target, data_tiling: bool, staged: bool) -> tuple[str, ...]:
-    """The target's flags, with data tiling when asked for and possible."""
+def compile_flags(tgt: Target, data_tiling: bool, staged: bool, loops: bool) -> tuple[str, ...]:
+    """The target's flags, with data tiling when asked for and possible (`loops`: the module holds decode loops)."""
+    flags = tgt.flags + (DIRECT_BINDINGS if loops else ())
     if not data_tiling:
-        return tgt.flags
+        return flags
     if "--iree-hal-local-target-device-backends=llvm-cpu" not in tgt.flags:
         raise LladaError(f"--data-tiling is for CPU targets; {tgt.name} is not one")
     if staged:
         raise LladaError("--data-tiling needs resident weights: with a device memory budget the staged pieces "
                          "take weights as arguments and would re-lay them on every call (drop one of the two)")
-    return tgt.flags + DATA_TILING
+    return flags + DATA_TILING
 
 
 def target_tiles(tgt: Target, data_tiling: bool) -> Tiles | None:
