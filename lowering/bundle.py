@@ -151,7 +151,7 @@ only an earlier bundle, with `force` (`llada_jax.atomic`)."""
     staged = _runs_staged(config, layout, device_memory_budget)
     archive = copy_weights and tgt.driver == "local-task" and not staged  # a CPU device maps it in place
     layout = dataclasses.replace(layout, signed=archive)
-    specs, loops = _functions_to_compile(config, max_len, window, batch_sizes, staged, loops, tgt.driver, progress)
+    specs, loops = _functions_to_compile(config, max_len, window, batch_sizes, staged, loops, progress)
     flags, timeout = compile_flags(tgt, data_tiling, staged, bool(loops)), compile_timeout()  # checked before export
     loop_specs = _loop_specs(loops, max_len)
     say = progress or (lambda message: None)
@@ -245,15 +245,10 @@ def _runs_staged(config, layout: WeightLayout, budget: int | None) -> bool:
 
 
 def _functions_to_compile(config, max_len: int, window: int, batch_sizes: tuple[int, ...], staged: bool,
-                          loops: tuple, driver: str, progress) -> tuple[list, tuple]:
+                          loops: tuple, progress) -> tuple[list, tuple]:
     """The steps of every shape (per-layer pieces in place of the resident steps when the weights exceed
-    the device memory budget: they would not fit), and the decode loops unless the weights stream or the
-    target is a GPU."""
+    the device memory budget: they would not fit), and the decode loops unless the weights stream."""
     specs = step_specs(max_len, window, batch_sizes)
-    if loops and driver != "local-task":
-        (progress or print)(f"no compiled decode loop for {driver}: IREE {iree_version()} runs loops on it wrongly "
-                            "(transient buffers inside the loop); the bundle runs the host loop")
-        loops = ()
     if not staged:
         return specs, loops
     if loops:

@@ -21,7 +21,7 @@ from lowering import bundle as bundle_mod
 from lowering.bundle import compile_bundle
 from lowering.export import canvas_sizes
 from policies.compiled_loop import baked_loops
-from tests.conftest import TINY
+from tests.conftest import TINY, require, vulkan_available
 
 pytestmark = pytest.mark.slow  # IREE compiles or child processes: the full tier only
 
@@ -97,10 +97,20 @@ def test_run_script_names_a_missing_iree_run_module(loop_bundle):
     assert proc.returncode == 1 and "iree-run-module failed" in proc.stderr.splitlines()[-1]
 
 
-def test_gpu_and_staged_bundles_keep_the_host_loop(tiny_dir):
+def test_vulkan_bundle_runs_its_loop_through_run_script(tiny_dir, tmp_path, capsys):
+    """GPU bundles carry the compiled loop too (Mesa's lavapipe here), run by run.sh in a process of its own."""
+    require(vulkan_available(), "a Vulkan driver (Mesa's mesa-vulkan-drivers and libvulkan1)")
+    policy, steps = "dual-cache+speculative:1:0.3", 8
+    loops = (baked_loops(policy, None, GEN, BLOCK, steps, canvas_sizes(MAX_LEN)),)
+    path = compile_bundle(tiny_dir, "vulkan", tmp_path / "vk", max_len=MAX_LEN, window=16, loops=loops)
+    ids = ",".join(str(i) for i in range(40, 51))
+    proc = run_script(path, ids, str(host_iree_run_module()))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == ",".join(map(str, host_ids(capsys, tiny_dir, ids, policy, steps)))
+
+
+def test_staged_bundles_keep_the_host_loop():
     loops = (baked_loops("dual-cache", None, GEN, BLOCK, 8, canvas_sizes(MAX_LEN)),)
     said = []
-    _, kept = bundle_mod._functions_to_compile(TINY, MAX_LEN, 16, (1,), None, loops, "vulkan", said.append)
-    assert kept == () and "no compiled decode loop for vulkan" in said[0]
-    specs, kept = bundle_mod._functions_to_compile(TINY, MAX_LEN, 16, (1,), 1000, loops, "local-task", said.append)
-    assert kept == () and "host loop only" in said[1] and all(spec.kind != "full" for spec in specs)
+    specs, kept = bundle_mod._functions_to_compile(TINY, MAX_LEN, 16, (1,), 1000, loops, said.append)
+    assert kept == () and "host loop only" in said[0] and all(spec.kind != "full" for spec in specs)
