@@ -13,6 +13,9 @@ LLADA_8B_MASK_ID = 126336
 LLADA_8B_EOS_ID = 126081
 LLADA_8B_EOT_ID = 126348
 
+# The HF architectures (`config.json`'s `architectures[0]`) this loader reads; LLaDA 1.5 is LLaDAModelLM too.
+SUPPORTED_ARCHITECTURES = ("LLaDAModelLM",)
+
 # Fields whose value must be exactly this for the architecture we implement.
 _REQUIRED_VALUES = {
     "block_type": "llama",
@@ -78,6 +81,7 @@ class LLaDAConfig:
     @classmethod
     def from_hf_dict(cls, raw: dict, eot_token_id: int | None = None) -> "LLaDAConfig":
         """Build from the fields of an HF config.json; unsupported architecture options are errors."""
+        _check_architecture(raw.get("architectures"))
         for field, wanted in _REQUIRED_VALUES.items():
             if field in raw and raw[field] is not None and raw[field] != wanted:
                 raise LladaError(f"config field {field}={raw[field]!r} is not supported (need {wanted!r})")
@@ -134,6 +138,18 @@ class LLaDAConfig:
             "bias_for_layer_norm": False,
             "rope_full_precision": True,
         }
+
+
+def _check_architecture(architectures) -> None:
+    """Families are chosen by the architecture config.json names, never guessed from shapes (LLaDA-MoE's
+    config says `model_type: llada` too). A config without the field is read as LLaDA."""
+    if architectures is None:
+        return
+    if not isinstance(architectures, list) or not architectures or not isinstance(architectures[0], str):
+        raise LladaError(f"config.json field architectures must be a list of names, got {architectures!r}")
+    if architectures[0] not in SUPPORTED_ARCHITECTURES:
+        raise LladaError(f"config.json names architecture {architectures[0]!r}, which llada-jax does not load "
+                         f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
 
 
 def read_config(model_dir: Path, eot_token_id: int | None = None) -> LLaDAConfig:

@@ -113,6 +113,19 @@ def fault_unsupported_architecture(d):
     edit_json(d / "config.json", lambda c: c.update(weight_tying=True))
 
 
+def fault_moe_architecture(d):
+    """LLaDA-MoE's config says model_type "llada" like LLaDA-8B: only its architecture tells them apart."""
+    edit_json(d / "config.json", lambda c: c.update(architectures=["LLaDAMoEModelLM"], model_type="llada"))
+
+
+def fault_dream_architecture(d):
+    edit_json(d / "config.json", lambda c: c.update(architectures=["DreamModel"], model_type="Dream"))
+
+
+def fault_malformed_architectures(d):
+    edit_json(d / "config.json", lambda c: c.update(architectures="LLaDAModelLM"))
+
+
 FAULTS = {
     fault_missing_tensor: "missing tensor model.transformer.blocks.1.q_proj.weight",
     fault_unexpected_tensor: "unexpected tensor model.transformer.blocks.1.",
@@ -124,6 +137,9 @@ FAULTS = {
     fault_no_config: "no config.json",
     fault_bad_config: "not valid JSON",
     fault_unsupported_architecture: "weight_tying=True is not supported",
+    fault_moe_architecture: "architecture 'LLaDAMoEModelLM', which llada-jax does not load (supported: LLaDAModelLM)",
+    fault_dream_architecture: "architecture 'DreamModel', which llada-jax does not load",
+    fault_malformed_architectures: "architectures must be a list of names",
 }
 
 
