@@ -7,6 +7,7 @@ import functools
 
 import numpy as np
 
+from llada_jax.backend import BackendRequest
 from llada_jax.backends.select import select_backend
 from llada_jax.errors import LladaError
 from llada_jax.loading import Model, load
@@ -29,8 +30,9 @@ def logits(model: Model, ids) -> np.ndarray:
     padded = np.full((batch, slots), model.config.mask_token_id, np.int32)
     padded[:, :length] = ids
     valid = np.broadcast_to(np.arange(slots) < length, padded.shape)
-    backend = select_backend(model, ReadoutSpec(kind="logits"), TokenBiases.build(model.config.embedding_size), 0.0,
-                             batch, slots)
+    request = BackendRequest(readout_spec=ReadoutSpec(kind="logits"), rows=batch, slots=slots,
+                             biases=TokenBiases.build(model.config.embedding_size))
+    backend = select_backend(model, request)
     return np.asarray(backend.full(padded, valid).readout.logits[:, :length], np.float32)
 
 

@@ -8,12 +8,25 @@ defaults say "not offered".
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, NamedTuple, Protocol
 
 import numpy as np
 
 from llada_jax.kv_state import KVState
-from llada_jax.readout import Reads, StepOutput
+from llada_jax.readout import ReadoutSpec, Reads, StepOutput, TokenBiases
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BackendRequest:
+    """What a generation asks of the backend that will run it: the readout its decoder uses, and the rows and
+    canvas positions a step takes (a backend sizes its device memory by them before any step runs)."""
+
+    readout_spec: ReadoutSpec
+    biases: TokenBiases
+    rows: int                # canvas rows per step: a batch, 2 per prompt under CFG
+    slots: int               # canvas positions
+    cfg_scale: float = 0.0
 
 
 class SideBackend(NamedTuple):

@@ -9,6 +9,7 @@ from typing import Callable
 
 import numpy as np
 
+from llada_jax.backend import BackendRequest
 from llada_jax.config import LLaDAConfig
 from llada_jax.errors import LladaError
 from llada_jax.readout import ReadoutSpec, TokenBiases
@@ -81,9 +82,11 @@ class Prepared:
         """Canvas rows of one prompt: 2 under CFG (conditional, unconditional)."""
         return 2 if self.cfg_scale > 0.0 else 1
 
-    def backend_args(self) -> tuple:
-        """`make_backend`'s arguments: (readout, biases, cfg_scale, rows, slots)."""
-        return self.readout_spec, self.biases, self.cfg_scale, self.rows_per_prompt * len(self.prompts), self.slots
+    def backend_request(self, prompts: int | None = None, slots: int | None = None) -> BackendRequest:
+        """What its backend must offer, for its own prompts and canvas (or `prompts` rows of `slots`)."""
+        return BackendRequest(readout_spec=self.readout_spec, biases=self.biases, cfg_scale=self.cfg_scale,
+                              rows=self.rows_per_prompt * (len(self.prompts) if prompts is None else prompts),
+                              slots=self.slots if slots is None else slots)
 
 
 def prepare_generation(config: LLaDAConfig, prompt_ids, *, gen_length: int, block_length: int, steps: int,
@@ -123,8 +126,8 @@ def prepare_generation(config: LLaDAConfig, prompt_ids, *, gen_length: int, bloc
 
 def run_generation(make_backend: Callable, config: LLaDAConfig, prompt_ids, *, on_step: Callable | None = None,
                    loop: str = "auto", **options):
-    """Validate everything, then decode with `make_backend(readout, biases, cfg_scale, batch, slots)`
-    (batch rows and canvas slots let a backend size its device memory before any step runs).
+    """Validate everything, then decode with `make_backend(request)` (a `llada_jax.backend.BackendRequest`:
+    its rows and canvas slots let a backend size its device memory before any step runs).
     `prompt_ids`: one prompt (returns a `Result`) or a batch (see `prompt_rows`; returns a list of them,
     each row as that prompt alone would decode; `on_step(row, canvas, record)`). A batch of one prompt
     decodes as that prompt alone (the compiled loop included).
@@ -136,7 +139,7 @@ def run_generation(make_backend: Callable, config: LLaDAConfig, prompt_ids, *, o
     prepared = prepare_generation(config, prompt_ids, **options)
     prompts = prepared.prompts
     spec = _check_loop(loop, prepared.loop_spec, on_step, len(prompts) > 1)
-    backend = make_backend(*prepared.backend_args())
+    backend = make_backend(prepared.backend_request())
     if len(prompts) > 1:
         return [_with_staging(result, backend)
                 for result in decode_batch(backend, prompts, prepared.decode_row, on_step)]

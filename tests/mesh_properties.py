@@ -67,11 +67,12 @@ def test_rows_and_weights_are_split_where_the_mesh_says(meshed):
     assert block["q_proj"].sharding.spec == P("model", None) and block["attn_out"].sharding.spec == P(None, "model")
     assert block["ff_out"].sharding.spec == P(None, "model") and block["attn_norm"].sharding.spec == P()
     assert model.params["lm_head"].sharding.spec == P("model", None)
+    from llada_jax.backend import BackendRequest
     from llada_jax.backends.select import select_backend
     from llada_jax.readout import ReadoutSpec, TokenBiases
 
-    backend = select_backend(model, ReadoutSpec(kind="argmax"), TokenBiases.build(model.config.embedding_size), 0.0,
-                             4, 128)
+    backend = select_backend(model, BackendRequest(readout_spec=ReadoutSpec(kind="argmax"), rows=4, slots=128,
+                                                   biases=TokenBiases.build(model.config.embedding_size)))
     out = backend.full(np.full((4, 128), 1, np.int32), np.ones((4, 128), bool))
     rows_per_device = {shard.data.shape[1] for shard in out.keys.addressable_shards}
     heads_per_device = {shard.data.shape[3] for shard in out.keys.addressable_shards}

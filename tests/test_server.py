@@ -311,7 +311,7 @@ def test_a_full_queue_answers_429(embedded):
 
 def slowed(model, gate: threading.Event):
     """A `make_backend` whose steps wait for `gate` (a generation that runs until the test lets it go on)."""
-    return lambda *args: Gated(select_backend(model, *args), gate)
+    return lambda request: Gated(select_backend(model, request), gate)
 
 
 class Gated:

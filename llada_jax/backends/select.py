@@ -10,9 +10,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from llada_jax.backend import Backend, SideBackend
+from llada_jax.backend import Backend, BackendRequest, SideBackend
 from llada_jax.errors import LladaError
-from llada_jax.readout import ReadoutSpec, TokenBiases
 from llada_jax.staging import StagedWeights, StagingStats, kv_bytes, ring_buffers
 from lowering.runtime import Bundle, IreeBackend, Session, load_bundle
 from lowering.staged_runtime import IreeStagedBackend, staged_weights
@@ -45,22 +44,22 @@ def open_bundle(path, backend: str = "iree-host") -> OpenBundle:
     return OpenBundle(bundle, session, staged)
 
 
-def select_backend(source, readout_spec: ReadoutSpec, biases: TokenBiases, cfg_scale: float, batch: int,
-                   slots: int) -> Backend:
+def select_backend(source, request: BackendRequest) -> Backend:
     """The backend that runs one generation of `source` (a `llada_jax.loading.Model` or an `OpenBundle`),
-    sized for `batch` rows and `slots` canvas positions and checked against the device memory budget."""
+    sized for the request's rows and canvas positions and checked against the device memory budget."""
     if isinstance(source, OpenBundle):
-        return _iree_backend(source, readout_spec, biases, cfg_scale, batch, slots)
-    return _xla_backend(source, readout_spec, biases, cfg_scale, batch, slots)
+        return _iree_backend(source, request)
+    return _xla_backend(source, request)
 
 
-def _iree_backend(opened: OpenBundle, readout_spec, biases, cfg_scale, batch, slots) -> Backend:
+def _iree_backend(opened: OpenBundle, request: BackendRequest) -> Backend:
     side = _host_side_path(opened)
     if opened.staged is None:
-        return IreeBackend(opened.bundle, opened.session, readout_spec, biases, cfg_scale, side)
+        return IreeBackend(opened.bundle, opened.session, request.readout_spec, request.biases, request.cfg_scale,
+                           side)
     budget = opened.bundle.manifest["device_memory_budget"]
-    return IreeStagedBackend(opened.bundle, opened.session, opened.staged, budget, readout_spec, biases, cfg_scale,
-                             batch, slots, side)
+    return IreeStagedBackend(opened.bundle, opened.session, opened.staged, budget, request.readout_spec,
+                             request.biases, request.cfg_scale, request.rows, request.slots, side)
 
 
 def _host_side_path(opened: OpenBundle):
@@ -90,10 +89,11 @@ def _weights_dir(bundle: Bundle) -> Path:
     return first.parent if first.is_absolute() else bundle.path
 
 
-def _xla_backend(model, readout_spec, biases, cfg_scale, batch, slots) -> Backend:
+def _xla_backend(model, request: BackendRequest) -> Backend:
     from llada_jax.backends import xla, xla_staged  # imports JAX
 
-    kv = kv_bytes(model.config, batch, slots, model.itemsize)
+    readout_spec, biases, cfg_scale = request.readout_spec, request.biases, request.cfg_scale
+    kv = kv_bytes(model.config, request.rows, request.slots, model.itemsize)
     if model.staged is not None:
         buffers = ring_buffers(model.device_memory_budget, model.staged, kv)
         return xla_staged.StagedJaxBackend(model.staged, model.config, readout_spec, biases, cfg_scale, buffers,

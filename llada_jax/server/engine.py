@@ -56,7 +56,7 @@ class Ticket:
 
 class Engine:
     """Runs `Prepared` single-prompt generations as rows of shared batchers (see the module docstring).
-    `make_backend(readout, biases, cfg_scale, rows, slots)` builds a backend; each is sized for `max_batch`
+    `make_backend(request)` (a `llada_jax.backend.BackendRequest`) builds a backend; each is sized for `max_batch`
     generations of `max_slots` canvas positions, the most it will run."""
 
     def __init__(self, make_backend: Callable, max_slots: int, max_batch: int = 8, max_queue: int = 32):
@@ -123,8 +123,7 @@ class Engine:
                prepared.cfg_scale)
         with self._making:
             if key not in self._batchers:
-                backend = self.make_backend(prepared.readout_spec, prepared.biases, prepared.cfg_scale,
-                                            prepared.rows_per_prompt * self.max_batch, self.max_slots)
+                backend = self.make_backend(prepared.backend_request(self.max_batch, self.max_slots))
                 with self._lock:
                     self._batchers[key] = StepBatcher(DeviceTurns(backend, self._device))
             return self._batchers[key]
