@@ -15,10 +15,10 @@ same run). Each setting runs in its own process so its peak RSS is its own. Noth
 
 A forward pass is one vanilla step over the whole canvas: 16 prompt + 16 generated positions (32), and 32 +
 128 (160); a setting that is a bundle runs through IREE without JAX (`llada_jax.bundle_runner`), and reports
-IREE's allocator peak beside the peak RSS (device-local allocations; IREE's multithreaded driver leaves queue-
-ordered transients out of it, so the peak RSS is the figure to trust). `--budget` adds the checkpoints staged
-through that much device memory. A peer row runs llama.cpp's `llama-bench -p 32,160 -n 0` on a GGUF with as
-many threads as this process may use. `--reference` adds the PyTorch reference model (Fast-dLLM's
+IREE's allocator peak beside the peak RSS (device-local allocations; IREE's multithreaded driver leaves
+queue-ordered transients out of it, so the peak RSS is the figure to trust). `--budget` adds the checkpoints
+staged through that much device memory. A peer row runs llama.cpp's `llama-bench -p 32,160 -n 0` on a GGUF
+with as many threads as this process may use. `--reference` adds the PyTorch reference model (Fast-dLLM's
 `modeling_llada`, logits at every position) on the first float checkpoint, same dtype and threads. `first s`
 is the load plus the first call: ours a warm-up of two forwards that also compiles; the reference's one
 forward, which pages in its memory-mapped weights.
