@@ -22,6 +22,15 @@ import jax
 import jax.numpy as jnp
 
 from llada_jax.config import LLaDAConfig
+from llada_jax.decisions import (
+    block_going,
+    draft_commits,
+    fixed_commits,
+    nonfinite,
+    ranks,
+    scheduled_count,
+    threshold_commits,
+)
 from llada_jax.kv_state import HIDDEN
 from llada_jax.layout import XLA_LAYOUT, LayoutRule
 from llada_jax.loop_io import NOT_COMMITTED, LoopInputs, LoopOutputs, LoopSpec
@@ -126,10 +135,8 @@ class _Run(NamedTuple):
 
         def more_steps(state):
             step, carry = state
-            if spec.threshold_rule or spec.stops_when_filled:
-                going = jnp.any(self.masked(carry.tokens) & in_block)
-            else:
-                going = step < spec.steps_per_block
+            going = block_going(jnp.any(self.masked(carry.tokens) & in_block), step, spec.steps_per_block,
+                                spec.threshold_rule or spec.stops_when_filled)
             return going & (step < max(spec.steps_per_block, spec.block_length)) & (carry.bad[0] == NOT_COMMITTED)
 
         def one_step(state):
@@ -151,7 +158,7 @@ class _Run(NamedTuple):
         masked = self.masked(carry.tokens)
         out = self.full(block, carry, masked) if full else self.window(block, carry, masked)
         chosen = self.chosen(block, step, masked, out.logp)
-        commit = chosen | (block.drafts & masked & (out.logp >= self.inputs.draft_cutoff))
+        commit = chosen | draft_commits(block.drafts, masked, out.logp >= self.inputs.draft_cutoff)
         failed = out.bad_position != NOT_COMMITTED
         commit = commit & ~failed
         useful = jnp.sum(out.computed & masked & (block.in_block | block.drafts))
@@ -164,11 +171,10 @@ class _Run(NamedTuple):
     def chosen(self, block: Block, step, masked, logp):
         """The block's masks committed by the rule."""
         candidates = masked & block.in_block
-        rank = _ranks(logp, candidates, self.positions)
+        rank = ranks(jnp, logp, candidates)
         if self.spec.threshold_rule:
-            return candidates & ((logp >= self.inputs.commit_cutoff) | (rank == 0))
-        per_step, extra = divmod(block.masked_at_start, self.spec.steps_per_block)
-        return candidates & (rank < per_step + (step < extra))
+            return threshold_commits(rank, candidates, logp >= self.inputs.commit_cutoff)
+        return fixed_commits(rank, candidates, scheduled_count(block.masked_at_start, self.spec.steps_per_block, step))
 
     def full(self, block: Block, carry: Carry, masked) -> Computed:
         valid = self.positions < self.length
@@ -267,14 +273,6 @@ def _switch(index, branches):
     return jax.lax.cond(index == 0, branches[0], lambda: _switch(index - 1, branches[1:]))
 
 
-def _ranks(logp, candidates, positions):
-    """Each position's rank among the candidates: how many have a higher log-probability, or an equal
-    one at a lower position."""
-    earlier = positions[None, :] < positions[:, None]
-    higher = (logp[None, :] > logp[:, None]) | ((logp[None, :] == logp[:, None]) & earlier)
-    return jnp.sum(candidates[None, :] & higher, axis=1)
-
-
 def _keep(keep, proposed, cached):
     return jnp.where(keep[None, None, :, None, None], proposed.astype(cached.dtype), cached)
 
@@ -282,5 +280,5 @@ def _keep(keep, proposed, cached):
 def _first_nonfinite(logp, valid, positions):
     """The canvas position of the first valid entry whose log-probability is NaN or +inf (as
     `readout.check_finite` finds it on the host), else NOT_COMMITTED."""
-    bad = valid & (jnp.isnan(logp) | jnp.isposinf(logp))
+    bad = valid & nonfinite(jnp, logp)
     return jnp.where(jnp.any(bad), positions[jnp.argmax(bad)], NOT_COMMITTED).astype(jnp.int32)

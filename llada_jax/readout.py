@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from llada_jax.decisions import nonfinite
 from llada_jax.errors import LladaError
 from llada_jax.shapes import bucket
 
@@ -85,7 +86,7 @@ def check_finite(readout: Readout, positions: np.ndarray, valid: np.ndarray, ste
     -inf is legitimate (a token biased away, or x0 left out of the confidence softmax). `positions`
     `[W]` are the canvas positions of the readout's columns, real where `valid`."""
     values = readout.logits if readout.logits is not None else readout.logp[..., None]
-    bad = (np.isnan(values) | np.isposinf(values)).any(axis=(0, 2)) & valid  # [W]
+    bad = nonfinite(np, values).any(axis=(0, 2)) & valid  # [W]
     if bad.any():
         raise nonfinite_error(step, int(positions[np.argmax(bad)]))
 

@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 
+from llada_jax.decisions import ranks
 from llada_jax.errors import LladaError
 from llada_jax.loop_io import NOT_COMMITTED, BakedLoops, LoopOutputs, LoopSpec, loop_inputs
 from llada_jax.readout import nonfinite_error
@@ -22,7 +23,7 @@ from policies.cache_policies import CACHE_POLICIES
 from policies.loop import Result, StepRecord
 from policies.registry import make_policy
 from policies.sampling import Sampler
-from policies.schedule import Schedule, ThresholdRule, make_rule, rank
+from policies.schedule import Schedule, ThresholdRule, in_rank_order, make_rule
 from policies.speculative import Speculative
 
 
@@ -80,7 +81,8 @@ def result_from(outputs: LoopOutputs, spec: LoopSpec, prompt_len: int, wall_s: f
         block_end = prompt_len + (block + 1) * spec.block_length
         mine = np.zeros(spec.slots, bool)
         mine[prompt_len: prompt_len + spec.gen_length] = committed_by == n
-        chosen = rank(order, mine & (np.arange(spec.slots) < block_end))
+        lo = block_end - spec.block_length
+        chosen = lo + in_rank_order(ranks(np, order[lo:block_end], mine[lo:block_end]), mine[lo:block_end])
         drafts = np.flatnonzero(mine & (np.arange(spec.slots) >= block_end))
         positions = np.concatenate([chosen, drafts])
         offsets = positions - prompt_len

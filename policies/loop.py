@@ -15,13 +15,14 @@ from typing import Callable
 import numpy as np
 
 from llada_jax import kv_state
+from llada_jax.decisions import block_going, ranks
 from llada_jax.readout import check_finite
 from llada_jax.shapes import bucket
 from policies.canvas import Block, Canvas
 from policies.canvas_steps import canvas_wide, commit_window, window_step
 from policies.policy import Policy, Reviser, StepPlan
 from policies.sampling import Sampler
-from policies.schedule import Schedule, transfer_counts
+from policies.schedule import Schedule, in_rank_order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,14 +84,14 @@ def decode(backend, prompt_ids: np.ndarray, schedule: Schedule, policy: Policy, 
     trace: list[StepRecord] = []
     with policy.side_path(backend, canvas) as reviser:
         for block in schedule.blocks(canvas.prompt_len):
-            counts = transfer_counts(int(canvas.masked[block.start:block.end].sum()), schedule.steps_per_block)
+            masked_at_start = int(canvas.masked[block.start:block.end].sum())
             step = 0
             while not _block_done(canvas, block, step, policy, rule):
                 plan = policy.plan(canvas, block, step, kv)
                 if kv is None and (plan.keep_kv is not None or not plan.full):
                     kv = backend.empty_state(canvas.tokens.shape[0], canvas.padded_length)
-                kv, record = _step(backend, canvas, kv, plan, reviser, block, rule.select, sampler, rng,
-                                   (step, counts, len(trace)))
+                kv, record = _step(backend, canvas, kv, plan, reviser, block, rule.commits, sampler, rng,
+                                   (step, masked_at_start, len(trace)))
                 trace.append(record)
                 if on_step is not None:
                     on_step(canvas, record)
@@ -154,20 +155,20 @@ def dense_step(backend, canvas: Canvas, kv, plan: StepPlan, reviser: Reviser, nf
     return out, window, read, kv, revisions
 
 
-def _step(backend, canvas: Canvas, kv, plan: StepPlan, reviser: Reviser, block: Block, select: Callable, sampler,
-          rng, at: tuple):
+def _step(backend, canvas: Canvas, kv, plan: StepPlan, reviser: Reviser, block: Block, commits: Callable,
+          sampler, rng, at: tuple):
     """One step: the dense step, then token commits in the block (and drafts), then the next side job.
-    `at`: (step within the block, the fixed schedule's counts, forward passes so far)."""
-    step, counts, nfe = at
+    `at`: (step within the block, the block's masks when it began, forward passes so far)."""
+    step, masked_at_start, nfe = at
     out, window, read, kv, revisions = dense_step(backend, canvas, kv, plan, reviser, nfe)
     x0, confidence, order = sampler.choose(out.readout, rng)
     order = canvas_wide(canvas, read, x0, order)[1]
     x0, confidence = canvas_wide(canvas, read, x0, confidence)
     useful = plan.useful(window, canvas, block)
-    candidates = canvas.masked.copy()
-    candidates[: block.start] = False
-    candidates[block.end:] = False
-    chosen = select(confidence, order, candidates, step, counts)
+    lo, hi = block.start, block.end
+    candidates = canvas.masked[lo:hi]
+    rank = ranks(np, order[lo:hi], candidates)
+    chosen = lo + in_rank_order(rank, commits(rank, candidates, confidence[lo:hi], step, masked_at_start))
     drafts = plan.draft_positions(confidence, canvas)
     committed = np.concatenate([chosen, drafts]).astype(np.int64)
     canvas.write(committed, x0[committed])
@@ -184,6 +185,5 @@ def _block_done(canvas: Canvas, block: Block, step: int, policy: Policy, rule) -
     """Vanilla's fixed schedule runs exactly steps_per_block steps (as LLaDA's reference does); cached
     decoders, speculation and the threshold rule stop as soon as the block has no mask left (as
     Fast-dLLM does; a block whose masks were all drafted early takes no step at all)."""
-    if rule.fixed_steps is not None and not policy.stops_when_filled:
-        return step >= rule.fixed_steps
-    return not canvas.masked[block.start:block.end].any()
+    stops = rule.fixed_steps is None or policy.stops_when_filled
+    return not block_going(canvas.masked[block.start:block.end].any(), step, rule.fixed_steps, stops)

@@ -17,6 +17,7 @@ from typing import ContextManager, Protocol
 import numpy as np
 
 from llada_jax import kv_state
+from llada_jax.decisions import draft_commits
 from policies.canvas import Block, Canvas, Window
 
 
@@ -58,7 +59,7 @@ class StepPlan:
         start, end = self.drafts
         region = np.zeros(canvas.padded_length, bool)
         region[start:end] = True
-        return np.flatnonzero(region & canvas.masked & (confidence >= self.draft_threshold))
+        return np.flatnonzero(draft_commits(region, canvas.masked, confidence >= self.draft_threshold))
 
     def useful(self, window: Window, canvas: Canvas, block: Block) -> int:
         """Computed positions whose prediction the step can use: masks of the block or the draft region."""

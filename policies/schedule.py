@@ -1,7 +1,9 @@
 """The lengths of one generation, and which masked positions to commit in a step: LLaDA's fixed
 schedule or Fast-dLLM's threshold rule.
 
-Candidates are ranked by an order key, highest first; equal keys go to the lower position. The key is
+The rules themselves are `llada_jax.decisions`, which the compiled loop calls too; here they are chosen and
+applied to one block. Candidates are ranked by an order key, highest first; equal keys go to the lower
+position. The key is
 the confidence itself, except at temperature 0 where it is the step's float32 log-probability: its order
 is exactly what a compiled loop on the device computes (exp in float64 can tie distinct values near 1).
 """
@@ -13,6 +15,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from llada_jax.decisions import fixed_commits, scheduled_count, threshold_commits
 from llada_jax.errors import LladaError
 from policies.canvas import Block
 
@@ -51,22 +54,15 @@ class Schedule:
                 for b in range(self.num_blocks)]
 
 
-def transfer_counts(masked: int, steps: int) -> np.ndarray:
-    """Tokens to commit at each of `steps` steps: masked // steps, one more on the first masked % steps."""
-    counts = np.full(steps, masked // steps, np.int64)
-    counts[: masked % steps] += 1
-    return counts
-
-
-def rank(order: np.ndarray, candidates: np.ndarray) -> np.ndarray:
-    """Candidate positions, highest order key first (stable: ties keep position order)."""
-    positions = np.flatnonzero(candidates)
-    return positions[np.argsort(-order[positions], kind="stable")]
+def in_rank_order(rank: np.ndarray, chosen: np.ndarray) -> np.ndarray:
+    """The positions of `chosen`, first-ranked first (`rank` from `llada_jax.decisions.ranks`)."""
+    positions = np.flatnonzero(chosen)
+    return positions[np.argsort(rank[positions], kind="stable")]
 
 
 @dataclasses.dataclass(frozen=True)
 class FixedSchedule:
-    """Commit exactly `counts[step]` tokens: LLaDA's reference schedule."""
+    """Commit the scheduled count of tokens each step: LLaDA's reference schedule."""
 
     steps_per_block: int
 
@@ -75,9 +71,9 @@ class FixedSchedule:
         """Steps a block takes under a policy that does not stop once the block is filled."""
         return self.steps_per_block
 
-    def select(self, confidence: np.ndarray, order: np.ndarray, candidates: np.ndarray, step: int,
-               counts: np.ndarray) -> np.ndarray:
-        return rank(order, candidates)[: int(counts[step])]
+    def commits(self, rank: np.ndarray, candidates: np.ndarray, confidence: np.ndarray, step: int,
+                masked_at_start: int) -> np.ndarray:
+        return fixed_commits(rank, candidates, scheduled_count(masked_at_start, self.steps_per_block, step))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,14 +87,9 @@ class ThresholdRule:
         if not 0.0 < self.threshold <= 1.0:
             raise LladaError(f"threshold must be in (0, 1], got {self.threshold}")
 
-    def select(self, confidence: np.ndarray, order: np.ndarray, candidates: np.ndarray, step: int,
-               counts: np.ndarray) -> np.ndarray:
-        ranked = rank(order, candidates)
-        if ranked.size == 0:
-            return ranked
-        keep = confidence[ranked] >= self.threshold
-        keep[0] = True
-        return ranked[keep]
+    def commits(self, rank: np.ndarray, candidates: np.ndarray, confidence: np.ndarray, step: int,
+                masked_at_start: int) -> np.ndarray:
+        return threshold_commits(rank, candidates, confidence >= self.threshold)
 
 
 def make_rule(schedule: Schedule, threshold: float | None):

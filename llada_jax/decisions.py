@@ -1,0 +1,51 @@
+"""The decisions a decoding step makes, written once for both loops: the host loop (`policies.loop`) calls
+them with numpy on one block's positions, the compiled loop (`llada_jax.decode_loop`) with jax.numpy on the
+whole canvas, as fixed-width masks. `xp` is the array namespace.
+
+Confidence comparisons come in as masks (`confident`): each loop compares in its own domain, the host loop a
+probability against the threshold, the compiled loop a float32 log-probability against the threshold's log.
+"""
+
+from __future__ import annotations
+
+
+def ranks(xp, order, candidates):
+    """`[N]` each position's rank among `candidates` by `order`, highest first (0: the first to commit): how
+    many candidates have a higher key, or an equal one at a lower position. Non-candidates get a rank too;
+    callers mask them."""
+    positions = xp.arange(order.shape[0])
+    earlier = positions[None, :] < positions[:, None]
+    higher = (order[None, :] > order[:, None]) | ((order[None, :] == order[:, None]) & earlier)
+    return xp.sum(candidates[None, :] & higher, axis=1)
+
+
+def scheduled_count(masked_at_start, steps_per_block: int, step):
+    """Tokens LLaDA's fixed schedule commits at `step` of a block that began with `masked_at_start` masks:
+    an even split over the block's steps, the first `masked_at_start % steps_per_block` steps one more."""
+    return masked_at_start // steps_per_block + (step < masked_at_start % steps_per_block)
+
+
+def fixed_commits(rank, candidates, count):
+    """LLaDA's fixed schedule: the `count` first-ranked candidates."""
+    return candidates & (rank < count)
+
+
+def threshold_commits(rank, candidates, confident):
+    """Fast-dLLM's threshold rule: every confident candidate, and always the first-ranked one."""
+    return candidates & (confident | (rank == 0))
+
+
+def draft_commits(drafts, masked, confident):
+    """Speculation: the still-masked positions of the draft region the model is already sure of."""
+    return drafts & masked & confident
+
+
+def block_going(any_masked, step, steps_per_block: int, stops_when_filled: bool):
+    """Whether a block takes another step: until it has no mask left (cached decoders, speculation and the
+    threshold rule, as Fast-dLLM), or exactly its scheduled steps (vanilla's fixed schedule, as LLaDA)."""
+    return any_masked if stops_when_filled else step < steps_per_block
+
+
+def nonfinite(xp, values):
+    """Scores that break a step: NaN or +inf (-inf is legitimate: a token biased away)."""
+    return xp.isnan(values) | xp.isposinf(values)

@@ -1,0 +1,67 @@
+"""The decisions both loops share (`llada_jax.decisions`): each against its plain definition, and numpy and
+jax.numpy giving the same answer (the host loop calls them with one, the compiled loop with the other)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+
+from llada_jax import decisions
+from tests.reference import transfer_counts
+
+KEYS = st.lists(st.sampled_from([-np.inf, -3.0, -1.5, -0.25, 0.0, np.inf]), min_size=1, max_size=24)
+
+
+def canvas(keys: list[float], picks: list[bool]) -> tuple[np.ndarray, np.ndarray]:
+    order = np.asarray(keys, np.float32)
+    candidates = np.resize(np.asarray(picks or [True], bool), order.shape)
+    return order, candidates
+
+
+@given(keys=KEYS, picks=st.lists(st.booleans(), max_size=24))
+def test_ranks_are_the_sorted_order_of_the_candidates(keys, picks):
+    order, candidates = canvas(keys, picks)
+    rank = decisions.ranks(np, order, candidates)
+    by_key = sorted(np.flatnonzero(candidates), key=lambda p: (-order[p], p))  # ties: the lower position first
+    assert [int(rank[p]) for p in by_key] == list(range(len(by_key)))
+    np.testing.assert_array_equal(np.asarray(decisions.ranks(jnp, jnp.asarray(order), jnp.asarray(candidates))),
+                                  rank)
+
+
+@given(masked=st.integers(0, 64), steps=st.integers(1, 16))
+def test_scheduled_counts_are_llada_s_transfer_counts(masked, steps):
+    counts = [int(decisions.scheduled_count(masked, steps, step)) for step in range(steps)]
+    assert counts == list(transfer_counts(masked, steps))
+    assert [int(decisions.scheduled_count(jnp.int32(masked), steps, jnp.int32(step))) for step in range(steps)] \
+        == counts
+
+
+@given(keys=KEYS, picks=st.lists(st.booleans(), max_size=24), count=st.integers(0, 24),
+       cutoff=st.sampled_from([-2.0, -0.5, 0.0]))
+def test_commit_rules_pick_by_rank(keys, picks, count, cutoff):
+    order, candidates = canvas(keys, picks)
+    rank = decisions.ranks(np, order, candidates)
+    by_key = sorted(np.flatnonzero(candidates), key=lambda p: (-order[p], p))
+    fixed = decisions.fixed_commits(rank, candidates, count)
+    assert set(np.flatnonzero(fixed)) == set(by_key[:count])
+    confident = order >= cutoff
+    threshold = decisions.threshold_commits(rank, candidates, confident)
+    assert set(np.flatnonzero(threshold)) == {p for i, p in enumerate(by_key) if i == 0 or confident[p]}
+    assert np.array_equal(np.asarray(decisions.threshold_commits(jnp.asarray(rank), jnp.asarray(candidates),
+                                                                 jnp.asarray(confident))), threshold)
+
+
+@given(values=st.lists(st.sampled_from([np.nan, np.inf, -np.inf, 0.0, 1.0]), min_size=1, max_size=12))
+def test_nonfinite_is_nan_or_positive_infinity(values):
+    array = np.asarray(values, np.float32)
+    expected = [v != v or v == np.inf for v in values]
+    assert decisions.nonfinite(np, array).tolist() == expected
+    assert np.asarray(decisions.nonfinite(jnp, jnp.asarray(array))).tolist() == expected
+
+
+@given(any_masked=st.booleans(), step=st.integers(0, 9), steps=st.integers(1, 9), stops=st.booleans())
+def test_a_block_goes_on_until_filled_or_for_its_scheduled_steps(any_masked, step, steps, stops):
+    going = decisions.block_going(any_masked, step, steps, stops)
+    assert going == (any_masked if stops else step < steps)
