@@ -35,6 +35,7 @@ from llada_jax.kv_state import HIDDEN
 from llada_jax.layout import XLA_LAYOUT, LayoutRule
 from llada_jax.loop_io import NOT_COMMITTED, LoopInputs, LoopOutputs, LoopSpec
 from llada_jax.model import Context
+from llada_jax.qlinear import tie_scales
 from llada_jax.readout import ReadoutSpec
 from llada_jax.shapes import kv_shape
 from llada_jax.steps import full_forward, head_rows, read_out, window_forward
@@ -156,7 +157,8 @@ class _Run(NamedTuple):
     def step(self, block: Block, step, carry: Carry, full: bool) -> Carry:
         """One pass: a full forward (`full`) or a window over the cache."""
         masked = self.masked(carry.tokens)
-        out = self.full(block, carry, masked) if full else self.window(block, carry, masked)
+        run = self._replace(params=tie_scales(self.params, carry.tokens))
+        out = run.full(block, carry, masked) if full else run.window(block, carry, masked)
         chosen = self.chosen(block, step, masked, out.logp)
         commit = chosen | draft_commits(block.drafts, masked, out.logp >= self.inputs.draft_cutoff)
         failed = out.bad_position != NOT_COMMITTED

@@ -79,6 +79,23 @@ def to_device(host: HostQuantized, activations: str = "float", put=jnp.asarray) 
                            offset=offset, nibbles=nibbles)
 
 
+def tie_scales(params, anchor):
+    """`params` with the scales of IREE's quantized weights (those built without `hoist_barrier`) passed
+    through one optimization barrier with `anchor`, a value of the current decode step: their dequantization
+    then cannot be hoisted out of the decode loop, where iree-compile otherwise built every weight's float
+    copy at once (LLaDA-8B int4: a 28 GB transient). The weights themselves are not touched (no copy)."""
+    def tied(leaf):
+        return isinstance(leaf, QuantizedWeight) and not leaf.hoist_barrier
+
+    leaves, tree = jax.tree.flatten(params, is_leaf=tied)
+    if not any(tied(leaf) for leaf in leaves):
+        return params
+    scales, _ = jax.lax.optimization_barrier(([leaf.scale for leaf in leaves if tied(leaf)], anchor))
+    scales = iter(scales)
+    return jax.tree.unflatten(tree, [dataclasses.replace(leaf, scale=next(scales)) if tied(leaf) else leaf
+                                     for leaf in leaves])
+
+
 def uses_stored_words(scheme: QuantScheme, activations: str) -> bool:
     """Whether XLA multiplies this scheme's compressed-tensors bytes as stored (float activations: the sign is
     restored on the rows a step reads), so a CPU device can use the checkpoint's own pages; W8A8 multiplies
