@@ -11,6 +11,8 @@ temporaries are held below two float32 matrices (a step may dequantize one matri
 from __future__ import annotations
 
 import dataclasses
+import re
+import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -101,3 +103,42 @@ def test_stored_scales_are_widened_inside_the_step_not_ahead_of_the_loop():
     every_scale = sum(int(np.prod(w.scale.shape)) * 4 for w in jax.tree.leaves(
         stored_nibbles(jnp.bfloat16), is_leaf=lambda leaf: isinstance(leaf, QuantizedWeight)) if hasattr(w, "scale"))
     assert bf16 - f32 < every_scale / 2, (bf16, f32, every_scale)  # one widened row block of them at a time
+
+
+@pytest.mark.slow
+def test_iree_loop_dequantizes_inside_its_steps(tmp_path, monkeypatch):
+    """iree-compile hoists loop-invariant work out of a loop: a group-wise dequantization left invariant (the
+    peeled first pass of a cached decoder) became one transient holding every weight's float copy (28 GB at
+    LLaDA-8B int4). The loop's largest transient stays below a quarter of the weights' float32 copies (hoisted,
+    it exceeds all of them), read from the stream IR iree-compile allocates before it generates code."""
+    from iree.compiler.tools.binaries import find_tool
+
+    from llada_jax.quantize import QuantScheme
+    from llada_jax.quantize_checkpoint import quantize_checkpoint
+    from lowering import bundle as bundle_mod
+    from lowering.export import canvas_sizes
+    from policies.compiled_loop import baked_loops
+    from tests.conftest import write_checkpoint
+
+    scheme = QuantScheme(4, 32)
+    model = quantize_checkpoint(write_checkpoint(tmp_path / "src", CONFIG), tmp_path / "q", scheme, head=scheme)
+    captured = {}
+
+    def capture(text, flags, *args, **kwargs):
+        captured.update(text=text, flags=flags)
+        raise SystemExit  # the stream IR is all this test reads
+
+    monkeypatch.setattr(bundle_mod, "compile_module", capture)
+    loops = (baked_loops("dual-cache", None, 8, 8, 8, canvas_sizes(16)),)
+    with pytest.raises(SystemExit):
+        bundle_mod.compile_bundle(model, "host", tmp_path / "bundle", max_len=16, window=8, loops=loops)
+    source, stream = tmp_path / "loop.mlir", tmp_path / "loop.stream.mlir"
+    source.write_text(captured["text"])
+    subprocess.run([find_tool("iree-compile"), str(source), "--iree-input-type=stablehlo", *captured["flags"],
+                    "--compile-to=stream", "-o", str(stream)], check=True, capture_output=True, timeout=600)
+    text = stream.read_text()
+    start = text.index("util.func public @loop_")
+    body = text[start:text.find("\n  util.func", start + 1)]
+    largest = max(int(size) for size in re.findall(r"!stream\.resource<transient>\{%c(\d+)\}", body))
+    float32_weights = 4 * CONFIG.n_layers * (4 * CONFIG.d_model ** 2 + 3 * CONFIG.d_model * CONFIG.mlp_hidden_size)
+    assert largest < float32_weights / 4, (largest, float32_weights)
