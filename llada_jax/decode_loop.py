@@ -99,7 +99,8 @@ def decode_loop(params: dict, inputs: LoopInputs, *, config: LLaDAConfig, spec: 
 
     def one_block(state):
         b, carry = state
-        return b + 1, run.block(b, carry)
+        carry = run.block(b, carry)
+        return (run.next_block(b, carry.tokens) if spec.lookahead else b + 1), carry
 
     _, carry = jax.lax.while_loop(more_blocks, one_block, (jnp.int32(0), carry))
     generated = jax.lax.dynamic_slice(carry.tokens, (inputs.prompt_len,), (spec.gen_length,))
@@ -147,12 +148,18 @@ class _Run(NamedTuple):
         state = (jnp.int32(0), carry)
         if spec.base != "vanilla":
             # The cached decoders' first pass (the full forward that fills the cache) is peeled out of the
-            # step loop: IREE 3.13's multithreaded driver fails on a branch on the step inside it.
-            first = (jnp.int32(1), self.step(block, 0, carry, full=True))
-            if spec.lookahead:  # drafts may have filled the block: the pass is then dropped (a select, not a branch)
-                first = jax.tree.map(functools.partial(jnp.where, more_steps(state)), first, state)
-            state = first
+            # step loop: IREE 3.13's multithreaded driver fails on a branch on the step inside it. A block
+            # entered holds a mask (`next_block`), so the pass always runs.
+            state = (jnp.int32(1), self.step(block, 0, carry, full=True))
         return jax.lax.while_loop(more_steps, one_step, state)[1]
+
+    def next_block(self, b, tokens):
+        """The first block after `b` still holding a mask, else `num_blocks`: speculation's drafts may have
+        filled the blocks between, which take no step (as in the host loop)."""
+        spec, blocks = self.spec, jnp.arange(self.spec.num_blocks)
+        block_of = jnp.where(self.masked(tokens), (self.positions - self.inputs.prompt_len) // spec.block_length, -1)
+        waiting = (blocks > b) & jnp.any(block_of[None, :] == blocks[:, None], axis=1)
+        return jnp.where(jnp.any(waiting), jnp.argmax(waiting), spec.num_blocks).astype(jnp.int32)
 
     def step(self, block: Block, step, carry: Carry, full: bool) -> Carry:
         """One pass: a full forward (`full`) or a window over the cache."""
