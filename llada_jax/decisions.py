@@ -40,6 +40,14 @@ def draft_commits(drafts, masked, confident):
     return drafts & masked & confident
 
 
+def read_rows(xp, in_reads, masked):
+    """The rows whose predictions a step reads out (the LM head runs on those alone): the masks among
+    `in_reads` (the rules commit masks only), or the first of `in_reads` when none is left (a fixed schedule's
+    idle step still reads one)."""
+    wanted = in_reads & masked
+    return xp.where(xp.any(wanted), wanted, xp.arange(in_reads.shape[0]) == xp.argmax(in_reads))
+
+
 def block_going(any_masked, step, steps_per_block: int, stops_when_filled: bool):
     """Whether a block takes another step: until it has no mask left (cached decoders, speculation and the
     threshold rule, as Fast-dLLM), or exactly its scheduled steps (vanilla's fixed schedule, as LLaDA)."""

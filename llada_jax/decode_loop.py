@@ -28,6 +28,7 @@ from llada_jax.decisions import (
     fixed_commits,
     nonfinite,
     ranks,
+    read_rows,
     scheduled_count,
     threshold_commits,
 )
@@ -188,8 +189,8 @@ class _Run(NamedTuple):
     def full(self, block: Block, carry: Carry, masked) -> Computed:
         valid = self.positions < self.length
         out = full_forward(self.params, carry.tokens[None], valid[None], self.config, self.layout_rule)
-        needed = None if self.spec.lookahead else block.in_block & masked  # drafts: every row is read out
-        x0, logp, bad = self.read(out.hidden, self.positions, valid, needed, block.in_block)
+        needed = None if self.spec.lookahead else read_rows(jnp, block.in_block, masked)  # drafts: every row
+        x0, logp, bad = self.read(out.hidden, self.positions, valid, needed)
         cached_keys, cached_values, filled = carry.keys, carry.values, carry.filled
         if self.spec.base != "vanilla":
             keep = valid & (self.positions < block.start) if self.spec.base == "prefix-cache" else valid
@@ -202,17 +203,16 @@ class _Run(NamedTuple):
             filled = filled | valid
         return Computed(x0, logp, cached_keys, cached_values, filled, jnp.int32(self.spec.slots), valid, bad)
 
-    def read(self, hidden, row_pos, row_valid, needed, in_reads) -> tuple:
+    def read(self, hidden, row_pos, row_valid, needed) -> tuple:
         """(x0, logp) over canvas positions (mask / -inf where not read out) and the first non-finite
         position, the LM head run on the rows of `hidden` `[1, W, D]` whose prediction is `needed` `[W]`
-        (at least the first row `in_reads`; None: every row), in the declared width covering them, as the
+        (`decisions.read_rows`; None: every row), in the declared width covering them, as the
         host loop's plans read out (`policies.policy.StepPlan.read_columns`). Row i is canvas position
         `row_pos[i]`, real where `row_valid[i]`."""
         rows = row_pos.shape[0]
         slot = jnp.arange(rows)
         if needed is None:
             return self._read_rows(hidden, row_pos, row_valid, slot, rows)
-        needed = jnp.where(jnp.any(needed), needed, jnp.argmax(in_reads) == slot)
         count = jnp.sum(needed)
         widths = self.spec.head_widths(rows)
         order = jnp.where(needed, jnp.cumsum(needed) - 1, rows)
@@ -270,8 +270,8 @@ class _Run(NamedTuple):
         out = window_forward(self.params, context, carry.tokens[window_pos][None], window_pos[None],
                              window_valid[None], self.config, self.layout_rule)
         in_reads = (slot < self.spec.block_length) & window_valid  # the block: the window's first columns
-        needed = None if self.spec.lookahead else in_reads & masked[window_pos]
-        x0, logp, bad = self.read(out.hidden, window_pos, window_valid, needed, in_reads)
+        needed = None if self.spec.lookahead else read_rows(jnp, in_reads, masked[window_pos])
+        x0, logp, bad = self.read(out.hidden, window_pos, window_valid, needed)
         return x0, logp, jnp.int32(width), computed, bad
 
 

@@ -17,7 +17,7 @@ from typing import ContextManager, Protocol
 import numpy as np
 
 from llada_jax import kv_state
-from llada_jax.decisions import draft_commits
+from llada_jax.decisions import draft_commits, read_rows
 from policies.canvas import Block, Canvas, Window
 
 
@@ -47,9 +47,7 @@ class StepPlan:
             return None
         start, end = self.reads
         in_reads = (window.positions >= start) & (window.positions < end) & window.valid
-        columns = np.flatnonzero(in_reads & canvas.masked[window.positions])
-        if columns.size == 0:  # nothing left to predict (a fixed schedule's idle step): one column still reads
-            columns = np.flatnonzero(in_reads)[:1]
+        columns = np.flatnonzero(read_rows(np, in_reads, canvas.masked[window.positions]))
         if columns.size == window.positions.size:
             return None
         return tuple(int(column) for column in columns)

@@ -61,7 +61,12 @@ def test_nonfinite_is_nan_or_positive_infinity(values):
     assert np.asarray(decisions.nonfinite(jnp, jnp.asarray(array))).tolist() == expected
 
 
-@given(any_masked=st.booleans(), step=st.integers(0, 9), steps=st.integers(1, 9), stops=st.booleans())
-def test_a_block_goes_on_until_filled_or_for_its_scheduled_steps(any_masked, step, steps, stops):
-    going = decisions.block_going(any_masked, step, steps, stops)
-    assert going == (any_masked if stops else step < steps)
+@given(in_reads=st.lists(st.booleans(), min_size=1, max_size=16), masked=st.lists(st.booleans(), max_size=16))
+def test_a_step_reads_its_masks_or_else_its_first_read_row(in_reads, masked):
+    reads = np.asarray(in_reads)
+    masks = np.resize(np.asarray(masked or [False], bool), reads.shape)
+    rows = decisions.read_rows(np, reads, masks)
+    masks_read = [i for i in range(reads.size) if reads[i] and masks[i]]
+    first_read = [i for i in range(reads.size) if reads[i]][:1] or [0]
+    assert np.flatnonzero(rows).tolist() == (masks_read or first_read)
+    assert np.asarray(decisions.read_rows(jnp, jnp.asarray(reads), jnp.asarray(masks))).tolist() == rows.tolist()
