@@ -1,15 +1,16 @@
 """The whole semi-autoregressive decode loop as one pure JAX function of fixed shapes: blocks in a
-`lax.while_loop`, steps in another, the canvas and the KV state as loop carry. It makes the decisions
-`policies.loop` makes on the host, in the same order, so both give the same tokens and forward passes
-(`tests/test_decode_loop.py`); `policies.compiled_loop` says which settings it covers.
+`lax.while_loop`, steps in another, the canvas and the KV state as loop carry. It calls the decisions
+`policies.loop` calls on the host (`llada_jax.decisions`), in the same order, so both give the same tokens
+and forward passes (`tests/test_decode_loop.py`); `policies.compiled_loop` says which settings it covers.
 
-Per step: the plan (a full step at a block's start or on every step for vanilla, else a window against
-the cached K/V), the K/V commit of a full step (prefix-cache keeps the prefix, dual-cache everything),
-the commit rule over the block's masks (fixed schedule: the `counts[step]` best; threshold rule: every
-candidate at or above the cutoff, and the best), and speculation's confident drafts.
+Per step: the plan (a full step at a block's start, peeled out of the step loop, or on every step for
+vanilla, else a window against the cached K/V), the K/V commit of a full step (prefix-cache keeps the
+prefix, dual-cache everything), the commit rule over the block's masks (fixed schedule: the scheduled count
+of the best; threshold rule: every candidate at or above the cutoff, and the best), and speculation's
+confident drafts.
 
-Candidates are ranked by the step's float32 log-probability, ties to the lower position, exactly as the
-host ranks them; a confidence threshold is a log-probability cutoff the host computed
+Candidates are ranked by the step's float32 log-probability, ties to the lower position, as the host ranks
+them; a confidence threshold is a log-probability cutoff the host computed
 (`llada_jax.loop_io.log_cutoff`). A non-finite readout stops the loop and is reported.
 """
 
