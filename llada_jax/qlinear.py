@@ -83,7 +83,7 @@ def tie_scales(params, anchor):
     """`params` with the scales of IREE's quantized weights (those built without `hoist_barrier`) passed
     through one optimization barrier with `anchor`, a value of the current decode step: their dequantization
     then cannot be hoisted out of the decode loop, where iree-compile otherwise built every weight's float
-    copy at once (LLaDA-8B int4: a 28 GB transient). The weights themselves are not touched (no copy)."""
+    copy at once. The weights themselves are not touched (a barrier on them copied them)."""
     def tied(leaf):
         return isinstance(leaf, QuantizedWeight) and not leaf.hoist_barrier
 
