@@ -48,7 +48,8 @@ def read_tensors(model_dir: Path, config: LLaDAConfig, dtype, activations: str =
     words = functools.partial(uses_stored_words, activations=activations)
     tensors_read = iter_tensors(model_dir, config, quantized=quantized, in_place=in_place, words_in_place=words)
     for name, array in wrap(tensors_read):
-        put = jax.device_put if mesh is None else functools.partial(place_weight, name=tensor_role(name), mesh=mesh)
+        put = jax.device_put if mesh is None else functools.partial(place_weight, name=tensor_role(name, config),
+                                                                    mesh=mesh)
         tensors[name] = (to_device(array, activations, put) if isinstance(array, HostQuantized)
                          else put(in_dtype(array, dtype)))
     return tensors
@@ -66,8 +67,8 @@ def in_dtype(array: np.ndarray, dtype) -> np.ndarray:
 
 def load_params(model_dir: Path, config: LLaDAConfig, dtype="float32", activations: str = "float",
                 mesh=None, quantized: dict | None = None, wrap=iter) -> dict:
-    return hf_to_params(read_tensors(Path(model_dir), config, compute_dtype(dtype), activations, mesh, quantized,
-                                     wrap), config)
+    tensors = read_tensors(Path(model_dir), config, compute_dtype(dtype), activations, mesh, quantized, wrap)
+    return hf_to_params(tensors, config, stack=jnp.stack)
 
 
 def save_hf(params: dict, config: LLaDAConfig, out_dir: Path, *, stored_dtype: str = "float32",
@@ -84,7 +85,7 @@ def save_hf(params: dict, config: LLaDAConfig, out_dir: Path, *, stored_dtype: s
     with atomic_dir(out_dir, command, inputs=sources, force=force) as staging:
         hf_config = dict(config.to_hf_dict(), torch_dtype=stored_dtype)
         (staging / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-        tensors = {name: np.asarray(value).astype(np_dtype) for name, value in params_to_hf(params).items()}
+        tensors = {name: np.asarray(value).astype(np_dtype) for name, value in params_to_hf(params, config).items()}
         _write_weights(tensors, staging, shard_bytes)
         for name, source in (extra_files or {}).items():
             shutil.copyfile(source, staging / name)

@@ -1,4 +1,5 @@
-"""Model configuration, read from an HF LLaDA `config.json`; every size and id comes from there."""
+"""Model configuration, read from an HF `config.json`; every size and id comes from there. Each family
+(`llada_jax.families`) reads and writes its own config.json fields into this one record."""
 
 from __future__ import annotations
 
@@ -6,35 +7,16 @@ import dataclasses
 import json
 from pathlib import Path
 
+from llada_jax import families
 from llada_jax.errors import LladaError
-
-# LLaDA-8B values, used only where a checkpoint's config.json leaves a field out.
-LLADA_8B_MASK_ID = 126336
-LLADA_8B_EOS_ID = 126081
-LLADA_8B_EOT_ID = 126348
-
-# The HF architectures (`config.json`'s `architectures[0]`) this loader reads; LLaDA 1.5 is LLaDAModelLM too.
-SUPPORTED_ARCHITECTURES = ("LLaDAModelLM",)
-
-# Fields whose value must be exactly this for the architecture we implement.
-_REQUIRED_VALUES = {
-    "block_type": "llama",
-    "layer_norm_type": "rms",
-    "activation_type": "silu",
-    "alibi": False,
-    "rope": True,
-    "include_bias": False,
-    "include_qkv_bias": False,
-    "weight_tying": False,
-    "scale_logits": False,
-    "input_emb_norm": False,
-    "attention_layer_norm": False,
-}
+from llada_jax.families import llada
 
 
 @dataclasses.dataclass(frozen=True)
 class LLaDAConfig:
-    """Architecture and special ids of one LLaDA checkpoint (hashable: it is a static jit argument)."""
+    """Architecture and special ids of one checkpoint (hashable: it is a static jit argument). The family's
+    deltas over LLaDA's forward are flags: biases on q/k/v, per-head q/k norms, a sparse MoE in place of the
+    MLP (`mlp_hidden_size` is then each expert's), logits shifted by one position."""
 
     d_model: int
     n_layers: int
@@ -46,9 +28,15 @@ class LLaDAConfig:
     max_sequence_length: int
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
-    mask_token_id: int = LLADA_8B_MASK_ID
-    eos_token_id: int = LLADA_8B_EOS_ID
-    eot_token_id: int = LLADA_8B_EOT_ID
+    mask_token_id: int = llada.MASK_ID
+    eos_token_id: int = llada.EOS_ID
+    eot_token_id: int = llada.EOT_ID
+    family: str = llada.NAME
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    n_experts: int = 0           # 0: a dense MLP
+    experts_per_token: int = 0
+    logits_shift: bool = False
 
     def __post_init__(self):
         for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "mlp_hidden_size",
@@ -69,6 +57,11 @@ class LLaDAConfig:
                              f"(size {self.embedding_size})")
         if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
             raise LladaError("config rope_theta and rms_norm_eps must be positive")
+        if self.family not in families.BY_NAME:
+            raise LladaError(f"unknown model family {self.family!r}; choose one of {', '.join(families.BY_NAME)}")
+        if self.n_experts and not 1 <= self.experts_per_token <= self.n_experts:
+            raise LladaError(f"config experts per token ({self.experts_per_token}) must be in [1, "
+                             f"{self.n_experts}] (the experts)")
 
     @property
     def head_dim(self) -> int:
@@ -80,76 +73,16 @@ class LLaDAConfig:
 
     @classmethod
     def from_hf_dict(cls, raw: dict, eot_token_id: int | None = None) -> "LLaDAConfig":
-        """Build from the fields of an HF config.json; unsupported architecture options are errors."""
-        _check_architecture(raw.get("architectures"))
-        for field, wanted in _REQUIRED_VALUES.items():
-            if field in raw and raw[field] is not None and raw[field] != wanted:
-                raise LladaError(f"config field {field}={raw[field]!r} is not supported (need {wanted!r})")
-        try:
-            d_model, n_layers, n_heads = int(raw["d_model"]), int(raw["n_layers"]), int(raw["n_heads"])
-        except KeyError as missing:
-            raise LladaError(f"config.json lacks required field {missing.args[0]}") from None
-        except (TypeError, ValueError):
-            raise LladaError("config.json fields d_model, n_layers and n_heads must be integers") from None
-        vocab_size = int(raw.get("vocab_size") or raw.get("embedding_size") or 0)
-        if not vocab_size:
-            raise LladaError("config.json lacks both vocab_size and embedding_size")
-        n_kv_heads = raw.get("n_kv_heads")
-        if n_kv_heads is None:
-            n_kv_heads = 1 if raw.get("multi_query_attention") else n_heads
-        mlp_hidden = raw.get("mlp_hidden_size") or int(raw.get("mlp_ratio", 4)) * d_model
-        return cls(
-            d_model=d_model,
-            n_layers=n_layers,
-            n_heads=n_heads,
-            n_kv_heads=int(n_kv_heads),
-            mlp_hidden_size=int(mlp_hidden),
-            vocab_size=vocab_size,
-            embedding_size=int(raw.get("embedding_size") or vocab_size),
-            max_sequence_length=int(raw.get("max_sequence_length", 4096)),
-            rope_theta=float(raw.get("rope_theta", 10000.0)),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
-            mask_token_id=int(raw.get("mask_token_id", LLADA_8B_MASK_ID)),
-            eos_token_id=int(raw.get("eos_token_id", LLADA_8B_EOS_ID)),
-            eot_token_id=int(eot_token_id if eot_token_id is not None else raw.get("eot_token_id", LLADA_8B_EOT_ID)),
-        )
+        """Build from the fields of an HF config.json, read by the family its `architectures` names;
+        unsupported architecture options are errors."""
+        fields = families.from_architectures(raw.get("architectures")).config_fields(raw)
+        if eot_token_id is not None:
+            fields["eot_token_id"] = int(eot_token_id)
+        return cls(**fields)
 
     def to_hf_dict(self) -> dict:
-        """The config.json that HF `LLaDAModelLM` (and our loader) reads back to this config."""
-        return {
-            "architectures": ["LLaDAModelLM"],
-            "model_type": "llada",
-            **_REQUIRED_VALUES,
-            "d_model": self.d_model,
-            "n_layers": self.n_layers,
-            "n_heads": self.n_heads,
-            "n_kv_heads": self.n_kv_heads,
-            "mlp_hidden_size": self.mlp_hidden_size,
-            "mlp_ratio": max(1, self.mlp_hidden_size // self.d_model),
-            "vocab_size": self.vocab_size,
-            "embedding_size": self.embedding_size,
-            "max_sequence_length": self.max_sequence_length,
-            "rope_theta": self.rope_theta,
-            "rms_norm_eps": self.rms_norm_eps,
-            "mask_token_id": self.mask_token_id,
-            "eos_token_id": self.eos_token_id,
-            "pad_token_id": self.eos_token_id,
-            "layer_norm_with_affine": True,
-            "bias_for_layer_norm": False,
-            "rope_full_precision": True,
-        }
-
-
-def _check_architecture(architectures) -> None:
-    """Families are chosen by the architecture config.json names, never guessed from shapes (LLaDA-MoE's
-    config says `model_type: llada` too). A config without the field is read as LLaDA."""
-    if architectures is None:
-        return
-    if not isinstance(architectures, list) or not architectures or not isinstance(architectures[0], str):
-        raise LladaError(f"config.json field architectures must be a list of names, got {architectures!r}")
-    if architectures[0] not in SUPPORTED_ARCHITECTURES:
-        raise LladaError(f"config.json names architecture {architectures[0]!r}, which llada-jax does not load "
-                         f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        """The config.json that the family's HF model (and our loader) reads back to this config."""
+        return families.named(self.family).hf_config(self)
 
 
 def read_config(model_dir: Path, eot_token_id: int | None = None) -> LLaDAConfig:

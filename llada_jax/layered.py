@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from llada_jax.config import LLaDAConfig
 from llada_jax.layout import XLA_LAYOUT, LayoutRule
-from llada_jax.model import decoder_layer, lm_logits, rms_norm, rotary_tables
+from llada_jax.model import decoder_layer, final_hidden, lm_logits, rotary_tables
 from llada_jax.qlinear import unpack_stage
 from llada_jax.readout import HeadChunkReadout, Readout, ReadoutSpec
 from llada_jax.steps import argmax_others, guided_logits
@@ -40,7 +40,7 @@ def head_chunk_step(weights, x: jax.Array, cfg_scale, logit_bias, confidence_bia
     chunk's slices (padding rows: -inf logit bias). Returns the chunk's guided logits, or its
     partial readout (`partial_readout`), which `readout.combine_head_chunks` merges across chunks."""
     weights = unpack_stage(weights, quantization)
-    hidden = rms_norm(x, weights["ln_f"], config.rms_norm_eps)
+    hidden = final_hidden(x, weights["ln_f"], config)
     logits = lm_logits({"lm_head": weights["lm_head"]}, hidden, layout_rule)
     logits = guided_logits(logits, cfg_scale, logit_bias, readout_spec)
     return Readout(logits=logits) if readout_spec.kind == "logits" else partial_readout(logits, confidence_bias)

@@ -68,6 +68,10 @@ class Positions:
         return linear(h, weight)
 
     @staticmethod
+    def add_bias(h, bias):
+        return h + bias.astype(h.dtype)
+
+    @staticmethod
     def heads(h, b, w, head_dim):
         return h.reshape(b, w, -1, head_dim)
 
@@ -119,6 +123,10 @@ class Features:
         if isinstance(weight, QuantizedWeight):
             return quantized_linear(h, weight, columns=True)
         return cls.matmul(h, weight).astype(h.dtype)
+
+    @staticmethod
+    def add_bias(h, bias):
+        return h + bias.astype(h.dtype)[:, None]
 
     @staticmethod
     def heads(h, b, w, head_dim):
@@ -179,10 +187,11 @@ class LayoutRule(NamedTuple):
     fenced: bool              # XLA: the barrier in `Features.fence`; IREE: none, long sums in pieces (`OpenFeatures`)
 
     def pick(self, rows: int, block: dict):
-        """Feature-major up to `feature_rows`; position-major above, and for W8A8 weights (their activations
-        are quantized per position, over the feature axis of a row)."""
+        """Feature-major up to `feature_rows`; position-major above, for W8A8 weights (their activations
+        are quantized per position, over the feature axis of a row) and for sparse MoE layers (routed per
+        position)."""
         int8 = any(isinstance(weight, QuantizedWeight) and weight.activations == "int8" for weight in block.values())
-        if rows > self.feature_rows or int8:
+        if rows > self.feature_rows or int8 or "router" in block:
             return Positions
         return Features if self.fenced else OpenFeatures
 

@@ -1,8 +1,10 @@
-"""LLaDA's forward pass as pure functions over the params pytree.
+"""The forward pass as pure functions over the params pytree, shared by every family (`llada_jax.families`).
 
 Bidirectional llama-style blocks: RMSNorm (float32), rotary embeddings (float32, rotate-half),
 grouped K/V attention without a causal mask, SwiGLU MLP (`ff_proj` is the SiLU-gated branch, `up_proj`
-the linear one, the block's `ff_out` the down projection), a separate LM head, no biases.
+the linear one, the block's `ff_out` the down projection), a separate LM head. The family deltas, each a
+config flag: q/k/v biases (Dream), per-head q/k RMSNorm before RoPE and a sparse MoE MLP (LLaDA-MoE,
+`llada_jax.moe`), logits shifted one position (Dream: `shift_rows`).
 
 Shapes: B batch, W query positions, T = S cached slots + W keys, H heads, K kv-heads, G = H / K,
 D model width, E embedding (vocab) size, N layers.
@@ -17,6 +19,7 @@ import jax.numpy as jnp
 
 from llada_jax.config import LLaDAConfig
 from llada_jax.layout import XLA_LAYOUT, LayoutRule, Positions, rms_norm
+from llada_jax.moe import sparse_mlp
 from llada_jax.qlinear import QuantizedWeight, quantized_linear, quantized_rows, stored_matmul
 
 
@@ -82,9 +85,9 @@ def decoder_layer(block: dict, x: jax.Array, rotary, cached, key_bias: jax.Array
     layout = layout or layout_rule.pick(b * w, block)
     h = layout.enter(x)
     normed = layout.norm(h, block["attn_norm"], config.rms_norm_eps)
-    q = layout.heads(layout.linear(normed, block["q_proj"]), b, w, hd)
-    k = layout.heads(layout.linear(normed, block["k_proj"]), b, w, hd)
-    v = layout.heads(layout.linear(normed, block["v_proj"]), b, w, hd)
+    q, k, v = (layout.heads(projection(layout, normed, block, name), b, w, hd) for name in ("q", "k", "v"))
+    if config.qk_norm:
+        q, k = rms_norm(q, block["q_norm"], config.rms_norm_eps), rms_norm(k, block["k_norm"], config.rms_norm_eps)
     q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
     all_k, all_v = k, v
     if cached is not None:
@@ -93,8 +96,17 @@ def decoder_layer(block: dict, x: jax.Array, rotary, cached, key_bias: jax.Array
     attended = layout.merge(attention(q, all_k, all_v, key_bias))
     h = h + layout.linear(attended, block["attn_out"])
     normed = layout.norm(h, block["ff_norm"], config.rms_norm_eps)
+    if config.n_experts:
+        return layout.leave(h + sparse_mlp(block, normed, config.experts_per_token), b, w), k, v
     gated = jax.nn.silu(layout.linear(normed, block["ff_proj"])) * layout.linear(normed, block["up_proj"])
     return layout.leave(h + layout.linear(gated, block["ff_out"]), b, w), k, v
+
+
+def projection(layout, normed, block: dict, name: str):
+    """The `q`, `k` or `v` projection, plus its bias where the family has one."""
+    out = layout.linear(normed, block[f"{name}_proj"])
+    bias = block.get(f"{name}_bias")
+    return out if bias is None else layout.add_bias(out, bias)
 
 
 def forward(params: dict, tokens: jax.Array, positions: jax.Array, token_bias: jax.Array,
@@ -113,8 +125,20 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, token_bias: j
         x, k, v = decoder_layer(block, x, rotary, cached, key_bias, config, layout_rule=layout_rule)
         new_keys.append(k)
         new_values.append(v)
-    hidden = rms_norm(x, params["ln_f"], config.rms_norm_eps)
-    return ForwardOut(hidden, jnp.stack(new_keys), jnp.stack(new_values))
+    return ForwardOut(final_hidden(x, params["ln_f"], config), jnp.stack(new_keys), jnp.stack(new_values))
+
+
+def final_hidden(x: jax.Array, ln_f: jax.Array, config: LLaDAConfig) -> jax.Array:
+    """The final norm, and where the family shifts its logits, the shift (`shift_rows`)."""
+    hidden = rms_norm(x, ln_f, config.rms_norm_eps)
+    return shift_rows(hidden) if config.logits_shift else hidden
+
+
+def shift_rows(hidden: jax.Array) -> jax.Array:
+    """Row i takes row i-1's hidden state, the first row keeps its own: Dream predicts position i from the
+    position before it, and its decoders shift within the positions a step computes (a window's first row
+    predicts itself)."""
+    return jnp.concatenate([hidden[:, :1], hidden[:, :-1]], axis=1)
 
 
 def embed(table, tokens: jax.Array, dtype) -> jax.Array:

@@ -15,7 +15,7 @@ import functools
 import numpy as np
 
 from llada_jax.config import LLaDAConfig
-from llada_jax.params import BLOCK_TENSORS, block_shapes
+from llada_jax.params import block_keys, block_shapes
 from llada_jax.quantize import HostQuantized
 
 ALIGN = 16  # elements: every tensor of a packed stage starts on a 64-byte boundary (float32)
@@ -101,7 +101,7 @@ def quantized_layout(shapes: dict[str, tuple[int, ...]], schemes: dict, float_dt
 
 @functools.cache
 def layer_layout(config: LLaDAConfig) -> PackedLayout:
-    return PackedLayout.of({name: block_shapes(config)[name] for name in BLOCK_TENSORS})
+    return PackedLayout.of({key: block_shapes(config)[key] for key in block_keys(config)})
 
 
 @functools.cache

@@ -1,95 +1,107 @@
-"""The params pytree and its shape-only twin, named exactly as the HF LLaDA checkpoint names tensors.
+"""The params pytree and its shape-only twin; the family (`llada_jax.families`) names every tensor as its HF
+checkpoint does.
 
 No JAX at import time (the bundle runtime uses the shapes). Matrices keep the checkpoint's torch layout
-`[out_features, in_features]`, so loading is a plain copy and export back to HF is bit-exact. Pytree:
-    {"wte": [E, D], "blocks": [{name: array} per layer], "ln_f": [D], "lm_head": [E, D]}
+`[out_features, in_features]`, so loading is a plain copy and export back to HF is bit-exact; a sparse MoE
+layer's experts are stacked per matrix (`[experts, out, in]`) so a step can pick among them. Pytree:
+    {"wte": [E, D], "blocks": [{key: array} per layer], "ln_f": [D], "lm_head": [E, D]}
+Block keys: attn_norm, q_proj, k_proj, v_proj, attn_out, ff_norm, then ff_proj, up_proj, ff_out (a dense MLP)
+or router, experts_gate, experts_up, experts_down (a sparse MoE); q_bias, k_bias, v_bias and q_norm, k_norm
+where the family has them.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from llada_jax import families
 from llada_jax.config import LLaDAConfig
-
-HF_PREFIX = "model.transformer."
-BLOCK_TENSORS = ("attn_norm", "q_proj", "k_proj", "v_proj", "attn_out", "ff_norm", "ff_proj", "up_proj", "ff_out")
-_TOP_LEVEL = {"wte": "wte.weight", "ln_f": "ln_f.weight", "lm_head": "ff_out.weight"}
 
 
 def block_shapes(config: LLaDAConfig) -> dict[str, tuple[int, ...]]:
-    """Shapes of one decoder layer's tensors, keyed by their HF short name."""
-    d, kv, h = config.d_model, config.n_kv_heads * config.head_dim, config.mlp_hidden_size
-    return {
-        "attn_norm": (d,),
-        "q_proj": (d, d),
-        "k_proj": (kv, d),
-        "v_proj": (kv, d),
-        "attn_out": (d, d),
-        "ff_norm": (d,),
-        "ff_proj": (h, d),
-        "up_proj": (h, d),
-        "ff_out": (d, h),
-    }
+    """Shapes of one decoder layer's tensors by key (an MoE expert's matrices: one expert's)."""
+    d, hd, h = config.d_model, config.head_dim, config.mlp_hidden_size
+    q, kv = config.n_heads * hd, config.n_kv_heads * hd
+    shapes = {"attn_norm": (d,), "q_proj": (q, d), "k_proj": (kv, d), "v_proj": (kv, d),
+              "q_bias": (q,), "k_bias": (kv,), "v_bias": (kv,), "q_norm": (hd,), "k_norm": (hd,),
+              "attn_out": (d, q), "ff_norm": (d,)}
+    if config.n_experts:
+        shapes.update(router=(config.n_experts, d), experts_gate=(h, d), experts_up=(h, d), experts_down=(d, h))
+    else:
+        shapes.update(ff_proj=(h, d), up_proj=(h, d), ff_out=(d, h))
+    return shapes
+
+
+def block_keys(config: LLaDAConfig) -> tuple[str, ...]:
+    """The keys of one decoder layer's tensors, in checkpoint order (an MoE layer's stacked experts once)."""
+    places = families.named(config.family).tensor_names(config)
+    return tuple(dict.fromkeys(place[2] for place in places if place[0] == "blocks" and place[1] == 0))
+
+
+def tensor_places(config: LLaDAConfig) -> dict[str, tuple]:
+    """Every checkpoint tensor's name -> its place in the pytree: `("wte",)`, `("blocks", layer, key)`, or
+    `("blocks", layer, key, expert)` for one expert of a stacked MoE matrix. In checkpoint order."""
+    return {name: place for place, name in families.named(config.family).tensor_names(config).items()}
+
+
+def _shape(config: LLaDAConfig, place: tuple) -> tuple[int, ...]:
+    if place[0] in ("wte", "lm_head"):
+        return (config.embedding_size, config.d_model)
+    if place[0] == "ln_f":
+        return (config.d_model,)
+    return block_shapes(config)[place[2]]
 
 
 def hf_shapes(config: LLaDAConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor of the HF checkpoint: full name -> shape. This drives init, loading and export."""
-    e, d = config.embedding_size, config.d_model
-    shapes = {HF_PREFIX + "wte.weight": (e, d)}
-    for layer in range(config.n_layers):
-        for name, shape in block_shapes(config).items():
-            shapes[f"{HF_PREFIX}blocks.{layer}.{name}.weight"] = shape
-    shapes[HF_PREFIX + "ln_f.weight"] = (d,)
-    shapes[HF_PREFIX + "ff_out.weight"] = (e, d)
-    return shapes
+    return {name: _shape(config, place) for name, place in tensor_places(config).items()}
 
 
-def tensor_role(hf_name: str) -> str:
-    """A checkpoint tensor's short name: `q_proj` for `...blocks.3.q_proj.weight`, `lm_head` for the top-level
-    `ff_out.weight` (not the blocks' `ff_out`)."""
-    for short, full in _TOP_LEVEL.items():
-        if hf_name == HF_PREFIX + full:
-            return short
-    return hf_name.removesuffix(".weight").rsplit(".", 1)[-1]
+def tensor_role(hf_name: str, config: LLaDAConfig) -> str:
+    """A checkpoint tensor's key: `q_proj` for LLaDA's `...blocks.3.q_proj.weight` or Dream's
+    `model.layers.3.self_attn.q_proj.weight`, `lm_head` for the head."""
+    place = tensor_places(config)[hf_name]
+    return place[0] if len(place) == 1 else place[2]
 
 
-def hf_to_params(tensors: dict[str, object], config: LLaDAConfig) -> dict:
-    """Arrange tensors keyed by HF name into the params pytree (no copies)."""
-    def get(name):
-        return tensors[HF_PREFIX + name]
+def hf_to_params(tensors: dict[str, object], config: LLaDAConfig, stack=np.stack) -> dict:
+    """Arrange tensors keyed by HF name into the params pytree (no copies, except MoE experts, which
+    `stack` joins per matrix: `jnp.stack` for device arrays)."""
+    params: dict = {"blocks": [{} for _ in range(config.n_layers)]}
+    experts: dict[tuple[int, str], list] = {}
+    for name, place in tensor_places(config).items():
+        if len(place) == 1:
+            params[place[0]] = tensors[name]
+        elif len(place) == 3:
+            params["blocks"][place[1]][place[2]] = tensors[name]
+        else:
+            experts.setdefault(place[1:3], []).append(tensors[name])
+    for (layer, key), matrices in experts.items():
+        params["blocks"][layer][key] = stack(matrices)
+    return {"wte": params["wte"], "blocks": params["blocks"], "ln_f": params["ln_f"], "lm_head": params["lm_head"]}
 
-    return {
-        "wte": get(_TOP_LEVEL["wte"]),
-        "blocks": [
-            {name: get(f"blocks.{layer}.{name}.weight") for name in BLOCK_TENSORS}
-            for layer in range(config.n_layers)
-        ],
-        "ln_f": get(_TOP_LEVEL["ln_f"]),
-        "lm_head": get(_TOP_LEVEL["lm_head"]),
-    }
 
-
-def params_to_hf(params: dict) -> dict[str, object]:
+def params_to_hf(params: dict, config: LLaDAConfig) -> dict[str, object]:
     """The inverse of `hf_to_params`: HF name -> tensor, in checkpoint order."""
-    tensors = {HF_PREFIX + _TOP_LEVEL["wte"]: params["wte"]}
-    for layer, block in enumerate(params["blocks"]):
-        for name in BLOCK_TENSORS:
-            tensors[f"{HF_PREFIX}blocks.{layer}.{name}.weight"] = block[name]
-    tensors[HF_PREFIX + _TOP_LEVEL["ln_f"]] = params["ln_f"]
-    tensors[HF_PREFIX + _TOP_LEVEL["lm_head"]] = params["lm_head"]
+    tensors = {}
+    for name, place in tensor_places(config).items():
+        node = params
+        for step in place:
+            node = node[step]
+        tensors[name] = node
     return tensors
 
 
 def init_params(config: LLaDAConfig, seed: int = 0, dtype="float32", std: float = 0.02) -> dict:
-    """Random weights: N(0, std) matrices, unit norm gains (a test or training starting point)."""
+    """Random weights: N(0, std) matrices and biases, unit norm gains (a test or training starting point)."""
     import jax.numpy as jnp
 
     rng = np.random.default_rng(seed)
     tensors = {}
     for name, shape in hf_shapes(config).items():
-        if len(shape) == 1:
+        if len(shape) == 1 and not name.endswith(".bias"):
             value = np.ones(shape, np.float32)
         else:
             value = rng.normal(0.0, std, size=shape).astype(np.float32)
         tensors[name] = jnp.asarray(value, dtype=dtype)
-    return hf_to_params(tensors, config)
+    return hf_to_params(tensors, config, stack=jnp.stack)

@@ -13,13 +13,14 @@ import re
 
 from llada_jax.config import LLaDAConfig
 from llada_jax.errors import LladaError
-from llada_jax.params import BLOCK_TENSORS, HF_PREFIX, hf_shapes
+from llada_jax.families import llada
+from llada_jax.params import hf_shapes
 from llada_jax.quantize import GROUP_SIZES, QuantScheme
 
 FORMAT = "pack-quantized"
-BLOCK_LINEARS = tuple(name for name in BLOCK_TENSORS if not name.endswith("norm"))
-HEAD = HF_PREFIX + "ff_out"
-EMBEDDING = HF_PREFIX + "wte"
+BLOCK_LINEARS = tuple(name for name in llada.BLOCK if not name.endswith("norm"))
+HEAD = llada.PREFIX + "ff_out"
+EMBEDDING = llada.PREFIX + "wte"
 # The embedding (a row gather) keeps 8 bits whatever the layers use, and so does the LM head unless asked
 # (`llada quantize --head-bits 4`): together about a fifth of an int4 LLaDA-8B's bytes, where errors reach
 # every position (embedding) or every score (head).

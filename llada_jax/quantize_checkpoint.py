@@ -23,6 +23,7 @@ from tqdm import tqdm
 from llada_jax.atomic import atomic_dir
 from llada_jax.config import read_config, read_hf_dict
 from llada_jax.errors import LladaError
+from llada_jax.families import require_llada
 from llada_jax.params import hf_shapes
 from llada_jax.quant_config import EDGE_SCHEME, planned_modules, quantization_config
 from llada_jax.quantize import QuantScheme, pack_int32, quantize_matrix
@@ -84,6 +85,7 @@ def quantize_checkpoint(model_dir: Path, out_dir: Path, scheme: QuantScheme, sha
     an earlier quantized copy only with `force`); `progress`: a bar on stderr, one step per tensor."""
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     config = read_config(model_dir)
+    require_llada(config, "llada quantize")
     if checkpoint_quantization(model_dir, config):
         raise LladaError(f"{model_dir} is already quantized: quantize the original checkpoint")
     for name in ("d_model", "mlp_hidden_size"):

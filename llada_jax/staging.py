@@ -23,7 +23,7 @@ from llada_jax.config import LLaDAConfig
 from llada_jax.errors import LladaError
 from llada_jax.kv_state import HIDDEN, KVState, visible_bias
 from llada_jax.packing import PackedLayout, head_chunk_tensors, head_chunks, head_layout, layer_layout, quantized_layout
-from llada_jax.params import HF_PREFIX
+from llada_jax.params import tensor_places
 from llada_jax.quantize import HostQuantized, dequantize
 from llada_jax.readout import Reads, StepOutput, combine_head_chunks, read_columns
 from llada_jax.shapes import kv_shape
@@ -62,15 +62,13 @@ def pack_weights(tensors, config: LLaDAConfig, dtype, activations: str = "float"
     """Pack every stage from (HF name, host array or HostQuantized) pairs read one at a time; a stage is
     packed as soon as its last tensor arrives, so at most a few stages are ever held unpacked."""
     n = config.n_layers
-    stage_of = {f"{HF_PREFIX}blocks.{i}.{name}.weight": (i, name)
-                for i in range(n) for name, _, _ in layer_layout(config).entries}
-    stage_of[HF_PREFIX + "ln_f.weight"] = (n, "ln_f")
-    stage_of[HF_PREFIX + "ff_out.weight"] = (n, "lm_head")
+    places = tensor_places(config)
+    stage_of = {name: (n, place[0]) if len(place) == 1 else (place[1], place[2]) for name, place in places.items()}
     pending: dict[int, dict] = {}
     packed: dict[int, tuple] = {}
     embedding = None
     for name, array in tensors:
-        if name == HF_PREFIX + "wte.weight":
+        if places[name] == ("wte",):
             embedding = array if isinstance(array, HostQuantized) else np.asarray(array, dtype)
             continue
         stage, short = stage_of[name]

@@ -265,7 +265,7 @@ def params_of(weights, layout: WeightLayout, config: LLaDAConfig, compute_dtype,
         values, offset = (packed, 0) if layout.signed else offset_values(packed, bits, activation)
         tensors[name] = QuantizedWeight(values, scale, activation, row_block_for(values.shape), hoist_barrier=False,
                                         offset=offset)
-    return hf_to_params(tensors, config)
+    return hf_to_params(tensors, config, stack=jnp.stack)
 
 
 def _weight_structs(layout: WeightLayout) -> list[jax.ShapeDtypeStruct]:

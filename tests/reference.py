@@ -1,6 +1,7 @@
 """A plain float64 numpy oracle, written straight from the published semantics and independent of
-the package: the HF LLaDA forward (K/V cached before rotary, as `modeling_llada` caches them) and the
-decoding loops of LLaDA's `generate` and Fast-dLLM's prefix / dual cache. Slow and simple on purpose."""
+the package: the HF forwards of LLaDA, Dream and LLaDA-MoE (K/V cached before rotary, as `modeling_llada`
+caches them; names as each family's checkpoints spell them) and the decoding loops of LLaDA's `generate` and
+Fast-dLLM's prefix / dual cache. Slow and simple on purpose."""
 
 from __future__ import annotations
 
@@ -23,23 +24,67 @@ def rope(x, positions, theta):
     return x * np.cos(ang) + rot * np.sin(ang)
 
 
+def layer_weights(w, cfg, layer):
+    """`key -> array` of one layer, the keys LLaDA's checkpoints use, read under each family's own names."""
+    family = getattr(cfg, "family", "llada")
+    if family == "llada":
+        return lambda key: w[f"{P}blocks.{layer}.{key}.weight"]
+    qwen = {"attn_norm": "input_layernorm.weight", "attn_out": "self_attn.o_proj.weight",
+            "ff_norm": "post_attention_layernorm.weight", "ff_proj": "mlp.gate_proj.weight",
+            "up_proj": "mlp.up_proj.weight", "ff_out": "mlp.down_proj.weight", "router": "mlp.gate.weight"}
+    for name in ("q", "k", "v"):
+        qwen.update({f"{name}_proj": f"self_attn.{name}_proj.weight", f"{name}_bias": f"self_attn.{name}_proj.bias",
+                     f"{name}_norm": f"self_attn.{name}_norm.weight"})
+    return lambda key: w[f"model.layers.{layer}.{qwen.get(key, key)}"]
+
+
+def top_weights(w, cfg):
+    if getattr(cfg, "family", "llada") == "llada":
+        return w[P + "wte.weight"], w[P + "ln_f.weight"], w[P + "ff_out.weight"]
+    return w["model.embed_tokens.weight"], w["model.norm.weight"], w["lm_head.weight"]
+
+
+def swiglu(f, gate, up, down):
+    g = f @ gate.T
+    return ((g / (1 + np.exp(-g))) * (f @ up.T)) @ down.T
+
+
+def sparse_moe(f, g, cfg):
+    """LLaDA-MoE's MLP: softmax over all experts, the top k kept unrenormalised, each token its experts' sum."""
+    logits = f @ g("router").T
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    out = np.zeros_like(f)
+    for index in np.ndindex(f.shape[:-1]):
+        for expert in np.argsort(-probs[index], kind="stable")[: cfg.experts_per_token]:
+            e = f"mlp.experts.{expert}."
+            out[index] += probs[index][expert] * swiglu(f[index][None], g(e + "gate_proj.weight"),
+                                                        g(e + "up_proj.weight"), g(e + "down_proj.weight"))[0]
+    return out
+
+
 def forward(w, cfg, ids, past=None, replace=None):
     """Logits [B, T, E] and this call's pre-rotary K/V per layer.
 
     past: per layer (k, v) [B, Kh, P, hd] for positions 0..P-1. Without `replace` the new tokens sit at
     positions P..P+T-1 (prefix cache); with `replace=(start, end)` they replace slots start..end-1 of
-    `past` (dual cache).
+    `past` (dual cache). Dream's logits come shifted: row i predicts position i+1 (`shifted`).
     """
     b, t = ids.shape
     h, kh, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    x = w[P + "wte.weight"][ids]
+    embedding, final_norm, head = top_weights(w, cfg)
+    x = embedding[ids]
     presents = []
     for layer in range(cfg.n_layers):
-        g = lambda name: w[f"{P}blocks.{layer}.{name}.weight"]  # noqa: E731
+        g = layer_weights(w, cfg, layer)
         a = rms(x, g("attn_norm"), cfg.rms_norm_eps)
-        q = (a @ g("q_proj").T).reshape(b, t, h, hd).transpose(0, 2, 1, 3)
-        k = (a @ g("k_proj").T).reshape(b, t, kh, hd).transpose(0, 2, 1, 3)
-        v = (a @ g("v_proj").T).reshape(b, t, kh, hd).transpose(0, 2, 1, 3)
+        q, k, v = (a @ g(f"{name}_proj").T + (g(f"{name}_bias") if getattr(cfg, "qkv_bias", False) else 0)
+                   for name in ("q", "k", "v"))
+        q = q.reshape(b, t, h, hd).transpose(0, 2, 1, 3)
+        k = k.reshape(b, t, kh, hd).transpose(0, 2, 1, 3)
+        v = v.reshape(b, t, kh, hd).transpose(0, 2, 1, 3)
+        if getattr(cfg, "qk_norm", False):
+            q, k = rms(q, g("q_norm"), cfg.rms_norm_eps), rms(k, g("k_norm"), cfg.rms_norm_eps)
         presents.append((k, v))
         if past is None:
             keys, vals, qpos = k, v, np.arange(t)
@@ -60,10 +105,17 @@ def forward(w, cfg, ids, past=None, replace=None):
         o = (s / s.sum(-1, keepdims=True)) @ vals
         x = x + o.transpose(0, 2, 1, 3).reshape(b, t, -1) @ g("attn_out").T
         f = rms(x, g("ff_norm"), cfg.rms_norm_eps)
-        gate = f @ g("ff_proj").T
-        x = x + ((gate / (1 + np.exp(-gate))) * (f @ g("up_proj").T)) @ g("ff_out").T
-    x = rms(x, w[P + "ln_f.weight"], cfg.rms_norm_eps)
-    return x @ w[P + "ff_out.weight"].T, presents
+        if getattr(cfg, "n_experts", 0):
+            x = x + sparse_moe(f, g, cfg)
+        else:
+            x = x + swiglu(f, g("ff_proj"), g("up_proj"), g("ff_out"))
+    logits = rms(x, final_norm, cfg.rms_norm_eps) @ head.T
+    return (shifted(logits) if getattr(cfg, "logits_shift", False) else logits), presents
+
+
+def shifted(logits):
+    """Dream's `torch.cat([logits[:, :1], logits[:, :-1]], dim=1)`."""
+    return np.concatenate([logits[:, :1], logits[:, :-1]], axis=1)
 
 
 def transfer_counts(n, steps):

@@ -114,12 +114,17 @@ def fault_unsupported_architecture(d):
 
 
 def fault_moe_architecture(d):
-    """LLaDA-MoE's config says model_type "llada" like LLaDA-8B: only its architecture tells them apart."""
+    """LLaDA-MoE's config says model_type "llada" like LLaDA-8B: only its architecture tells them apart, and
+    its reader finds none of its own fields in LLaDA's config."""
     edit_json(d / "config.json", lambda c: c.update(architectures=["LLaDAMoEModelLM"], model_type="llada"))
 
 
 def fault_dream_architecture(d):
     edit_json(d / "config.json", lambda c: c.update(architectures=["DreamModel"], model_type="Dream"))
+
+
+def fault_unknown_architecture(d):
+    edit_json(d / "config.json", lambda c: c.update(architectures=["RND1ForCausalLM"]))
 
 
 def fault_malformed_architectures(d):
@@ -137,8 +142,10 @@ FAULTS = {
     fault_no_config: "no config.json",
     fault_bad_config: "not valid JSON",
     fault_unsupported_architecture: "weight_tying=True is not supported",
-    fault_moe_architecture: "architecture 'LLaDAMoEModelLM', which llada-jax does not load (supported: LLaDAModelLM)",
-    fault_dream_architecture: "architecture 'DreamModel', which llada-jax does not load",
+    fault_moe_architecture: "config.json lacks required field num_experts",
+    fault_dream_architecture: "config.json lacks required field hidden_size",
+    fault_unknown_architecture: "architecture 'RND1ForCausalLM', which llada-jax does not load "
+                                "(supported: LLaDAModelLM, DreamModel, LLaDAMoEModelLM)",
     fault_malformed_architectures: "architectures must be a list of names",
 }
 
@@ -164,7 +171,7 @@ def test_single_file_truncation_is_caught(tmp_path):
 
 def test_weights_equal_what_was_saved(tiny_dir, tiny_model):
     stored = read_all(tiny_dir)
-    for name, value in params_to_hf(tiny_model.params).items():
+    for name, value in params_to_hf(tiny_model.params, TINY).items():
         np.testing.assert_array_equal(np.asarray(value, np.float64), stored[name])
 
 

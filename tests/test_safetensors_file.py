@@ -84,11 +84,12 @@ def test_a_checkpoint_in_the_compute_dtype_loads_in_place_on_a_cpu_device(tmp_pa
     converted = llada_jax.load(copy, dtype="float32")
     assert str(copy) not in Path("/proc/self/maps").read_text()  # what is converted is read, never mapped
     in_place = llada_jax.load(saved, dtype="bfloat16")
-    matrices = [(name, value) for name, value in params_to_hf(in_place.params).items() if value.ndim == 2]
+    mapped = params_to_hf(in_place.params, in_place.config)
+    matrices = [(name, value) for name, value in mapped.items() if value.ndim == 2]
     assert matrices and all(in_mapped_file(value) for _, value in matrices)
-    for name, value in params_to_hf(converted.params).items():
+    for name, value in params_to_hf(converted.params, converted.config).items():
         assert not in_mapped_file(value), name
-        np.testing.assert_array_equal(np.asarray(value), np.asarray(params_to_hf(in_place.params)[name], np.float32))
+        np.testing.assert_array_equal(np.asarray(value), np.asarray(mapped[name], np.float32))
 
 
 def off_the_boundary(tiny_dir: Path, out: Path) -> Path:
@@ -107,7 +108,7 @@ def off_the_boundary(tiny_dir: Path, out: Path) -> Path:
 def test_an_hf_file_off_the_boundary_loads_the_same_weights(tmp_path, tiny_dir):
     hf_dir = off_the_boundary(tiny_dir, tmp_path / "hf")
     model, stored = llada_jax.load(hf_dir), load_file(str(hf_dir / "model.safetensors"))
-    for name, value in params_to_hf(model.params).items():
+    for name, value in params_to_hf(model.params, model.config).items():
         assert np.asarray(value).tobytes() == stored[name].tobytes(), name
 
 
@@ -123,7 +124,7 @@ def test_convert_relays_a_checkpoint_byte_for_byte_so_it_loads_in_place(tmp_path
     with SafetensorsFile(out / "model.safetensors") as handle:
         assert handle.metadata == {"format": "pt", "pad": handle.metadata["pad"]}
     model = llada_jax.load(out)
-    assert all(in_mapped_file(value) for value in params_to_hf(model.params).values() if value.ndim == 2)
+    assert all(in_mapped_file(value) for value in params_to_hf(model.params, model.config).values() if value.ndim == 2)
     ids, options = np.arange(3, 9), dict(gen_length=8, block_length=8, steps=8)
     assert (llada_jax.generate(model, ids, **options).output_ids.tolist()
             == llada_jax.generate(llada_jax.load(hf_dir), ids, **options).output_ids.tolist())

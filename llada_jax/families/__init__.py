@@ -1,0 +1,36 @@
+"""Model families, each a small declared thing: its config reader and writer and its tensor-name map (the
+forward's deltas are `LLaDAConfig` flags the shared forward reads). A checkpoint's family is chosen by its
+config.json's `architectures[0]`, never guessed from shapes. No JAX here: the bundle runtime reads configs."""
+
+from __future__ import annotations
+
+from llada_jax.errors import LladaError
+from llada_jax.families import dream, llada, llada_moe
+
+FAMILIES = (llada, dream, llada_moe)
+BY_ARCHITECTURE = {family.ARCHITECTURE: family for family in FAMILIES}
+BY_NAME = {family.NAME: family for family in FAMILIES}
+SUPPORTED_ARCHITECTURES = tuple(BY_ARCHITECTURE)
+
+
+def from_architectures(architectures):
+    """The family config.json's `architectures` names; a config without the field is read as LLaDA."""
+    if architectures is None:
+        return llada
+    if not isinstance(architectures, list) or not architectures or not isinstance(architectures[0], str):
+        raise LladaError(f"config.json field architectures must be a list of names, got {architectures!r}")
+    if architectures[0] not in BY_ARCHITECTURE:
+        raise LladaError(f"config.json names architecture {architectures[0]!r}, which llada-jax does not load "
+                         f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    return BY_ARCHITECTURE[architectures[0]]
+
+
+def named(name: str):
+    return BY_NAME[name]
+
+
+def require_llada(config, what: str) -> None:
+    """A one-line refusal where a path carries LLaDA's own architecture only (so far)."""
+    if config.family != llada.NAME:
+        raise LladaError(f"{what} supports the {llada.ARCHITECTURE} family only so far; this checkpoint is "
+                         f"{named(config.family).ARCHITECTURE}")

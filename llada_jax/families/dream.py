@@ -1,0 +1,36 @@
+"""Dream-v0-7B (Base/Instruct; Dream-Coder and DiffuCoder share it): `DreamModel`, the Qwen2.5 layout.
+
+Deltas over LLaDA: biases on the q/k/v projections (not on o_proj), and shifted logits: position i is
+predicted by row i-1 of the computed positions (the first row predicts itself), as Dream's
+`diffusion_generate` and Fast-dLLM's Dream decoder shift them."""
+
+from __future__ import annotations
+
+from llada_jax.families.hf_fields import attention_names, integers, shared_config, shared_fields
+
+NAME = "dream"
+ARCHITECTURE = "DreamModel"
+MASK_ID = 151666
+
+
+def config_fields(raw: dict) -> dict:
+    shared = shared_fields(raw, ARCHITECTURE, MASK_ID)
+    (mlp_hidden,) = integers(raw, "intermediate_size")
+    return dict(shared, family=NAME, mlp_hidden_size=mlp_hidden, qkv_bias=True, logits_shift=True)
+
+
+def hf_config(config) -> dict:
+    return dict(shared_config(config, ARCHITECTURE, "Dream"), intermediate_size=config.mlp_hidden_size,
+                use_sliding_window=False)
+
+
+def tensor_names(config) -> dict[tuple, str]:
+    names = {("wte",): "model.embed_tokens.weight"}
+    for layer in range(config.n_layers):
+        prefix = f"model.layers.{layer}."
+        block = dict(attention_names(prefix, bias=True), ff_proj=prefix + "mlp.gate_proj.weight",
+                     up_proj=prefix + "mlp.up_proj.weight", ff_out=prefix + "mlp.down_proj.weight")
+        names.update({("blocks", layer, key): name for key, name in block.items()})
+    names[("ln_f",)] = "model.norm.weight"
+    names[("lm_head",)] = "lm_head.weight"
+    return names

@@ -1,0 +1,137 @@
+"""Dream and LLaDA-MoE: checkpoints in their exact HF layout load, run the forward the float64 oracle states
+from their modeling code, and decode as the reference loops do; what a family cannot carry is a one-line error."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import llada_jax
+from llada_jax.config import LLaDAConfig, read_config
+from llada_jax.errors import LladaError
+from llada_jax.quantize import QuantScheme
+from llada_jax.quantize_checkpoint import quantize_checkpoint
+from tests import reference
+from tests.conftest import LLADA_8B_DIR, read_all, write_checkpoint
+
+# Grouped K/V and each family's deltas; vocab 256 with the mask id inside it.
+DREAM = LLaDAConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, mlp_hidden_size=48, vocab_size=256,
+                    embedding_size=256, max_sequence_length=128, rope_theta=1e6, rms_norm_eps=1e-6,
+                    mask_token_id=250, eos_token_id=251, eot_token_id=251, family="dream", qkv_bias=True,
+                    logits_shift=True)
+MOE = LLaDAConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=4, mlp_hidden_size=16, vocab_size=256,
+                  embedding_size=256, max_sequence_length=128, rope_theta=50000.0, rms_norm_eps=1e-5,
+                  mask_token_id=250, eos_token_id=251, eot_token_id=251, family="llada-moe", qk_norm=True,
+                  n_experts=8, experts_per_token=3)
+CONFIGS = {"dream": DREAM, "llada-moe": MOE}
+
+# The tensor names of layer 0 as the families' own checkpoints spell them (HF `state_dict` keys).
+DREAM_LAYER = {f"model.layers.0.{name}" for name in (
+    "input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight", "self_attn.q_proj.bias",
+    "self_attn.k_proj.weight", "self_attn.k_proj.bias", "self_attn.v_proj.weight", "self_attn.v_proj.bias",
+    "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")}
+MOE_LAYER = {f"model.layers.0.{name}" for name in (
+    "input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight", "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+    "mlp.gate.weight")} | {f"model.layers.0.mlp.experts.{e}.{m}_proj.weight" for e in range(8)
+                           for m in ("gate", "up", "down")}
+TOP = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def family_dir(request, tmp_path_factory):
+    config = CONFIGS[request.param]
+    return config, write_checkpoint(tmp_path_factory.mktemp("family") / request.param, config, std=0.3)
+
+
+@pytest.fixture(scope="module")
+def family_model(family_dir):
+    config, path = family_dir
+    return config, llada_jax.load(path), read_all(path)
+
+
+def test_checkpoints_use_the_hf_names_and_read_back(family_dir):
+    config, path = family_dir
+    names = set(read_all(path))
+    layer0 = {name for name in names if name.startswith("model.layers.0.")}
+    assert layer0 == (DREAM_LAYER if config.family == "dream" else MOE_LAYER)
+    assert TOP <= names and len(names) == len(TOP) + 2 * len(layer0)
+    raw = json.loads((path / "config.json").read_text())
+    assert raw["architectures"] == [{"dream": "DreamModel", "llada-moe": "LLaDAMoEModelLM"}[config.family]]
+    assert read_config(path) == config
+
+
+@settings(max_examples=8)
+@given(batch=st.integers(1, 2), length=st.integers(1, 24), seed=st.integers(0, 10_000))
+def test_logits_match_the_float64_oracle(family_model, batch, length, seed):
+    config, model, weights = family_model
+    ids = np.random.default_rng(seed).integers(0, config.embedding_size, (batch, length))
+    expected = reference.forward(weights, config, ids)[0]
+    got = llada_jax.logits(model, ids)
+    np.testing.assert_allclose(np.asarray(got), expected, rtol=2e-4, atol=2e-4)
+
+
+@settings(max_examples=6)
+@given(policy=st.sampled_from(["vanilla", "prefix-cache", "dual-cache"]), threshold=st.sampled_from([None, 0.2]),
+       prompt_len=st.integers(1, 12), blocks=st.integers(1, 2), steps_per_block=st.sampled_from([2, 4]),
+       seed=st.integers(0, 10_000))
+def test_llada_decoders_match_the_reference_loops(family_model, policy, threshold, prompt_len, blocks,
+                                                  steps_per_block, seed):
+    """LLaDA's and Fast-dLLM's loops over each family's forward (Dream's windows shift within themselves)."""
+    config, model, weights = family_model
+    prompt = np.random.default_rng(seed).integers(0, config.mask_token_id, prompt_len)
+    expected, nfe = reference.generate(weights, config, prompt, 8 * blocks, 8, steps_per_block * blocks, policy,
+                                       threshold)
+    result = llada_jax.generate(model, prompt, gen_length=8 * blocks, block_length=8,
+                                steps=steps_per_block * blocks, policy=policy, threshold=threshold, loop="host")
+    assert result.output_ids.tolist() == expected.tolist() and result.nfe == nfe
+
+
+BAD_FIELDS = [
+    ("dream", {"tie_word_embeddings": True}, "tie_word_embeddings"),
+    ("dream", {"hidden_act": "gelu"}, "hidden_act"),
+    ("dream", {"intermediate_size": None}, "intermediate_size"),
+    ("llada-moe", {"moe_layer_freq": [0, 1]}, "moe_layer_freq"),
+    ("llada-moe", {"shared_expert_intermediate_size": 64}, "shared_expert_intermediate_size"),
+    ("llada-moe", {"attention_bias": True}, "attention_bias"),
+    ("llada-moe", {"num_experts_per_tok": 9}, "experts per token"),
+    ("llada-moe", {"eos_token_id": None}, "eos_token_id"),
+]
+
+
+@pytest.mark.parametrize("family, change, named", BAD_FIELDS)
+def test_unsupported_family_options_are_one_line_errors(family, change, named):
+    raw = dict(CONFIGS[family].to_hf_dict(), **change)
+    with pytest.raises(LladaError, match=named) as error:
+        LLaDAConfig.from_hf_dict(raw)
+    assert "\n" not in str(error.value)
+
+
+def test_llada_1_5_loads_as_llada(tmp_path):
+    """LLaDA 1.5 is LLaDA-8B's architecture with new weights: its config.json is LLaDA-8B-Instruct's."""
+    raw = json.loads((LLADA_8B_DIR / "config.json").read_text())
+    assert raw["architectures"] == ["LLaDAModelLM"]
+    config = LLaDAConfig.from_hf_dict(dict(raw, _name_or_path="GSAI-ML/LLaDA-1.5"))
+    assert config.family == "llada" and config.n_layers == 32 and not config.n_experts
+
+
+def test_staged_runs_give_the_resident_tokens_or_refuse_in_one_line(family_model, family_dir, tmp_path):
+    """Dream streams its layers like LLaDA; an MoE layer cannot be staged yet, nor any family quantized."""
+    config, model, _ = family_model
+    path = family_dir[1]
+    if config.n_experts:
+        with pytest.raises(LladaError, match="staging does not carry sparse MoE"):
+            llada_jax.load(path, device_memory_budget=60_000)
+    else:
+        staged = llada_jax.load(path, device_memory_budget=60_000)
+        assert staged.staged is not None
+        for policy in ("vanilla", "dual-cache"):
+            options = dict(gen_length=16, block_length=8, steps=8, policy=policy)
+            assert (llada_jax.generate(staged, np.arange(5), **options).output_ids.tolist()
+                    == llada_jax.generate(model, np.arange(5), **options).output_ids.tolist())
+    with pytest.raises(LladaError, match="llada quantize supports the LLaDAModelLM family only"):
+        quantize_checkpoint(path, tmp_path / "q", QuantScheme(8))
