@@ -23,13 +23,13 @@ from policies.cache_policies import CACHE_POLICIES
 from policies.loop import Result, StepRecord
 from policies.registry import make_policy
 from policies.sampling import Sampler
-from policies.schedule import Schedule, ThresholdRule, in_rank_order, make_rule
+from policies.schedule import FixedSchedule, Schedule, ThresholdRule, in_rank_order, make_rule
 from policies.speculative import Speculative
 
 
 def loop_spec(policy, rule, sampler, cfg: bool, schedule: Schedule, slots: int) -> LoopSpec | None:
-    """The compiled loop of this setting, or None when only the host loop runs it."""
-    if not loop_covers(policy, sampler, cfg):
+    """The compiled loop of this setting, or None when only the host loop runs it (Dream's schedule too)."""
+    if not loop_covers(policy, sampler, cfg) or not isinstance(rule, (FixedSchedule, ThresholdRule)):
         return None
     lookahead, width = 0, 0
     if isinstance(policy, Speculative):

@@ -93,13 +93,13 @@ def prepare_generation(config: LLaDAConfig, prompt_ids, *, gen_length: int, bloc
                        temperature: float = 0.0, cfg_scale: float = 0.0, remasking: str = "low_confidence",
                        policy: str = "vanilla", threshold: float | None = None, seed: int = 0,
                        logits_eos_inf: bool = False, confidence_eos_eot_inf: bool = False,
-                       limit: int | None = None) -> Prepared:
+                       limit: int | None = None, schedule: str = "llada") -> Prepared:
     """Validate every input on the host and pick readout, sampler, commit rule and policy (see
     `run_generation`); nothing runs yet."""
     if limit is not None:
         config = dataclasses.replace(config, max_sequence_length=min(limit, config.max_sequence_length))
     prompts, batched = prompt_rows(prompt_ids, config)
-    schedule = Schedule(int(gen_length), int(block_length), int(steps))
+    transfer, schedule = schedule, Schedule(int(gen_length), int(block_length), int(steps))
     longest = max(len(prompt) for prompt in prompts)
     total = longest + schedule.gen_length
     if total > config.max_sequence_length:
@@ -109,7 +109,7 @@ def prepare_generation(config: LLaDAConfig, prompt_ids, *, gen_length: int, bloc
     if not cfg_scale >= 0.0:
         raise LladaError(f"cfg_scale must be >= 0, got {cfg_scale}")
     decoding_policy = make_policy(policy)
-    rule = make_rule(schedule, threshold)
+    rule = make_rule(schedule, threshold, transfer)
     unconfident = (config.special_ids_in_vocab(config.eos_token_id, config.eot_token_id) if confidence_eos_eot_inf
                    else ())
     sampler = Sampler(float(temperature), remasking, unconfident)
@@ -132,10 +132,10 @@ def run_generation(make_backend: Callable, config: LLaDAConfig, prompt_ids, *, o
     each row as that prompt alone would decode; `on_step(row, canvas, record)`). A batch of one prompt
     decodes as that prompt alone (the compiled loop included).
     `options`: gen_length, block_length, steps, temperature, cfg_scale, remasking, policy, threshold, seed,
-    logits_eos_inf, confidence_eos_eot_inf, and `limit`: a compiled bundle's longest canvas, when lower than
-    the model's own (see `prepare_generation`). `loop`: "auto" runs the compiled decode loop where the
-    setting and backend offer it (one prompt, no live `on_step`), "host" the host loop, "compiled" insists
-    on the compiled one."""
+    logits_eos_inf, confidence_eos_eot_inf, schedule (`llada` or `dream[:EPS]`), and `limit`: a compiled
+    bundle's longest canvas, when lower than the model's own (see `prepare_generation`). `loop`: "auto" runs
+    the compiled decode loop where the setting and backend offer it (one prompt, no live `on_step`), "host"
+    the host loop, "compiled" insists on the compiled one."""
     prepared = prepare_generation(config, prompt_ids, **options)
     prompts = prepared.prompts
     spec = _check_loop(loop, prepared.loop_spec, on_step, len(prompts) > 1)

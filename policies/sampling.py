@@ -1,8 +1,10 @@
-"""Turn a step's readout into (x0, confidence) per computed position, as LLaDA's reference does.
+"""Turn a step's readout into (x0, confidence) per computed position, as LLaDA's and Dream's references do.
 
 Temperature 0: x0 is the argmax, computed on the device with its log-probability. Temperature > 0:
 Gumbel-max over float64 logits on the host. Confidence is the softmax probability of x0
-(`low_confidence`) or a uniform draw (`random`).
+(`low_confidence`, Dream's `maskgit_plus`), a uniform draw (`random`), or from the float32 probabilities as
+Dream's `sample_tokens` computes them: top-1 minus top-2 (`margin`, its `topk_margin`) or the negative
+entropy (`entropy`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import numpy as np
 from llada_jax.errors import LladaError
 from llada_jax.readout import Readout
 
-REMASKING = ("low_confidence", "random")
+REMASKING = ("low_confidence", "random", "margin", "entropy")
+FROM_PROBABILITIES = ("margin", "entropy")  # confidences computed from a logits readout on the host
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,13 +34,16 @@ class Sampler:
 
     @property
     def readout_kind(self) -> str:
-        return "argmax" if self.temperature == 0.0 else "logits"
+        return "argmax" if self.temperature == 0.0 and self.remasking not in FROM_PROBABILITIES else "logits"
 
     def choose(self, readout: Readout, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """x0, confidence (float64) and the order key candidates are ranked by, for every position of row 0
         of the readout. The key is the confidence, except for an argmax readout ranked by confidence: there
         it is the log-probability the device computed (see `policies.schedule`)."""
-        if readout.logits is not None:
+        if self.remasking in FROM_PROBABILITIES:
+            x0, confidence = self._dream_confidence(readout.logits[0], rng)
+            order = confidence.astype(np.float64)
+        elif readout.logits is not None:
             x0, confidence = self._sample(readout.logits[0].astype(np.float64), rng)
             order = confidence
         else:
@@ -46,6 +52,22 @@ class Sampler:
         if self.remasking == "random":
             confidence = order = rng.random(x0.shape[0])
         return x0, confidence, order
+
+    def _dream_confidence(self, logits: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        """x0 and the margin or negative-entropy confidence over float32 probabilities (of logits / temperature
+        at temperature > 0, x0 then sampled), in the order Dream's `sample_tokens` computes them."""
+        scored = logits.astype(np.float32)
+        if self.temperature > 0.0:
+            scored = scored / np.float32(self.temperature)
+        scored[:, list(self.unconfident_ids)] = -np.inf
+        exps = np.exp(scored - scored.max(axis=-1, keepdims=True))
+        probs = exps / exps.sum(axis=-1, keepdims=True, dtype=np.float32)
+        x0 = (self._sample(logits.astype(np.float64), rng)[0] if self.temperature > 0.0
+              else np.argmax(probs, axis=-1))
+        if self.remasking == "margin":
+            top2 = np.partition(probs, -2, axis=-1)[:, -2:]
+            return x0, (top2[:, 1] - top2[:, 0]).astype(np.float32)
+        return x0, np.sum(probs * np.log(probs + np.float32(1e-10)), axis=-1, dtype=np.float32)
 
     def _sample(self, logits: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         # argmax of exp(l) / (-log u)^T, taken in log space so large logits cannot overflow.

@@ -1,5 +1,5 @@
 """The lengths of one generation, and which masked positions to commit in a step: LLaDA's fixed
-schedule or Fast-dLLM's threshold rule.
+schedule, Dream's timestep schedule or Fast-dLLM's threshold rule.
 
 The rules themselves are `llada_jax.decisions`, which the compiled loop calls too; here they are chosen and
 applied to one block. Candidates are ranked by an order key, highest first; equal keys go to the lower
@@ -92,5 +92,58 @@ class ThresholdRule:
         return threshold_commits(rank, candidates, confidence >= self.threshold)
 
 
-def make_rule(schedule: Schedule, threshold: float | None):
-    return FixedSchedule(schedule.steps_per_block) if threshold is None else ThresholdRule(float(threshold))
+def dream_timesteps(steps: int, eps: float) -> np.ndarray:
+    """`torch.linspace(1, eps, steps + 1)` in float32 as torch's CPU kernel fills it: a float32 step, the first
+    half counted from the start and the second half from the end, each value one rounding of `base + step * i`
+    (a fused multiply-add); `jnp.linspace` and `np.linspace` differ from it in the last bit."""
+    count = steps + 1
+    start, end = np.float32(1.0), np.float32(eps)
+    step = np.float32((end - start) / np.float32(count - 1))
+    return np.array([np.float32(float(start) + float(step) * i) if i < count // 2
+                     else np.float32(float(end) - float(step) * (count - i - 1)) for i in range(count)], np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class DreamSchedule:
+    """Dream's `diffusion_generate` count: at step i of n, int(masks left * (1 - t[i+1] / t[i])) in float32 over
+    its timesteps t from 1 to eps; the last step commits every mask left. The steps always run (no early stop)."""
+
+    steps_per_block: int
+    eps: float = 1e-3
+
+    def __post_init__(self):
+        if not 0.0 <= self.eps < 1.0:
+            raise LladaError(f"the dream schedule's eps must be in [0, 1), got {self.eps}")
+
+    @property
+    def fixed_steps(self) -> int:
+        return self.steps_per_block
+
+    def count(self, masked: int, step: int) -> int:
+        if step >= self.steps_per_block - 1:
+            return masked
+        t = dream_timesteps(self.steps_per_block, self.eps)
+        return int(np.float32(masked) * (np.float32(1.0) - t[step + 1] / t[step]))
+
+    def commits(self, rank: np.ndarray, candidates: np.ndarray, confidence: np.ndarray, step: int,
+                masked_at_start: int) -> np.ndarray:
+        return fixed_commits(rank, candidates, self.count(int(candidates.sum()), step))
+
+
+SCHEDULES = ("llada", "dream")  # how many tokens a step commits (without a threshold): `--schedule NAME[:EPS]`
+
+
+def make_rule(schedule: Schedule, threshold: float | None, transfer: str = "llada"):
+    """The commit rule: the threshold rule when one is given, else the `transfer` schedule (`llada`, or
+    `dream[:EPS]`, eps 1e-3 by default as in Dream's generation config)."""
+    name, colon, eps = transfer.partition(":")
+    if name not in SCHEDULES or (colon and name != "dream"):
+        raise LladaError(f"unknown schedule {transfer!r}; choose llada or dream[:EPS]")
+    if threshold is not None:
+        return ThresholdRule(float(threshold))
+    if name == "llada":
+        return FixedSchedule(schedule.steps_per_block)
+    try:
+        return DreamSchedule(schedule.steps_per_block, float(eps) if colon else 1e-3)
+    except ValueError:
+        raise LladaError(f"bad eps in schedule {transfer!r}; use dream:EPS, e.g. dream:0.001") from None

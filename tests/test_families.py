@@ -15,7 +15,8 @@ from llada_jax.config import LLaDAConfig, read_config
 from llada_jax.errors import LladaError
 from llada_jax.quantize import QuantScheme
 from llada_jax.quantize_checkpoint import quantize_checkpoint
-from tests import reference
+from policies.schedule import dream_timesteps
+from tests import dream_reference, reference
 from tests.conftest import LLADA_8B_DIR, read_all, write_checkpoint
 
 # Grouped K/V and each family's deltas; vocab 256 with the mask id inside it.
@@ -135,3 +136,40 @@ def test_staged_runs_give_the_resident_tokens_or_refuse_in_one_line(family_model
                     == llada_jax.generate(model, np.arange(5), **options).output_ids.tolist())
     with pytest.raises(LladaError, match="llada quantize supports the LLaDAModelLM family only"):
         quantize_checkpoint(path, tmp_path / "q", QuantScheme(8))
+
+
+@pytest.fixture(scope="module")
+def dream(tmp_path_factory):
+    path = write_checkpoint(tmp_path_factory.mktemp("dream") / "dream", DREAM, std=0.3)
+    return llada_jax.load(path), read_all(path)
+
+
+@settings(max_examples=10)
+@given(alg=st.sampled_from(sorted(dream_reference.ALGORITHMS)), eps=st.sampled_from([1e-3, 1e-2, 0.0]),
+       prompt_len=st.integers(1, 12), new=st.sampled_from([4, 8, 16]), steps=st.sampled_from([1, 3, 8, 16]),
+       seed=st.integers(0, 10_000))
+def test_dream_diffusion_generate_matches_its_reference(dream, alg, eps, prompt_len, new, steps, seed):
+    """Dream's own decoders: `diffusion_generate(alg, steps, eps)` at temperature 0 is vanilla over one block
+    with Dream's schedule and confidence."""
+    model, weights = dream
+    prompt = np.random.default_rng(seed).integers(0, DREAM.mask_token_id, prompt_len)
+    expected, nfe = dream_reference.diffusion_generate(weights, DREAM, prompt, new, steps, eps, alg)
+    result = llada_jax.generate(model, prompt, gen_length=new, block_length=new, steps=steps, policy="vanilla",
+                                remasking=dream_reference.ALGORITHMS[alg], schedule=f"dream:{eps}")
+    assert result.output_ids.tolist() == expected.tolist() and result.nfe == nfe
+
+
+def test_dream_timesteps_are_torch_linspace_in_float32():
+    """Both halves, and values where a float32 step times i rounded twice differs from torch's one rounding."""
+    for steps in (1, 2, 7, 8, 64, 255, 512):
+        for eps in (1e-3, 1e-4, 0.0, 0.05):
+            np.testing.assert_array_equal(dream_timesteps(steps, eps),
+                                          dream_reference.torch_linspace_float32(1.0, eps, steps + 1))
+    assert dream_timesteps(8, 1e-3)[3] == np.float32(0.625375)  # torch's value; (1 + step * 3) in float32 is not
+
+
+@pytest.mark.parametrize("bad, named", [("dream:x", "bad eps"), ("dream:1.5", "eps must be in"),
+                                        ("cosine", "unknown schedule"), ("llada:0.1", "unknown schedule")])
+def test_bad_schedules_are_one_line_errors(dream, bad, named):
+    with pytest.raises(LladaError, match=named):
+        llada_jax.generate(dream[0], np.arange(3), gen_length=8, block_length=8, steps=4, schedule=bad)

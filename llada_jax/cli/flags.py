@@ -38,7 +38,11 @@ def add_decoding_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=None, help="total denoising steps (default: gen-length)")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--cfg-scale", type=float, default=0.0)
-    parser.add_argument("--remasking", default="low_confidence", help="low_confidence or random")
+    parser.add_argument("--remasking", default="low_confidence",
+                        help="low_confidence, random, or Dream's margin (topk_margin) and entropy")
+    parser.add_argument("--schedule", default="llada",
+                        help="tokens committed per step without a threshold: llada (equal shares) or dream[:EPS] "
+                             "(Dream's timesteps from 1 to EPS, default 0.001)")
     parser.add_argument("--policy", default=None,
                         help="BASE[+speculative[:L[:T]]][+revision[:R[:K]]][@THRESHOLD], BASE = vanilla, "
                              f"prefix-cache, dual-cache (default: {DEFAULT_POLICY}, the fastest setting that "
@@ -111,7 +115,8 @@ def decoding_kwargs(args) -> dict:
             "steps": args.steps if args.steps is not None else args.gen_length,
             "temperature": args.temperature, "cfg_scale": args.cfg_scale, "remasking": args.remasking,
             "policy": policy_spec(args), "threshold": commit_threshold(args), "seed": args.seed,
-            "logits_eos_inf": args.forbid_eos, "confidence_eos_eot_inf": args.no_eos_confidence, "loop": args.loop}
+            "logits_eos_inf": args.forbid_eos, "confidence_eos_eot_inf": args.no_eos_confidence, "loop": args.loop,
+            "schedule": args.schedule}
 
 
 def loop_settings(args) -> list[tuple]:
@@ -119,7 +124,8 @@ def loop_settings(args) -> list[tuple]:
     decode loop for: the decoding flags' setting, when the compiled loop can run it."""
     kwargs = decoding_kwargs(args)
     sampler = Sampler(kwargs["temperature"], kwargs["remasking"])
-    if args.loop == "host" or not loop_covers(make_policy(kwargs["policy"]), sampler, kwargs["cfg_scale"] > 0.0):
+    covered = loop_covers(make_policy(kwargs["policy"]), sampler, kwargs["cfg_scale"] > 0.0)
+    if args.loop == "host" or not covered or kwargs["schedule"] != "llada":
         return []
     return [(kwargs["policy"], kwargs["threshold"], kwargs["gen_length"], kwargs["block_length"], kwargs["steps"])]
 

@@ -1,0 +1,56 @@
+"""Dream's `diffusion_generate` at temperature 0 (its `_sample` loop with `sample_tokens`), restated in numpy
+from its published semantics over the float64 forward of `tests.reference`: the whole canvas every step,
+Dream's shifted logits, its confidence functions, and its per-step count `int(masks * (1 - s / t))` computed
+in float32 over `torch.linspace(1, eps, steps + 1)` as torch's CPU kernel fills it."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tests.reference import forward
+
+ALGORITHMS = {"maskgit_plus": "low_confidence", "topk_margin": "margin", "entropy": "entropy"}
+
+
+def torch_linspace_float32(start: float, end: float, count: int) -> np.ndarray:
+    """torch's CPU linspace in float32: a float32 step; below count // 2 counted up from start, from there
+    down from end; each value one rounding of the exact `base + step * i` (checked against torch 2.13)."""
+    step = np.float32((np.float32(end) - np.float32(start)) / np.float32(count - 1))
+    i = np.arange(count, dtype=np.float64)
+    up = float(np.float32(start)) + float(step) * i
+    down = float(np.float32(end)) - float(step) * (count - 1 - i)
+    return np.where(i < count // 2, up, down).astype(np.float32)
+
+
+def confidences(logits: np.ndarray, alg: str) -> tuple[np.ndarray, np.ndarray]:
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    x0 = probs.argmax(-1)
+    if alg == "maskgit_plus":
+        return probs.max(-1), x0
+    if alg == "topk_margin":
+        ordered = np.sort(probs, axis=-1)
+        return ordered[:, -1] - ordered[:, -2], x0
+    return np.sum(probs * np.log(probs + 1e-10), axis=-1), x0
+
+
+def diffusion_generate(w, cfg, prompt, max_new_tokens: int, steps: int, eps: float, alg: str):
+    """The generated ids and forward passes (always `steps`) of one prompt."""
+    mask = cfg.mask_token_id
+    x = np.concatenate([prompt, np.full(max_new_tokens, mask)])[None]
+    timesteps = torch_linspace_float32(1.0, eps, steps + 1)
+    for i in range(steps):
+        masked = x[0] == mask
+        logits = forward(w, cfg, x)[0][0]
+        confidence, x0 = confidences(logits[masked], alg)
+        masks = np.float32(masked.sum()) / np.float32(1)
+        t, s = timesteps[i], timesteps[i + 1]
+        count = int(masks * (np.float32(1.0) - s / t)) if i < steps - 1 else int(masks)
+        full = np.full(x.shape[1], -np.inf)
+        full[masked] = confidence
+        if count > 0:
+            chosen = np.argsort(-full, kind="stable")[:count]
+            proposal = np.full(x.shape[1], mask)
+            proposal[masked] = x0
+            x[0, chosen] = proposal[chosen]
+    return x[0, len(prompt):], steps
