@@ -173,3 +173,26 @@ def test_dream_timesteps_are_torch_linspace_in_float32():
 def test_bad_schedules_are_one_line_errors(dream, bad, named):
     with pytest.raises(LladaError, match=named):
         llada_jax.generate(dream[0], np.arange(3), gen_length=8, block_length=8, steps=4, schedule=bad)
+
+
+@pytest.mark.parametrize("policy, threshold", [("vanilla", None), ("prefix-cache", None), ("dual-cache", 0.2),
+                                               ("dual-cache+speculative", 0.2)])
+def test_compiled_loop_gives_the_host_loop_tokens(family_model, policy, threshold):
+    config, model, _ = family_model
+    options = dict(gen_length=16, block_length=8, steps=8, policy=policy, threshold=threshold)
+    host = llada_jax.generate(model, np.arange(1, 7), loop="host", **options)
+    compiled = llada_jax.generate(model, np.arange(1, 7), loop="compiled", **options)
+    assert compiled.output_ids.tolist() == host.output_ids.tolist() and compiled.nfe == host.nfe
+
+
+@pytest.mark.slow
+def test_iree_host_bundle_gives_the_xla_tokens(family_dir, family_model, tmp_path):
+    from llada_jax.bundle_runner import bundle_runner
+    from lowering.bundle import compile_bundle
+
+    (_, path), (_, model, _) = family_dir, family_model
+    _, _, generate_bundled = bundle_runner(compile_bundle(path, "host", tmp_path / "bundle", max_len=32, window=32))
+    for policy, threshold in (("vanilla", None), ("prefix-cache", None), ("dual-cache", 0.2)):
+        options = dict(gen_length=16, block_length=8, steps=8, policy=policy, threshold=threshold, loop="host")
+        assert (generate_bundled(np.arange(1, 7), **options).output_ids.tolist()
+                == llada_jax.generate(model, np.arange(1, 7), **options).output_ids.tolist())
