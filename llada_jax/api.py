@@ -39,6 +39,7 @@ def logits(model: Model, ids) -> np.ndarray:
 def generate(model: Model, prompt_ids, **options):
     """Generate after `prompt_ids` with a decoder policy (see `policies.generation.run_generation` for the
     options: gen_length, block_length, steps, temperature, cfg_scale, remasking, policy, threshold, seed,
-    logits_eos_inf, confidence_eos_eot_inf, schedule, on_step). Returns a `policies.loop.Result`; for a batch of
-    prompts (a list of sequences, or `[N, L]`), a list of them, each row as its prompt alone decodes."""
+    logits_eos_inf, confidence_eos_eot_inf, schedule, top_k, top_p, on_step). Returns a `policies.loop.Result`;
+    for a batch of prompts (a list of sequences, or `[N, L]`), a list of them, each row as its prompt alone
+    decodes."""
     return run_generation(functools.partial(select_backend, model), model.config, prompt_ids, **options)

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from llada_jax.layout import linear
+from llada_jax.qlinear import expert_matrix
 
 
 def sparse_mlp(block: dict, x: jax.Array, experts_per_token: int) -> jax.Array:
@@ -45,8 +46,7 @@ def routed_sum(block: dict, rows: jax.Array, experts: jax.Array, weights: jax.Ar
     starts = jnp.cumsum(counts) - counts
 
     def one_expert(e, out):
-        gate, up, down = (jax.lax.dynamic_index_in_dim(block[key], e, keepdims=False)
-                          for key in ("experts_gate", "experts_up", "experts_down"))
+        gate, up, down = (expert_matrix(block[key], e) for key in ("experts_gate", "experts_up", "experts_down"))
 
         def one_tile(t, out):
             first = starts[e] + t * tile

@@ -1,8 +1,9 @@
 """The `quantization_config` of a compressed-tensors checkpoint (no JAX): which modules are quantized
 and how, written by `llada quantize` and read back by the loader.
 
-Module names are the HF ones (`model.transformer.blocks.0.q_proj`, the LM head
-`model.transformer.ff_out`, the embedding `model.transformer.wte`); a quantized module stores
+Module names are the HF ones, as each family spells them (LLaDA: `model.transformer.blocks.0.q_proj`, the LM
+head `model.transformer.ff_out`, the embedding `model.transformer.wte`); the decoder matrices a family quantizes
+are its `QUANTIZED_BLOCK` pattern (an MoE router stays float); a quantized module stores
 `<module>.weight_packed` (int32), `<module>.weight_scale` (`[O, G]`) and `<module>.weight_shape`
 (int64 `[2]`) instead of `<module>.weight`.
 """
@@ -11,21 +12,26 @@ from __future__ import annotations
 
 import re
 
+from llada_jax import families
 from llada_jax.config import LLaDAConfig
 from llada_jax.errors import LladaError
-from llada_jax.families import llada
-from llada_jax.params import hf_shapes
+from llada_jax.params import hf_shapes, tensor_places
 from llada_jax.quantize import GROUP_SIZES, QuantScheme
 
 FORMAT = "pack-quantized"
-BLOCK_LINEARS = tuple(name for name in llada.BLOCK if not name.endswith("norm"))
-HEAD = llada.PREFIX + "ff_out"
-EMBEDDING = llada.PREFIX + "wte"
 # The embedding (a row gather) keeps 8 bits whatever the layers use, and so does the LM head unless asked
 # (`llada quantize --head-bits 4`): together about a fifth of an int4 LLaDA-8B's bytes, where errors reach
 # every position (embedding) or every score (head).
 EDGE_SCHEME = QuantScheme(bits=8)
-_BLOCK_TARGET = r"re:.*blocks\.\d+\.(" + "|".join(BLOCK_LINEARS) + r")$"
+
+
+def module_of(config: LLaDAConfig, place: tuple) -> str:
+    """The HF module name of the tensor at `place` in the params pytree (`("lm_head",)`: the LM head)."""
+    return next(name for name, at in tensor_places(config).items() if at == place)[: -len(".weight")]
+
+
+def block_target(config: LLaDAConfig) -> str:
+    return "re:" + families.named(config.family).QUANTIZED_BLOCK
 
 
 def _weights_args(scheme: QuantScheme) -> dict:
@@ -34,18 +40,19 @@ def _weights_args(scheme: QuantScheme) -> dict:
             "observer": "minmax"}
 
 
-def quantization_config(scheme: QuantScheme, head: QuantScheme = EDGE_SCHEME) -> dict:
+def quantization_config(config: LLaDAConfig, scheme: QuantScheme, head: QuantScheme = EDGE_SCHEME) -> dict:
     """The config.json entry for decoder layers quantized with `scheme`, the embedding at 8 bits and the
     LM head with `head`."""
     def group(targets, weights):
         return {"targets": targets, "weights": _weights_args(weights), "input_activations": None,
                 "output_activations": None, "format": FORMAT}
 
-    groups = {"group_0": group([_BLOCK_TARGET], scheme)}
+    head_module, embedding = module_of(config, ("lm_head",)), module_of(config, ("wte",))
+    groups = {"group_0": group([block_target(config)], scheme)}
     if head == EDGE_SCHEME:
-        groups["group_1"] = group([HEAD, EMBEDDING], EDGE_SCHEME)
+        groups["group_1"] = group([head_module, embedding], EDGE_SCHEME)
     else:
-        groups["group_1"], groups["group_2"] = group([EMBEDDING], EDGE_SCHEME), group([HEAD], head)
+        groups["group_1"], groups["group_2"] = group([embedding], EDGE_SCHEME), group([head_module], head)
     return {"quant_method": "compressed-tensors", "format": FORMAT, "quantization_status": "compressed",
             "config_groups": groups, "ignore": [], "kv_cache_scheme": None}
 
@@ -60,13 +67,13 @@ def quantized_modules(hf_config: dict, config: LLaDAConfig) -> dict[str, QuantSc
         raise LladaError(f"{where}: only compressed-tensors checkpoints are supported")
     if spec.get("format", FORMAT) != FORMAT:
         raise LladaError(f"{where}: format {spec.get('format')!r} is not supported (only {FORMAT})")
-    modules = [name[: -len(".weight")] for name, shape in hf_shapes(config).items() if len(shape) == 2]
+    modules = _matrices(config)
     ignored = set(spec.get("ignore") or [])
     schemes = {}
     for group_name, group in (spec.get("config_groups") or {}).items():
         scheme = _group_scheme(group, f"{where} group {group_name}")
         for module in modules:
-            if module not in ignored and any(_matches(t, module) for t in group.get("targets", [])):
+            if module not in ignored and any(_matches(t, module, config) for t in group.get("targets", [])):
                 schemes[module] = scheme
     return schemes
 
@@ -85,18 +92,23 @@ def _group_scheme(group, where: str) -> QuantScheme:
     return QuantScheme(args.get("num_bits"), args.get("group_size") if strategy == "group" else None)
 
 
-def _matches(target: str, module: str) -> bool:
+def _matches(target: str, module: str, config: LLaDAConfig) -> bool:
     if target.startswith("re:"):
         return re.match(target[3:], module) is not None
-    return target in (module, "Linear") and (target != "Linear" or module != EMBEDDING)
+    return target in (module, "Linear") and (target != "Linear" or module != module_of(config, ("wte",)))
 
 
 def planned_modules(config: LLaDAConfig, scheme: QuantScheme,
                     head: QuantScheme = EDGE_SCHEME) -> dict[str, QuantScheme]:
     """Module -> scheme that `llada quantize` with `scheme` (and `head`) would write."""
-    matrices = [name[: -len(".weight")] for name, shape in hf_shapes(config).items() if len(shape) == 2]
-    return {module: scheme if ".blocks." in module else head if module == HEAD else EDGE_SCHEME
-            for module in matrices}
+    head_module, embedding = module_of(config, ("lm_head",)), module_of(config, ("wte",))
+    blocks = re.compile(families.named(config.family).QUANTIZED_BLOCK)
+    planned = {module: scheme for module in _matrices(config) if blocks.match(module)}
+    return dict(planned, **{head_module: head, embedding: EDGE_SCHEME})
+
+
+def _matrices(config: LLaDAConfig) -> list[str]:
+    return [name[: -len(".weight")] for name, shape in hf_shapes(config).items() if len(shape) == 2]
 
 
 def default_group_size(config: LLaDAConfig) -> int | None:

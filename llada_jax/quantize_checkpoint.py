@@ -23,7 +23,6 @@ from tqdm import tqdm
 from llada_jax.atomic import atomic_dir
 from llada_jax.config import read_config, read_hf_dict
 from llada_jax.errors import LladaError
-from llada_jax.families import require_llada
 from llada_jax.params import hf_shapes
 from llada_jax.quant_config import EDGE_SCHEME, planned_modules, quantization_config
 from llada_jax.quantize import QuantScheme, pack_int32, quantize_matrix
@@ -85,7 +84,6 @@ def quantize_checkpoint(model_dir: Path, out_dir: Path, scheme: QuantScheme, sha
     an earlier quantized copy only with `force`); `progress`: a bar on stderr, one step per tensor."""
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     config = read_config(model_dir)
-    require_llada(config, "llada quantize")
     if checkpoint_quantization(model_dir, config):
         raise LladaError(f"{model_dir} is already quantized: quantize the original checkpoint")
     for name in ("d_model", "mlp_hidden_size"):
@@ -93,7 +91,7 @@ def quantize_checkpoint(model_dir: Path, out_dir: Path, scheme: QuantScheme, sha
     head.groups(config.d_model)
     schemes = planned_modules(config, scheme, head)
     with atomic_dir(out_dir, QUANTIZE_COMMAND, inputs=(model_dir,), force=force) as staging:
-        _copy_metadata(model_dir, staging, quantization_config(scheme, head))
+        _copy_metadata(model_dir, staging, quantization_config(config, scheme, head))
         writer = ShardWriter(staging, shard_bytes)
         tensors = tqdm(iter_tensors(model_dir, config), total=len(hf_shapes(config)), desc="quantize", unit="tensor",
                        disable=not progress, file=sys.stderr)

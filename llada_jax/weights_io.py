@@ -15,7 +15,6 @@ import numpy as np
 
 from llada_jax.config import LLaDAConfig, read_hf_dict
 from llada_jax.errors import LladaError
-from llada_jax.families import require_llada
 from llada_jax.params import hf_shapes
 from llada_jax.quant_config import quantized_modules
 from llada_jax.quantize import HostQuantized, QuantScheme
@@ -77,10 +76,7 @@ def checkpoint_quantization(model_dir: Path, config: LLaDAConfig) -> dict[str, Q
     no config.json (a bundle's weights: the caller holds the config)."""
     if not (Path(model_dir) / "config.json").is_file():
         return {}
-    quantized = quantized_modules(read_hf_dict(model_dir), config)
-    if quantized:
-        require_llada(config, "a quantized checkpoint")
-    return quantized
+    return quantized_modules(read_hf_dict(model_dir), config)
 
 
 def stored_scale_itemsize(model_dir: Path, quantized: dict[str, QuantScheme]) -> int:

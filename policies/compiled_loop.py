@@ -41,7 +41,7 @@ def loop_spec(policy, rule, sampler, cfg: bool, schedule: Schedule, slots: int) 
 def loop_covers(policy, sampler: Sampler = Sampler(), cfg: bool = False) -> bool:
     """A cache policy, or speculation over one (not revision: its side path runs on the host), at
     temperature 0 with low-confidence remasking and no CFG."""
-    if cfg or sampler.temperature != 0.0 or sampler.remasking != "low_confidence":
+    if cfg or sampler.temperature != 0.0 or sampler.remasking != "low_confidence" or sampler.dream_confidence:
         return False
     base = policy.base if isinstance(policy, Speculative) else policy
     return type(base) in CACHE_POLICIES.values()

@@ -19,7 +19,12 @@ from policies.compiled_loop import draft_threshold_of, loop_spec, run_compiled
 from policies.loop import decode
 from policies.registry import make_policy, parse_policy
 from policies.sampling import Sampler
-from policies.schedule import Schedule, make_rule
+from policies.schedule import DreamSchedule, Schedule, make_rule
+
+# Dream's `diffusion_generate` under transformers 4.x filters its confidences to the top 50 logits unless called
+# with top_k=None: the model config carries transformers' default top_k=50 into its generation config. Under
+# Dream's schedule that is the default here too (top_k=0 turns it off).
+DREAM_TOP_K = 50
 
 LOOPS = ("auto", "host", "compiled")
 
@@ -93,7 +98,8 @@ def prepare_generation(config: LLaDAConfig, prompt_ids, *, gen_length: int, bloc
                        temperature: float = 0.0, cfg_scale: float = 0.0, remasking: str = "low_confidence",
                        policy: str = "vanilla", threshold: float | None = None, seed: int = 0,
                        logits_eos_inf: bool = False, confidence_eos_eot_inf: bool = False,
-                       limit: int | None = None, schedule: str = "llada") -> Prepared:
+                       limit: int | None = None, schedule: str = "llada", top_k: int | None = None,
+                       top_p: float | None = None) -> Prepared:
     """Validate every input on the host and pick readout, sampler, commit rule and policy (see
     `run_generation`); nothing runs yet."""
     if limit is not None:
@@ -112,7 +118,9 @@ def prepare_generation(config: LLaDAConfig, prompt_ids, *, gen_length: int, bloc
     rule = make_rule(schedule, threshold, transfer)
     unconfident = (config.special_ids_in_vocab(config.eos_token_id, config.eot_token_id) if confidence_eos_eot_inf
                    else ())
-    sampler = Sampler(float(temperature), remasking, unconfident)
+    if top_k is None and isinstance(rule, DreamSchedule):
+        top_k = DREAM_TOP_K
+    sampler = Sampler(float(temperature), remasking, unconfident, top_k, top_p)
     cfg = cfg_scale > 0.0
     forbid = config.special_ids_in_vocab(config.eos_token_id) if logits_eos_inf else ()
     slots = bucket(total, config.max_sequence_length)
@@ -132,7 +140,8 @@ def run_generation(make_backend: Callable, config: LLaDAConfig, prompt_ids, *, o
     each row as that prompt alone would decode; `on_step(row, canvas, record)`). A batch of one prompt
     decodes as that prompt alone (the compiled loop included).
     `options`: gen_length, block_length, steps, temperature, cfg_scale, remasking, policy, threshold, seed,
-    logits_eos_inf, confidence_eos_eot_inf, schedule (`llada` or `dream[:EPS]`), and `limit`: a compiled
+    logits_eos_inf, confidence_eos_eot_inf, schedule (`llada` or `dream[:EPS]`), top_k and top_p (Dream's
+    confidence filters; under Dream's schedule top_k defaults to `DREAM_TOP_K`), and `limit`: a compiled
     bundle's longest canvas, when lower than the model's own (see `prepare_generation`). `loop`: "auto" runs
     the compiled decode loop where the setting and backend offer it (one prompt, no live `on_step`), "host"
     the host loop, "compiled" insists on the compiled one."""

@@ -22,7 +22,27 @@ def torch_linspace_float32(start: float, end: float, count: int) -> np.ndarray:
     return np.where(i < count // 2, up, down).astype(np.float32)
 
 
-def confidences(logits: np.ndarray, alg: str) -> tuple[np.ndarray, np.ndarray]:
+def filtered(logits: np.ndarray, top_k: int | None, top_p: float | None) -> np.ndarray:
+    """`sample_tokens`' filters: top-p (keep the sorted prefix until the cumulative probability passes it, the
+    first always), then top-k (keep logits >= the k-th largest); removed logits become float32's lowest."""
+    lowest = np.finfo(np.float32).min
+    if top_p is not None and top_p < 1:
+        order = np.argsort(-logits, axis=-1, kind="stable")
+        ordered = np.take_along_axis(logits, order, -1)
+        p = np.exp(ordered - ordered[:, :1])
+        cumulative = np.cumsum(p / p.sum(-1, keepdims=True), -1)
+        remove = np.concatenate([np.zeros_like(cumulative[:, :1], bool), cumulative[:, :-1] > top_p], -1)
+        removed = np.zeros_like(remove)
+        np.put_along_axis(removed, order, remove, -1)
+        logits = np.where(removed, lowest, logits)
+    if top_k is not None:
+        kth = np.sort(logits, -1)[:, -min(top_k, logits.shape[-1])]
+        logits = np.where(logits < kth[:, None], lowest, logits)
+    return logits
+
+
+def confidences(logits: np.ndarray, alg: str, top_k=None, top_p=None) -> tuple[np.ndarray, np.ndarray]:
+    logits = filtered(logits, top_k, top_p)
     probs = np.exp(logits - logits.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
     x0 = probs.argmax(-1)
@@ -34,15 +54,17 @@ def confidences(logits: np.ndarray, alg: str) -> tuple[np.ndarray, np.ndarray]:
     return np.sum(probs * np.log(probs + 1e-10), axis=-1), x0
 
 
-def diffusion_generate(w, cfg, prompt, max_new_tokens: int, steps: int, eps: float, alg: str):
-    """The generated ids and forward passes (always `steps`) of one prompt."""
+def diffusion_generate(w, cfg, prompt, max_new_tokens: int, steps: int, eps: float, alg: str, top_k=None,
+                       top_p=None):
+    """The generated ids and forward passes (always `steps`) of one prompt. Called as Dream's code runs under
+    transformers 4.x without a `top_k` argument, `top_k` is 50 (its model config's default)."""
     mask = cfg.mask_token_id
     x = np.concatenate([prompt, np.full(max_new_tokens, mask)])[None]
     timesteps = torch_linspace_float32(1.0, eps, steps + 1)
     for i in range(steps):
         masked = x[0] == mask
         logits = forward(w, cfg, x)[0][0]
-        confidence, x0 = confidences(logits[masked], alg)
+        confidence, x0 = confidences(logits[masked], alg, top_k, top_p)
         masks = np.float32(masked.sum()) / np.float32(1)
         t, s = timesteps[i], timesteps[i + 1]
         count = int(masks * (np.float32(1.0) - s / t)) if i < steps - 1 else int(masks)

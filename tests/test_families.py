@@ -144,18 +144,24 @@ def dream(tmp_path_factory):
     return llada_jax.load(path), read_all(path)
 
 
-@settings(max_examples=10)
+# (our top_k, the reference's): by default Dream's schedule filters to the top 50 as its reference does under
+# transformers 4.x; 0 turns the filter off (the reference called with top_k=None).
+TOP_K = [(None, 50), (0, None), (5, 5)]
+
+
+@settings(max_examples=14)
 @given(alg=st.sampled_from(sorted(dream_reference.ALGORITHMS)), eps=st.sampled_from([1e-3, 1e-2, 0.0]),
        prompt_len=st.integers(1, 12), new=st.sampled_from([4, 8, 16]), steps=st.sampled_from([1, 3, 8, 16]),
-       seed=st.integers(0, 10_000))
-def test_dream_diffusion_generate_matches_its_reference(dream, alg, eps, prompt_len, new, steps, seed):
-    """Dream's own decoders: `diffusion_generate(alg, steps, eps)` at temperature 0 is vanilla over one block
-    with Dream's schedule and confidence."""
+       top_k=st.sampled_from(TOP_K), top_p=st.sampled_from([None, 0.9, 0.3]), seed=st.integers(0, 10_000))
+def test_dream_diffusion_generate_matches_its_reference(dream, alg, eps, prompt_len, new, steps, top_k, top_p, seed):
+    """Dream's own decoders: `diffusion_generate(alg, steps, eps, top_k, top_p)` at temperature 0 is vanilla over
+    one block with Dream's schedule, filters and confidence."""
     model, weights = dream
     prompt = np.random.default_rng(seed).integers(0, DREAM.mask_token_id, prompt_len)
-    expected, nfe = dream_reference.diffusion_generate(weights, DREAM, prompt, new, steps, eps, alg)
+    expected, nfe = dream_reference.diffusion_generate(weights, DREAM, prompt, new, steps, eps, alg, top_k[1], top_p)
     result = llada_jax.generate(model, prompt, gen_length=new, block_length=new, steps=steps, policy="vanilla",
-                                remasking=dream_reference.ALGORITHMS[alg], schedule=f"dream:{eps}")
+                                remasking=dream_reference.ALGORITHMS[alg], schedule=f"dream:{eps}", top_k=top_k[0],
+                                top_p=top_p)
     assert result.output_ids.tolist() == expected.tolist() and result.nfe == nfe
 
 

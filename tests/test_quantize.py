@@ -236,7 +236,7 @@ def checkpoints(tmp_path_factory):
 def test_quantized_checkpoint_layout_and_values(checkpoints, label):
     scheme, out = SCHEMES[label], checkpoints[label]
     spec = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert spec == quantization_config(scheme)
+    assert spec == quantization_config(TINY, scheme)
     assert (spec["quant_method"], spec["format"]) == ("compressed-tensors", "pack-quantized")
     original, tensors = raw_tensors(checkpoints["src"]), raw_tensors(out)
     assert len(list(out.glob("*.safetensors"))) > 1
@@ -304,7 +304,7 @@ def test_missing_scale_is_named(checkpoints, tmp_path):
 
 
 def spec_with(**changes) -> dict:
-    spec = quantization_config(QuantScheme(4, 16))
+    spec = quantization_config(TINY, QuantScheme(4, 16))
     spec.update({k: v for k, v in changes.items() if k == "format"})
     spec["config_groups"]["group_0"].update({k: v for k, v in changes.items() if k != "format"})
     return {"quantization_config": spec}
@@ -322,7 +322,7 @@ def test_unsupported_quantization_configs(spec, fragment):
 
 @pytest.mark.parametrize("head", [EDGE_SCHEME, QuantScheme(4, 16)])
 def test_quantization_config_reads_back_as_written(head):
-    schemes = quantized_modules({"quantization_config": quantization_config(QuantScheme(4, 16), head)}, TINY)
+    schemes = quantized_modules({"quantization_config": quantization_config(TINY, QuantScheme(4, 16), head)}, TINY)
     matrices = [name[: -len(".weight")] for name, shape in hf_shapes(TINY).items() if len(shape) == 2]
     assert sorted(schemes) == sorted(matrices) and schemes == planned_modules(TINY, QuantScheme(4, 16), head)
     assert schemes["model.transformer.ff_out"] == head and schemes["model.transformer.wte"] == EDGE_SCHEME

@@ -43,6 +43,10 @@ def add_decoding_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--schedule", default="llada",
                         help="tokens committed per step without a threshold: llada (equal shares) or dream[:EPS] "
                              "(Dream's timesteps from 1 to EPS, default 0.001)")
+    parser.add_argument("--top-k", type=int, default=None,
+                        help="Dream's confidence filter: softmax over the K highest logits (0: off; default 50 "
+                             "under --schedule dream, as Dream's diffusion_generate runs under transformers 4.x)")
+    parser.add_argument("--top-p", type=float, default=None, help="Dream's nucleus filter before its confidence")
     parser.add_argument("--policy", default=None,
                         help="BASE[+speculative[:L[:T]]][+revision[:R[:K]]][@THRESHOLD], BASE = vanilla, "
                              f"prefix-cache, dual-cache (default: {DEFAULT_POLICY}, the fastest setting that "
@@ -116,14 +120,14 @@ def decoding_kwargs(args) -> dict:
             "temperature": args.temperature, "cfg_scale": args.cfg_scale, "remasking": args.remasking,
             "policy": policy_spec(args), "threshold": commit_threshold(args), "seed": args.seed,
             "logits_eos_inf": args.forbid_eos, "confidence_eos_eot_inf": args.no_eos_confidence, "loop": args.loop,
-            "schedule": args.schedule}
+            "schedule": args.schedule, "top_k": args.top_k, "top_p": args.top_p}
 
 
 def loop_settings(args) -> list[tuple]:
     """The (policy, threshold, gen_length, block_length, steps) a bundle compiled on the fly should bake a
     decode loop for: the decoding flags' setting, when the compiled loop can run it."""
     kwargs = decoding_kwargs(args)
-    sampler = Sampler(kwargs["temperature"], kwargs["remasking"])
+    sampler = Sampler(kwargs["temperature"], kwargs["remasking"], top_k=kwargs["top_k"], top_p=kwargs["top_p"])
     covered = loop_covers(make_policy(kwargs["policy"]), sampler, kwargs["cfg_scale"] > 0.0)
     if args.loop == "host" or not covered or kwargs["schedule"] != "llada":
         return []

@@ -28,9 +28,3 @@ def from_architectures(architectures):
 def named(name: str):
     return BY_NAME[name]
 
-
-def require_llada(config, what: str) -> None:
-    """A one-line refusal where a path carries LLaDA's own architecture only (so far)."""
-    if config.family != llada.NAME:
-        raise LladaError(f"{what} supports the {llada.ARCHITECTURE} family only so far; this checkpoint is "
-                         f"{named(config.family).ARCHITECTURE}")

@@ -11,6 +11,7 @@ from llada_jax.families.hf_fields import attention_names, integers, shared_confi
 NAME = "dream"
 ARCHITECTURE = "DreamModel"
 MASK_ID = 151666
+QUANTIZED_BLOCK = r".*layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)$"
 
 
 def config_fields(raw: dict) -> dict:

@@ -29,6 +29,8 @@ REQUIRED_VALUES = {
     "input_emb_norm": False,
     "attention_layer_norm": False,
 }
+# The decoder matrices `llada quantize` quantizes (a regex over HF module names).
+QUANTIZED_BLOCK = r".*blocks\.\d+\.(q_proj|k_proj|v_proj|attn_out|ff_proj|up_proj|ff_out)$"
 # One decoder layer's tensors: our key -> the checkpoint's short name (`blocks.{i}.{name}.weight`).
 BLOCK = {"attn_norm": "attn_norm", "q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj",
          "attn_out": "attn_out", "ff_norm": "ff_norm", "ff_proj": "ff_proj", "up_proj": "up_proj",
