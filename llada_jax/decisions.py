@@ -48,10 +48,13 @@ def read_rows(xp, in_reads, masked):
     return xp.where(xp.any(wanted), wanted, xp.arange(in_reads.shape[0]) == xp.argmax(in_reads))
 
 
-def block_going(any_masked, step, steps_per_block: int, stops_when_filled: bool):
+def block_going(any_masked, step, steps_per_block: int, stops_when_filled: bool, block_length: int):
     """Whether a block takes another step: until it has no mask left (cached decoders, speculation and the
-    threshold rule, as Fast-dLLM), or exactly its scheduled steps (vanilla's fixed schedule, as LLaDA)."""
-    return any_masked if stops_when_filled else step < steps_per_block
+    threshold rule, as Fast-dLLM), or exactly its scheduled steps (vanilla's fixed schedule, as LLaDA). Never
+    more than max(steps_per_block, block_length) steps: every rule fills a block within them, unless the model
+    predicts the mask token itself (the reference loops then never end; here the block ends with it)."""
+    going = any_masked if stops_when_filled else step < steps_per_block
+    return going & (step < max(steps_per_block, block_length))
 
 
 def nonfinite(xp, values):

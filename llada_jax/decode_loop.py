@@ -140,8 +140,8 @@ class _Run(NamedTuple):
         def more_steps(state):
             step, carry = state
             going = block_going(jnp.any(self.masked(carry.tokens) & in_block), step, spec.steps_per_block,
-                                spec.threshold_rule or spec.stops_when_filled)
-            return going & (step < max(spec.steps_per_block, spec.block_length)) & (carry.bad[0] == NOT_COMMITTED)
+                                spec.threshold_rule or spec.stops_when_filled, spec.block_length)
+            return going & (carry.bad[0] == NOT_COMMITTED)
 
         def one_step(state):
             step, carry = state

@@ -129,7 +129,8 @@ class IreeBackend(Backend):
     def __init__(self, bundle: Bundle, session: Session, readout_spec: ReadoutSpec, biases: TokenBiases,
                  cfg_scale: float = 0.0, side: Callable[["IreeBackend"], SideBackend | None] | None = None):
         if readout_spec != ReadoutSpec(kind="argmax") or cfg_scale != 0.0:
-            raise LladaError("IREE bundles run argmax readouts without CFG: use temperature 0 and cfg-scale 0")
+            raise LladaError("IREE bundles read out the argmax only: use temperature 0, cfg-scale 0 and "
+                             "low_confidence remasking without top-k / top-p (Dream checkpoints: --top-k 0)")
         self.bundle, self.session, self.config = bundle, session, bundle.config
         self.readout_spec, self.biases, self._side = readout_spec, biases, side
         # Uploaded once per generation; every step passes the same device buffers.

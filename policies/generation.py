@@ -19,11 +19,11 @@ from policies.compiled_loop import draft_threshold_of, loop_spec, run_compiled
 from policies.loop import decode
 from policies.registry import make_policy, parse_policy
 from policies.sampling import Sampler
-from policies.schedule import DreamSchedule, Schedule, make_rule
+from policies.schedule import Schedule, make_rule
 
-# Dream's `diffusion_generate` under transformers 4.x filters its confidences to the top 50 logits unless called
-# with top_k=None: the model config carries transformers' default top_k=50 into its generation config. Under
-# Dream's schedule that is the default here too (top_k=0 turns it off).
+# Dream's decoders (its `diffusion_generate`, Fast-dLLM's Dream decoder) under transformers 4.x filter their
+# confidences to the top 50 logits unless called with top_k=None: the model config carries transformers'
+# default top_k=50 into their generation config. On Dream checkpoints that is the default here too (0: off).
 DREAM_TOP_K = 50
 
 LOOPS = ("auto", "host", "compiled")
@@ -99,7 +99,7 @@ def prepare_generation(config: LLaDAConfig, prompt_ids, *, gen_length: int, bloc
                        policy: str = "vanilla", threshold: float | None = None, seed: int = 0,
                        logits_eos_inf: bool = False, confidence_eos_eot_inf: bool = False,
                        limit: int | None = None, schedule: str = "llada", top_k: int | None = None,
-                       top_p: float | None = None) -> Prepared:
+                       top_p: float | None = None, first_token: bool | None = None) -> Prepared:
     """Validate every input on the host and pick readout, sampler, commit rule and policy (see
     `run_generation`); nothing runs yet."""
     if limit is not None:
@@ -115,10 +115,13 @@ def prepare_generation(config: LLaDAConfig, prompt_ids, *, gen_length: int, bloc
     if not cfg_scale >= 0.0:
         raise LladaError(f"cfg_scale must be >= 0, got {cfg_scale}")
     decoding_policy = make_policy(policy)
-    rule = make_rule(schedule, threshold, transfer)
+    dream = config.family == "dream"
+    if first_token is None:  # Fast-dLLM's Dream decoder starts each cached block with its first token
+        first_token = dream and parse_policy(policy)[0] != "vanilla"
+    rule = make_rule(schedule, threshold, transfer, first_token)
     unconfident = (config.special_ids_in_vocab(config.eos_token_id, config.eot_token_id) if confidence_eos_eot_inf
                    else ())
-    if top_k is None and isinstance(rule, DreamSchedule):
+    if top_k is None and dream:
         top_k = DREAM_TOP_K
     sampler = Sampler(float(temperature), remasking, unconfident, top_k, top_p)
     cfg = cfg_scale > 0.0
@@ -141,7 +144,9 @@ def run_generation(make_backend: Callable, config: LLaDAConfig, prompt_ids, *, o
     decodes as that prompt alone (the compiled loop included).
     `options`: gen_length, block_length, steps, temperature, cfg_scale, remasking, policy, threshold, seed,
     logits_eos_inf, confidence_eos_eot_inf, schedule (`llada` or `dream[:EPS]`), top_k and top_p (Dream's
-    confidence filters; under Dream's schedule top_k defaults to `DREAM_TOP_K`), and `limit`: a compiled
+    confidence filters; on Dream checkpoints top_k defaults to `DREAM_TOP_K`), first_token (a block's first step
+    commits its first position alone; default: on Dream checkpoints with a cached policy, as Fast-dLLM's Dream
+    decoder does), and `limit`: a compiled
     bundle's longest canvas, when lower than the model's own (see `prepare_generation`). `loop`: "auto" runs
     the compiled decode loop where the setting and backend offer it (one prompt, no live `on_step`), "host"
     the host loop, "compiled" insists on the compiled one."""

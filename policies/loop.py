@@ -86,7 +86,7 @@ def decode(backend, prompt_ids: np.ndarray, schedule: Schedule, policy: Policy, 
         for block in schedule.blocks(canvas.prompt_len):
             masked_at_start = int(canvas.masked[block.start:block.end].sum())
             step = 0
-            while not _block_done(canvas, block, step, policy, rule):
+            while not _block_done(canvas, block, step, policy, rule, schedule.steps_per_block):
                 plan = policy.plan(canvas, block, step, kv)
                 if kv is None and (plan.keep_kv is not None or not plan.full):
                     kv = backend.empty_state(canvas.tokens.shape[0], canvas.padded_length)
@@ -181,9 +181,10 @@ def _step(backend, canvas: Canvas, kv, plan: StepPlan, reviser: Reviser, block: 
     return kv, record
 
 
-def _block_done(canvas: Canvas, block: Block, step: int, policy: Policy, rule) -> bool:
+def _block_done(canvas: Canvas, block: Block, step: int, policy: Policy, rule, steps_per_block: int) -> bool:
     """Vanilla's fixed schedule runs exactly steps_per_block steps (as LLaDA's reference does); cached
     decoders, speculation and the threshold rule stop as soon as the block has no mask left (as
     Fast-dLLM does; a block whose masks were all drafted early takes no step at all)."""
     stops = rule.fixed_steps is None or policy.stops_when_filled
-    return not block_going(canvas.masked[block.start:block.end].any(), step, rule.fixed_steps, stops)
+    return not block_going(canvas.masked[block.start:block.end].any(), step, steps_per_block, stops,
+                           block.end - block.start)

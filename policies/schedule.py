@@ -1,5 +1,5 @@
 """The lengths of one generation, and which masked positions to commit in a step: LLaDA's fixed
-schedule, Dream's timestep schedule or Fast-dLLM's threshold rule.
+schedule, Fast-dLLM's threshold rule, or Dream's (`policies.dream_schedule`).
 
 The rules themselves are `llada_jax.decisions`, which the compiled loop calls too; here they are chosen and
 applied to one block. Candidates are ranked by an order key, highest first; equal keys go to the lower
@@ -18,6 +18,7 @@ import numpy as np
 from llada_jax.decisions import fixed_commits, scheduled_count, threshold_commits
 from llada_jax.errors import LladaError
 from policies.canvas import Block
+from policies.dream_schedule import DreamSchedule, FirstTokenFirst
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,50 +93,18 @@ class ThresholdRule:
         return threshold_commits(rank, candidates, confidence >= self.threshold)
 
 
-def dream_timesteps(steps: int, eps: float) -> np.ndarray:
-    """`torch.linspace(1, eps, steps + 1)` in float32 as torch's CPU kernel fills it: a float32 step, the first
-    half counted from the start and the second half from the end, each value one rounding of `base + step * i`
-    (a fused multiply-add); `jnp.linspace` and `np.linspace` differ from it in the last bit."""
-    count = steps + 1
-    start, end = np.float32(1.0), np.float32(eps)
-    step = np.float32((end - start) / np.float32(count - 1))
-    return np.array([np.float32(float(start) + float(step) * i) if i < count // 2
-                     else np.float32(float(end) - float(step) * (count - i - 1)) for i in range(count)], np.float32)
-
-
-@dataclasses.dataclass(frozen=True)
-class DreamSchedule:
-    """Dream's `diffusion_generate` count: at step i of n, int(masks left * (1 - t[i+1] / t[i])) in float32 over
-    its timesteps t from 1 to eps; the last step commits every mask left. The steps always run (no early stop)."""
-
-    steps_per_block: int
-    eps: float = 1e-3
-
-    def __post_init__(self):
-        if not 0.0 <= self.eps < 1.0:
-            raise LladaError(f"the dream schedule's eps must be in [0, 1), got {self.eps}")
-
-    @property
-    def fixed_steps(self) -> int:
-        return self.steps_per_block
-
-    def count(self, masked: int, step: int) -> int:
-        if step >= self.steps_per_block - 1:
-            return masked
-        t = dream_timesteps(self.steps_per_block, self.eps)
-        return int(np.float32(masked) * (np.float32(1.0) - t[step + 1] / t[step]))
-
-    def commits(self, rank: np.ndarray, candidates: np.ndarray, confidence: np.ndarray, step: int,
-                masked_at_start: int) -> np.ndarray:
-        return fixed_commits(rank, candidates, self.count(int(candidates.sum()), step))
-
-
 SCHEDULES = ("llada", "dream")  # how many tokens a step commits (without a threshold): `--schedule NAME[:EPS]`
 
 
-def make_rule(schedule: Schedule, threshold: float | None, transfer: str = "llada"):
+def make_rule(schedule: Schedule, threshold: float | None, transfer: str = "llada", first_token: bool = False):
     """The commit rule: the threshold rule when one is given, else the `transfer` schedule (`llada`, or
-    `dream[:EPS]`, eps 1e-3 by default as in Dream's generation config)."""
+    `dream[:EPS]`, eps 1e-3 by default as in Dream's generation config). `first_token`: a block's first step
+    commits its first position alone (Fast-dLLM's Dream decoder, `FirstTokenFirst`)."""
+    rule = _rule(schedule, threshold, transfer)
+    return FirstTokenFirst(rule) if first_token else rule
+
+
+def _rule(schedule: Schedule, threshold: float | None, transfer: str):
     name, colon, eps = transfer.partition(":")
     if name not in SCHEDULES or (colon and name != "dream"):
         raise LladaError(f"unknown schedule {transfer!r}; choose llada or dream[:EPS]")

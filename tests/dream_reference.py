@@ -76,3 +76,43 @@ def diffusion_generate(w, cfg, prompt, max_new_tokens: int, steps: int, eps: flo
             proposal[masked] = x0
             x[0, chosen] = proposal[chosen]
     return x[0, len(prompt):], steps
+
+
+def fast_dllm_generate(w, cfg, prompt, gen_length: int, block_length: int, steps: int, dual: bool,
+                       threshold: float | None, eps: float = 1e-3, top_k=50):
+    """Fast-dLLM's Dream decoder (`generation_utils_block._sample`): per block a full pass that commits the block's
+    first position alone, then cached window steps (the prefix's K/V, or with `dual` every position's, the block
+    recomputed in place) whose logits shift within the window; by `threshold` (top-1 probability) or, without
+    one, by Dream's schedule over the block's steps on the negative entropy. Returns ids and forward passes."""
+    mask = cfg.mask_token_id
+    x = np.concatenate([prompt, np.full(gen_length, mask)])[None]
+    per_block = steps // (gen_length // block_length)
+    timesteps = torch_linspace_float32(1.0, eps, per_block + 1)
+    nfe = 0
+    for start in range(len(prompt), len(prompt) + gen_length, block_length):
+        end = start + block_length
+        logits, presents = forward(w, cfg, x)
+        x[0, start] = logits[0, start].argmax()
+        past = presents if dual else [(k[:, :, :start], v[:, :, :start]) for k, v in presents]
+        nfe, i = nfe + 1, 1
+        while (x[0, start:end] == mask).any():
+            window = forward(w, cfg, x[:, start:end], past, replace=(start, end)) if dual else \
+                forward(w, cfg, x[:, start:], past)
+            logits, nfe = window[0][0][:block_length], nfe + 1
+            masked = x[0, start:end] == mask
+            alg = "maskgit_plus" if threshold is not None else "entropy"
+            confidence, x0 = confidences(logits[masked], alg, top_k)
+            full = np.full(block_length, -np.inf)
+            full[masked] = confidence
+            order = np.argsort(-full, kind="stable")
+            if threshold is not None:
+                chosen = [order[0]] + [j for j in order[1: int(masked.sum())] if full[j] >= threshold]
+            else:
+                masks = np.float32(masked.sum())
+                count = int(masks * (np.float32(1.0) - timesteps[i + 1] / timesteps[i])) if i < per_block - 1 \
+                    else int(masks)
+                chosen, i = order[:count], i + 1
+            proposal = np.full(block_length, mask)
+            proposal[masked] = x0
+            x[0, start + np.asarray(chosen, int)] = proposal[np.asarray(chosen, int)]
+    return x[0, len(prompt):], nfe

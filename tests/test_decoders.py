@@ -184,3 +184,20 @@ def test_forbidding_eos_keeps_it_out_and_zero_confidence_delays_it(tiny_model):
     assert eos_steps == eos_commits and len(eos_commits) >= 1
     plain_eos_commits = [r.nfe for r in plain.trace for t in r.tokens if t == eos]
     assert min(eos_commits) > min(plain_eos_commits)  # zero confidence pushes EOS to the end
+
+
+@pytest.mark.parametrize("policy, threshold", [("prefix-cache", None), ("dual-cache", 0.5), ("dual-cache", None)])
+def test_a_model_that_predicts_the_mask_token_ends_each_block(tmp_path, policy, threshold):
+    """The reference loops never end when the model keeps predicting the mask token; each block here ends after
+    max(steps per block, block length) steps, host and compiled loops alike, the masks left in place."""
+    from llada_jax.checkpoint import save_hf
+    from llada_jax.params import init_params
+
+    config = dataclasses.replace(TINY, mask_token_id=0)
+    params = init_params(config, seed=0)
+    params["ln_f"] = jnp.zeros_like(params["ln_f"])  # every logit 0: the argmax is token 0, the mask
+    model = llada_jax.load(save_hf(params, config, tmp_path / "masks"))
+    options = dict(gen_length=16, block_length=8, steps=4, policy=policy, threshold=threshold)
+    results = [llada_jax.generate(model, np.arange(1, 6), loop=loop, **options) for loop in ("host", "compiled")]
+    for result in results:
+        assert result.output_ids.tolist() == [0] * 16 and result.nfe == 2 * 8

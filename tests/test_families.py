@@ -11,11 +11,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import llada_jax
+from llada_jax.checkpoint import save_hf
 from llada_jax.config import LLaDAConfig, read_config
 from llada_jax.errors import LladaError
-from llada_jax.quantize import QuantScheme
+from llada_jax.params import hf_to_params
+from llada_jax.quantize import HostQuantized, QuantScheme
 from llada_jax.quantize_checkpoint import quantize_checkpoint
-from policies.schedule import dream_timesteps
+from llada_jax.weights_io import iter_tensors
+from policies.dream_schedule import dream_timesteps
 from tests import dream_reference, reference
 from tests.conftest import LLADA_8B_DIR, read_all, write_checkpoint
 
@@ -76,6 +79,10 @@ def test_logits_match_the_float64_oracle(family_model, batch, length, seed):
     np.testing.assert_allclose(np.asarray(got), expected, rtol=2e-4, atol=2e-4)
 
 
+# LLaDA's decoding on any family: no top-k filter, blocks that start by their rule (Dream's defaults differ).
+LLADA_CONVENTIONS = {"top_k": 0, "first_token": False}
+
+
 @settings(max_examples=6)
 @given(policy=st.sampled_from(["vanilla", "prefix-cache", "dual-cache"]), threshold=st.sampled_from([None, 0.2]),
        prompt_len=st.integers(1, 12), blocks=st.integers(1, 2), steps_per_block=st.sampled_from([2, 4]),
@@ -88,7 +95,8 @@ def test_llada_decoders_match_the_reference_loops(family_model, policy, threshol
     expected, nfe = reference.generate(weights, config, prompt, 8 * blocks, 8, steps_per_block * blocks, policy,
                                        threshold)
     result = llada_jax.generate(model, prompt, gen_length=8 * blocks, block_length=8,
-                                steps=steps_per_block * blocks, policy=policy, threshold=threshold, loop="host")
+                                steps=steps_per_block * blocks, policy=policy, threshold=threshold, loop="host",
+                                **LLADA_CONVENTIONS)
     assert result.output_ids.tolist() == expected.tolist() and result.nfe == nfe
 
 
@@ -120,22 +128,43 @@ def test_llada_1_5_loads_as_llada(tmp_path):
     assert config.family == "llada" and config.n_layers == 32 and not config.n_experts
 
 
-def test_staged_runs_give_the_resident_tokens_or_refuse_in_one_line(family_model, family_dir, tmp_path):
-    """Dream streams its layers like LLaDA; an MoE layer cannot be staged yet, nor any family quantized."""
+def test_staged_runs_give_the_resident_tokens_or_refuse_in_one_line(family_model, family_dir):
+    """Dream streams its layers like LLaDA; an MoE layer cannot be staged yet."""
     config, model, _ = family_model
     path = family_dir[1]
     if config.n_experts:
         with pytest.raises(LladaError, match="staging does not carry sparse MoE"):
             llada_jax.load(path, device_memory_budget=60_000)
-    else:
-        staged = llada_jax.load(path, device_memory_budget=60_000)
-        assert staged.staged is not None
-        for policy in ("vanilla", "dual-cache"):
-            options = dict(gen_length=16, block_length=8, steps=8, policy=policy)
-            assert (llada_jax.generate(staged, np.arange(5), **options).output_ids.tolist()
-                    == llada_jax.generate(model, np.arange(5), **options).output_ids.tolist())
-    with pytest.raises(LladaError, match="llada quantize supports the LLaDAModelLM family only"):
-        quantize_checkpoint(path, tmp_path / "q", QuantScheme(8))
+        return
+    staged = llada_jax.load(path, device_memory_budget=60_000)
+    assert staged.staged is not None
+    for policy in ("vanilla", "dual-cache"):
+        options = dict(gen_length=16, block_length=8, steps=8, policy=policy)
+        assert (llada_jax.generate(staged, np.arange(5), **options).output_ids.tolist()
+                == llada_jax.generate(model, np.arange(5), **options).output_ids.tolist())
+
+
+@pytest.mark.parametrize("scheme", [QuantScheme(8), QuantScheme(4, 16)], ids=["int8", "int4-g16"])
+@pytest.mark.slow
+def test_quantized_families_run_as_their_dequantized_twins(family_dir, scheme, tmp_path):
+    """`llada quantize` on each family (MoE experts one by one, its router float): the quantized model computes
+    what a float model of its dequantized weights computes, on the host and compiled loops."""
+    config, path = family_dir
+    quantized = quantize_checkpoint(path, tmp_path / "q", scheme)
+    tensors = {name: value.dequantize() if isinstance(value, HostQuantized) else value
+               for name, value in iter_tensors(quantized, config)}
+    router = "model.layers.0.mlp.gate.weight"
+    assert not config.n_experts or not isinstance(dict(iter_tensors(quantized, config))[router], HostQuantized)
+    twin = llada_jax.load(save_hf(hf_to_params(tensors, config), config, tmp_path / "twin"))
+    model = llada_jax.load(quantized)
+    ids = np.random.default_rng(3).integers(0, 250, (2, 20))
+    want = llada_jax.logits(twin, ids)
+    np.testing.assert_allclose(llada_jax.logits(model, ids), want, atol=1e-4 * np.abs(want).max(), rtol=0)
+    options = dict(gen_length=16, block_length=8, steps=8, policy="dual-cache", threshold=0.2, **LLADA_CONVENTIONS)
+    expected = llada_jax.generate(twin, np.arange(1, 7), loop="host", **options).output_ids.tolist()
+    for loop in ("host", "compiled"):
+        assert llada_jax.generate(model, np.arange(1, 7), loop=loop, **options).output_ids.tolist() == expected
+
 
 
 @pytest.fixture(scope="module")
@@ -165,6 +194,26 @@ def test_dream_diffusion_generate_matches_its_reference(dream, alg, eps, prompt_
     assert result.output_ids.tolist() == expected.tolist() and result.nfe == nfe
 
 
+@settings(max_examples=12)
+@given(dual=st.booleans(), threshold=st.sampled_from([None, 0.3, 0.9]), eps=st.sampled_from([1e-3, 0.0]),
+       prompt_len=st.integers(1, 10), blocks=st.integers(1, 3), block_length=st.sampled_from([4, 8]),
+       steps_per_block=st.sampled_from([2, 3, 4, 8]), top_k=st.sampled_from(TOP_K), seed=st.integers(0, 10_000))
+def test_fast_dllm_dream_decoder_matches_its_reference(dream, dual, threshold, eps, prompt_len, blocks, block_length,
+                                                        steps_per_block, top_k, seed):
+    """Fast-dLLM's Dream decoder: prefix or dual cache, each block begun with its first token, then the threshold
+    rule or Dream's schedule on the negative entropy (Dream's defaults for a cached policy)."""
+    model, weights = dream
+    prompt = np.random.default_rng(seed).integers(0, DREAM.mask_token_id, prompt_len)
+    gen_length, steps = blocks * block_length, blocks * steps_per_block
+    expected, nfe = dream_reference.fast_dllm_generate(weights, DREAM, prompt, gen_length, block_length, steps, dual,
+                                                       threshold, eps, top_k[1])
+    result = llada_jax.generate(model, prompt, gen_length=gen_length, block_length=block_length, steps=steps,
+                                policy="dual-cache" if dual else "prefix-cache", threshold=threshold,
+                                remasking="low_confidence" if threshold else "entropy", schedule=f"dream:{eps}",
+                                top_k=top_k[0])
+    assert result.output_ids.tolist() == expected.tolist() and result.nfe == nfe
+
+
 def test_dream_timesteps_are_torch_linspace_in_float32():
     """Both halves, and values where a float32 step times i rounded twice differs from torch's one rounding."""
     for steps in (1, 2, 7, 8, 64, 255, 512):
@@ -185,7 +234,7 @@ def test_bad_schedules_are_one_line_errors(dream, bad, named):
                                                ("dual-cache+speculative", 0.2)])
 def test_compiled_loop_gives_the_host_loop_tokens(family_model, policy, threshold):
     config, model, _ = family_model
-    options = dict(gen_length=16, block_length=8, steps=8, policy=policy, threshold=threshold)
+    options = dict(gen_length=16, block_length=8, steps=8, policy=policy, threshold=threshold, **LLADA_CONVENTIONS)
     host = llada_jax.generate(model, np.arange(1, 7), loop="host", **options)
     compiled = llada_jax.generate(model, np.arange(1, 7), loop="compiled", **options)
     assert compiled.output_ids.tolist() == host.output_ids.tolist() and compiled.nfe == host.nfe
@@ -199,6 +248,7 @@ def test_iree_host_bundle_gives_the_xla_tokens(family_dir, family_model, tmp_pat
     (_, path), (_, model, _) = family_dir, family_model
     _, _, generate_bundled = bundle_runner(compile_bundle(path, "host", tmp_path / "bundle", max_len=32, window=32))
     for policy, threshold in (("vanilla", None), ("prefix-cache", None), ("dual-cache", 0.2)):
-        options = dict(gen_length=16, block_length=8, steps=8, policy=policy, threshold=threshold, loop="host")
+        options = dict(gen_length=16, block_length=8, steps=8, policy=policy, threshold=threshold, loop="host",
+                       **LLADA_CONVENTIONS)
         assert (generate_bundled(np.arange(1, 7), **options).output_ids.tolist()
                 == llada_jax.generate(model, np.arange(1, 7), **options).output_ids.tolist())
