@@ -75,10 +75,12 @@ class PeakSamples:
 
 def step_flops(config, width: int, context: int, head_rows: int | None = None) -> float:
     """Model FLOPs of one step computing `width` positions that attend to `context` keys in all, with
-    the LM head on `head_rows` of them (None: all)."""
+    the LM head on `head_rows` of them (None: all). A sparse MoE layer counts its router and the experts each
+    position is routed to (the active-parameter floor)."""
     d, h = config.d_model, config.mlp_hidden_size
     kv = config.n_kv_heads * config.head_dim
-    per_token = 2 * (2 * d * d + 2 * d * kv + 3 * d * h)
+    mlp = 3 * d * h * config.experts_per_token + d * config.n_experts if config.n_experts else 3 * d * h
+    per_token = 2 * (2 * d * d + 2 * d * kv + mlp)
     attention = 4 * context * d
     head_rows = width if head_rows is None else head_rows
     return config.n_layers * width * (per_token + attention) + 2 * head_rows * d * config.embedding_size

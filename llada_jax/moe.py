@@ -46,7 +46,11 @@ def routed_sum(block: dict, rows: jax.Array, experts: jax.Array, weights: jax.Ar
     starts = jnp.cumsum(counts) - counts
 
     def one_expert(e, out):
-        gate, up, down = (expert_matrix(block[key], e) for key in ("experts_gate", "experts_up", "experts_down"))
+        # Through the barrier the stacked experts depend on the loop's carry: XLA otherwise hoisted their
+        # conversion for its bf16 products out of the loop, a float32 copy of every layer's experts at once.
+        stacked, out = jax.lax.optimization_barrier(
+            ({key: block[key] for key in ("experts_gate", "experts_up", "experts_down")}, out))
+        gate, up, down = (expert_matrix(stacked[key], e) for key in ("experts_gate", "experts_up", "experts_down"))
 
         def one_tile(t, out):
             first = starts[e] + t * tile
