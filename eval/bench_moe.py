@@ -1,7 +1,8 @@
 """One sparse MoE layer at LLaDA-MoE-7B-A1B's shapes (d_model 2048, 64 experts of 1024, top 8) against its
-floors: the routed experts' FLOPs at this machine's matmul peak (measured in the same run), and a dense SwiGLU
-of the same FLOPs (hidden 8 x 1024: what the routed work costs when it is one matmul). Beside them, every
-expert on every position (the dense-masked cost a grouped matmul without routing would pay). Nothing asserted.
+floors: the routed experts' FLOPs at this machine's matmul peak, the bytes of the experts the routing touches
+at this machine's read bandwidth (both measured in the same run), and a dense SwiGLU of the same FLOPs (hidden
+8 x 1024: the routed work as one matmul). Beside them, every expert on every position (the dense-masked cost a
+grouped matmul without routing would pay). Nothing asserted.
 
     python -m eval.bench_moe [--dtype bfloat16] [--rows 32 160]
 """
@@ -36,6 +37,17 @@ def timed(function, *args) -> float:
     return statistics.median(times)
 
 
+def read_bandwidth(size: int = 1 << 28) -> float:
+    """Bytes per second XLA reads a float32 array too large for the caches (a sum over 1 GB)."""
+    array = jnp.ones((size,), jnp.float32)
+    return 4 * size / timed(jax.jit(jnp.sum), array)
+
+
+def touched_experts(rows: int) -> float:
+    """Experts the routing is expected to touch for `rows` positions (uniform routing)."""
+    return EXPERTS * (1 - (1 - TOP / EXPERTS) ** rows)
+
+
 def swiglu(x, gate, up, down):
     g = jnp.einsum("rd,hd->rh", x, gate, preferred_element_type=jnp.float32).astype(x.dtype)
     u = jnp.einsum("rd,hd->rh", x, up, preferred_element_type=jnp.float32).astype(x.dtype)
@@ -44,25 +56,28 @@ def swiglu(x, gate, up, down):
 
 def all_experts(x, block):
     """Every expert on every row, weighted by the full softmax (the cost routing avoids)."""
-    return jnp.einsum("erd->rd", jax.vmap(lambda g, u, d: swiglu(x, g, u, d))(
-        block["experts_gate"], block["experts_up"], block["experts_down"]))
+    return sum(swiglu(x, g, u, d) for g, u, d in zip(block["experts_gate"], block["experts_up"],
+                                                       block["experts_down"]))
 
 
-def measure(rows: int, dtype, peak: float, rng: np.random.Generator) -> dict:
+def measure(rows: int, dtype, peak: float, bandwidth: float, rng: np.random.Generator) -> dict:
     def weights(*shape):
         return jnp.asarray(rng.normal(0, 0.02, shape), dtype)
 
-    block = {"router": weights(EXPERTS, D_MODEL), "experts_gate": weights(EXPERTS, HIDDEN, D_MODEL),
-             "experts_up": weights(EXPERTS, HIDDEN, D_MODEL), "experts_down": weights(EXPERTS, D_MODEL, HIDDEN)}
+    block = {"router": weights(EXPERTS, D_MODEL), "experts_gate": [weights(HIDDEN, D_MODEL) for _ in range(EXPERTS)],
+             "experts_up": [weights(HIDDEN, D_MODEL) for _ in range(EXPERTS)],
+             "experts_down": [weights(D_MODEL, HIDDEN) for _ in range(EXPERTS)]}
     x = jnp.asarray(rng.normal(0, 1, (1, rows, D_MODEL)), dtype)
     active_flops = 2 * rows * TOP * 3 * D_MODEL * HIDDEN + 2 * rows * D_MODEL * EXPERTS
+    expert_bytes = 3 * D_MODEL * HIDDEN * jnp.dtype(dtype).itemsize
     dense = [weights(TOP * HIDDEN, D_MODEL), weights(TOP * HIDDEN, D_MODEL), weights(D_MODEL, TOP * HIDDEN)]
     moe_s = timed(jax.jit(lambda b, x: sparse_mlp(b, x, TOP)), block, x)
     return {"rows": rows, "dtype": jnp.dtype(dtype).name, "moe_ms": 1e3 * moe_s,
-            "floor_ms": 1e3 * active_flops / (peak * 1e9),
+            "flops_floor_ms": 1e3 * active_flops / (peak * 1e9),
+            "bytes_floor_ms": 1e3 * touched_experts(rows) * expert_bytes / bandwidth,
             "same_flops_dense_ms": 1e3 * timed(jax.jit(swiglu), x[0], *dense),
             "all_experts_ms": 1e3 * timed(jax.jit(all_experts), x[0], block),
-            "active_gflop": active_flops / 1e9, "peak_gflops": peak}
+            "active_gflop": active_flops / 1e9, "peak_gflops": peak, "read_gb_per_s": bandwidth / 1e9}
 
 
 def main(argv=None) -> None:
@@ -71,10 +86,10 @@ def main(argv=None) -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[32, 160])
     args = parser.parse_args(argv)
     print(describe())
-    peak = max(matmul_peak_gflops() for _ in range(3))
+    peak, bandwidth = max(matmul_peak_gflops() for _ in range(3)), read_bandwidth()
     rng = np.random.default_rng(0)
     for rows in args.rows:
-        row = measure(rows, jnp.dtype(args.dtype), peak, rng)
+        row = measure(rows, jnp.dtype(args.dtype), peak, bandwidth, rng)
         print(json.dumps({key: round(value, 2) if isinstance(value, float) else value for key, value in row.items()}))
 
 

@@ -22,7 +22,7 @@ from llada_jax.config import LLaDAConfig
 from llada_jax.errors import LladaError
 from llada_jax.mesh import place_weight
 from llada_jax.params import hf_to_params, params_to_hf, tensor_role
-from llada_jax.qlinear import stack_matrices, to_device, uses_stored_words
+from llada_jax.qlinear import to_device, uses_stored_words
 from llada_jax.quantize import HostQuantized
 from llada_jax.safetensors_file import aligned_empty, write_safetensors
 from llada_jax.weights_io import INDEX_FILE, SINGLE_FILE, iter_tensors
@@ -68,7 +68,7 @@ def in_dtype(array: np.ndarray, dtype) -> np.ndarray:
 def load_params(model_dir: Path, config: LLaDAConfig, dtype="float32", activations: str = "float",
                 mesh=None, quantized: dict | None = None, wrap=iter) -> dict:
     tensors = read_tensors(Path(model_dir), config, compute_dtype(dtype), activations, mesh, quantized, wrap)
-    return hf_to_params(tensors, config, stack=stack_matrices)
+    return hf_to_params(tensors, config)
 
 
 def save_hf(params: dict, config: LLaDAConfig, out_dir: Path, *, stored_dtype: str = "float32",

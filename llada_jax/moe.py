@@ -5,8 +5,10 @@ Routing as LLaDA-MoE's reference: router logits, softmax over every expert in fl
 their probabilities (no renormalisation), SwiGLU experts, the outputs summed weighted by those probabilities.
 The routed (position, expert) pairs are sorted by expert; each expert runs over its run of the sorted rows in
 tiles of a fixed size (shapes stay static, the trip counts follow the routing), so the work is the routed
-rows plus at most one partly filled tile per expert. XLA's CPU `ragged_dot` would be the grouped matmul, but
-it computes every group on every row (measured: dense-masked, 64x the routed work at 64 experts).
+rows plus at most one partly filled tile per expert. The experts are separate arrays, one loop each, so every
+product reads its expert's weights where they lie: a stacked `[experts, ...]` array sliced by a traced index
+was copied out per expert (3x the weight traffic), and XLA's CPU `ragged_dot` computes every group on every
+row (dense-masked, 64x the routed work at 64 experts).
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import jax
 import jax.numpy as jnp
 
 from llada_jax.layout import linear
-from llada_jax.qlinear import expert_matrix
+
+EXPERT_KEYS = ("experts_gate", "experts_up", "experts_down")  # each a list of one matrix per expert
 
 
 def sparse_mlp(block: dict, x: jax.Array, experts_per_token: int) -> jax.Array:
@@ -28,31 +31,28 @@ def sparse_mlp(block: dict, x: jax.Array, experts_per_token: int) -> jax.Array:
 
 
 def tile_rows(routed: int, n_experts: int) -> int:
-    """Rows per expert tile: about the mean rows per expert, a power of two in [4, 64]."""
+    """Rows per expert tile: about the mean rows per expert, a power of two in [8, 64] (XLA's CPU products on
+    fewer rows ran slower per expert, not faster)."""
     mean = max(1, routed // n_experts)
-    return min(64, max(4, 1 << (mean - 1).bit_length()))
+    return min(64, max(8, 1 << (mean - 1).bit_length()))
 
 
 def routed_sum(block: dict, rows: jax.Array, experts: jax.Array, weights: jax.Array) -> jax.Array:
     """Σ_j weights[r, j] * expert_{experts[r, j]}(rows[r]) for every row r: `[R, D]`."""
     r, d = rows.shape
     k = experts.shape[1]
-    n_experts = block["router"].shape[0]
+    n_experts = len(block["experts_gate"])
     tile = tile_rows(r * k, n_experts)
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # routed pairs grouped by expert
     sorted_rows = jnp.concatenate([rows[order // k], jnp.zeros((tile, d), rows.dtype)])
     counts = jnp.bincount(flat, length=n_experts)
     starts = jnp.cumsum(counts) - counts
+    out = jnp.zeros((r * k + tile, d), rows.dtype)
+    for e in range(n_experts):
+        gate, up, down = (block[key][e] for key in EXPERT_KEYS)
 
-    def one_expert(e, out):
-        # Through the barrier the stacked experts depend on the loop's carry: XLA otherwise hoisted their
-        # conversion for its bf16 products out of the loop, a float32 copy of every layer's experts at once.
-        stacked, out = jax.lax.optimization_barrier(
-            ({key: block[key] for key in ("experts_gate", "experts_up", "experts_down")}, out))
-        gate, up, down = (expert_matrix(stacked[key], e) for key in ("experts_gate", "experts_up", "experts_down"))
-
-        def one_tile(t, out):
+        def one_tile(t, out, e=e, gate=gate, up=up, down=down):
             first = starts[e] + t * tile
             x = jax.lax.dynamic_slice_in_dim(sorted_rows, first, tile)[None]
             y = linear(jax.nn.silu(linear(x, gate)) * linear(x, up), down)[0]
@@ -60,8 +60,6 @@ def routed_sum(block: dict, rows: jax.Array, experts: jax.Array, weights: jax.Ar
             return jax.lax.dynamic_update_slice_in_dim(out, jax.lax.dynamic_slice_in_dim(out, first, tile) + y,
                                                        first, 0)
 
-        return jax.lax.fori_loop(0, (counts[e] + tile - 1) // tile, one_tile, out)
-
-    done = jax.lax.fori_loop(0, n_experts, one_expert, jnp.zeros((r * k + tile, d), rows.dtype))
-    per_pair = jnp.zeros((r * k, d), rows.dtype).at[order].set(done[: r * k])
+        out = jax.lax.fori_loop(0, (counts[e] + tile - 1) // tile, one_tile, out)
+    per_pair = jnp.zeros((r * k, d), rows.dtype).at[order].set(out[: r * k])
     return jnp.sum(per_pair.reshape(r, k, d) * weights[..., None], axis=1)

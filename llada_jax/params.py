@@ -3,7 +3,7 @@ checkpoint does.
 
 No JAX at import time (the bundle runtime uses the shapes). Matrices keep the checkpoint's torch layout
 `[out_features, in_features]`, so loading is a plain copy and export back to HF is bit-exact; a sparse MoE
-layer's experts are stacked per matrix (`[experts, out, in]`) so a step can pick among them. Pytree:
+layer's experts are a list per matrix, one array each, as stored (`llada_jax.moe`). Pytree:
     {"wte": [E, D], "blocks": [{key: array} per layer], "ln_f": [D], "lm_head": [E, D]}
 Block keys: attn_norm, q_proj, k_proj, v_proj, attn_out, ff_norm, then ff_proj, up_proj, ff_out (a dense MLP)
 or router, experts_gate, experts_up, experts_down (a sparse MoE); q_bias, k_bias, v_bias and q_norm, k_norm
@@ -33,14 +33,14 @@ def block_shapes(config: LLaDAConfig) -> dict[str, tuple[int, ...]]:
 
 
 def block_keys(config: LLaDAConfig) -> tuple[str, ...]:
-    """The keys of one decoder layer's tensors, in checkpoint order (an MoE layer's stacked experts once)."""
+    """The keys of one decoder layer's tensors, in checkpoint order (an MoE layer's expert lists once)."""
     places = families.named(config.family).tensor_names(config)
     return tuple(dict.fromkeys(place[2] for place in places if place[0] == "blocks" and place[1] == 0))
 
 
 def tensor_places(config: LLaDAConfig) -> dict[str, tuple]:
     """Every checkpoint tensor's name -> its place in the pytree: `("wte",)`, `("blocks", layer, key)`, or
-    `("blocks", layer, key, expert)` for one expert of a stacked MoE matrix. In checkpoint order."""
+    `("blocks", layer, key, expert)` for one expert of an MoE matrix. In checkpoint order."""
     return {name: place for place, name in families.named(config.family).tensor_names(config).items()}
 
 
@@ -64,9 +64,8 @@ def tensor_role(hf_name: str, config: LLaDAConfig) -> str:
     return place[0] if len(place) == 1 else place[2]
 
 
-def hf_to_params(tensors: dict[str, object], config: LLaDAConfig, stack=np.stack) -> dict:
-    """Arrange tensors keyed by HF name into the params pytree (no copies, except MoE experts, which
-    `stack` joins per matrix: `jnp.stack` for device arrays)."""
+def hf_to_params(tensors: dict[str, object], config: LLaDAConfig) -> dict:
+    """Arrange tensors keyed by HF name into the params pytree (no copies)."""
     params: dict = {"blocks": [{} for _ in range(config.n_layers)]}
     experts: dict[tuple[int, str], list] = {}
     for name, place in tensor_places(config).items():
@@ -77,7 +76,7 @@ def hf_to_params(tensors: dict[str, object], config: LLaDAConfig, stack=np.stack
         else:
             experts.setdefault(place[1:3], []).append(tensors[name])
     for (layer, key), matrices in experts.items():
-        params["blocks"][layer][key] = stack(matrices)
+        params["blocks"][layer][key] = matrices
     return {"wte": params["wte"], "blocks": params["blocks"], "ln_f": params["ln_f"], "lm_head": params["lm_head"]}
 
 
@@ -104,4 +103,4 @@ def init_params(config: LLaDAConfig, seed: int = 0, dtype="float32", std: float 
         else:
             value = rng.normal(0.0, std, size=shape).astype(np.float32)
         tensors[name] = jnp.asarray(value, dtype=dtype)
-    return hf_to_params(tensors, config, stack=jnp.stack)
+    return hf_to_params(tensors, config)

@@ -79,24 +79,6 @@ def to_device(host: HostQuantized, activations: str = "float", put=jnp.asarray) 
                            offset=offset, nibbles=nibbles)
 
 
-def stack_matrices(matrices: list):
-    """An MoE layer's experts of one matrix stacked `[experts, ...]`: plain arrays, or quantized weights (their
-    values and scales stacked; `expert_matrix` takes one back out inside a step)."""
-    first = matrices[0]
-    if isinstance(first, QuantizedWeight):
-        return dataclasses.replace(first, values=jnp.stack([m.values for m in matrices]),
-                                   scale=jnp.stack([m.scale for m in matrices]))
-    return jnp.stack(matrices)
-
-
-def expert_matrix(stacked, expert):
-    """Expert `expert` (a traced index) of a stacked matrix."""
-    if isinstance(stacked, QuantizedWeight):
-        return dataclasses.replace(stacked, values=jax.lax.dynamic_index_in_dim(stacked.values, expert, keepdims=False),
-                                   scale=jax.lax.dynamic_index_in_dim(stacked.scale, expert, keepdims=False))
-    return jax.lax.dynamic_index_in_dim(stacked, expert, keepdims=False)
-
-
 def tie_scales(params, anchor):
     """`params` with the scales of IREE's quantized weights (those built without `hoist_barrier`) passed
     through one optimization barrier with `anchor`, a value of the current decode step: their dequantization

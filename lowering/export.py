@@ -25,7 +25,7 @@ from llada_jax.loop_io import LoopInputs, LoopOutputs, LoopSpec
 from llada_jax.model import Context
 from llada_jax.packing import PackedLayout, head_chunks, head_layout, layer_layout
 from llada_jax.params import hf_shapes, hf_to_params
-from llada_jax.qlinear import QuantizedWeight, offset_values, row_block_for, stack_matrices
+from llada_jax.qlinear import QuantizedWeight, offset_values, row_block_for
 from llada_jax.readout import HeadChunkReadout, ReadoutSpec
 from llada_jax.shapes import kv_shape, widths_within
 from llada_jax.steps import full_forward, head_rows, read_out, scatter_slots, window_forward
@@ -265,7 +265,7 @@ def params_of(weights, layout: WeightLayout, config: LLaDAConfig, compute_dtype,
         values, offset = (packed, 0) if layout.signed else offset_values(packed, bits, activation)
         tensors[name] = QuantizedWeight(values, scale, activation, row_block_for(values.shape), hoist_barrier=False,
                                         offset=offset)
-    return hf_to_params(tensors, config, stack=stack_matrices)
+    return hf_to_params(tensors, config)
 
 
 def _weight_structs(layout: WeightLayout) -> list[jax.ShapeDtypeStruct]:
