@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
+import re
 
 import jax
 import jax.numpy as jnp
@@ -134,11 +135,14 @@ def row_block_for(shape: tuple[int, int], copy_bytes: int | None = None) -> int:
     return block if rows > block else 0
 
 
+DECODER_LAYER = re.compile(r"\.(blocks|layers)\.\d+\.")  # a decoder layer's module, in any family's names
+
+
 def check_activations(activations: str, quantized: dict) -> None:
     """int8 activations need int8 per-channel decoder layers; anywhere else they would be ignored."""
     if activations not in ACTIVATIONS:
         raise LladaError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
-    blocks = [s for module, s in quantized.items() if ".blocks." in module]
+    blocks = [s for module, s in quantized.items() if DECODER_LAYER.search(module)]
     if activations == "int8" and not (blocks and all(s.matmul_activations("int8") == "int8" for s in blocks)):
         raise LladaError("--activations int8 needs a checkpoint with int8 per-channel layers "
                          "(`llada quantize --bits 8`)")
