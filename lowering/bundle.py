@@ -143,6 +143,10 @@ only an earlier bundle, with `force` (`llada_jax.atomic`)."""
     tgt = target(target_name)
     model_dir, out_dir = Path(model_dir).absolute(), Path(out_dir).absolute()
     config = _checked_config(model_dir, max_len, window)
+    if loops and config.family == "dream":
+        raise LladaError("Dream bundles carry steps only so far (compile with --no-loop): the compiled decode loop "
+                         "follows LLaDA's conventions, and Dream's own (top-k 50 confidences, blocks begun with their "
+                         "first token) run on the host loop")
     check_output_dir(out_dir, COMPILE_COMMAND, (model_dir,), force)  # before minutes of export and compile
     compute = compute_dtype(dtype)
     layout = weight_layout(model_dir, config)

@@ -22,6 +22,7 @@ def cached_bundle(model_dir, target: str, *, dtype: str = "float32", max_len: in
     layouts, compiled decode loops, IREE version and this host's matmul tiles; compiled if absent."""
     model_dir = Path(model_dir).absolute()
     config = read_config(model_dir)
+    loops = () if config.family == "dream" else loops  # see `bundle.compile_bundle`: Dream's loop is the host's
     max_len = max_len or config.max_sequence_length
     window = window or max_len
     weights = sorted(p for p in model_dir.iterdir() if p.suffix == ".safetensors")

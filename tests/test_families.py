@@ -245,6 +245,17 @@ def test_compiled_loop_gives_the_host_loop_tokens(family_model, policy, threshol
     assert compiled.output_ids.tolist() == host.output_ids.tolist() and compiled.nfe == host.nfe
 
 
+def test_dream_bundles_refuse_a_compiled_loop(family_dir, tmp_path):
+    from llada_jax.cli import main
+
+    config, path = family_dir
+    if config.family != "dream":
+        return
+    assert main(["compile", "--model", str(path), "--target", "host", "--out", str(tmp_path / "b"), "--max-len", "32",
+                 "--gen-length", "16", "--block-length", "8"]) != 0
+    assert not (tmp_path / "b").exists()
+
+
 @pytest.mark.slow
 def test_iree_host_bundle_gives_the_xla_tokens(family_dir, family_model, tmp_path):
     from llada_jax.bundle_runner import bundle_runner
