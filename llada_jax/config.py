@@ -75,7 +75,10 @@ class LLaDAConfig:
     def from_hf_dict(cls, raw: dict, eot_token_id: int | None = None) -> "LLaDAConfig":
         """Build from the fields of an HF config.json, read by the family its `architectures` names;
         unsupported architecture options are errors."""
-        fields = families.from_architectures(raw.get("architectures")).config_fields(raw)
+        try:
+            fields = families.from_architectures(raw.get("architectures")).config_fields(raw)
+        except (TypeError, ValueError) as err:  # a number field holding a string, a list, ...
+            raise LladaError(f"config.json holds a malformed value ({err})") from None
         if eot_token_id is not None:
             fields["eot_token_id"] = int(eot_token_id)
         return cls(**fields)
