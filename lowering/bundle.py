@@ -22,6 +22,7 @@ from llada_jax.atomic import atomic_dir, check_output_dir
 from llada_jax.checkpoint import compute_dtype
 from llada_jax.config import read_config, read_hf_dict
 from llada_jax.errors import LladaError
+from llada_jax.families import host_loop_conventions
 from llada_jax.loop_io import BakedLoops
 from llada_jax.memory_plan import weight_bytes
 from llada_jax.qlinear import check_activations
@@ -143,10 +144,10 @@ only an earlier bundle, with `force` (`llada_jax.atomic`)."""
     tgt = target(target_name)
     model_dir, out_dir = Path(model_dir).absolute(), Path(out_dir).absolute()
     config = _checked_config(model_dir, max_len, window)
-    if loops and config.family == "dream":
-        raise LladaError("Dream bundles carry steps only so far (compile with --no-loop): the compiled decode loop "
-                         "follows LLaDA's conventions, and Dream's own (top-k 50 confidences, blocks begun with their "
-                         "first token) run on the host loop")
+    if loops and host_loop_conventions(config):
+        raise LladaError(f"{config.family} bundles carry steps only so far (compile with --no-loop): the compiled "
+                         "decode loop follows LLaDA's conventions, and this family's own (its confidence filter, "
+                         "blocks begun with their first token) run on the host loop")
     check_output_dir(out_dir, COMPILE_COMMAND, (model_dir,), force)  # before minutes of export and compile
     compute = compute_dtype(dtype)
     layout = weight_layout(model_dir, config)

@@ -9,6 +9,7 @@ from typing import Callable
 
 import numpy as np
 
+from llada_jax import families
 from llada_jax.backend import BackendRequest
 from llada_jax.config import LLaDAConfig
 from llada_jax.errors import LladaError
@@ -20,11 +21,6 @@ from policies.loop import decode
 from policies.registry import make_policy, parse_policy
 from policies.sampling import Sampler
 from policies.schedule import Schedule, make_rule
-
-# Dream's decoders (its `diffusion_generate`, Fast-dLLM's Dream decoder) under transformers 4.x filter their
-# confidences to the top 50 logits unless called with top_k=None: the model config carries transformers'
-# default top_k=50 into their generation config. On Dream checkpoints that is the default here too (0: off).
-DREAM_TOP_K = 50
 
 LOOPS = ("auto", "host", "compiled")
 
@@ -115,14 +111,14 @@ def prepare_generation(config: LLaDAConfig, prompt_ids, *, gen_length: int, bloc
     if not cfg_scale >= 0.0:
         raise LladaError(f"cfg_scale must be >= 0, got {cfg_scale}")
     decoding_policy = make_policy(policy)
-    dream = config.family == "dream"
-    if first_token is None:  # Fast-dLLM's Dream decoder starts each cached block with its first token
-        first_token = dream and parse_policy(policy)[0] != "vanilla"
+    family = families.named(config.family)  # its reference code's conventions are the defaults
+    if first_token is None:
+        first_token = family.FIRST_TOKEN_BLOCKS and parse_policy(policy)[0] != "vanilla"
     rule = make_rule(schedule, threshold, transfer, first_token)
     unconfident = (config.special_ids_in_vocab(config.eos_token_id, config.eot_token_id) if confidence_eos_eot_inf
                    else ())
-    if top_k is None and dream:
-        top_k = DREAM_TOP_K
+    if top_k is None:
+        top_k = family.CONFIDENCE_TOP_K
     sampler = Sampler(float(temperature), remasking, unconfident, top_k, top_p)
     cfg = cfg_scale > 0.0
     forbid = config.special_ids_in_vocab(config.eos_token_id) if logits_eos_inf else ()
@@ -144,10 +140,10 @@ def run_generation(make_backend: Callable, config: LLaDAConfig, prompt_ids, *, o
     decodes as that prompt alone (the compiled loop included).
     `options`: gen_length, block_length, steps, temperature, cfg_scale, remasking, policy, threshold, seed,
     logits_eos_inf, confidence_eos_eot_inf, schedule (`llada` or `dream[:EPS]`), top_k and top_p (Dream's
-    confidence filters; on Dream checkpoints top_k defaults to `DREAM_TOP_K`), first_token (a block's first step
-    commits its first position alone; default: on Dream checkpoints with a cached policy, as Fast-dLLM's Dream
-    decoder does), and `limit`: a compiled
-    bundle's longest canvas, when lower than the model's own (see `prepare_generation`). `loop`: "auto" runs
+    confidence filters; by default the family's `CONFIDENCE_TOP_K`, 50 on Dream), first_token (a cached block's
+    first step commits its first position alone; by default the family's `FIRST_TOKEN_BLOCKS`, as Fast-dLLM's
+    Dream decoder does), and `limit`: a compiled bundle's longest canvas, when lower than the model's own (see
+    `prepare_generation`). `loop`: "auto" runs
     the compiled decode loop where the setting and backend offer it (one prompt, no live `on_step`), "host"
     the host loop, "compiled" insists on the compiled one."""
     prepared = prepare_generation(config, prompt_ids, **options)

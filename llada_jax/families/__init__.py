@@ -28,3 +28,10 @@ def from_architectures(architectures):
 def named(name: str):
     return BY_NAME[name]
 
+
+def host_loop_conventions(config) -> bool:
+    """Whether the family's own decoding conventions (a confidence filter, blocks begun with their first token)
+    need the host loop: the compiled decode loop follows LLaDA's."""
+    family = named(config.family)
+    return family.CONFIDENCE_TOP_K is not None or family.FIRST_TOKEN_BLOCKS
+

@@ -11,6 +11,12 @@ from llada_jax.families.hf_fields import attention_names, integers, shared_confi
 NAME = "dream"
 ARCHITECTURE = "DreamModel"
 MASK_ID = 151666
+# Dream's decoders (its `diffusion_generate`, Fast-dLLM's Dream decoder) under transformers 4.x filter their
+# confidences to the top 50 logits unless called with top_k=None: the model config carries transformers' default
+# top_k=50 into their generation config. Fast-dLLM's Dream decoder begins each cached block by committing its
+# first position alone.
+CONFIDENCE_TOP_K = 50
+FIRST_TOKEN_BLOCKS = True
 QUANTIZED_BLOCK = r".*layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)$"
 
 

@@ -29,6 +29,9 @@ REQUIRED_VALUES = {
     "input_emb_norm": False,
     "attention_layer_norm": False,
 }
+# Decoding conventions of the family's reference code: no confidence filter, blocks begun by their rule.
+CONFIDENCE_TOP_K = None
+FIRST_TOKEN_BLOCKS = False
 # The decoder matrices `llada quantize` quantizes (a regex over HF module names).
 QUANTIZED_BLOCK = r".*blocks\.\d+\.(q_proj|k_proj|v_proj|attn_out|ff_proj|up_proj|ff_out)$"
 # One decoder layer's tensors: our key -> the checkpoint's short name (`blocks.{i}.{name}.weight`).

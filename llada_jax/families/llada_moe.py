@@ -14,6 +14,8 @@ from llada_jax.families.hf_fields import attention_names, integers, require, sha
 NAME = "llada-moe"
 ARCHITECTURE = "LLaDAMoEModelLM"
 MASK_ID = 156895
+CONFIDENCE_TOP_K = None  # LLaDA's `generate` decodes it
+FIRST_TOKEN_BLOCKS = False
 # Each expert quantized on its own; the router (`mlp.gate`) stays float: its softmax picks the experts.
 QUANTIZED_BLOCK = r".*layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.experts\.\d+\.(gate|up|down)_proj)$"
 EXPERT_MATRICES = {"experts_gate": "gate_proj", "experts_up": "up_proj", "experts_down": "down_proj"}
