@@ -105,14 +105,13 @@ def make_rule(schedule: Schedule, threshold: float | None, transfer: str = "llad
 
 
 def _rule(schedule: Schedule, threshold: float | None, transfer: str):
+    """The threshold rule when one is given, else the schedule `transfer` names (checked either way)."""
     name, colon, eps = transfer.partition(":")
     if name not in SCHEDULES or (colon and name != "dream"):
         raise LladaError(f"unknown schedule {transfer!r}; choose llada or dream[:EPS]")
-    if threshold is not None:
-        return ThresholdRule(float(threshold))
-    if name == "llada":
-        return FixedSchedule(schedule.steps_per_block)
     try:
-        return DreamSchedule(schedule.steps_per_block, float(eps) if colon else 1e-3)
+        steps = (FixedSchedule(schedule.steps_per_block) if name == "llada"
+                 else DreamSchedule(schedule.steps_per_block, float(eps) if colon else 1e-3))
     except ValueError:
         raise LladaError(f"bad eps in schedule {transfer!r}; use dream:EPS, e.g. dream:0.001") from None
+    return steps if threshold is None else ThresholdRule(float(threshold))

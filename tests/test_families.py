@@ -233,8 +233,10 @@ def test_dream_timesteps_are_torch_linspace_in_float32():
 @pytest.mark.parametrize("bad, named", [("dream:x", "bad eps"), ("dream:1.5", "eps must be in"),
                                         ("cosine", "unknown schedule"), ("llada:0.1", "unknown schedule")])
 def test_bad_schedules_are_one_line_errors(dream, bad, named):
-    with pytest.raises(LladaError, match=named):
-        llada_jax.generate(dream[0], np.arange(3), gen_length=8, block_length=8, steps=4, schedule=bad)
+    for threshold in (None, 0.9):  # checked even where the threshold rule decides
+        with pytest.raises(LladaError, match=named):
+            llada_jax.generate(dream[0], np.arange(3), gen_length=8, block_length=8, steps=4, schedule=bad,
+                               threshold=threshold)
 
 
 @pytest.mark.parametrize("policy, threshold", [("vanilla", None), ("prefix-cache", None), ("dual-cache", 0.2),
