@@ -249,7 +249,7 @@ def test_bundle_runtime_imports_neither_jax_nor_the_compiler(host_bundle):
 
 def test_iree_backend_refuses_sampling_it_cannot_run(host_session):
     bundle, session = host_session
-    with pytest.raises(LladaError, match="temperature 0 and cfg-scale 0"):
+    with pytest.raises(LladaError, match="use temperature 0, cfg-scale 0"):
         generate_with_bundle(OpenBundle(bundle, session, None), np.arange(3, 6), gen_length=8, block_length=8, steps=8,
                              temperature=0.5)
 
