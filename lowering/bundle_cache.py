@@ -7,10 +7,9 @@ import json
 from pathlib import Path
 
 from llada_jax.config import read_config
-from llada_jax.families import host_loop_conventions
 from llada_jax.locations import user_cache_dir
 from llada_jax.packing import head_layout, layer_layout
-from lowering.bundle import check_batch_sizes, compile_bundle, iree_version
+from lowering.bundle import check_batch_sizes, compile_bundle, iree_version, loop_refusal
 from lowering.bundle_format import FORMAT_VERSION, MANIFEST, sha256
 from lowering.matmul_tiles import host_tiles
 
@@ -23,7 +22,7 @@ def cached_bundle(model_dir, target: str, *, dtype: str = "float32", max_len: in
     layouts, compiled decode loops, IREE version and this host's matmul tiles; compiled if absent."""
     model_dir = Path(model_dir).absolute()
     config = read_config(model_dir)
-    loops = () if host_loop_conventions(config) else loops  # see `bundle.compile_bundle`
+    loops = () if loop_refusal(config) else loops  # see `bundle.compile_bundle`
     max_len = max_len or config.max_sequence_length
     window = window or max_len
     weights = sorted(p for p in model_dir.iterdir() if p.suffix == ".safetensors")

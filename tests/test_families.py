@@ -249,12 +249,11 @@ def test_compiled_loop_gives_the_host_loop_tokens(family_model, policy, threshol
     assert compiled.output_ids.tolist() == host.output_ids.tolist() and compiled.nfe == host.nfe
 
 
-def test_dream_bundles_refuse_a_compiled_loop(family_dir, tmp_path):
+def test_family_bundles_refuse_a_compiled_loop(family_dir, tmp_path):
+    """Dream's loop follows its own conventions on the host; IREE 3.13 fails on an MoE's decode loop."""
     from llada_jax.cli import main
 
-    config, path = family_dir
-    if config.family != "dream":
-        return
+    _, path = family_dir
     assert main(["compile", "--model", str(path), "--target", "host", "--out", str(tmp_path / "b"), "--max-len", "32",
                  "--gen-length", "16", "--block-length", "8"]) != 0
     assert not (tmp_path / "b").exists()
