@@ -7,8 +7,8 @@ The routed (position, expert) pairs are sorted by expert; each expert runs over 
 tiles of a fixed size (shapes stay static, the trip counts follow the routing), so the work is the routed
 rows plus at most one partly filled tile per expert. The experts are separate arrays, one loop each, so every
 product reads its expert's weights where they lie: a stacked `[experts, ...]` array sliced by a traced index
-was copied out per expert (3x the weight traffic), and XLA's CPU `ragged_dot` computes every group on every
-row (dense-masked, 64x the routed work at 64 experts).
+was copied out per expert, and XLA's CPU `ragged_dot` computes every group on every row (dense-masked); both
+measured in eval/RESULTS.md ("The MoE layer against its floors").
 """
 
 from __future__ import annotations

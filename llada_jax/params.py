@@ -12,6 +12,9 @@ where the family has them.
 
 from __future__ import annotations
 
+import functools
+from types import MappingProxyType
+
 import numpy as np
 
 from llada_jax import families
@@ -38,10 +41,11 @@ def block_keys(config: LLaDAConfig) -> tuple[str, ...]:
     return tuple(dict.fromkeys(place[2] for place in places if place[0] == "blocks" and place[1] == 0))
 
 
-def tensor_places(config: LLaDAConfig) -> dict[str, tuple]:
+@functools.cache  # read per tensor and per module by loaders and quantization (an MoE has thousands)
+def tensor_places(config: LLaDAConfig) -> MappingProxyType:
     """Every checkpoint tensor's name -> its place in the pytree: `("wte",)`, `("blocks", layer, key)`, or
-    `("blocks", layer, key, expert)` for one expert of an MoE matrix. In checkpoint order."""
-    return {name: place for place, name in families.named(config.family).tensor_names(config).items()}
+    `("blocks", layer, key, expert)` for one expert of an MoE matrix. In checkpoint order; read-only."""
+    return MappingProxyType({name: place for place, name in families.named(config.family).tensor_names(config).items()})
 
 
 def _shape(config: LLaDAConfig, place: tuple) -> tuple[int, ...]:

@@ -4,6 +4,7 @@ block start (its first step commits the block's first position alone, then the b
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -11,6 +12,7 @@ from llada_jax.decisions import fixed_commits
 from llada_jax.errors import LladaError
 
 
+@functools.cache  # once per (steps, eps), not at every step of a block
 def dream_timesteps(steps: int, eps: float) -> np.ndarray:
     """`torch.linspace(1, eps, steps + 1)` in float32 as torch's CPU kernel fills it: a float32 step, the first
     half counted from the start and the second half from the end, each value one rounding of `base + step * i`
@@ -18,8 +20,10 @@ def dream_timesteps(steps: int, eps: float) -> np.ndarray:
     count = steps + 1
     start, end = np.float32(1.0), np.float32(eps)
     step = np.float32((end - start) / np.float32(count - 1))
-    return np.array([np.float32(float(start) + float(step) * i) if i < count // 2
-                     else np.float32(float(end) - float(step) * (count - i - 1)) for i in range(count)], np.float32)
+    values = np.array([np.float32(float(start) + float(step) * i) if i < count // 2
+                       else np.float32(float(end) - float(step) * (count - i - 1)) for i in range(count)], np.float32)
+    values.flags.writeable = False  # shared by every caller (cached)
+    return values
 
 
 @dataclasses.dataclass(frozen=True)

@@ -143,9 +143,8 @@ def run_generation(make_backend: Callable, config: LLaDAConfig, prompt_ids, *, o
     confidence filters; by default the family's `CONFIDENCE_TOP_K`, 50 on Dream), first_token (a cached block's
     first step commits its first position alone; by default the family's `FIRST_TOKEN_BLOCKS`, as Fast-dLLM's
     Dream decoder does), and `limit`: a compiled bundle's longest canvas, when lower than the model's own (see
-    `prepare_generation`). `loop`: "auto" runs
-    the compiled decode loop where the setting and backend offer it (one prompt, no live `on_step`), "host"
-    the host loop, "compiled" insists on the compiled one."""
+    `prepare_generation`). `loop`: "auto" runs the compiled decode loop where the setting and backend offer it
+    (one prompt, no live `on_step`), "host" the host loop, "compiled" insists on the compiled one."""
     prepared = prepare_generation(config, prompt_ids, **options)
     prompts = prepared.prompts
     spec = _check_loop(loop, prepared.loop_spec, on_step, len(prompts) > 1)

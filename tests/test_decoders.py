@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 
 import jax.numpy as jnp
 import numpy as np
@@ -198,6 +199,10 @@ def test_a_model_that_predicts_the_mask_token_ends_each_block(tmp_path, policy, 
     params["ln_f"] = jnp.zeros_like(params["ln_f"])  # every logit 0: the argmax is token 0, the mask
     model = llada_jax.load(save_hf(params, config, tmp_path / "masks"))
     options = dict(gen_length=16, block_length=8, steps=4, policy=policy, threshold=threshold)
-    results = [llada_jax.generate(model, np.arange(1, 6), loop=loop, **options) for loop in ("host", "compiled")]
+    faulthandler.dump_traceback_later(600, exit=True)  # a loop that never ends fails here, not at CI's timeout
+    try:
+        results = [llada_jax.generate(model, np.arange(1, 6), loop=loop, **options) for loop in ("host", "compiled")]
+    finally:
+        faulthandler.cancel_dump_traceback_later()
     for result in results:
         assert result.output_ids.tolist() == [0] * 16 and result.nfe == 2 * 8
