@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from llada_jax.config import LLaDAConfig
 from llada_jax.layout import XLA_LAYOUT, LayoutRule
 from llada_jax.model import decoder_layer, final_hidden, lm_logits, rotary_tables
+from llada_jax.params import block_from_stage
 from llada_jax.qlinear import unpack_stage
 from llada_jax.readout import HeadChunkReadout, Readout, ReadoutSpec
 from llada_jax.steps import argmax_others, guided_logits
@@ -26,7 +27,7 @@ def layer_step(weights, x: jax.Array, positions: jax.Array, key_bias: jax.Array,
     """One decoder layer over `x` `[B, W, D]`; cached K/V `[B, S, K, hd]` (or None for a full step)
     come first in the keys, biased by `key_bias` `[B, S + W]` (or `[B, W]`). Returns x, k, v.
     `quantization`: the stage's quantized matrices, stored as packed bytes (`qlinear.unpack_stage`)."""
-    weights = unpack_stage(weights, quantization)
+    weights = block_from_stage(unpack_stage(weights, quantization))
     rotary = rotary_tables(positions, config.head_dim, config.rope_theta)
     cached = None if cached_keys is None else (cached_keys, cached_values)
     return decoder_layer(weights, x, rotary, cached, key_bias, config, layout_rule=layout_rule)

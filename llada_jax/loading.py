@@ -91,9 +91,6 @@ def load(path, dtype: str = "float32", device_memory_budget: int | None = None, 
     model = Model(config, None, tokenizer, dtype, model_dir, device_memory_budget, activations=activations,
                   quantized=quantized, mesh=mesh, scale_itemsize=stored_scale_itemsize(model_dir, quantized))
     staged = device_memory_budget is not None and model.weight_bytes > device_memory_budget
-    if staged and config.n_experts:
-        raise LladaError("swap staging does not carry sparse MoE layers yet; load this model resident "
-                         "(without --device-memory-budget)")
     if staged:  # stages pack the scales as float32
         model = dataclasses.replace(model, scale_itemsize=4)
     if mesh is not None:

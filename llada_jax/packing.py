@@ -1,4 +1,4 @@
-"""Packed stage layout (no JAX): a stage's tensors (one layer's nine, or ln_f + lm_head) flattened one
+"""Packed stage layout (no JAX): a stage's tensors (one layer's, or ln_f + lm_head) flattened one
 after another, each starting at a multiple of ALIGN elements, in one contiguous aligned buffer.
 `views` slices it back, without copies, into the tensors a staged piece takes as arguments.
 
@@ -15,7 +15,7 @@ import functools
 import numpy as np
 
 from llada_jax.config import LLaDAConfig
-from llada_jax.params import block_keys, block_shapes
+from llada_jax.params import layer_stage_shapes
 from llada_jax.quantize import HostQuantized
 
 ALIGN = 16  # elements: every tensor of a packed stage starts on a 64-byte boundary (float32)
@@ -101,7 +101,8 @@ def quantized_layout(shapes: dict[str, tuple[int, ...]], schemes: dict, float_dt
 
 @functools.cache
 def layer_layout(config: LLaDAConfig) -> PackedLayout:
-    return PackedLayout.of({key: block_shapes(config)[key] for key in block_keys(config)})
+    """One decoder layer's tensors (a sparse MoE: each expert's matrices as their own entries)."""
+    return PackedLayout.of(layer_stage_shapes(config))
 
 
 @functools.cache

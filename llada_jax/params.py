@@ -35,17 +35,38 @@ def block_shapes(config: LLaDAConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def block_keys(config: LLaDAConfig) -> tuple[str, ...]:
-    """The keys of one decoder layer's tensors, in checkpoint order (an MoE layer's expert lists once)."""
-    places = families.named(config.family).tensor_names(config)
-    return tuple(dict.fromkeys(place[2] for place in places if place[0] == "blocks" and place[1] == 0))
-
-
 @functools.cache  # read per tensor and per module by loaders and quantization (an MoE has thousands)
 def tensor_places(config: LLaDAConfig) -> MappingProxyType:
     """Every checkpoint tensor's name -> its place in the pytree: `("wte",)`, `("blocks", layer, key)`, or
     `("blocks", layer, key, expert)` for one expert of an MoE matrix. In checkpoint order; read-only."""
     return MappingProxyType({name: place for place, name in families.named(config.family).tensor_names(config).items()})
+
+
+def stage_key(place: tuple) -> str:
+    """A layer tensor's name in its packed stage (`llada_jax.packing`): its key, or `key.expert` for one
+    expert's matrix of a sparse MoE."""
+    return place[2] if len(place) == 3 else f"{place[2]}.{place[3]}"
+
+
+def layer_stage_shapes(config: LLaDAConfig) -> dict[str, tuple[int, ...]]:
+    """One decoder layer's tensors by stage key, in checkpoint order."""
+    return {stage_key(place): _shape(config, place) for place in tensor_places(config).values()
+            if place[0] == "blocks" and place[1] == 0}
+
+
+def block_from_stage(tensors: dict) -> dict:
+    """A layer's stage tensors as a params block: each MoE matrix's `key.expert` entries regrouped into a
+    list in expert order (the inverse of `stage_key`)."""
+    block, experts = {}, {}
+    for name, tensor in tensors.items():
+        key, _, expert = name.partition(".")
+        if expert:
+            experts.setdefault(key, {})[int(expert)] = tensor
+        else:
+            block[name] = tensor
+    for key, matrices in experts.items():
+        block[key] = [matrices[e] for e in sorted(matrices)]
+    return block
 
 
 def _shape(config: LLaDAConfig, place: tuple) -> tuple[int, ...]:

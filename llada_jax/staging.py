@@ -23,7 +23,7 @@ from llada_jax.config import LLaDAConfig
 from llada_jax.errors import LladaError
 from llada_jax.kv_state import HIDDEN, KVState, visible_bias
 from llada_jax.packing import PackedLayout, head_chunk_tensors, head_chunks, head_layout, layer_layout, quantized_layout
-from llada_jax.params import tensor_places
+from llada_jax.params import stage_key, tensor_places
 from llada_jax.quantize import HostQuantized, dequantize
 from llada_jax.readout import Reads, StepOutput, combine_head_chunks, read_columns
 from llada_jax.shapes import kv_shape
@@ -63,7 +63,8 @@ def pack_weights(tensors, config: LLaDAConfig, dtype, activations: str = "float"
     packed as soon as its last tensor arrives, so at most a few stages are ever held unpacked."""
     n = config.n_layers
     places = tensor_places(config)
-    stage_of = {name: (n, place[0]) if len(place) == 1 else (place[1], place[2]) for name, place in places.items()}
+    stage_of = {name: (n, place[0]) if len(place) == 1 else (place[1], stage_key(place))
+                for name, place in places.items()}
     pending: dict[int, dict] = {}
     packed: dict[int, tuple] = {}
     embedding = None

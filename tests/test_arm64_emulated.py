@@ -16,7 +16,8 @@ from llada_jax.readout import ReadoutSpec, TokenBiases
 from lowering.bundle import compile_bundle
 from lowering.emulation import QEMU, SYSROOT, emulator_available, run_module, runtime_tools_dir
 from lowering.runtime import IreeBackend, Session, load_bundle
-from tests.conftest import TINY, require
+from tests.conftest import TINY, require, write_checkpoint
+from tests.test_families import CONFIGS
 
 pytestmark = pytest.mark.slow  # IREE compiles or child processes: the full tier only
 
@@ -30,19 +31,32 @@ def tools():
 
 @pytest.mark.parametrize("target", ["linux-arm64", "android-arm64"])
 def test_arm64_step_under_qemu_matches_host(tiny_dir, tmp_path, tools, target):
-    arm = compile_bundle(tiny_dir, target, tmp_path / "arm", max_len=16, window=8)
-    host = load_bundle(compile_bundle(tiny_dir, "host", tmp_path / "host", max_len=16, window=8))
-    tokens = np.full((1, 16), TINY.mask_token_id, np.int32)
+    assert_steps_match_host(tiny_dir, TINY, target, tmp_path, tools)
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_family_steps_under_qemu_match_host(family, tmp_path, tools):
+    """Dream (QKV biases, shifted logits) and LLaDA-MoE (q/k norms, routed experts) on aarch64: their steps give
+    the host's outputs (their compiled decode loops are refused in one line, see tests/test_families.py)."""
+    checkpoint = write_checkpoint(tmp_path / family, CONFIGS[family], std=0.3)
+    assert_steps_match_host(checkpoint, CONFIGS[family], "linux-arm64", tmp_path, tools)
+
+
+def assert_steps_match_host(checkpoint, config, target, tmp_path, tools):
+    """The full step and the readout of an aarch64 bundle under qemu equal the host bundle's."""
+    arm = compile_bundle(checkpoint, target, tmp_path / "arm", max_len=16, window=8)
+    host = load_bundle(compile_bundle(checkpoint, "host", tmp_path / "host", max_len=16, window=8))
+    tokens = np.full((1, 16), config.mask_token_id, np.int32)
     tokens[0, :9] = np.arange(40, 49)
     valid = np.arange(16)[None] < 13
-    zeros = np.zeros(TINY.embedding_size, np.float32)
+    zeros = np.zeros(config.embedding_size, np.float32)
     hidden, keys, _ = run_module(tools, arm / "steps.vmfb", "full_b1_s16", [tokens, valid.astype(np.int32)],
                                  [arm / "weights.irpa"], outputs=3)
     x0, logp = run_module(tools, arm / "steps.vmfb", "read_b1_s16_w16",
                           [hidden, np.arange(16, dtype=np.int32), np.array(0, np.float32), zeros, zeros],
                           [arm / "weights.irpa"], outputs=2)
     session = Session(host.path, host.manifest, "local-task")
-    want = IreeBackend(host, session, ReadoutSpec(), TokenBiases.build(TINY.embedding_size)).full(tokens, valid)
+    want = IreeBackend(host, session, ReadoutSpec(), TokenBiases.build(config.embedding_size)).full(tokens, valid)
     assert x0[:, :13].tolist() == want.readout.x0[:, :13].tolist()
     np.testing.assert_allclose(logp[:, :13], want.readout.logp[:, :13], atol=1e-4)
     np.testing.assert_allclose(keys[:, :, :13], session.read(want.keys)[:, :, :13], atol=1e-4)

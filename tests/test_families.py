@@ -130,20 +130,19 @@ def test_llada_1_5_loads_as_llada(tmp_path):
     assert config.family == "llada" and config.n_layers == 32 and not config.n_experts
 
 
-def test_staged_runs_give_the_resident_tokens_or_refuse_in_one_line(family_model, family_dir):
-    """Dream streams its layers like LLaDA; an MoE layer cannot be staged yet."""
-    config, model, _ = family_model
+def test_staged_runs_give_the_resident_tokens(family_model, family_dir, tmp_path):
+    """Every family streams its layers through a budget smaller than its weights (an MoE layer with every
+    expert's matrices in its stage), float and int8 alike, with the resident model's tokens."""
+    _, model, _ = family_model
     path = family_dir[1]
-    if config.n_experts:
-        with pytest.raises(LladaError, match="staging does not carry sparse MoE"):
-            llada_jax.load(path, device_memory_budget=60_000)
-        return
-    staged = llada_jax.load(path, device_memory_budget=60_000)
-    assert staged.staged is not None
-    for policy in ("vanilla", "dual-cache"):
-        options = dict(gen_length=16, block_length=8, steps=8, policy=policy)
-        assert (llada_jax.generate(staged, np.arange(5), **options).output_ids.tolist()
-                == llada_jax.generate(model, np.arange(5), **options).output_ids.tolist())
+    quantized = quantize_checkpoint(path, tmp_path / "q", QuantScheme(8))
+    for resident, directory in ((model, path), (llada_jax.load(quantized), quantized)):
+        staged = llada_jax.load(directory, device_memory_budget=resident.weight_bytes - 1)
+        assert staged.staged is not None
+        for policy in ("vanilla", "dual-cache"):
+            options = dict(gen_length=16, block_length=8, steps=8, policy=policy)
+            assert (llada_jax.generate(staged, np.arange(5), **options).output_ids.tolist()
+                    == llada_jax.generate(resident, np.arange(5), **options).output_ids.tolist())
 
 
 @pytest.mark.parametrize("scheme", [QuantScheme(8), QuantScheme(4, 16)], ids=["int8", "int4-g16"])
@@ -260,12 +259,18 @@ def test_family_bundles_refuse_a_compiled_loop(family_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_iree_host_bundle_gives_the_xla_tokens(family_dir, family_model, tmp_path):
+@pytest.mark.parametrize("staged", [False, True], ids=["resident", "staged"])
+def test_iree_host_bundle_gives_the_xla_tokens(family_dir, family_model, tmp_path, staged):
+    """Resident, and streamed layer by layer through a budget below the weights (`IreeStagedBackend`)."""
     from llada_jax.bundle_runner import bundle_runner
     from lowering.bundle import compile_bundle
+    from lowering.runtime import load_bundle
 
     (_, path), (_, model, _) = family_dir, family_model
-    _, _, generate_bundled = bundle_runner(compile_bundle(path, "host", tmp_path / "bundle", max_len=32, window=32))
+    budget = model.weight_bytes - 1 if staged else None
+    bundle = compile_bundle(path, "host", tmp_path / "bundle", max_len=32, window=32, device_memory_budget=budget)
+    assert load_bundle(bundle).manifest["staged"] == staged
+    _, _, generate_bundled = bundle_runner(bundle)
     for policy, threshold in (("vanilla", None), ("prefix-cache", None), ("dual-cache", 0.2)):
         options = dict(gen_length=16, block_length=8, steps=8, policy=policy, threshold=threshold, loop="host",
                        **LLADA_CONVENTIONS)
