@@ -63,7 +63,7 @@ class Backend(Protocol):
         return None
 
     def compiled_loop(self, spec) -> Callable | None:
-        """The whole decode loop of `spec` (a `llada_jax.loop_io.LoopSpec`) as one compiled call,
+        """The whole decode loop of `spec` (a `policies.loop_io.LoopSpec`) as one compiled call,
         `LoopInputs -> LoopOutputs` (numpy); None: this backend runs only the host loop."""
         return None
 

@@ -7,7 +7,6 @@ from typing import NamedTuple
 
 import numpy as np
 
-from llada_jax.decisions import nonfinite
 from llada_jax.errors import LladaError
 from llada_jax.shapes import bucket
 
@@ -89,6 +88,12 @@ def check_finite(readout: Readout, positions: np.ndarray, valid: np.ndarray, ste
     bad = nonfinite(np, values).any(axis=(0, 2)) & valid  # [W]
     if bad.any():
         raise nonfinite_error(step, int(positions[np.argmax(bad)]))
+
+
+def nonfinite(xp, values):
+    """Scores that break a step: NaN or +inf (-inf is legitimate: a token biased away). One test for both loops:
+    `xp` is numpy on the host, jax.numpy in the compiled loop."""
+    return xp.isnan(values) | xp.isposinf(values)
 
 
 def nonfinite_error(step: int, position: int) -> LladaError:

@@ -23,7 +23,6 @@ from llada_jax.checkpoint import compute_dtype
 from llada_jax.config import read_config, read_hf_dict
 from llada_jax.errors import LladaError
 from llada_jax.families import host_loop_conventions
-from llada_jax.loop_io import BakedLoops
 from llada_jax.memory_plan import weight_bytes
 from llada_jax.qlinear import check_activations
 from llada_jax.tokenizer import eot_id_from_files
@@ -43,6 +42,7 @@ from lowering.export import (
 from lowering.matmul_tiles import tunable_matmuls, tuning_spec
 from lowering.run_script import write_run_script
 from lowering.targets import compile_flags, target, target_tiles
+from policies.loop_io import BakedLoops
 
 COMPILE_TIMEOUT_S = 900  # default; LLADA_COMPILE_TIMEOUT_S overrides (data tiling compiles take several times longer)
 COMPILE_COMMAND = "llada compile"

@@ -44,15 +44,16 @@ def cached_bundle(model_dir, target: str, *, dtype: str = "float32", max_len: in
 
 
 # The source files that decide what a bundle computes: a change to any of them compiles a new bundle.
-EXPORTING_CODE = ("model.py", "layout.py", "steps.py", "layered.py", "decode_loop.py", "loop_io.py", "qlinear.py",
-                  "params.py", "packing.py", "shapes.py", "kv_state.py", "readout.py")
-LOWERING_CODE = ("export.py", "bundle.py", "bundle_weights.py", "targets.py", "matmul_tiles.py", "run_script.py")
+EXPORTING_CODE = tuple(f"llada_jax/{name}.py" for name in (
+    "model", "moe", "layout", "steps", "layered", "qlinear", "params", "packing", "shapes", "kv_state", "readout"))
+DECODING_CODE = tuple(f"policies/{name}.py" for name in ("decode_loop", "loop_io", "decisions", "cache_policies"))
+LOWERING_CODE = tuple(f"lowering/{name}.py" for name in (
+    "export", "bundle", "bundle_weights", "targets", "matmul_tiles", "run_script"))
 
 
 def _exporting_code() -> str:
     root = Path(__file__).resolve().parent.parent
-    files = ([root / "llada_jax" / name for name in EXPORTING_CODE]
-             + [root / "lowering" / name for name in LOWERING_CODE])
+    files = [root / path for path in (*EXPORTING_CODE, *DECODING_CODE, *LOWERING_CODE)]
     digest = hashlib.sha256()
     for file in files:
         digest.update(file.read_bytes())

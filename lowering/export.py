@@ -8,7 +8,6 @@ scope "model" to the checkpoint's own safetensors file(s), so one weights file s
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from typing import Callable, NamedTuple
 
@@ -18,10 +17,8 @@ import numpy as np
 from jax import export
 
 from llada_jax.config import LLaDAConfig
-from llada_jax.decode_loop import decode_loop
 from llada_jax.layered import head_chunk_step, layer_step
 from llada_jax.layout import LayoutRule
-from llada_jax.loop_io import LoopInputs, LoopOutputs, LoopSpec
 from llada_jax.model import Context
 from llada_jax.packing import PackedLayout, head_chunks, head_layout, layer_layout
 from llada_jax.params import hf_shapes, hf_to_params
@@ -31,6 +28,8 @@ from llada_jax.shapes import kv_shape, widths_within
 from llada_jax.steps import full_forward, head_rows, read_out, scatter_slots, window_forward
 from lowering.bundle_format import PARAMETER_SCOPE, StepSpec
 from lowering.bundle_weights import WeightLayout
+from policies.decode_loop import decode_loop
+from policies.loop_io import LoopInputs, LoopOutputs, LoopSpec
 
 MLIR_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int32": "i32", "bool": "i1", "int8": "i8",
               "int4": "i4"}
@@ -228,7 +227,7 @@ def step(spec: StepSpec, config: LLaDAConfig, compute_dtype, layout: WeightLayou
 
 def loop(spec: LoopSpec, config: LLaDAConfig, compute_dtype, layout: WeightLayout, activations: str,
          layout_rule: LayoutRule) -> Function:
-    """The whole decode loop of `spec` (`llada_jax.decode_loop`), weights as named parameters."""
+    """The whole decode loop of `spec` (`policies.decode_loop`), weights as named parameters."""
     s, g, e, m = spec.slots, spec.gen_length, config.embedding_size, spec.max_passes
     shapes = {"prompt": (s,), "prompt_len": (), "logit_bias": (e,), "confidence_bias": (e,), "commit_cutoff": (),
               "draft_cutoff": (), "generated": (g,), "nfe": (), "commit_nfe": (g,), "commit_logp": (g,),
@@ -341,5 +340,5 @@ def signature_manifest(spec: StepSpec, config: LLaDAConfig, compute_dtype) -> di
 
 def loop_manifest(spec: LoopSpec, function: Function) -> dict:
     """The manifest entry of a compiled decode loop: its setting, shapes and argument order."""
-    return {"name": function.name, "kind": "loop", "loop": dataclasses.asdict(spec),
+    return {"name": function.name, "kind": "loop", "loop": spec.manifest(),
             "inputs": _describe(function.inputs), "outputs": _describe(function.outputs)}

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llada_jax.loop_io import BakedLoops
+from policies.loop_io import BakedLoops
 
 SCRIPT = "run.sh"
 

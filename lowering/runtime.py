@@ -18,10 +18,10 @@ from llada_jax import kv_state
 from llada_jax.backend import Backend, SideBackend
 from llada_jax.config import LLaDAConfig
 from llada_jax.errors import LladaError
-from llada_jax.loop_io import LoopInputs, LoopOutputs, LoopSpec
 from llada_jax.readout import Readout, ReadoutSpec, Reads, StepOutput, TokenBiases, first_columns, head_rows_for
 from llada_jax.shapes import kv_shape
 from lowering.bundle_format import MANIFEST, PARAMETER_SCOPE, VMFB, StepSpec, check_files
+from policies.loop_io import LoopInputs, LoopOutputs, LoopSpec
 
 HOST_CPU_DRIVERS = ("local-task", "local-sync")  # IREE's drivers that run compiled code on the host's own cores
 

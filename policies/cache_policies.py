@@ -22,38 +22,55 @@ class Vanilla(WithoutSidePath):
     the fixed schedule's steps."""
 
     name: ClassVar[str] = "vanilla"
+    caches: ClassVar[bool] = False
     stops_when_filled: ClassVar[bool] = False
 
     def plan(self, canvas: Canvas, block: Block, step: int, kv) -> StepPlan:
         return StepPlan(reads=(block.start, block.end))
 
 
+class Cached(WithoutSidePath):
+    """Fast-dLLM's caches: a full step at each block start commits the K/V `kv_kept` names; later steps run a
+    window from the block start to `window_end` against the cache. Both loops take these two decisions from
+    here: the host loop's plans and the compiled loop (`policies.decode_loop`, with jax.numpy)."""
+
+    caches: ClassVar[bool] = True
+    stops_when_filled: ClassVar[bool] = True
+    window_to_end: ClassVar[bool]  # the window runs to the canvas end (else it is the block alone)
+
+    def kv_kept(self, xp, positions, block_start):
+        """Which of `positions` the block-start step caches."""
+        return positions < block_start if self.window_to_end else positions >= 0
+
+    def window_end(self, block_end, length):
+        """Where a later step's window ends (exclusive): the canvas `length`, or the block's end."""
+        return length if self.window_to_end else block_end
+
+    def plan(self, canvas: Canvas, block: Block, step: int, kv) -> StepPlan:
+        if step == 0:
+            return StepPlan(keep_kv=self.kv_kept(np, np.arange(canvas.padded_length), block.start),
+                            reads=(block.start, block.end))
+        window = np.arange(block.start, self.window_end(block.end, canvas.length))
+        return StepPlan(window, reads=(block.start, block.end))
+
+
 @dataclasses.dataclass(frozen=True)
-class PrefixCache(WithoutSidePath):
+class PrefixCache(Cached):
     """Fast-dLLM's prefix cache: a full step at each block start caches K/V of everything before the
     block; later steps run the block and everything after it against that prefix."""
 
     name: ClassVar[str] = "prefix-cache"
-    stops_when_filled: ClassVar[bool] = True
-
-    def plan(self, canvas: Canvas, block: Block, step: int, kv) -> StepPlan:
-        if step == 0:
-            return StepPlan(keep_kv=np.arange(canvas.padded_length) < block.start, reads=(block.start, block.end))
-        return StepPlan(np.arange(block.start, canvas.length), reads=(block.start, block.end))
+    window_to_end: ClassVar[bool] = True
 
 
 @dataclasses.dataclass(frozen=True)
-class DualCache(WithoutSidePath):
+class DualCache(Cached):
     """Fast-dLLM's dual cache: the block-start step caches K/V of the whole canvas (the part after the
     block goes stale); later steps run only the block."""
 
     name: ClassVar[str] = "dual-cache"
-    stops_when_filled: ClassVar[bool] = True
-
-    def plan(self, canvas: Canvas, block: Block, step: int, kv) -> StepPlan:
-        if step == 0:
-            return StepPlan(keep_kv=np.ones(canvas.padded_length, bool), reads=(block.start, block.end))
-        return StepPlan(np.arange(block.start, block.end), reads=(block.start, block.end))
+    window_to_end: ClassVar[bool] = False
 
 
 CACHE_POLICIES = {policy.name: policy for policy in (Vanilla, PrefixCache, DualCache)}
+CachePolicy = Vanilla | PrefixCache | DualCache

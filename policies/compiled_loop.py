@@ -2,7 +2,7 @@
 a bundle bakes for a setting, and the host loop's `Result` rebuilt from its outputs. No JAX here: bundles
 run it through IREE.
 
-The compiled loop (`llada_jax.decode_loop`) runs the same decoders as the host loop (`policies.loop`):
+The compiled loop (`policies.decode_loop`) runs the same decoders as the host loop (`policies.loop`):
 vanilla, prefix-cache and dual-cache, optionally with multi-block speculation, under LLaDA's fixed
 schedule or the threshold rule, at temperature 0, low-confidence remasking, without CFG. Revision's side
 path, weight staging, CFG, temperature > 0 and random remasking stay on the host loop.
@@ -15,12 +15,12 @@ import time
 
 import numpy as np
 
-from llada_jax.decisions import ranks
 from llada_jax.errors import LladaError
-from llada_jax.loop_io import NOT_COMMITTED, BakedLoops, LoopOutputs, LoopSpec, loop_inputs
 from llada_jax.readout import nonfinite_error
 from policies.cache_policies import CACHE_POLICIES
+from policies.decisions import ranks
 from policies.loop import Result, StepRecord
+from policies.loop_io import NOT_COMMITTED, BakedLoops, LoopOutputs, LoopSpec, loop_inputs
 from policies.registry import make_policy
 from policies.sampling import Sampler
 from policies.schedule import FixedSchedule, Schedule, ThresholdRule, in_rank_order, make_rule
@@ -34,8 +34,9 @@ def loop_spec(policy, rule, sampler, cfg: bool, schedule: Schedule, slots: int) 
     lookahead, width = 0, 0
     if isinstance(policy, Speculative):
         policy, lookahead, width = policy.base, policy.lookahead, policy.width
-    return LoopSpec(policy.name, isinstance(rule, ThresholdRule), lookahead, width, schedule.gen_length,
-                    schedule.block_length, schedule.steps, slots)
+    return LoopSpec(policy=policy, threshold_rule=isinstance(rule, ThresholdRule), lookahead=lookahead,
+                    spec_width=width, gen_length=schedule.gen_length, block_length=schedule.block_length,
+                    steps=schedule.steps, slots=slots)
 
 
 def loop_covers(policy, sampler: Sampler = Sampler(), cfg: bool = False) -> bool:

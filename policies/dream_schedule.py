@@ -8,8 +8,8 @@ import functools
 
 import numpy as np
 
-from llada_jax.decisions import fixed_commits
 from llada_jax.errors import LladaError
+from policies.decisions import fixed_commits
 
 
 @functools.cache  # once per (steps, eps), not at every step of a block

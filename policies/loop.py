@@ -15,11 +15,11 @@ from typing import Callable
 import numpy as np
 
 from llada_jax import kv_state
-from llada_jax.decisions import block_going, ranks
 from llada_jax.readout import check_finite
 from llada_jax.shapes import bucket
 from policies.canvas import Block, Canvas
 from policies.canvas_steps import canvas_wide, commit_window, window_step
+from policies.decisions import block_going, ranks
 from policies.policy import Policy, Reviser, StepPlan
 from policies.sampling import Sampler
 from policies.schedule import Schedule, in_rank_order

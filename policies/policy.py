@@ -17,8 +17,8 @@ from typing import ContextManager, Protocol
 import numpy as np
 
 from llada_jax import kv_state
-from llada_jax.decisions import draft_commits, read_rows
 from policies.canvas import Block, Canvas, Window
+from policies.decisions import draft_commits, read_rows
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The lengths of one generation, and which masked positions to commit in a step: LLaDA's fixed
 schedule, Fast-dLLM's threshold rule, or Dream's (`policies.dream_schedule`).
 
-The rules themselves are `llada_jax.decisions`, which the compiled loop calls too; here they are chosen and
+The rules themselves are `policies.decisions`, which the compiled loop calls too; here they are chosen and
 applied to one block. Candidates are ranked by an order key, highest first; equal keys go to the lower
 position. The key is
 the confidence itself, except at temperature 0 where it is the step's float32 log-probability: its order
@@ -15,9 +15,9 @@ from typing import ClassVar
 
 import numpy as np
 
-from llada_jax.decisions import fixed_commits, scheduled_count, threshold_commits
 from llada_jax.errors import LladaError
 from policies.canvas import Block
+from policies.decisions import fixed_commits, scheduled_count, threshold_commits
 from policies.dream_schedule import DreamSchedule, FirstTokenFirst
 
 
@@ -56,7 +56,7 @@ class Schedule:
 
 
 def in_rank_order(rank: np.ndarray, chosen: np.ndarray) -> np.ndarray:
-    """The positions of `chosen`, first-ranked first (`rank` from `llada_jax.decisions.ranks`)."""
+    """The positions of `chosen`, first-ranked first (`rank` from `policies.decisions.ranks`)."""
     positions = np.flatnonzero(chosen)
     return positions[np.argsort(rank[positions], kind="stable")]
 

@@ -19,9 +19,9 @@ import dataclasses
 import numpy as np
 
 from llada_jax.errors import LladaError
-from llada_jax.shapes import bucket
 from policies.cache_policies import DualCache
 from policies.canvas import Block, Canvas
+from policies.decisions import drafts_taken, speculative_width
 from policies.policy import Policy, StepPlan
 
 
@@ -53,10 +53,11 @@ class Speculative:
         start, end = self.draft_region(canvas, block)
         if not plan.full and self.lookahead and isinstance(self.base, DualCache):
             length = block.end - block.start
-            width = bucket(self.width or 2 * length, canvas.padded_length)
-            drafts = start + np.flatnonzero(canvas.masked[start:end])
-            plan = dataclasses.replace(plan, width=width,
-                                       positions=np.concatenate([plan.positions, drafts[: max(0, width - length)]]))
+            width = speculative_width(length, self.width, canvas.padded_length)
+            region = np.zeros(canvas.padded_length, bool)
+            region[start:end] = True
+            drafts = np.flatnonzero(drafts_taken(np, region & canvas.masked, width - length))
+            plan = dataclasses.replace(plan, width=width, positions=np.concatenate([plan.positions, drafts]))
         reads = None if self.lookahead else plan.reads  # drafts are read out beyond the block
         return dataclasses.replace(plan, drafts=(start, end), draft_threshold=self.draft_threshold, reads=reads)
 

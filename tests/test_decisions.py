@@ -1,4 +1,4 @@
-"""The decisions both loops share (`llada_jax.decisions`): each against its plain definition, and numpy and
+"""The decisions both loops share (`policies.decisions`): each against its plain definition, and numpy and
 jax.numpy giving the same answer (the host loop calls them with one, the compiled loop with the other)."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llada_jax import decisions
+from llada_jax.readout import nonfinite
+from policies import decisions
 from tests.reference import transfer_counts
 
 KEYS = st.lists(st.sampled_from([-np.inf, -3.0, -1.5, -0.25, 0.0, np.inf]), min_size=1, max_size=24)
@@ -57,8 +58,8 @@ def test_commit_rules_pick_by_rank(keys, picks, count, cutoff):
 def test_nonfinite_is_nan_or_positive_infinity(values):
     array = np.asarray(values, np.float32)
     expected = [v != v or v == np.inf for v in values]
-    assert decisions.nonfinite(np, array).tolist() == expected
-    assert np.asarray(decisions.nonfinite(jnp, jnp.asarray(array))).tolist() == expected
+    assert nonfinite(np, array).tolist() == expected
+    assert np.asarray(nonfinite(jnp, jnp.asarray(array))).tolist() == expected
 
 
 @given(in_reads=st.lists(st.booleans(), min_size=1, max_size=16), masked=st.lists(st.booleans(), max_size=16))
@@ -70,3 +71,11 @@ def test_a_step_reads_its_masks_or_else_its_first_read_row(in_reads, masked):
     first_read = [i for i in range(reads.size) if reads[i]][:1] or [0]
     assert np.flatnonzero(rows).tolist() == (masks_read or first_read)
     assert np.asarray(decisions.read_rows(jnp, jnp.asarray(reads), jnp.asarray(masks))).tolist() == rows.tolist()
+
+
+@given(drafting=st.lists(st.booleans(), min_size=1, max_size=24), room=st.integers(-2, 24))
+def test_a_widened_window_takes_the_first_drafts_that_fit(drafting, room):
+    mask = np.asarray(drafting)
+    taken = decisions.drafts_taken(np, mask, room)
+    assert np.flatnonzero(taken).tolist() == np.flatnonzero(mask)[: max(room, 0)].tolist()
+    assert np.asarray(decisions.drafts_taken(jnp, jnp.asarray(mask), room)).tolist() == taken.tolist()

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import llada_jax
 from llada_jax.errors import LladaError
 from llada_jax.locations import default_model_dir
-from llada_jax.loop_io import log_cutoff
+from policies.loop_io import log_cutoff
 from tests.conftest import TINY
 
 COVERED = ["vanilla", "prefix-cache", "dual-cache", "vanilla+speculative:1:0.3", "prefix-cache+speculative:2:0.4",

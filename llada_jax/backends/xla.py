@@ -12,13 +12,13 @@ import numpy as np
 from llada_jax import kv_state
 from llada_jax.backend import Backend
 from llada_jax.config import LLaDAConfig
-from llada_jax.decode_loop import decode_loop
-from llada_jax.loop_io import LoopInputs, LoopOutputs, LoopSpec
 from llada_jax.mesh import put_kv, put_rows
 from llada_jax.model import Context
 from llada_jax.readout import ReadoutSpec, Reads, StepOutput, TokenBiases, first_columns, head_rows_for
 from llada_jax.shapes import kv_shape
 from llada_jax.steps import full_step, scatter_slots, window_step
+from policies.decode_loop import decode_loop
+from policies.loop_io import LoopInputs, LoopOutputs, LoopSpec
 
 
 class DeviceRows:

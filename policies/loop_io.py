@@ -1,5 +1,5 @@
 """The compiled decode loop's static structure, inputs and outputs: plain data shared by the JAX loop
-(`llada_jax.decode_loop`), the exporter and the bundle runtime. No JAX here.
+(`policies.decode_loop`), the exporter and the bundle runtime. No JAX here.
 
 Its trace is compact: per generated position the forward pass that committed it and that pass's log-
 probability; per forward pass its block, padded and real width and useful positions. With no revision
@@ -15,6 +15,8 @@ from typing import NamedTuple
 import numpy as np
 
 from llada_jax.shapes import bucket
+from policies.cache_policies import CachePolicy
+from policies.decisions import speculative_width
 
 NOT_COMMITTED = -1
 
@@ -22,9 +24,10 @@ NOT_COMMITTED = -1
 @dataclasses.dataclass(frozen=True)
 class LoopSpec:
     """The static structure of one compiled loop: a canvas of `slots` positions (prompt + gen_length
-    fit in it), the base policy, speculation's lookahead and window, and the commit rule's kind."""
+    fit in it), the cache policy, speculation's lookahead and window, and the commit rule's kind. Hashable: a
+    static argument of the jitted loop."""
 
-    base: str             # vanilla, prefix-cache or dual-cache
+    policy: CachePolicy   # vanilla, prefix-cache or dual-cache (speculation: the policy it drafts over)
     threshold_rule: bool  # Fast-dLLM's threshold rule (else LLaDA's fixed schedule)
     lookahead: int        # speculation: following blocks drafted (0: none)
     spec_width: int       # speculation over dual-cache: window slots asked for (0: twice the block)
@@ -43,17 +46,21 @@ class LoopSpec:
 
     @property
     def stops_when_filled(self) -> bool:
-        return self.base != "vanilla" or self.lookahead > 0
+        return self.policy.stops_when_filled or self.lookahead > 0
 
     @property
     def max_passes(self) -> int:
         """Forward passes at most: a block takes its fixed steps, or one commit at least per pass."""
         return self.num_blocks * max(self.steps_per_block, self.block_length)
 
-    def block_window(self) -> int:
-        """Slots of a dual-cache window step: the block, or the block and its drafts."""
-        wanted = (self.spec_width or 2 * self.block_length) if self.lookahead else self.block_length
-        return bucket(wanted, self.slots)
+    def window_widths(self) -> tuple[int, ...]:
+        """Slots of each block's window step: from the block start to the policy's window end, and with
+        speculation over a block-only window the block and its drafts."""
+        if self.lookahead and not self.policy.window_to_end:
+            return (speculative_width(self.block_length, self.spec_width, self.slots),) * self.num_blocks
+        starts = range(0, self.gen_length, self.block_length)
+        return tuple(bucket(self.policy.window_end(start + self.block_length, self.gen_length) - start, self.slots)
+                     for start in starts)
 
     def head_widths(self, rows: int) -> tuple[int, ...]:
         """The declared widths the LM head of a `rows`-row pass runs in: those covering 1 to block_length
@@ -66,17 +73,18 @@ class LoopSpec:
         read out the same (`policies.policy.StepPlan.read_columns`)."""
         return width if self.lookahead else bucket(max(useful, 1), width)
 
-    def prefix_windows(self) -> tuple[int, ...]:
-        """Slots of prefix-cache's window step in each block: the block and everything after it."""
-        return tuple(bucket(self.gen_length - b * self.block_length, self.slots) for b in range(self.num_blocks))
-
     @property
     def name(self) -> str:
         """The compiled function's name: the setting and shape in a symbol-safe form."""
         rule = "thr" if self.threshold_rule else "fixed"
         spec = f"_la{self.lookahead}w{self.spec_width}" if self.lookahead else ""
-        return (f"loop_{self.base.replace('-', '')}{spec}_{rule}_g{self.gen_length}_b{self.block_length}"
+        return (f"loop_{self.policy.name.replace('-', '')}{spec}_{rule}_g{self.gen_length}_b{self.block_length}"
                 f"_n{self.steps}_s{self.slots}")
+
+    def manifest(self) -> dict:
+        """What a bundle's manifest records of the loop: its fields, the policy by name."""
+        fields = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        return {**fields, "policy": self.policy.name}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """The decisions a decoding step makes, written once for both loops: the host loop (`policies.loop`) calls
-them with numpy on one block's positions, the compiled loop (`llada_jax.decode_loop`) with jax.numpy on the
+them with numpy on one block's positions, the compiled loop (`policies.decode_loop`) with jax.numpy on the
 whole canvas, as fixed-width masks. `xp` is the array namespace.
 
 Confidence comparisons come in as masks (`confident`): each loop compares in its own domain, the host loop a
@@ -7,6 +7,8 @@ probability against the threshold, the compiled loop a float32 log-probability a
 """
 
 from __future__ import annotations
+
+from llada_jax.shapes import bucket
 
 
 def ranks(xp, order, candidates):
@@ -57,6 +59,11 @@ def block_going(any_masked, step, steps_per_block: int, stops_when_filled: bool,
     return going & (step < max(steps_per_block, block_length))
 
 
-def nonfinite(xp, values):
-    """Scores that break a step: NaN or +inf (-inf is legitimate: a token biased away)."""
-    return xp.isnan(values) | xp.isposinf(values)
+def speculative_width(block_length: int, asked: int, slots: int) -> int:
+    """Slots of a block-only window widened to hold drafts too: `asked`, else twice the block, as a shape bucket."""
+    return bucket(asked or 2 * block_length, slots)
+
+
+def drafts_taken(xp, drafting, room):
+    """The first `room` positions of the mask `drafting` (position order): the drafts a widened window holds."""
+    return drafting & (xp.cumsum(drafting) - 1 < room)

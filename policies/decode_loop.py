@@ -1,6 +1,6 @@
 """The whole semi-autoregressive decode loop as one pure JAX function of fixed shapes: blocks in a
 `lax.while_loop`, steps in another, the canvas and the KV state as loop carry. It calls the decisions
-`policies.loop` calls on the host (`llada_jax.decisions`), in the same order, so both give the same tokens
+`policies.loop` calls on the host (`policies.decisions`), in the same order, so both give the same tokens
 and forward passes (`tests/test_decode_loop.py`); `policies.compiled_loop` says which settings it covers.
 
 Per step: the plan (a full step at a block's start, peeled out of the step loop, or on every step for
@@ -11,7 +11,7 @@ confident drafts.
 
 Candidates are ranked by the step's float32 log-probability, ties to the lower position, as the host ranks
 them; a confidence threshold is a log-probability cutoff the host computed
-(`llada_jax.loop_io.log_cutoff`). A non-finite readout stops the loop and is reported.
+(`policies.loop_io.log_cutoff`). A non-finite readout stops the loop and is reported.
 """
 
 from __future__ import annotations
@@ -23,24 +23,24 @@ import jax
 import jax.numpy as jnp
 
 from llada_jax.config import LLaDAConfig
-from llada_jax.decisions import (
+from llada_jax.kv_state import HIDDEN
+from llada_jax.layout import XLA_LAYOUT, LayoutRule
+from llada_jax.model import Context
+from llada_jax.qlinear import tie_scales
+from llada_jax.readout import ReadoutSpec, nonfinite
+from llada_jax.shapes import kv_shape
+from llada_jax.steps import full_forward, head_rows, read_out, window_forward
+from policies.decisions import (
     block_going,
     draft_commits,
+    drafts_taken,
     fixed_commits,
-    nonfinite,
     ranks,
     read_rows,
     scheduled_count,
     threshold_commits,
 )
-from llada_jax.kv_state import HIDDEN
-from llada_jax.layout import XLA_LAYOUT, LayoutRule
-from llada_jax.loop_io import NOT_COMMITTED, LoopInputs, LoopOutputs, LoopSpec
-from llada_jax.model import Context
-from llada_jax.qlinear import tie_scales
-from llada_jax.readout import ReadoutSpec
-from llada_jax.shapes import kv_shape
-from llada_jax.steps import full_forward, head_rows, read_out, window_forward
+from policies.loop_io import NOT_COMMITTED, LoopInputs, LoopOutputs, LoopSpec
 
 ARGMAX = ReadoutSpec(kind="argmax")
 
@@ -87,7 +87,7 @@ def decode_loop(params: dict, inputs: LoopInputs, *, config: LLaDAConfig, spec: 
     s = spec.slots
     positions = jnp.arange(s)
     length = inputs.prompt_len + spec.gen_length
-    cached = spec.base != "vanilla"
+    cached = spec.policy.caches
     zeros = jnp.zeros(kv_shape(config, 1, s), kv_dtype) if cached else None
     carry = Carry(jnp.where(positions < inputs.prompt_len, inputs.prompt, config.mask_token_id).astype(jnp.int32),
                   zeros, zeros, jnp.zeros(s, bool), jnp.int32(0), jnp.full(s, NOT_COMMITTED, jnp.int32),
@@ -145,10 +145,10 @@ class _Run(NamedTuple):
 
         def one_step(state):
             step, carry = state
-            return step + 1, self.step(block, step, carry, full=spec.base == "vanilla")
+            return step + 1, self.step(block, step, carry, full=not spec.policy.caches)
 
         state = (jnp.int32(0), carry)
-        if spec.base != "vanilla":
+        if spec.policy.caches:
             # The cached decoders' first pass (the full forward that fills the cache) is peeled out of the
             # step loop: IREE 3.13's multithreaded driver fails on a branch on the step inside it. A block
             # entered holds a mask (`next_block`), so the pass always runs.
@@ -193,8 +193,8 @@ class _Run(NamedTuple):
         needed = None if self.spec.lookahead else read_rows(jnp, block.in_block, masked)  # drafts: every row
         x0, logp, bad = self.read(out.hidden, self.positions, valid, needed)
         cached_keys, cached_values, filled = carry.keys, carry.values, carry.filled
-        if self.spec.base != "vanilla":
-            keep = valid & (self.positions < block.start) if self.spec.base == "prefix-cache" else valid
+        if self.spec.policy.caches:
+            keep = valid & self.spec.policy.kv_kept(jnp, self.positions, block.start)
             cached_keys = _keep(keep, out.keys, carry.keys)
             cached_values = _keep(keep, out.values, carry.values)
             filled = filled | keep
@@ -236,33 +236,25 @@ class _Run(NamedTuple):
     def window(self, block: Block, carry: Carry, masked) -> Computed:
         """The block (prefix-cache: and everything after it; speculation: and its first drafts) against
         the cached K/V of every other filled position."""
-        if self.spec.base == "prefix-cache":
-            widths = self.spec.prefix_windows()
-            distinct = sorted(set(widths))
-            branches = [functools.partial(self._window_of, width, carry, block, masked) for width in distinct]
-            which = jnp.asarray([distinct.index(width) for width in widths], jnp.int32)[block.index]
-            computed = _switch(which, branches)
-        else:
-            computed = self._window_of(self.spec.block_window(), carry, block, masked)
+        widths = self.spec.window_widths()
+        distinct = sorted(set(widths))
+        branches = [functools.partial(self._window_of, width, carry, block, masked) for width in distinct]
+        which = jnp.asarray([distinct.index(width) for width in widths], jnp.int32)[block.index]
+        computed = _switch(which, branches)
         return Computed(*computed[:2], carry.keys, carry.values, carry.filled, *computed[2:])
 
     def _window_of(self, width: int, carry: Carry, block: Block, masked) -> tuple:
         """(x0, logp, width, computed, bad position) of a window step of `width` slots."""
         slot = jnp.arange(width)
-        if self.spec.base == "prefix-cache":
-            window_pos = block.start + slot
-            window_valid = window_pos < self.length
-        else:
-            length = self.spec.block_length
-            window_pos = jnp.where(slot < length, block.start + slot, 0)
-            window_valid = slot < length
-            if self.spec.lookahead:
-                drafting = block.drafts & masked
-                order = jnp.cumsum(drafting) - 1
-                taken = drafting & (order < width - length)
-                placed = (jnp.where(taken, length + order, width)[None, :] == slot[:, None])  # [W, S]
-                window_pos = jnp.where(slot < length, window_pos, jnp.sum(placed * self.positions, axis=1))
-                window_valid = slot < length + jnp.sum(taken)
+        policy, length = self.spec.policy, self.spec.block_length
+        window_pos = block.start + slot
+        window_valid = window_pos < policy.window_end(block.start + length, self.length)
+        if self.spec.lookahead and not policy.window_to_end:  # the block's drafts fill the slots after it
+            drafting = block.drafts & masked
+            taken = drafts_taken(jnp, drafting, width - length)
+            placed = (jnp.where(taken, length + jnp.cumsum(drafting) - 1, width)[None, :] == slot[:, None])  # [W, S]
+            window_pos = jnp.where(slot < length, window_pos, jnp.sum(placed * self.positions, axis=1))
+            window_valid = slot < length + jnp.sum(taken)
         window_pos = jnp.where(window_valid, window_pos, 0).astype(jnp.int32)
         at = (window_pos[:, None] == self.positions[None, :]) & window_valid[:, None]  # [W, S]
         computed = jnp.any(at, axis=0)
