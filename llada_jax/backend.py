@@ -9,7 +9,7 @@ defaults say "not offered".
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, NamedTuple, Protocol
+from typing import Callable, Literal, NamedTuple, Protocol
 
 import numpy as np
 
@@ -27,6 +27,18 @@ class BackendRequest:
     rows: int                # canvas rows per step: a batch, 2 per prompt under CFG
     slots: int               # canvas positions
     cfg_scale: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendCall:
+    """One step call a decoder asks for: the host loop yields these (`policies.loop.decode_steps`) and whoever
+    drives it runs them, alone or stacked with other generations' calls (`llada_jax.step_batcher`)."""
+
+    method: Literal["full", "window", "commit"]
+    args: tuple
+
+    def run(self, backend: "Backend"):
+        return getattr(backend, self.method)(*self.args)
 
 
 class SideBackend(NamedTuple):

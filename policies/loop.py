@@ -8,17 +8,17 @@ picks masked positions of the current block (plus confident drafts) and the canv
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
-from typing import Callable
+from typing import Callable, Generator
 
 import numpy as np
 
 from llada_jax import kv_state
+from llada_jax.backend import BackendCall
 from llada_jax.readout import check_finite
 from llada_jax.shapes import bucket
 from policies.canvas import Block, Canvas
-from policies.canvas_steps import canvas_wide, commit_window, window_step
+from policies.canvas_steps import canvas_wide, commit_call, window_call
 from policies.decisions import block_going, ranks
 from policies.policy import Policy, Reviser, StepPlan
 from policies.sampling import Sampler
@@ -71,37 +71,85 @@ class Result:
         return len(self.output_ids) / self.wall_s if self.wall_s > 0 else float("inf")
 
 
+@dataclasses.dataclass
+class LoopState:
+    """Where one generation stands: its canvas, KV state (None until a step reads or commits K/V), the block
+    and the step within it, and the trace (one record per forward pass so far)."""
+
+    canvas: Canvas
+    kv: kv_state.KVState | None = None
+    block: Block | None = None
+    step: int = 0
+    trace: list[StepRecord] = dataclasses.field(default_factory=list)
+
+    @property
+    def nfe(self) -> int:
+        return len(self.trace)
+
+
+Steps = Generator[BackendCall, object, Result]  # a generation: its step calls, each sent back its result
+
+
 def decode(backend, prompt_ids: np.ndarray, schedule: Schedule, policy: Policy, rule, sampler: Sampler, *,
            mask_id: int, max_len: int, cfg: bool = False, seed: int = 0, offset: int = 0,
            on_step: Callable[[Canvas, StepRecord], None] | None = None) -> Result:
     """Generate `schedule.gen_length` tokens after `prompt_ids` (already validated on the host), the
-    canvas left-padded by `offset` columns (a batch's alignment). Trace positions are unpadded."""
+    canvas left-padded by `offset` columns (a batch's alignment), each step call run on `backend` as it
+    comes. Trace positions are unpadded."""
+    return run_alone(backend, decode_steps(backend, prompt_ids, schedule, policy, rule, sampler, mask_id=mask_id,
+                                           max_len=max_len, cfg=cfg, seed=seed, offset=offset, on_step=on_step))
+
+
+def decode_steps(backend, prompt_ids: np.ndarray, schedule: Schedule, policy: Policy, rule, sampler: Sampler, *,
+                 mask_id: int, max_len: int, cfg: bool = False, seed: int = 0, offset: int = 0,
+                 on_step: Callable[[Canvas, StepRecord], None] | None = None) -> Steps:
+    """`decode` as a generator of its step calls (`full`, `window`, `commit`), so that a driver can run many
+    generations' calls together; `backend` serves the rest (allocating the KV state, revision's side path)."""
     started = time.perf_counter()
-    backend = TimedBackend(backend)
     rng = np.random.default_rng(seed)
-    canvas = Canvas.start(prompt_ids, schedule.gen_length, mask_id, cfg, max_len, offset)
-    kv: kv_state.KVState | None = None  # allocated by the first step that reads or commits K/V
-    trace: list[StepRecord] = []
+    state = LoopState(Canvas.start(prompt_ids, schedule.gen_length, mask_id, cfg, max_len, offset))
+    canvas = state.canvas
     with policy.side_path(backend, canvas) as reviser:
         for block in schedule.blocks(canvas.prompt_len):
+            state.block, state.step = block, 0
             masked_at_start = int(canvas.masked[block.start:block.end].sum())
-            step = 0
-            while not _block_done(canvas, block, step, policy, rule, schedule.steps_per_block):
-                plan = policy.plan(canvas, block, step, kv)
-                if kv is None and (plan.keep_kv is not None or not plan.full):
-                    kv = backend.empty_state(canvas.tokens.shape[0], canvas.padded_length)
-                kv, record = _step(backend, canvas, kv, plan, reviser, block, rule.commits, sampler, rng,
-                                   (step, masked_at_start, len(trace)))
-                trace.append(record)
+            while not _block_done(canvas, block, state.step, policy, rule, schedule.steps_per_block):
+                plan = policy.plan(canvas, block, state.step, state.kv)
+                if state.kv is None and (plan.keep_kv is not None or not plan.full):
+                    state.kv = backend.empty_state(canvas.tokens.shape[0], canvas.padded_length)
+                record = yield from _step(state, plan, reviser, rule.commits, sampler, rng, masked_at_start)
+                state.trace.append(record)
                 if on_step is not None:
                     on_step(canvas, record)
-                step += 1
-        kv, revisions = reviser.finish(kv)
-        stats = {**reviser.stats(), "step_call_seconds": backend.seconds}
+                state.step += 1
+        state.kv, revisions = reviser.finish(state.kv)
+        stats = reviser.stats()
+    trace = state.trace
     if revisions:
         trace[-1] = dataclasses.replace(trace[-1], revisions=trace[-1].revisions + unpadded(canvas, revisions))
     return Result(canvas.generated(), len(trace), time.perf_counter() - started, tuple(trace),
                   canvas.prompt_len - canvas.offset, stats)
+
+
+def run_alone(backend, steps: Steps) -> Result:
+    """Drive one generation, running each of its step calls on `backend` as it comes (an error raised
+    where the call was made); `step_call_seconds`: the time in those calls."""
+    seconds = 0.0
+    try:
+        call = next(steps)
+        while True:
+            started = time.perf_counter()
+            try:
+                result = call.run(backend)
+            except BaseException as error:
+                call = steps.throw(error)
+                continue
+            finally:
+                seconds += time.perf_counter() - started
+            call = steps.send(result)
+    except StopIteration as finished:
+        result = finished.value
+    return dataclasses.replace(result, stats={**result.stats, "step_call_seconds": seconds})
 
 
 def unpadded(canvas: Canvas, revisions) -> tuple:
@@ -109,58 +157,28 @@ def unpadded(canvas: Canvas, revisions) -> tuple:
     return tuple((int(column) - canvas.offset, old, new) for column, old, new in revisions)
 
 
-class TimedBackend:
-    """The backend, counting the seconds its step calls take on the decoding thread (device work, transfers
-    and argument marshalling): the rest of a generation's wall time is the host loop's own work."""
-
-    def __init__(self, backend):
-        self.backend, self.seconds, self._thread = backend, 0.0, threading.get_ident()
-
-    def __getattr__(self, name):
-        return getattr(self.backend, name)
-
-    def _timed(self, method, *args):
-        started = time.perf_counter()
-        try:
-            return method(*args)
-        finally:
-            if threading.get_ident() == self._thread:  # revision's side thread runs beside, not in series
-                self.seconds += time.perf_counter() - started
-
-    def full(self, *args):
-        return self._timed(self.backend.full, *args)
-
-    def window(self, *args):
-        return self._timed(self.backend.window, *args)
-
-    def commit(self, *args):
-        return self._timed(self.backend.commit, *args)
-
-
-def dense_step(backend, canvas: Canvas, kv, plan: StepPlan, reviser: Reviser, nfe: int):
+def dense_step(canvas: Canvas, kv, plan: StepPlan, reviser: Reviser, nfe: int):
     """Compute the plan, merge the reviser's side work (it ran beside this step), commit the plan's K/V.
     Returns (step output, window, the window's read-out part, KV state, revisions the merge made)."""
     window = plan.window(canvas)
     reads = plan.read_columns(window, canvas)
     inputs = canvas.tokens[:, window.positions]  # a copy (fancy indexing): the tokens the step ran on
     if plan.full:
-        out = backend.full(canvas.tokens, canvas.valid, reads)
+        out = yield BackendCall("full", (canvas.tokens, canvas.valid, reads))
     else:
-        out = window_step(backend, canvas, kv, window, reads)
+        out = yield window_call(canvas, kv, window, reads)
     read = window.columns(reads)
     check_finite(out.readout, read.positions, read.valid, nfe)
     kv, revisions = reviser.merge(kv, nfe)
     if plan.keep_kv is not None:
-        kv = commit_window(backend, kv, window, plan.keep_kv[window.positions], out, inputs, nfe)
+        kv = yield commit_call(kv, window, plan.keep_kv[window.positions], out, inputs, nfe)
     return out, window, read, kv, revisions
 
 
-def _step(backend, canvas: Canvas, kv, plan: StepPlan, reviser: Reviser, block: Block, commits: Callable,
-          sampler, rng, at: tuple):
-    """One step: the dense step, then token commits in the block (and drafts), then the next side job.
-    `at`: (step within the block, the block's masks when it began, forward passes so far)."""
-    step, masked_at_start, nfe = at
-    out, window, read, kv, revisions = dense_step(backend, canvas, kv, plan, reviser, nfe)
+def _step(state: LoopState, plan: StepPlan, reviser: Reviser, commits: Callable, sampler, rng, masked_at_start: int):
+    """One step: the dense step, then token commits in the block (and drafts), then the next side job."""
+    canvas, block, nfe = state.canvas, state.block, state.nfe
+    out, window, read, state.kv, revisions = yield from dense_step(canvas, state.kv, plan, reviser, nfe)
     x0, confidence, order = sampler.choose(out.readout, rng)
     order = canvas_wide(canvas, read, x0, order)[1]
     x0, confidence = canvas_wide(canvas, read, x0, confidence)
@@ -168,17 +186,19 @@ def _step(backend, canvas: Canvas, kv, plan: StepPlan, reviser: Reviser, block: 
     lo, hi = block.start, block.end
     candidates = canvas.masked[lo:hi]
     rank = ranks(np, order[lo:hi], candidates)
-    chosen = lo + in_rank_order(rank, commits(rank, candidates, confidence[lo:hi], step, masked_at_start))
+    chosen = lo + in_rank_order(rank, commits(rank, candidates, confidence[lo:hi], state.step, masked_at_start))
     drafts = plan.draft_positions(confidence, canvas)
     committed = np.concatenate([chosen, drafts]).astype(np.int64)
     canvas.write(committed, x0[committed])
-    reviser.submit(kv, window, confidence, nfe)
-    record = StepRecord(nfe, block.index, "full" if window.valid.size == canvas.padded_length else "window",
-                        int(window.valid.sum()), int(window.valid.size), useful,
-                        tuple(int(p) - canvas.offset for p in committed), tuple(int(t) for t in x0[committed]),
-                        tuple(float(c) for c in confidence[committed]), len(drafts), unpadded(canvas, revisions),
-                        bucket(read.valid.size, window.valid.size), int(read.valid.sum()))
-    return kv, record
+    reviser.submit(state.kv, window, confidence, nfe)
+    return StepRecord(nfe=nfe, block=block.index,
+                      kind="full" if window.valid.size == canvas.padded_length else "window",
+                      width=int(window.valid.sum()), shape_width=int(window.valid.size), useful=useful,
+                      positions=tuple(int(p) - canvas.offset for p in committed),
+                      tokens=tuple(int(t) for t in x0[committed]),
+                      confidence=tuple(float(c) for c in confidence[committed]), drafts=len(drafts),
+                      revisions=unpadded(canvas, revisions), head_rows=bucket(read.valid.size, window.valid.size),
+                      read_rows=int(read.valid.sum()))
 
 
 def _block_done(canvas: Canvas, block: Block, step: int, policy: Policy, rule, steps_per_block: int) -> bool:

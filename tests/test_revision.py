@@ -123,7 +123,13 @@ def test_dense_steps_never_see_stale_kv_and_commits_stay_in_bounds(tiny_model, s
 
 def dense(backend, canvas, policy, session, block, kv, step):
     """The decode loop's dense step `step` of `block` (also the forward pass count here)."""
-    return dense_step(backend, canvas, kv, policy.plan(canvas, block, step, kv), session, step)
+    steps = dense_step(canvas, kv, policy.plan(canvas, block, step, kv), session, step)
+    try:
+        call = next(steps)
+        while True:
+            call = steps.send(call.run(backend))
+    except StopIteration as finished:
+        return finished.value
 
 
 def test_revision_replaces_a_token_the_model_now_rejects(tiny_model):
