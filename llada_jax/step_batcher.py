@@ -1,27 +1,31 @@
-"""Many generations' steps as few backend calls: each generation (a *row*) runs its own decode loop on
-its own thread against a `RowBackend`, and the `StepBatcher` runs the rows' step calls together.
+"""Many generations' steps as few backend calls. Each generation (a *row*) is a generator of its step calls
+(`llada_jax.backend.BackendCall`, as `policies.loop.decode_steps` yields them); the `StepBatcher` owns the
+rows and advances them together, on its caller's thread: no thread per row.
 
-Rounds: once every live row has a call waiting, the round runs. Calls of the same kind and shape (full
-steps of one canvas shape, window steps of one window shape) run as one backend call over the rows
-stacked, cut into the batch sizes the backend offers, reading out every column any of them reads; K/V
-commits run one by one. A row's
-calls get back exactly what a backend call of that row alone returns, so a row decodes as it would
-alone: the same plans, commits and forward passes (only float rounding may differ with the batch).
+Rounds: every live row has one call pending. Calls of the same kind and shape (full steps of one canvas
+shape, window steps of one window shape) run as one backend call over the rows stacked, cut into the batch
+sizes the backend offers, reading out every column any of them reads; K/V commits run one by one. Each row is
+sent exactly what a backend call of that row alone returns and runs on to its next call, so a row decodes as
+it would alone: the same plans, commits and forward passes (only float rounding may differ with the batch).
 
-Rows join and leave at any time (a server's requests join between steps). Every backend step call runs
-on the batcher's own dispatcher thread, one at a time.
+Rows join and leave between rounds (a server's requests join at their first step).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import threading
+import time
+from typing import Callable, Generator
 
 import numpy as np
 
 from llada_jax import kv_state
+from llada_jax.backend import BackendCall
 from llada_jax.errors import LladaError
 from llada_jax.readout import Readout, Reads, StepOutput, read_columns
+
+# A row's end: done(its generator's return value or None, its error or None, seconds in its step calls).
+Done = Callable[[object, BaseException | None, float], None]
 
 
 class Cancelled(LladaError):
@@ -29,154 +33,127 @@ class Cancelled(LladaError):
 
 
 @dataclasses.dataclass(eq=False)
-class _Call:
-    method: str           # "full", "window" or "commit"
-    args: tuple
-    done: bool = False
-    result: object = None
-    error: BaseException | None = None
+class _Row:
+    steps: Generator
+    done: Done
+    call: BackendCall | None = None
+    seconds: float = 0.0
 
-    @property
-    def rows(self) -> int:
-        """Canvas rows of this call (2 under CFG): of the tokens (full), window ids (window), write mask (commit)."""
-        return np.shape(self.args[0 if self.method == "full" else 2])[0]
 
-    def key(self, row: int) -> tuple:
-        """Calls with equal keys run as one backend call (a commit never shares one)."""
-        if self.method == "full":
-            return ("full", self.args[0].shape)
-        if self.method == "window":
-            state, _, window_ids = self.args[:3]
-            return ("window", state.slots, window_ids.shape)
-        return ("commit", row)
+def call_rows(call: BackendCall) -> int:
+    """Canvas rows of a call (2 under CFG): of the tokens (full), window ids (window), write mask (commit)."""
+    return np.shape(call.args[0 if call.method == "full" else 2])[0]
 
-    @property
-    def reads(self) -> Reads | None:
-        return self.args[-1]
+
+def call_key(call: BackendCall, row: int) -> tuple:
+    """Calls with equal keys run as one backend call (a commit never shares one)."""
+    if call.method == "full":
+        return ("full", call.args[0].shape)
+    if call.method == "window":
+        state, _, window_ids = call.args[:3]
+        return ("window", state.slots, window_ids.shape)
+    return ("commit", row)
 
 
 class StepBatcher:
-    """Runs the step calls of the rows that joined it, a round at a time (see the module docstring)."""
+    """Advances the rows added to it a round at a time (see the module docstring)."""
 
     def __init__(self, backend):
         self.backend = backend
         self._sizes = backend.batch_sizes()
         self.calls = 0    # backend step calls made (full and window; commits not counted)
         self.steps = 0    # row steps they computed
-        self._cond = threading.Condition()
-        self._live: set[int] = set()
-        self._pending: dict[int, _Call] = {}
-        self._cancelled: set[int] = set()
+        self._rows: dict[int, _Row] = {}
         self._next_row = 0
-        self._closed = False
-        self._dispatcher: threading.Thread | None = None
 
-    def join(self) -> "RowBackend":
-        with self._cond:
-            if self._closed:
-                raise LladaError("the step batcher is closed")
-            if self._dispatcher is None:
-                self._dispatcher = threading.Thread(target=self._dispatch, name="llada-step-batcher", daemon=True)
-                self._dispatcher.start()
-            row, self._next_row = self._next_row, self._next_row + 1
-            self._live.add(row)
-            return RowBackend(self, row)
+    @property
+    def live(self) -> int:
+        return len(self._rows)
 
-    def leave(self, row: int) -> None:
-        with self._cond:
-            self._live.discard(row)
-            self._pending.pop(row, None)
-            self._cond.notify_all()
+    def add(self, steps: Generator, done: Done) -> int:
+        """A new row: its generator runs to its first call (`done` at once if it ends or fails there)."""
+        row, self._next_row = self._next_row, self._next_row + 1
+        self._rows[row] = _Row(steps, done)
+        self._advance(row, next, steps)
+        return row
 
-    def close(self) -> None:
-        """Stop the dispatcher once no call waits (rows still live get `Cancelled`)."""
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-        if self._dispatcher is not None:
-            self._dispatcher.join()
+    def cancel(self, row: int | None = None, error: BaseException | None = None) -> None:
+        """End `row` (None: every row) now: its generator is closed and its `done` gets `error` (by default
+        `Cancelled`)."""
+        for one in [row] if row is not None else list(self._rows):
+            entry = self._rows.pop(one, None)
+            if entry is not None:
+                entry.steps.close()
+                entry.done(None, error or Cancelled("generation cancelled"), entry.seconds)
 
-    def cancel(self, row: int | None = None) -> None:
-        """Make `row`'s (None: every row's) next or waiting call raise `Cancelled`."""
-        with self._cond:
-            self._cancelled.update(self._live if row is None else {row})
-            for waiting in list(self._pending):
-                if waiting in self._cancelled:
-                    call = self._pending.pop(waiting)
-                    call.error, call.done = Cancelled("generation cancelled"), True
-            self._cond.notify_all()
+    def run(self) -> None:
+        """Rounds until no row is left."""
+        while self._rows:
+            self.round()
 
-    def call(self, row: int, method: str, args: tuple):
-        """Wait for the round holding this call; its result (or its error, raised here)."""
-        call = _Call(method, args)
-        with self._cond:
-            if row in self._cancelled or self._closed:
-                raise Cancelled("generation cancelled")
-            self._pending[row] = call
-            self._cond.notify_all()
-            while not call.done:
-                self._cond.wait()
-        if call.error is not None:
-            raise call.error
-        return call.result
+    def round(self) -> None:
+        """Every live row's pending call, stacked by kind and shape; then each row runs to its next call."""
+        pending = {row: entry.call for row, entry in sorted(self._rows.items())}
+        groups: dict[tuple, list[int]] = {}
+        for row, call in pending.items():
+            groups.setdefault(call_key(call, row), []).append(row)
+        outcomes: dict[int, tuple] = {}
+        for rows in groups.values():
+            at = 0
+            for chunk in _chunks([pending[row] for row in rows], self._sizes):
+                started = time.perf_counter()
+                results = self._run(chunk)
+                seconds = time.perf_counter() - started
+                for row, outcome in zip(rows[at: at + len(chunk)], results):
+                    outcomes[row] = outcome
+                    self._rows[row].seconds += seconds
+                at += len(chunk)
+        for row, (result, error) in outcomes.items():
+            if error is None:
+                self._advance(row, self._rows[row].steps.send, result)
+            else:
+                self._advance(row, self._rows[row].steps.throw, error)
 
-    def _dispatch(self) -> None:
-        """The dispatcher thread: the only one that calls the backend (IREE's runtime crashes when several
-        threads drive one device; JAX would serialise them anyway). A round runs once every live row has a
-        call waiting."""
-        with self._cond:
-            while True:
-                while not self._closed and not (self._pending and len(self._pending) >= len(self._live)):
-                    self._cond.wait()
-                if self._closed:
-                    for call in self._pending.values():
-                        call.error, call.done = Cancelled("generation cancelled"), True
-                    self._cond.notify_all()
-                    return
-                pending, self._pending = self._pending, {}
-                self._cond.release()  # joins, leaves and cancels need not wait for the device
-                try:
-                    self._run_round(pending)
-                finally:
-                    self._cond.acquire()
-                self._cond.notify_all()
+    def _advance(self, row: int, resume: Callable, value) -> None:
+        """Resume the row's generator with `value`; keep its next call, or end the row."""
+        entry = self._rows[row]
+        try:
+            entry.call = resume(value)
+        except StopIteration as finished:
+            del self._rows[row]
+            entry.done(finished.value, None, entry.seconds)
+        except Exception as error:  # the row's own failure; the other rows go on
+            del self._rows[row]
+            entry.done(None, error, entry.seconds)
 
-    def _run_round(self, pending: dict[int, _Call]) -> None:
-        groups: dict[tuple, list[_Call]] = {}
-        for row in sorted(pending):
-            groups.setdefault(pending[row].key(row), []).append(pending[row])
-        for calls in groups.values():
-            for chunk in _chunks(calls, self._sizes):
-                self._run(chunk)
-
-    def _run(self, chunk: list[_Call]) -> None:
-        """One backend call for the chunk's calls; each gets its rows of the result (or the error)."""
+    def _run(self, chunk: list[BackendCall]) -> list[tuple]:
+        """One backend call for the chunk's calls: (result, None) each, or (None, the error) for all."""
         try:
             if len(chunk) == 1:
-                results = [getattr(self.backend, chunk[0].method)(*chunk[0].args)]
+                results = [chunk[0].run(self.backend)]
             else:
-                joined = _joined_reads([call.reads for call in chunk])
+                joined = _joined_reads([_reads(call) for call in chunk])
                 stacked = _stacked_call(self.backend, chunk, joined)
-                results = [_own_columns(out, joined, call.reads)
+                results = [_own_columns(out, joined, _reads(call))
                            for out, call in zip(_split(self.backend, stacked, len(chunk)), chunk)]
-            for call, result in zip(chunk, results):
-                call.result = result
+            return [(result, None) for result in results]
         except Exception as error:  # every row of the call sees it
-            for call in chunk:
-                call.error = error
+            return [(None, error)] * len(chunk)
         finally:
             if chunk[0].method != "commit":
                 self.calls, self.steps = self.calls + 1, self.steps + len(chunk)
-            for call in chunk:
-                call.done = True
 
 
-def _chunks(calls: list[_Call], sizes: tuple[int, ...] | None) -> list[list[_Call]]:
+def _reads(call: BackendCall) -> Reads | None:
+    return call.args[-1]
+
+
+def _chunks(calls: list[BackendCall], sizes: tuple[int, ...] | None) -> list[list[BackendCall]]:
     """The calls cut into runs whose stacked rows are a batch size the backend has (any: one run). A
-    commit's group holds only that commit (see `_Call.key`)."""
+    commit's group holds only that commit (see `call_key`)."""
     if sizes is None:
         return [calls]
-    rows, chunks, at = calls[0].rows, [], 0
+    rows, chunks, at = call_rows(calls[0]), [], 0
     while at < len(calls):
         fits = [size // rows for size in sizes if size % rows == 0 and size // rows <= len(calls) - at]
         if not fits:
@@ -201,7 +178,7 @@ def _own_columns(out: StepOutput, joined: Reads | None, own: Reads | None) -> St
     return dataclasses.replace(out, readout=read_columns(out.readout, at))
 
 
-def _stacked_call(backend, chunk: list[_Call], reads: Reads | None) -> StepOutput:
+def _stacked_call(backend, chunk: list[BackendCall], reads: Reads | None) -> StepOutput:
     """The chunk's calls as one backend call over their rows stacked (in chunk order), reading `reads`."""
     columns = list(zip(*(call.args[:-1] for call in chunk)))
     if chunk[0].method == "full":
@@ -222,26 +199,3 @@ def _split(backend, out: StepOutput, parts: int) -> list[StepOutput]:
         [None] * parts if value is None else np.split(np.asarray(value), parts) for value in out.readout))]
     return [StepOutput(readout, keys, values) for readout, keys, values in
             zip(readouts, backend.split_rows(out.keys, parts, axis=1), backend.split_rows(out.values, parts, axis=1))]
-
-
-class RowBackend:
-    """One row's view of the shared backend (`llada_jax.backend.Backend`): its step calls go through
-    the batcher; everything else is the shared backend's."""
-
-    def __init__(self, batcher: StepBatcher, row: int):
-        self.batcher, self.row = batcher, row
-
-    def __getattr__(self, name):
-        return getattr(self.batcher.backend, name)
-
-    def full(self, tokens, valid, reads=None) -> StepOutput:
-        return self.batcher.call(self.row, "full", (tokens, valid, reads))
-
-    def window(self, state, visible, window_ids, window_pos, window_valid, reads=None) -> StepOutput:
-        return self.batcher.call(self.row, "window", (state, visible, window_ids, window_pos, window_valid, reads))
-
-    def commit(self, state, positions, write, out, tokens, nfe: int):
-        return self.batcher.call(self.row, "commit", (state, positions, write, out, tokens, nfe))
-
-    def leave(self) -> None:
-        self.batcher.leave(self.row)

@@ -17,7 +17,7 @@ from llada_jax.readout import ReadoutSpec, TokenBiases
 from llada_jax.shapes import bucket
 from policies.batch import decode_batch
 from policies.compiled_loop import draft_threshold_of, loop_spec, run_compiled
-from policies.loop import decode
+from policies.loop import decode_steps, run_alone
 from policies.registry import make_policy, parse_policy
 from policies.sampling import Sampler
 from policies.schedule import Schedule, make_rule
@@ -64,7 +64,8 @@ def _one_prompt(ids, config: LLaDAConfig, what: str) -> np.ndarray:
 @dataclasses.dataclass(frozen=True)
 class Prepared:
     """One validated generation request: its prompts, what its backend must read out, and `decode_row`:
-    `(backend, prompt, offset=0, on_step=None) -> Result`, one prompt's host loop."""
+    `(backend, prompt, offset=0, on_step=None)`, one prompt's host loop as the generator of its step calls
+    (`policies.loop.decode_steps`; `policies.loop.run_alone` runs it alone)."""
 
     prompts: list[np.ndarray]
     batched: bool                 # a batch was given (a list of results comes back)
@@ -123,7 +124,7 @@ def prepare_generation(config: LLaDAConfig, prompt_ids, *, gen_length: int, bloc
     cfg = cfg_scale > 0.0
     forbid = config.special_ids_in_vocab(config.eos_token_id) if logits_eos_inf else ()
     slots = bucket(total, config.max_sequence_length)
-    decode_row = functools.partial(decode, schedule=schedule, policy=decoding_policy, rule=rule, sampler=sampler,
+    decode_row = functools.partial(decode_steps, schedule=schedule, policy=decoding_policy, rule=rule, sampler=sampler,
                                    mask_id=config.mask_token_id, max_len=config.max_sequence_length, cfg=cfg, seed=seed)
     return Prepared(prompts, batched, ReadoutSpec(kind=sampler.readout_kind, cfg=cfg),
                     TokenBiases.build(config.embedding_size, forbid, unconfident), float(cfg_scale), slots, decode_row,
@@ -159,7 +160,7 @@ def run_generation(make_backend: Callable, config: LLaDAConfig, prompt_ids, *, o
         result = run_compiled(compiled, spec, prompts[0], prepared.biases, prepared.threshold,
                               prepared.draft_threshold)
     else:
-        result = _with_staging(prepared.decode_row(backend, prompts[0], on_step=on_step), backend)
+        result = _with_staging(run_alone(backend, prepared.decode_row(backend, prompts[0], on_step=on_step)), backend)
     return [result] if prepared.batched else result
 
 

@@ -1,11 +1,9 @@
 """Batched generation: every row of a batch decodes as its prompt alone (tokens, forward passes, trace),
-for every policy, through XLA and IREE; the step batcher's rounds, chunks, errors and cancellation."""
+for every policy, through XLA and IREE; the step batcher's rounds, joins, chunks, errors and cancellation."""
 
 from __future__ import annotations
 
 import re
-import threading
-import time
 
 import numpy as np
 import pytest
@@ -13,9 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import llada_jax
+from llada_jax.backend import BackendCall
 from llada_jax.bundle_runner import bundle_runner
 from llada_jax.errors import LladaError
-from llada_jax.step_batcher import Cancelled, StepBatcher, _Call, _chunks
+from llada_jax.step_batcher import Cancelled, StepBatcher, _chunks
 from tests.conftest import TINY
 
 SETTINGS = [("vanilla", None), ("prefix-cache", None), ("dual-cache", None), ("dual-cache", 0.3),
@@ -132,101 +131,80 @@ class CountingBackend:
         return np.split(array, parts, axis=axis)
 
 
-def run_rows(batcher: StepBatcher, rows: list, work) -> list:
-    """`work(row_backend, index)` on a thread per row; results (or raised errors) in row order."""
-    results = [None] * len(rows)
-
-    def run(index):
-        try:
-            results[index] = work(rows[index], index)
-        except Exception as error:
-            results[index] = error
-        finally:
-            rows[index].leave()
-
-    threads = [threading.Thread(target=run, args=(index,)) for index in range(len(rows))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=30)
-    batcher.close()
-    return results
+def full_call(tokens, reads=None) -> BackendCall:
+    return BackendCall("full", (tokens, np.ones(tokens.shape, bool), reads))
 
 
-def test_rows_get_their_own_rows_of_one_call_and_leaving_rows_do_not_block():
+def steps_of(index: int, steps: int):
+    """A row of `steps` full steps whose canvas holds 10 * index + step; returns what each read out."""
+    got = []
+    for step in range(steps):
+        got.append((yield full_call(np.full((1, 4), 10 * index + step))).readout.x0[0, 0])
+    return got
+
+
+def run_rows(batcher: StepBatcher, rows: list) -> list:
+    """Add each generator as a row and run rounds until none is left; each row's result (or error)."""
+    ends = [None] * len(rows)
+    for index, steps in enumerate(rows):
+        batcher.add(steps, lambda result, error, seconds, index=index: ends.__setitem__(index, error or result))
+    batcher.run()
+    return ends
+
+
+def test_rows_get_their_own_rows_of_one_call_and_finished_rows_do_not_block():
     backend = CountingBackend()
-    batcher = StepBatcher(backend)
-    rows = [batcher.join() for _ in range(3)]
 
-    def work(row, index):  # row i makes i + 1 steps
-        return [row.full(np.full((1, 4), 10 * index + step), np.ones((1, 4), bool)).readout.x0[0, 0]
-                for step in range(index + 1)]
-
-    assert run_rows(batcher, rows, work) == [[0], [10, 11], [20, 21, 22]]
+    rows = [steps_of(index, index + 1) for index in range(3)]  # row i makes i + 1 steps
+    assert run_rows(StepBatcher(backend), rows) == [[0], [10, 11], [20, 21, 22]]
     assert backend.calls == [3, 2, 1]  # one call per round, shrinking as rows finish
 
 
 def test_rows_reading_different_columns_share_a_call_and_get_their_own_columns():
-    backend = CountingBackend()
-    batcher = StepBatcher(backend)
-    rows = [batcher.join() for _ in range(3)]
     reads = [(1, 3), (0, 3), None]
 
-    def work(row, index):  # a canvas whose column j holds 10 * row + j
-        tokens = 10 * index + np.arange(4)[None]
-        return row.full(tokens, np.ones((1, 4), bool), reads[index]).readout.x0[0].tolist()
+    def row(index):  # a canvas whose column j holds 10 * row + j
+        return (yield full_call(10 * index + np.arange(4)[None], reads[index])).readout.x0[0].tolist()
 
-    assert run_rows(batcher, rows, work) == [[1, 3], [10, 13], [20, 21, 22, 23]]
+    backend = CountingBackend()
+    assert run_rows(StepBatcher(backend), [row(index) for index in range(3)]) == [[1, 3], [10, 13], [20, 21, 22, 23]]
     assert backend.calls == [3] and backend.reads == [None]  # a row reading everything: all columns
     backend = CountingBackend()
-    batcher = StepBatcher(backend)
-    rows = [batcher.join() for _ in range(2)]
-    assert run_rows(batcher, rows, work) == [[1, 3], [10, 13]]
+    assert run_rows(StepBatcher(backend), [row(index) for index in range(2)]) == [[1, 3], [10, 13]]
     assert backend.reads == [(0, 1, 3)]
 
 
-def test_a_failed_call_fails_its_rows_and_cancel_stops_a_row():
-    batcher = StepBatcher(CountingBackend(fail_rows=2))
-    rows = [batcher.join() for _ in range(2)]
-    results = run_rows(batcher, rows, lambda row, index: row.full(np.zeros((1, 4), int), np.ones((1, 4), bool)))
-    assert [str(result) for result in results] == ["device out of memory"] * 2
+def test_a_failed_call_fails_its_rows_where_they_called_and_cancel_closes_a_row():
+    closed = []
 
-    batcher = StepBatcher(CountingBackend())
-    row = batcher.join()
-    batcher.cancel(row.row)
-    with pytest.raises(Cancelled):
-        row.full(np.zeros((1, 4), int), np.ones((1, 4), bool))
-    batcher.close()
+    def row():
+        try:
+            yield full_call(np.zeros((1, 4), int))
+        finally:
+            closed.append(True)
+
+    results = run_rows(StepBatcher(CountingBackend(fail_rows=2)), [row(), row()])
+    assert [str(result) for result in results] == ["device out of memory"] * 2 and closed == [True, True]
+
+    batcher, ends = StepBatcher(CountingBackend()), []
+    index = batcher.add(row(), lambda result, error, seconds: ends.append(error))
+    batcher.cancel(index)
+    assert isinstance(ends[0], Cancelled) and batcher.live == 0 and len(closed) == 3
 
 
-def test_joins_and_cancels_do_not_wait_for_a_running_step():
-    """A server cancels from its event loop: that must not wait for the device step a round is running."""
-    gate = threading.Event()
+def test_a_row_that_joins_between_rounds_runs_beside_the_others():
+    backend = CountingBackend()
+    batcher, ends = StepBatcher(backend), {}
 
-    class Slow(CountingBackend):
-        def full(self, *args):
-            gate.wait(30)
-            return super().full(*args)
-
-    batcher = StepBatcher(Slow())
-    row = batcher.join()
-    running = threading.Thread(target=lambda: run_rows(batcher, [row], lambda r, i: r.full(
-        np.zeros((1, 4), int), np.ones((1, 4), bool))))
-    running.start()
-    while not batcher._dispatcher or batcher._pending:  # the round has taken the call
-        time.sleep(0.01)
-    others = threading.Thread(target=lambda: (batcher.join().leave(), batcher.cancel(row.row)))
-    others.start()
-    others.join(timeout=10)
-    stuck = others.is_alive()
-    gate.set()
-    running.join()
-    batcher.close()
-    assert not stuck
+    batcher.add(steps_of(0, 3), lambda result, error, seconds: ends.setdefault(0, result))
+    batcher.round()
+    batcher.add(steps_of(1, 2), lambda result, error, seconds: ends.setdefault(1, result))
+    batcher.run()
+    assert ends == {0: [0, 1, 2], 1: [10, 11]} and backend.calls == [1, 2, 2]
 
 
 def test_chunks_follow_the_compiled_batch_sizes():
-    calls = [_Call("full", (np.zeros((2, 8)), None, None)) for _ in range(5)]  # CFG: 2 rows per call
+    calls = [BackendCall("full", (np.zeros((2, 8)), None, None)) for _ in range(5)]  # CFG: 2 rows per call
     assert [len(chunk) for chunk in _chunks(calls, (1, 2, 4))] == [2, 2, 1]
     assert [len(chunk) for chunk in _chunks(calls, None)] == [5]
     with pytest.raises(LladaError, match="no step for 2 rows"):

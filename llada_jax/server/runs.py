@@ -1,4 +1,4 @@
-"""A request's generations seen from the event loop: each runs on an engine thread, and after every step
+"""A request's generations seen from the event loop: each runs as a row of the engine, and after every step
 its newly settled text comes back as an `Update` through an asyncio queue. An answer that has settled
 (EOS, or a stop sequence, in its committed prefix) stops its generation at once: without revision the
 committed prefix is final, so the steps left could not change it."""
@@ -84,7 +84,7 @@ class Run:
 
 
 def _on_step(job: Job, put: Callable, tokenizer) -> Callable:
-    """The step callback of `job`'s generation (on its thread): report what settled; stop once final."""
+    """The step callback of `job`'s generation (on the engine thread): report what settled; stop once final."""
     def on_step(canvas, record) -> None:
         answer_ids = canvas.generated()
         delta, settled = job.answer.update(answer_ids)
