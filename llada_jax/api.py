@@ -37,9 +37,9 @@ def logits(model: Model, ids) -> np.ndarray:
 
 
 def generate(model: Model, prompt_ids, **options):
-    """Generate after `prompt_ids` with a decoder policy (see `policies.generation.run_generation` for the
-    options: gen_length, block_length, steps, temperature, cfg_scale, remasking, policy, threshold, seed,
-    logits_eos_inf, confidence_eos_eot_inf, schedule, top_k, top_p, on_step). Returns a `policies.loop.Result`;
+    """Generate after `prompt_ids` with a decoder policy. `options`: the fields of
+    `policies.options.GenerationOptions` (gen_length, block_length and steps are required), plus `on_step` and
+    `loop` (see `policies.generation.run_generation`). Returns a `policies.loop.Result`;
     for a batch of prompts (a list of sequences, or `[N, L]`), a list of them, each row as its prompt alone
     decodes."""
     return run_generation(functools.partial(select_backend, model), model.config, prompt_ids, **options)

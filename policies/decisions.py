@@ -13,11 +13,13 @@ from llada_jax.shapes import bucket
 
 def ranks(xp, order, candidates):
     """`[N]` each position's rank among `candidates` by `order`, highest first (0: the first to commit): how
-    many candidates have a higher key, or an equal one at a lower position. Non-candidates rank after every
-    candidate; callers mask them. Three stable sorts: O(N log N)."""
-    by_key = xp.argsort(-order, stable=True)  # highest first, ties by position
-    by_candidate = by_key[xp.argsort(~candidates[by_key], stable=True)]  # candidates first, keeping that order
-    return xp.argsort(by_candidate, stable=True)  # the inverse permutation: each position's place
+    many candidates have a higher key, or an equal one at a lower position. Non-candidates get a rank too;
+    callers mask them. All pairs, O(N^2) over a block or canvas: ranks by stable sorts gave other tokens in IREE
+    3.13's compiled loop (`docs/iree-limits.md`)."""
+    positions = xp.arange(order.shape[0])
+    earlier = positions[None, :] < positions[:, None]
+    higher = (order[None, :] > order[:, None]) | ((order[None, :] == order[:, None]) & earlier)
+    return xp.sum(candidates[None, :] & higher, axis=1)
 
 
 def scheduled_count(masked_at_start, steps_per_block: int, step):

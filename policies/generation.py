@@ -18,6 +18,7 @@ from llada_jax.shapes import bucket
 from policies.batch import decode_batch
 from policies.compiled_loop import draft_threshold_of, loop_spec, run_compiled
 from policies.loop import decode_steps, run_alone
+from policies.options import GenerationOptions
 from policies.registry import make_policy, parse_policy
 from policies.sampling import Sampler
 from policies.schedule import Schedule, make_rule
@@ -91,45 +92,44 @@ class Prepared:
                               slots=self.slots if slots is None else slots)
 
 
-def prepare_generation(config: LLaDAConfig, prompt_ids, *, gen_length: int, block_length: int, steps: int,
-                       temperature: float = 0.0, cfg_scale: float = 0.0, remasking: str = "low_confidence",
-                       policy: str = "vanilla", threshold: float | None = None, seed: int = 0,
-                       logits_eos_inf: bool = False, confidence_eos_eot_inf: bool = False,
-                       limit: int | None = None, schedule: str = "llada", top_k: int | None = None,
-                       top_p: float | None = None, first_token: bool | None = None) -> Prepared:
+def prepare_generation(config: LLaDAConfig, prompt_ids, options: GenerationOptions) -> Prepared:
     """Validate every input on the host and pick readout, sampler, commit rule and policy (see
     `run_generation`); nothing runs yet."""
+    limit = options.limit
     if limit is not None:
         config = dataclasses.replace(config, max_sequence_length=min(limit, config.max_sequence_length))
     prompts, batched = prompt_rows(prompt_ids, config)
-    transfer, schedule = schedule, Schedule(int(gen_length), int(block_length), int(steps))
+    schedule = Schedule(int(options.gen_length), int(options.block_length), int(options.steps))
     longest = max(len(prompt) for prompt in prompts)
     total = longest + schedule.gen_length
     if total > config.max_sequence_length:
         raise LladaError(f"{'the longest ' if batched else ''}prompt ({longest}) + gen_length "
                          f"({schedule.gen_length}) = {total} exceeds max_sequence_length={config.max_sequence_length}"
                          f"{' (the bundle was compiled with --max-len ' + str(limit) + ')' if limit else ''}")
-    if not cfg_scale >= 0.0:
-        raise LladaError(f"cfg_scale must be >= 0, got {cfg_scale}")
-    decoding_policy = make_policy(policy)
+    if not options.cfg_scale >= 0.0:
+        raise LladaError(f"cfg_scale must be >= 0, got {options.cfg_scale}")
+    decoding_policy = make_policy(options.policy)
     family = families.named(config.family)  # its reference code's conventions are the defaults
+    first_token = options.first_token
     if first_token is None:
-        first_token = family.FIRST_TOKEN_BLOCKS and parse_policy(policy)[0] != "vanilla"
-    rule = make_rule(schedule, threshold, transfer, first_token)
-    unconfident = (config.special_ids_in_vocab(config.eos_token_id, config.eot_token_id) if confidence_eos_eot_inf
-                   else ())
-    if top_k is None:
-        top_k = family.CONFIDENCE_TOP_K
-    sampler = Sampler(float(temperature), remasking, unconfident, top_k, top_p)
-    cfg = cfg_scale > 0.0
-    forbid = config.special_ids_in_vocab(config.eos_token_id) if logits_eos_inf else ()
+        first_token = family.FIRST_TOKEN_BLOCKS and parse_policy(options.policy)[0] != "vanilla"
+    rule = make_rule(schedule, options.threshold, options.schedule, first_token)
+    unconfident = (config.special_ids_in_vocab(config.eos_token_id, config.eot_token_id)
+                   if options.confidence_eos_eot_inf else ())
+    top_k = family.CONFIDENCE_TOP_K if options.top_k is None else options.top_k
+    sampler = Sampler(float(options.temperature), options.remasking, unconfident, top_k, options.top_p)
+    cfg = options.cfg_scale > 0.0
+    forbid = config.special_ids_in_vocab(config.eos_token_id) if options.logits_eos_inf else ()
     slots = bucket(total, config.max_sequence_length)
     decode_row = functools.partial(decode_steps, schedule=schedule, policy=decoding_policy, rule=rule, sampler=sampler,
-                                   mask_id=config.mask_token_id, max_len=config.max_sequence_length, cfg=cfg, seed=seed)
-    return Prepared(prompts, batched, ReadoutSpec(kind=sampler.readout_kind, cfg=cfg),
-                    TokenBiases.build(config.embedding_size, forbid, unconfident), float(cfg_scale), slots, decode_row,
-                    loop_spec(decoding_policy, rule, sampler, cfg, schedule, slots), threshold,
-                    draft_threshold_of(decoding_policy), "revision" in parse_policy(policy)[1])
+                                   mask_id=config.mask_token_id, max_len=config.max_sequence_length, cfg=cfg,
+                                   seed=options.seed)
+    return Prepared(prompts=prompts, batched=batched, readout_spec=ReadoutSpec(kind=sampler.readout_kind, cfg=cfg),
+                    biases=TokenBiases.build(config.embedding_size, forbid, unconfident),
+                    cfg_scale=float(options.cfg_scale), slots=slots, decode_row=decode_row,
+                    loop_spec=loop_spec(decoding_policy, rule, sampler, cfg, schedule, slots),
+                    threshold=options.threshold, draft_threshold=draft_threshold_of(decoding_policy),
+                    revisable="revision" in parse_policy(options.policy)[1])
 
 
 def run_generation(make_backend: Callable, config: LLaDAConfig, prompt_ids, *, on_step: Callable | None = None,
@@ -139,14 +139,12 @@ def run_generation(make_backend: Callable, config: LLaDAConfig, prompt_ids, *, o
     `prompt_ids`: one prompt (returns a `Result`) or a batch (see `prompt_rows`; returns a list of them,
     each row as that prompt alone would decode; `on_step(row, canvas, record)`). A batch of one prompt
     decodes as that prompt alone (the compiled loop included).
-    `options`: gen_length, block_length, steps, temperature, cfg_scale, remasking, policy, threshold, seed,
-    logits_eos_inf, confidence_eos_eot_inf, schedule (`llada` or `dream[:EPS]`), top_k and top_p (Dream's
-    confidence filters; by default the family's `CONFIDENCE_TOP_K`, 50 on Dream), first_token (a cached block's
-    first step commits its first position alone; by default the family's `FIRST_TOKEN_BLOCKS`, as Fast-dLLM's
-    Dream decoder does), and `limit`: a compiled bundle's longest canvas, when lower than the model's own (see
-    `prepare_generation`). `loop`: "auto" runs the compiled decode loop where the setting and backend offer it
-    (one prompt, no live `on_step`), "host" the host loop, "compiled" insists on the compiled one."""
-    prepared = prepare_generation(config, prompt_ids, **options)
+    `options`: the fields of `policies.options.GenerationOptions` (an unknown or missing one is a one-line
+    error). Unset, top_k and first_token follow the family's reference code (`CONFIDENCE_TOP_K`, 50 on Dream;
+    `FIRST_TOKEN_BLOCKS`, as Fast-dLLM's Dream decoder does). `loop`: "auto" runs the compiled decode loop
+    where the setting and backend offer it (one prompt, no live `on_step`), "host" the host loop, "compiled"
+    insists on the compiled one."""
+    prepared = prepare_generation(config, prompt_ids, GenerationOptions.of(options))
     prompts = prepared.prompts
     spec = _check_loop(loop, prepared.loop_spec, on_step, len(prompts) > 1)
     backend = make_backend(prepared.backend_request())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import faulthandler
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import llada_jax
+from llada_jax.errors import LladaError
 from llada_jax.readout import read_columns
 from llada_jax.shapes import bucket
 from llada_jax.steps import full_step
@@ -206,3 +208,14 @@ def test_a_model_that_predicts_the_mask_token_ends_each_block(tmp_path, policy, 
         faulthandler.cancel_dump_traceback_later()
     for result in results:
         assert result.output_ids.tolist() == [0] * 16 and result.nfe == 2 * 8
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(gen_length=8, block_length=8, steps=8, polcy="dual-cache"), "unknown generation option polcy; the options "
+                                                                      "are gen_length, block_length, steps,"),
+    (dict(block_length=8), "generation needs gen_length, steps"),
+])
+def test_unknown_or_missing_options_are_one_line_errors(tiny_model, options, message):
+    with pytest.raises(LladaError, match=re.escape(message)) as error:
+        llada_jax.generate(tiny_model, [1, 2, 3], **options)
+    assert "\n" not in str(error.value)

@@ -31,6 +31,7 @@ from llada_jax.server.app import create_app
 from llada_jax.server.engine import Busy, Engine
 from llada_jax.server.requests import Defaults, Served
 from policies.generation import prepare_generation
+from policies.options import GenerationOptions
 from tests.conftest import TINY
 
 NAME = "tiny-llada"
@@ -356,7 +357,8 @@ def test_requests_joining_at_any_step_decode_as_alone(tiny_model, lengths, delay
     try:
         tickets = []
         for index, prompt in enumerate(prompts):
-            tickets.append(engine.submit(prepare_generation(tiny_model.config, prompt, **options[index])))
+            tickets.append(engine.submit(prepare_generation(tiny_model.config, prompt,
+                                                            GenerationOptions(**options[index]))))
             time.sleep(0.005 * (delays[index] if index < len(delays) else 0))
         results = [ticket.future.result(timeout=120) for ticket in tickets]
     finally:
@@ -369,7 +371,8 @@ def test_requests_joining_at_any_step_decode_as_alone(tiny_model, lengths, delay
 def test_the_engine_refuses_past_its_queue(tiny_model):
     gate = threading.Event()
     engine = Engine(slowed(tiny_model, gate), 64, max_batch=1, max_queue=0)
-    prepared = prepare_generation(tiny_model.config, np.arange(10, 14), gen_length=8, block_length=8, steps=8)
+    prepared = prepare_generation(tiny_model.config, np.arange(10, 14),
+                                  GenerationOptions(gen_length=8, block_length=8, steps=8))
     try:
         first = engine.submit(prepared)
         with pytest.raises(Busy, match="1 generations running, 0 waiting"):

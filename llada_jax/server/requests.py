@@ -14,6 +14,7 @@ from llada_jax.errors import LladaError
 from llada_jax.server.answer import SettledAnswer
 from llada_jax.server.protocol import ChatRequest, CompletionRequest, GenerationFields
 from policies.generation import Prepared, check_token_ids, prepare_generation
+from policies.options import GenerationOptions
 from policies.registry import DecoderSetting
 from policies.schedule import Schedule
 
@@ -160,13 +161,13 @@ def jobs_of(served: Served, request: CompletionRequest | ChatRequest) -> list[Jo
             Schedule(gen_length, block, steps)
         for choice in range(request.n):
             with about(None):
-                prepared = prepare_generation(
-                    served.config, prompt, gen_length=gen_length, block_length=block, steps=steps,
+                prepared = prepare_generation(served.config, prompt, GenerationOptions(
+                    gen_length=gen_length, block_length=block, steps=steps,
                     temperature=_given(request.temperature, defaults.temperature),
                     cfg_scale=_given(request.cfg_scale, defaults.cfg_scale),
                     remasking=request.remasking or defaults.remasking, policy=policy, threshold=threshold,
                     seed=_given(request.seed, defaults.seed) + choice, logits_eos_inf=defaults.logits_eos_inf,
-                    confidence_eos_eot_inf=defaults.confidence_eos_eot_inf, limit=served.limit)
+                    confidence_eos_eot_inf=defaults.confidence_eos_eot_inf, limit=served.limit))
             answer = SettledAnswer(served.tokenizer, served.config.mask_token_id, end_ids(served.config),
                                    tuple(request.stop or ()), prepared.revisable)
             jobs.append(Job(len(jobs), prepared, answer, len(prompt)))
