@@ -16,17 +16,20 @@ import math
 import mmap
 import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 
 from llada_jax.errors import LladaError
+from llada_jax.host_cpu import usable_threads
 
 DTYPES = {"F32": np.float32, "BF16": ml_dtypes.bfloat16, "F16": np.float16, "I32": np.int32, "I64": np.int64,
           "I8": np.int8, "U8": np.uint8}
 MAX_HEADER = 100_000_000
 ALIGN = 64  # bytes: XLA's CPU client aliases host buffers aligned to this, and copies others
+PIECE_BYTES = 16 << 20  # a tensor is read in pieces of at least this many bytes
 
 
 def aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
@@ -52,6 +55,7 @@ class SafetensorsFile:
             os.close(self.fd)
             raise
         self._pages: np.ndarray | None = None  # the whole file mapped read-only, once `mapped` needs it
+        self._readers: ThreadPoolExecutor | None = None  # reads the pieces of a large tensor at once
 
     def _header(self):
         size = os.fstat(self.fd).st_size
@@ -91,17 +95,30 @@ class SafetensorsFile:
         return LladaError(f"{self.path}: unreadable safetensors file ({why})")
 
     def read(self, name: str) -> np.ndarray:
-        """A fresh, writable, aligned copy of the tensor."""
+        """A fresh, writable, aligned copy of the tensor; a large one read in pieces, one per core at once
+        (one thread faulting in the fresh pages and copying them ran at a third of two threads' speed)."""
         dtype, shape, start, end = self.entries[name]
         out = aligned_empty(shape, DTYPES[dtype])
         view = memoryview(out.reshape(-1).view(np.uint8))
+        readers = min(usable_threads(), max(1, (end - start) // PIECE_BYTES))
+        piece = max(1, -(-(end - start) // readers))
+        pieces = [(at, view[at: at + piece]) for at in range(0, end - start, piece)]
+        if len(pieces) > 1:
+            if self._readers is None:
+                self._readers = ThreadPoolExecutor(readers, thread_name_prefix="llada-read")
+            list(self._readers.map(lambda part: self._fill(name, *part, start), pieces))
+        elif pieces:
+            self._fill(name, *pieces[0], start)
+        return out
+
+    def _fill(self, name: str, at: int, view: memoryview, start: int) -> None:
+        """Read `view`'s bytes from the tensor starting at `start`, `at` bytes in."""
         done = 0
-        while done < end - start:
-            got = os.preadv(self.fd, [view[done:]], self.data_start + start + done)
+        while done < len(view):
+            got = os.preadv(self.fd, [view[done:]], self.data_start + start + at + done)
             if got <= 0:
                 raise LladaError(f"{self.path}: tensor {name} cannot be read (file truncated)")
             done += got
-        return out
 
     def mapped(self, name: str, dtype=None) -> np.ndarray:
         """The tensor as a read-only view of the file's pages when its bytes are ALIGN-aligned in the file and it
@@ -117,6 +134,8 @@ class SafetensorsFile:
 
     def close(self) -> None:
         self._pages = None  # the mapping itself goes when the last view of it does
+        if self._readers is not None:
+            self._readers.shutdown()
         os.close(self.fd)
 
     def __enter__(self):

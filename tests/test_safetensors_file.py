@@ -16,8 +16,10 @@ from hypothesis import strategies as st
 from safetensors.numpy import load_file, save_file
 
 import llada_jax
+from llada_jax import safetensors_file
 from llada_jax.checkpoint import save_hf
 from llada_jax.cli import main
+from llada_jax.errors import LladaError
 from llada_jax.params import params_to_hf
 from llada_jax.safetensors_file import ALIGN, SafetensorsFile, write_safetensors
 from tests.conftest import in_mapped_file
@@ -51,6 +53,27 @@ def test_written_files_read_back_exactly_by_any_reader_with_tensors_aligned(tmp_
             _, _, start, _ = ours.entries[name]
             if value.nbytes % ALIGN == 0:
                 assert (ours.data_start + start) % ALIGN == 0, name
+
+
+@settings(max_examples=20, deadline=None)
+@given(tensors=tensor_sets(), piece=st.integers(1, 96), readers=st.integers(2, 5))
+def test_a_tensor_read_in_pieces_at_once_is_the_tensor(tmp_path_factory, monkeypatch, tensors, piece, readers):
+    """Large tensors are read in pieces by several threads: any piece size and count gives the same bytes, and
+    a file cut short is a one-line error from whichever piece finds it."""
+    monkeypatch.setattr(safetensors_file, "PIECE_BYTES", piece)
+    monkeypatch.setattr(safetensors_file, "usable_threads", lambda: readers)
+    path = tmp_path_factory.mktemp("st") / "x.safetensors"
+    write_safetensors(path, tensors)
+    with SafetensorsFile(path) as ours:
+        for name, value in tensors.items():
+            assert ours.read(name).tobytes() == value.tobytes(), name
+    largest = max(tensors, key=lambda name: tensors[name].nbytes)
+    if tensors[largest].nbytes > 1:
+        with SafetensorsFile(path) as ours:
+            _, _, _, end = ours.entries[largest]
+            path.write_bytes(path.read_bytes()[: ours.data_start + end - 1])  # the header still says `end`
+            with pytest.raises(LladaError, match="cannot be read \\(file truncated\\)"):
+                ours.read(largest)
 
 
 def write_misaligned(path: Path, value: np.ndarray) -> None:
