@@ -32,13 +32,13 @@ class Vanilla(WithoutSidePath):
 class Cached(WithoutSidePath):
     """Fast-dLLM's caches: a full step at each block start commits the K/V `kv_kept` names; later steps run a
     window from the block start to `window_end` against the cache. Both loops take these two decisions from
-    here: the host loop's plans and the compiled loop (`policies.decode_loop`, with jax.numpy)."""
+    here: the host loop's plans (numpy) and the compiled loop (`policies.decode_loop`, jax.numpy)."""
 
     caches: ClassVar[bool] = True
     stops_when_filled: ClassVar[bool] = True
     window_to_end: ClassVar[bool]  # the window runs to the canvas end (else it is the block alone)
 
-    def kv_kept(self, xp, positions, block_start):
+    def kv_kept(self, positions, block_start):
         """Which of `positions` the block-start step caches."""
         return positions < block_start if self.window_to_end else positions >= 0
 
@@ -48,7 +48,7 @@ class Cached(WithoutSidePath):
 
     def plan(self, canvas: Canvas, block: Block, step: int, kv) -> StepPlan:
         if step == 0:
-            return StepPlan(keep_kv=self.kv_kept(np, np.arange(canvas.padded_length), block.start),
+            return StepPlan(keep_kv=self.kv_kept(np.arange(canvas.padded_length), block.start),
                             reads=(block.start, block.end))
         window = np.arange(block.start, self.window_end(block.end, canvas.length))
         return StepPlan(window, reads=(block.start, block.end))

@@ -194,7 +194,7 @@ class _Run(NamedTuple):
         x0, logp, bad = self.read(out.hidden, self.positions, valid, needed)
         cached_keys, cached_values, filled = carry.keys, carry.values, carry.filled
         if self.spec.policy.caches:
-            keep = valid & self.spec.policy.kv_kept(jnp, self.positions, block.start)
+            keep = valid & self.spec.policy.kv_kept(self.positions, block.start)
             cached_keys = _keep(keep, out.keys, carry.keys)
             cached_values = _keep(keep, out.values, carry.values)
             filled = filled | keep
