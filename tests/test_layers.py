@@ -1,6 +1,6 @@
 """The layer order of the parts, read from the source: every module is declared in one layer and imports only
-its own layer and the layers below no file-level import cycles, function-local
-imports only where a listed reason needs them, the bundle runtime free of JAX, files and functions within size."""
+its own layer and the layers below; no file-level import cycles; function-local imports only where a listed
+reason needs them; the bundle runtime free of JAX; files and functions within size."""
 
 from __future__ import annotations
 
