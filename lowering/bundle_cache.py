@@ -46,7 +46,8 @@ def cached_bundle(model_dir, target: str, *, dtype: str = "float32", max_len: in
 # The source files that decide what a bundle computes: a change to any of them compiles a new bundle.
 EXPORTING_CODE = tuple(f"llada_jax/{name}.py" for name in (
     "model", "moe", "layout", "steps", "layered", "qlinear", "params", "packing", "shapes", "kv_state", "readout"))
-DECODING_CODE = tuple(f"policies/{name}.py" for name in ("decode_loop", "loop_io", "decisions", "cache_policies"))
+DECODING_CODE = tuple(f"policies/{name}.py" for name in (
+    "decode_loop", "loop_io", "decisions", "cache_policies", "schedule"))
 LOWERING_CODE = tuple(f"lowering/{name}.py" for name in (
     "export", "bundle", "bundle_weights", "targets", "matmul_tiles", "run_script"))
 

@@ -228,7 +228,7 @@ def step(spec: StepSpec, config: LLaDAConfig, compute_dtype, layout: WeightLayou
 def loop(spec: LoopSpec, config: LLaDAConfig, compute_dtype, layout: WeightLayout, activations: str,
          layout_rule: LayoutRule) -> Function:
     """The whole decode loop of `spec` (`policies.decode_loop`), weights as named parameters."""
-    s, g, e, m = spec.slots, spec.gen_length, config.embedding_size, spec.max_passes
+    s, g, e, m = spec.slots, spec.schedule.gen_length, config.embedding_size, spec.max_passes
     shapes = {"prompt": (s,), "prompt_len": (), "logit_bias": (e,), "confidence_bias": (e,), "commit_cutoff": (),
               "draft_cutoff": (), "generated": (g,), "nfe": (), "commit_nfe": (g,), "commit_logp": (g,),
               "step_block": (m,), "step_width": (m,), "step_real": (m,), "step_useful": (m,), "bad_pass": (),

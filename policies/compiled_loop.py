@@ -35,8 +35,7 @@ def loop_spec(policy, rule, sampler, cfg: bool, schedule: Schedule, slots: int) 
     if isinstance(policy, Speculative):
         policy, lookahead, width = policy.base, policy.lookahead, policy.width
     return LoopSpec(policy=policy, threshold_rule=isinstance(rule, ThresholdRule), lookahead=lookahead,
-                    spec_width=width, gen_length=schedule.gen_length, block_length=schedule.block_length,
-                    steps=schedule.steps, slots=slots)
+                    spec_width=width, schedule=schedule, slots=slots)
 
 
 def loop_covers(policy, sampler: Sampler = Sampler(), cfg: bool = False) -> bool:
@@ -75,14 +74,14 @@ def result_from(outputs: LoopOutputs, spec: LoopSpec, prompt_len: int, wall_s: f
     logp = np.asarray(outputs.commit_logp, np.float64)
     generated = np.asarray(outputs.generated, np.int64)
     order = np.full(spec.slots, -np.inf)  # the rank key over canvas positions, as the step had it
-    order[prompt_len: prompt_len + spec.gen_length] = logp
+    order[prompt_len: prompt_len + spec.schedule.gen_length] = logp
     trace = []
     for n in range(nfe):
         block = int(outputs.step_block[n])
-        block_end = prompt_len + (block + 1) * spec.block_length
+        block_end = prompt_len + (block + 1) * spec.schedule.block_length
         mine = np.zeros(spec.slots, bool)
-        mine[prompt_len: prompt_len + spec.gen_length] = committed_by == n
-        lo = block_end - spec.block_length
+        mine[prompt_len: prompt_len + spec.schedule.gen_length] = committed_by == n
+        lo = block_end - spec.schedule.block_length
         chosen = lo + in_rank_order(ranks(np, order[lo:block_end], mine[lo:block_end]), mine[lo:block_end])
         drafts = np.flatnonzero(mine & (np.arange(spec.slots) >= block_end))
         positions = np.concatenate([chosen, drafts])

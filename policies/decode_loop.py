@@ -82,11 +82,11 @@ class Block(NamedTuple):
 @functools.partial(jax.jit, static_argnames=("config", "spec", "kv_dtype", "layout_rule"))
 def decode_loop(params: dict, inputs: LoopInputs, *, config: LLaDAConfig, spec: LoopSpec, kv_dtype,
                 layout_rule: LayoutRule = XLA_LAYOUT) -> LoopOutputs:
-    """Generate `spec.gen_length` tokens after `inputs.prompt[:prompt_len]` (validated on the host).
+    """Generate `spec.schedule.gen_length` tokens after `inputs.prompt[:prompt_len]` (validated on the host).
     `layout_rule`: see `model.decoder_layer` (`llada_jax.layout`; IREE exports pass their target's)."""
     s = spec.slots
     positions = jnp.arange(s)
-    length = inputs.prompt_len + spec.gen_length
+    length = inputs.prompt_len + spec.schedule.gen_length
     cached = spec.policy.caches
     zeros = jnp.zeros(kv_shape(config, 1, s), kv_dtype) if cached else None
     carry = Carry(jnp.where(positions < inputs.prompt_len, inputs.prompt, config.mask_token_id).astype(jnp.int32),
@@ -97,7 +97,7 @@ def decode_loop(params: dict, inputs: LoopInputs, *, config: LLaDAConfig, spec: 
 
     def more_blocks(state):
         b, carry = state
-        return (b < spec.num_blocks) & (carry.bad[0] == NOT_COMMITTED)
+        return (b < spec.schedule.num_blocks) & (carry.bad[0] == NOT_COMMITTED)
 
     def one_block(state):
         b, carry = state
@@ -105,10 +105,10 @@ def decode_loop(params: dict, inputs: LoopInputs, *, config: LLaDAConfig, spec: 
         return (run.next_block(b, carry.tokens) if spec.lookahead else b + 1), carry
 
     _, carry = jax.lax.while_loop(more_blocks, one_block, (jnp.int32(0), carry))
-    generated = jax.lax.dynamic_slice(carry.tokens, (inputs.prompt_len,), (spec.gen_length,))
+    generated = jax.lax.dynamic_slice(carry.tokens, (inputs.prompt_len,), (spec.schedule.gen_length,))
     return LoopOutputs(generated, carry.nfe,
-                       jax.lax.dynamic_slice(carry.commit_nfe, (inputs.prompt_len,), (spec.gen_length,)),
-                       jax.lax.dynamic_slice(carry.commit_logp, (inputs.prompt_len,), (spec.gen_length,)),
+                       jax.lax.dynamic_slice(carry.commit_nfe, (inputs.prompt_len,), (spec.schedule.gen_length,)),
+                       jax.lax.dynamic_slice(carry.commit_logp, (inputs.prompt_len,), (spec.schedule.gen_length,)),
                        *carry.steps, carry.bad[0], carry.bad[1])
 
 
@@ -130,17 +130,17 @@ class _Run(NamedTuple):
 
     def block(self, b, carry: Carry) -> Carry:
         spec = self.spec
-        start = self.inputs.prompt_len + b * spec.block_length
-        end = start + spec.block_length
+        start = self.inputs.prompt_len + b * spec.schedule.block_length
+        end = start + spec.schedule.block_length
         in_block = (self.positions >= start) & (self.positions < end)
-        draft_end = jnp.minimum(end + spec.lookahead * spec.block_length, self.length)
+        draft_end = jnp.minimum(end + spec.lookahead * spec.schedule.block_length, self.length)
         drafts = (self.positions >= end) & (self.positions < draft_end)
         block = Block(b, start, in_block, drafts, jnp.sum(self.masked(carry.tokens) & in_block))
 
         def more_steps(state):
             step, carry = state
-            going = block_going(jnp.any(self.masked(carry.tokens) & in_block), step, spec.steps_per_block,
-                                spec.threshold_rule or spec.stops_when_filled, spec.block_length)
+            going = block_going(jnp.any(self.masked(carry.tokens) & in_block), step, spec.schedule.steps_per_block,
+                                spec.threshold_rule or spec.stops_when_filled, spec.schedule.block_length)
             return going & (carry.bad[0] == NOT_COMMITTED)
 
         def one_step(state):
@@ -158,10 +158,12 @@ class _Run(NamedTuple):
     def next_block(self, b, tokens):
         """The first block after `b` still holding a mask, else `num_blocks`: speculation's drafts may have
         filled the blocks between, which take no step (as in the host loop)."""
-        spec, blocks = self.spec, jnp.arange(self.spec.num_blocks)
-        block_of = jnp.where(self.masked(tokens), (self.positions - self.inputs.prompt_len) // spec.block_length, -1)
+        schedule = self.spec.schedule
+        blocks = jnp.arange(schedule.num_blocks)
+        offsets = self.positions - self.inputs.prompt_len
+        block_of = jnp.where(self.masked(tokens), offsets // schedule.block_length, -1)
         waiting = (blocks > b) & jnp.any(block_of[None, :] == blocks[:, None], axis=1)
-        return jnp.where(jnp.any(waiting), jnp.argmax(waiting), spec.num_blocks).astype(jnp.int32)
+        return jnp.where(jnp.any(waiting), jnp.argmax(waiting), schedule.num_blocks).astype(jnp.int32)
 
     def step(self, block: Block, step, carry: Carry, full: bool) -> Carry:
         """One pass: a full forward (`full`) or a window over the cache."""
@@ -185,7 +187,8 @@ class _Run(NamedTuple):
         rank = ranks(jnp, logp, candidates)
         if self.spec.threshold_rule:
             return threshold_commits(rank, candidates, logp >= self.inputs.commit_cutoff)
-        return fixed_commits(rank, candidates, scheduled_count(block.masked_at_start, self.spec.steps_per_block, step))
+        count = scheduled_count(block.masked_at_start, self.spec.schedule.steps_per_block, step)
+        return fixed_commits(rank, candidates, count)
 
     def full(self, block: Block, carry: Carry, masked) -> Computed:
         valid = self.positions < self.length
@@ -246,7 +249,7 @@ class _Run(NamedTuple):
     def _window_of(self, width: int, carry: Carry, block: Block, masked) -> tuple:
         """(x0, logp, width, computed, bad position) of a window step of `width` slots."""
         slot = jnp.arange(width)
-        policy, length = self.spec.policy, self.spec.block_length
+        policy, length = self.spec.policy, self.spec.schedule.block_length
         window_pos = block.start + slot
         window_valid = window_pos < policy.window_end(block.start + length, self.length)
         if self.spec.lookahead and not policy.window_to_end:  # the block's drafts fill the slots after it
@@ -262,7 +265,7 @@ class _Run(NamedTuple):
         context = Context(carry.keys, carry.values, jnp.where(visible, 0.0, HIDDEN).astype(jnp.float32)[None])
         out = window_forward(self.params, context, carry.tokens[window_pos][None], window_pos[None],
                              window_valid[None], self.config, self.layout_rule)
-        in_reads = (slot < self.spec.block_length) & window_valid  # the block: the window's first columns
+        in_reads = (slot < self.spec.schedule.block_length) & window_valid  # the block: the window's first columns
         needed = None if self.spec.lookahead else read_rows(jnp, in_reads, masked[window_pos])
         x0, logp, bad = self.read(out.hidden, window_pos, window_valid, needed)
         return x0, logp, jnp.int32(width), computed, bad

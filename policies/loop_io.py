@@ -17,6 +17,7 @@ import numpy as np
 from llada_jax.shapes import bucket
 from policies.cache_policies import CachePolicy
 from policies.decisions import speculative_width
+from policies.schedule import Schedule
 
 NOT_COMMITTED = -1
 
@@ -31,18 +32,8 @@ class LoopSpec:
     threshold_rule: bool  # Fast-dLLM's threshold rule (else LLaDA's fixed schedule)
     lookahead: int        # speculation: following blocks drafted (0: none)
     spec_width: int       # speculation over dual-cache: window slots asked for (0: twice the block)
-    gen_length: int
-    block_length: int
-    steps: int
+    schedule: Schedule    # gen_length, block_length, steps
     slots: int
-
-    @property
-    def num_blocks(self) -> int:
-        return self.gen_length // self.block_length
-
-    @property
-    def steps_per_block(self) -> int:
-        return self.steps // self.num_blocks
 
     @property
     def stops_when_filled(self) -> bool:
@@ -51,21 +42,22 @@ class LoopSpec:
     @property
     def max_passes(self) -> int:
         """Forward passes at most: a block takes its fixed steps, or one commit at least per pass."""
-        return self.num_blocks * max(self.steps_per_block, self.block_length)
+        return self.schedule.num_blocks * max(self.schedule.steps_per_block, self.schedule.block_length)
 
     def window_widths(self) -> tuple[int, ...]:
         """Slots of each block's window step: from the block start to the policy's window end, and with
         speculation over a block-only window the block and its drafts."""
+        schedule = self.schedule
         if self.lookahead and not self.policy.window_to_end:
-            return (speculative_width(self.block_length, self.spec_width, self.slots),) * self.num_blocks
-        starts = range(0, self.gen_length, self.block_length)
-        return tuple(bucket(self.policy.window_end(start + self.block_length, self.gen_length) - start, self.slots)
-                     for start in starts)
+            return (speculative_width(schedule.block_length, self.spec_width, self.slots),) * schedule.num_blocks
+        starts = range(0, schedule.gen_length, schedule.block_length)
+        ends = (self.policy.window_end(start + schedule.block_length, schedule.gen_length) for start in starts)
+        return tuple(bucket(end - start, self.slots) for start, end in zip(starts, ends))
 
     def head_widths(self, rows: int) -> tuple[int, ...]:
         """The declared widths the LM head of a `rows`-row pass runs in: those covering 1 to block_length
         of the block's masks (the rows whose predictions the rule uses)."""
-        return tuple(sorted({bucket(count, rows) for count in range(1, min(rows, self.block_length) + 1)}))
+        return tuple(sorted({bucket(count, rows) for count in range(1, min(rows, self.schedule.block_length) + 1)}))
 
     def head_rows(self, width: int, useful: int) -> int:
         """The rows the LM head of a `width`-slot pass with `useful` masks to predict ran on: every row when
@@ -78,13 +70,14 @@ class LoopSpec:
         """The compiled function's name: the setting and shape in a symbol-safe form."""
         rule = "thr" if self.threshold_rule else "fixed"
         spec = f"_la{self.lookahead}w{self.spec_width}" if self.lookahead else ""
-        return (f"loop_{self.policy.name.replace('-', '')}{spec}_{rule}_g{self.gen_length}_b{self.block_length}"
-                f"_n{self.steps}_s{self.slots}")
+        schedule = self.schedule
+        return (f"loop_{self.policy.name.replace('-', '')}{spec}_{rule}_g{schedule.gen_length}_b{schedule.block_length}"
+                f"_n{schedule.steps}_s{self.slots}")
 
     def manifest(self) -> dict:
         """What a bundle's manifest records of the loop: its fields, the policy by name."""
-        fields = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
-        return {**fields, "policy": self.policy.name}
+        return {"policy": self.policy.name, "threshold_rule": self.threshold_rule, "lookahead": self.lookahead,
+                "spec_width": self.spec_width, **dataclasses.asdict(self.schedule), "slots": self.slots}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +95,7 @@ class BakedLoops:
         first = self.specs[0]
         commit_cutoff, draft_cutoff = cutoffs(self.threshold, self.draft_threshold)
         return {"setting": self.setting, "threshold": self.threshold, "draft_threshold": self.draft_threshold,
-                "gen_length": first.gen_length, "block_length": first.block_length, "steps": first.steps,
+                **dataclasses.asdict(first.schedule),
                 "commit_cutoff": float(commit_cutoff), "draft_cutoff": float(draft_cutoff)}
 
 

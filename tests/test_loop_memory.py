@@ -25,13 +25,14 @@ from llada_jax.readout import TokenBiases
 from policies.cache_policies import Vanilla
 from policies.decode_loop import decode_loop
 from policies.loop_io import LoopInputs, LoopSpec, loop_inputs
+from policies.schedule import Schedule
 from tests.conftest import TINY
 
 # Wide enough that the weights (3.4 M parameters) dwarf the activations of an 8-position step.
 CONFIG = dataclasses.replace(TINY, d_model=256, n_layers=4, n_heads=4, n_kv_heads=4, mlp_hidden_size=768,
                              vocab_size=1024, embedding_size=1024, mask_token_id=1000)
-SPEC = LoopSpec(policy=Vanilla(), threshold_rule=False, lookahead=0, spec_width=0, gen_length=4, block_length=4,
-                steps=2, slots=8)
+SPEC = LoopSpec(policy=Vanilla(), threshold_rule=False, lookahead=0, spec_width=0, schedule=Schedule(4, 4, 2),
+                slots=8)
 FORMS = {  # name -> (compute dtype, how a [O, I] matrix is stored)
     "bfloat16": ("bfloat16", None),
     "int8 per channel": ("float32", (jnp.int8, 1, "float")),
