@@ -68,3 +68,13 @@ def speculative_width(block_length: int, asked: int, slots: int) -> int:
 def drafts_taken(xp, drafting, room):
     """The first `room` positions of the mask `drafting` (position order): the drafts a widened window holds."""
     return drafting & (xp.cumsum(drafting) - 1 < room)
+
+
+def speculative_window(xp, block_start, block_length: int, drafting, width: int):
+    """A block-only window widened to `width` slots with drafts: `[W]` canvas positions and their validity, the
+    block's positions first, then the first drafts of the mask `drafting` `[S]` that fit, in position order."""
+    slot = xp.arange(width)
+    taken = drafts_taken(xp, drafting, width - block_length)
+    placed = xp.where(taken, block_length + xp.cumsum(drafting) - 1, width)[None, :] == slot[:, None]  # [W, S]
+    drafted = xp.sum(placed * xp.arange(drafting.shape[0]), axis=1)
+    return xp.where(slot < block_length, block_start + slot, drafted), slot < block_length + xp.sum(taken)

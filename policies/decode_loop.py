@@ -33,11 +33,11 @@ from llada_jax.steps import full_forward, head_rows, read_out, window_forward
 from policies.decisions import (
     block_going,
     draft_commits,
-    drafts_taken,
     fixed_commits,
     ranks,
     read_rows,
     scheduled_count,
+    speculative_window,
     threshold_commits,
 )
 from policies.loop_io import NOT_COMMITTED, LoopInputs, LoopOutputs, LoopSpec
@@ -253,11 +253,7 @@ class _Run(NamedTuple):
         window_pos = block.start + slot
         window_valid = window_pos < policy.window_end(block.start + length, self.length)
         if self.spec.lookahead and not policy.window_to_end:  # the block's drafts fill the slots after it
-            drafting = block.drafts & masked
-            taken = drafts_taken(jnp, drafting, width - length)
-            placed = (jnp.where(taken, length + jnp.cumsum(drafting) - 1, width)[None, :] == slot[:, None])  # [W, S]
-            window_pos = jnp.where(slot < length, window_pos, jnp.sum(placed * self.positions, axis=1))
-            window_valid = slot < length + jnp.sum(taken)
+            window_pos, window_valid = speculative_window(jnp, block.start, length, block.drafts & masked, width)
         window_pos = jnp.where(window_valid, window_pos, 0).astype(jnp.int32)
         at = (window_pos[:, None] == self.positions[None, :]) & window_valid[:, None]  # [W, S]
         computed = jnp.any(at, axis=0)

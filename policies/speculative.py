@@ -21,7 +21,7 @@ import numpy as np
 from llada_jax.errors import LladaError
 from policies.cache_policies import DualCache
 from policies.canvas import Block, Canvas
-from policies.decisions import drafts_taken, speculative_width
+from policies.decisions import speculative_width, speculative_window
 from policies.policy import Policy, StepPlan
 
 
@@ -56,8 +56,8 @@ class Speculative:
             width = speculative_width(length, self.width, canvas.padded_length)
             region = np.zeros(canvas.padded_length, bool)
             region[start:end] = True
-            drafts = np.flatnonzero(drafts_taken(np, region & canvas.masked, width - length))
-            plan = dataclasses.replace(plan, width=width, positions=np.concatenate([plan.positions, drafts]))
+            positions, valid = speculative_window(np, block.start, length, region & canvas.masked, width)
+            plan = dataclasses.replace(plan, width=width, positions=positions[valid])
         reads = None if self.lookahead else plan.reads  # drafts are read out beyond the block
         return dataclasses.replace(plan, drafts=(start, end), draft_threshold=self.draft_threshold, reads=reads)
 

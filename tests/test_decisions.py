@@ -79,3 +79,15 @@ def test_a_widened_window_takes_the_first_drafts_that_fit(drafting, room):
     taken = decisions.drafts_taken(np, mask, room)
     assert np.flatnonzero(taken).tolist() == np.flatnonzero(mask)[: max(room, 0)].tolist()
     assert np.asarray(decisions.drafts_taken(jnp, jnp.asarray(mask), room)).tolist() == taken.tolist()
+
+
+@given(drafting=st.lists(st.booleans(), min_size=8, max_size=24), start=st.integers(0, 4), length=st.integers(1, 4),
+       extra=st.integers(0, 8))
+def test_a_speculative_window_is_the_block_then_the_drafts_that_fit(drafting, start, length, extra):
+    mask = np.asarray(drafting)
+    width = length + extra
+    positions, valid = decisions.speculative_window(np, start, length, mask, width)
+    want = list(range(start, start + length)) + np.flatnonzero(mask)[:extra].tolist()
+    assert positions[valid].tolist() == want and valid.tolist() == [i < len(want) for i in range(width)]
+    got = decisions.speculative_window(jnp, start, length, jnp.asarray(mask), width)
+    assert [np.asarray(part).tolist() for part in got] == [positions.tolist(), valid.tolist()]
