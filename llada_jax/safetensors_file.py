@@ -95,8 +95,8 @@ class SafetensorsFile:
         return LladaError(f"{self.path}: unreadable safetensors file ({why})")
 
     def read(self, name: str) -> np.ndarray:
-        """A fresh, writable, aligned copy of the tensor; a large one read in pieces, one per core at once
-        (one thread faulting in the fresh pages and copying them ran at a third of two threads' speed)."""
+        """A fresh, writable, aligned copy of the tensor; a large one read in pieces, one per usable core at once
+        (one thread faulting in the fresh pages and copying them is the slower: eval/RESULTS.md)."""
         dtype, shape, start, end = self.entries[name]
         out = aligned_empty(shape, DTYPES[dtype])
         view = memoryview(out.reshape(-1).view(np.uint8))

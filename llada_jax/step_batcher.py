@@ -149,9 +149,9 @@ def _reads(call: BackendCall) -> Reads | None:
 
 
 def _chunks(calls: list[BackendCall], sizes: tuple[int, ...] | None) -> list[list[BackendCall]]:
-    """The calls cut into runs whose stacked rows are a batch size the backend has (any: one run). A
-    commit's group holds only that commit (see `call_key`)."""
-    if sizes is None:
+    """The calls cut into runs whose stacked rows are a batch size the backend has (any: one run). A lone call
+    runs as it is, as a generation alone does. A commit's group holds only that commit (see `call_key`)."""
+    if sizes is None or len(calls) == 1:
         return [calls]
     rows, chunks, at = call_rows(calls[0]), [], 0
     while at < len(calls):

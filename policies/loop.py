@@ -17,6 +17,7 @@ from llada_jax import kv_state
 from llada_jax.backend import BackendCall
 from llada_jax.readout import check_finite
 from llada_jax.shapes import bucket
+from llada_jax.step_batcher import StepBatcher
 from policies.canvas import Block, Canvas
 from policies.canvas_steps import canvas_wide, commit_call, window_call
 from policies.decisions import block_going, ranks
@@ -131,24 +132,32 @@ def decode_steps(backend, prompt_ids: np.ndarray, schedule: Schedule, policy: Po
                   canvas.prompt_len - canvas.offset, stats)
 
 
-def run_alone(backend, steps: Steps) -> Result:
-    """Drive one generation, running each of its step calls on `backend` as it comes (an error raised
-    where the call was made); `step_call_seconds`: the time in those calls."""
-    seconds = 0.0
+def run_rows(backend, rows: list[Steps]) -> tuple[list[Result], StepBatcher]:
+    """Drive generations together on `backend`, their calls stacked where they share a shape (a lone call runs
+    as it is); each result with `step_call_seconds`, the time in the calls it took part in. A row's error is
+    raised once every row has stopped (the others run to the end); an interrupt closes every row first."""
+    batcher, ends = StepBatcher(backend), [None] * len(rows)
+    for index, steps in enumerate(rows):
+        batcher.add(steps, lambda *end, index=index: ends.__setitem__(index, end))
     try:
-        call = next(steps)
-        while True:
-            started = time.perf_counter()
-            try:
-                result = call.run(backend)
-            except BaseException as error:
-                call = steps.throw(error)
-                continue
-            finally:
-                seconds += time.perf_counter() - started
-            call = steps.send(result)
-    except StopIteration as finished:
-        result = finished.value
+        batcher.run()
+    except BaseException:  # Ctrl-C: close every row (its side path too), then let it through
+        batcher.cancel()
+        raise
+    failed = next((error for _, error, _ in ends if error is not None), None)
+    if failed is not None:
+        raise failed
+    return [with_call_seconds(result, seconds) for result, _, seconds in ends], batcher
+
+
+def run_alone(backend, steps: Steps) -> Result:
+    """Drive one generation, each of its step calls run on `backend` as it comes."""
+    return run_rows(backend, [steps])[0][0]
+
+
+def with_call_seconds(result: Result, seconds: float) -> Result:
+    """The result with `step_call_seconds`: the time its step calls took (the rest of its wall time is the host
+    loop's own work)."""
     return dataclasses.replace(result, stats={**result.stats, "step_call_seconds": seconds})
 
 

@@ -383,3 +383,21 @@ def test_the_engine_refuses_past_its_queue(tiny_model):
     finally:
         gate.set()
         engine.close()
+
+
+def test_a_waiting_generation_whose_future_is_cancelled_frees_its_place(tiny_model):
+    """Cancelled through its future (not its ticket) while it waits: the engine skips it and keeps no row for it."""
+    gate = threading.Event()
+    engine = Engine(slowed(tiny_model, gate), 64, max_batch=1, max_queue=1)
+    prepared = prepare_generation(tiny_model.config, np.arange(10, 14),
+                                  GenerationOptions(gen_length=8, block_length=8, steps=8))
+    try:
+        first, second = engine.submit(prepared), engine.submit(prepared)
+        assert second.future.cancel()
+        gate.set()
+        first.future.result(timeout=60)
+        assert wait_for(lambda: engine.load == {"running": 0, "waiting": 0})
+        engine.submit(prepared).future.result(timeout=60)
+    finally:
+        gate.set()
+        engine.close()

@@ -19,6 +19,7 @@ from typing import Callable
 from llada_jax.errors import LladaError
 from llada_jax.step_batcher import StepBatcher
 from policies.generation import Prepared
+from policies.loop import with_call_seconds
 
 
 class Busy(LladaError):
@@ -146,7 +147,9 @@ class Engine:
     def _start(self, entry: _Waiting) -> None:
         """Add the generation to its backend's batcher (it runs to its first step call there)."""
         ticket, prepared = entry.ticket, entry.prepared
-        if not ticket.future.set_running_or_notify_cancel():
+        if not ticket.future.set_running_or_notify_cancel():  # its future was cancelled directly
+            with self._cond:
+                self._running.pop(ticket, None)
             return
         try:
             batcher = self._batcher(prepared)
@@ -166,7 +169,7 @@ class Engine:
         if error is not None:
             ticket.future.set_exception(error)
         else:
-            ticket.future.set_result(dataclasses.replace(result, stats={**result.stats, "step_call_seconds": seconds}))
+            ticket.future.set_result(with_call_seconds(result, seconds))
 
     def _batcher(self, prepared: Prepared) -> StepBatcher:
         """The batcher of the backend that reads out what `prepared` needs (made on first use)."""
