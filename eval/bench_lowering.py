@@ -17,17 +17,17 @@ from pathlib import Path
 import numpy as np
 
 import llada_jax
-from eval.tasks import held_out
+from llada_jax.backends.iree import IreeBackend, Session, load_bundle
 from llada_jax.backends.select import OpenBundle
 from llada_jax.backends.xla import JaxBackend
 from llada_jax.bundle_runner import generate_with_bundle
-from llada_jax.checkpoint import save_hf
-from llada_jax.config import LLaDAConfig
-from llada_jax.locations import default_model_dir
-from llada_jax.params import init_params
-from llada_jax.readout import ReadoutSpec, TokenBiases
+from llada_jax.model.config import LLaDAConfig
+from llada_jax.model.params import init_params
+from llada_jax.model.readout import ReadoutSpec, TokenBiases
+from llada_jax.system.locations import default_model_dir
+from llada_jax.training.tasks import held_out
+from llada_jax.weights.checkpoint import save_hf
 from lowering.bundle_cache import cached_bundle
-from lowering.runtime import IreeBackend, Session, load_bundle
 
 BENCH_CONFIG = LLaDAConfig(d_model=1024, n_layers=4, n_heads=16, n_kv_heads=16, mlp_hidden_size=2816,
                            vocab_size=126464, embedding_size=126464, max_sequence_length=256)

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from eval.bench import matmul_peak_gflops
-from llada_jax.host_cpu import describe
-from llada_jax.moe import sparse_mlp
+from llada_jax.model.moe import sparse_mlp
+from llada_jax.system.host_cpu import describe
 
 D_MODEL, EXPERTS, HIDDEN, TOP = 2048, 64, 1024, 8
 REPEATS = 5

@@ -4,7 +4,7 @@
 
 Runs the 12 layers' projections of `llada bench --bench-size`'s model (q, k, v, attention output, gate,
 up, down; random float32 weights, 617 MB, more than any cache) on W rows in each activation layout of
-`llada_jax.layout` (position-major `x @ W.T`, feature-major `W @ h`), as a step does, without attention,
+`llada_jax.model.layout` (position-major `x @ W.T`, feature-major `W @ h`), as a step does, without attention,
 norms or the LM head, and reports the median time, GFLOP/s and the fraction of this machine's float32
 matmul peak measured in the same run. This is the ceiling a step's `eff` column in `llada bench` can
 reach with XLA's CPU matmuls. Nothing is asserted.
@@ -21,7 +21,7 @@ import numpy as np
 
 from eval.bench import ENGINE_CONFIG, matmul_peak_gflops
 from eval.bench_lowering import median_seconds
-from llada_jax.layout import Features, Positions
+from llada_jax.model.layout import Features, Positions
 
 
 def layer_shapes(config) -> dict[str, tuple[int, int]]:

@@ -42,10 +42,10 @@ from eval.bench import matmul_peak_gflops, step_flops
 from eval.reference_bench import check_checkout, reference_forward
 from llada_jax.backends.select import open_bundle
 from llada_jax.bundle_runner import generate_with_bundle
-from llada_jax.config import LLaDAConfig, read_config
-from llada_jax.errors import LladaError
-from llada_jax.host_cpu import describe, usable_threads
-from llada_jax.weights_io import checkpoint_quantization
+from llada_jax.model.config import LLaDAConfig, read_config
+from llada_jax.system.errors import LladaError
+from llada_jax.system.host_cpu import describe, usable_threads
+from llada_jax.weights.weights_io import checkpoint_quantization
 from lowering.bundle_format import MANIFEST
 
 CANVASES = ((16, 16), (32, 128))  # (prompt, generated) positions
@@ -141,7 +141,7 @@ def run_child(name: str, mode: str, arguments: list[str]) -> dict:
     done = subprocess.run([sys.executable, "-m", "eval.bench_scale", *arguments], capture_output=True, text=True)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["failed"])[-1]
-        return {"setting": name, "mode": mode, "error": last.removeprefix("llada_jax.errors.LladaError: ")}
+        return {"setting": name, "mode": mode, "error": last.removeprefix("llada_jax.system.errors.LladaError: ")}
     return {"setting": name, "mode": mode, **json.loads(done.stdout)}
 
 

@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 
-from eval.tasks import FAMILIES, exact_match, held_out
+from llada_jax.training.tasks import FAMILIES, exact_match, held_out
 
 MODEL_NAME = "bench"
 

@@ -25,11 +25,11 @@ import numpy as np
 
 import llada_jax
 from llada_jax.bundle_runner import bundle_runner
-from llada_jax.checkpoint import save_hf
-from llada_jax.config import LLaDAConfig
-from llada_jax.params import hf_shapes, init_params
-from llada_jax.shapes import bucket
-from llada_jax.staging import kv_bytes
+from llada_jax.model.config import LLaDAConfig
+from llada_jax.model.params import hf_shapes, init_params
+from llada_jax.model.shapes import bucket
+from llada_jax.staging.swap import kv_bytes
+from llada_jax.weights.checkpoint import save_hf
 from lowering.bundle_cache import cached_bundle
 
 SWAP_CONFIG = LLaDAConfig(d_model=1024, n_layers=16, n_heads=16, n_kv_heads=16, mlp_hidden_size=2816,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from llada_jax.atomic import atomic_write_bytes, check_output_file
+from llada_jax.system.atomic import atomic_write_bytes, check_output_file
 
 
 def _signature(command: str) -> bytes:

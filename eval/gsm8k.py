@@ -16,7 +16,7 @@ from tqdm import tqdm
 from eval.hosts import HostShare
 from eval.jsonl import RowWriter, finished_rows, read_jsonl, run_setting
 from eval.task_eval import answer_text, generate_batch
-from llada_jax.errors import LladaError
+from llada_jax.system.errors import LladaError
 
 # A number as written in GSM8K text: optional sign and dollar, thousands groups, optional decimals.
 NUMBER = re.compile(r"-?\$?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")

@@ -14,8 +14,8 @@ import re
 from pathlib import Path
 
 from eval.jsonl import check_results_file, read_rows
-from llada_jax.atomic import atomic_write_bytes
-from llada_jax.errors import LladaError
+from llada_jax.system.atomic import atomic_write_bytes
+from llada_jax.system.errors import LladaError
 
 _PART = re.compile(r"-host(\d+)-of-(\d+)$")
 

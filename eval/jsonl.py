@@ -8,7 +8,7 @@ import json
 import os
 from pathlib import Path
 
-from llada_jax.errors import LladaError
+from llada_jax.system.errors import LladaError
 
 
 def read_rows(path: Path | None) -> list[dict]:

@@ -28,9 +28,9 @@ from tqdm import tqdm
 import llada_jax
 from eval.mc_likelihood import greedy_matches, mc_log_likelihood, request_rng
 from eval.task_eval import answer_text
-from llada_jax.errors import LladaError
-from llada_jax.locations import default_model_dir
-from llada_jax.mesh import MeshSpec
+from llada_jax.model.mesh import MeshSpec
+from llada_jax.system.errors import LladaError
+from llada_jax.system.locations import default_model_dir
 from policies.registry import DecoderSetting
 
 TASKS_DIR = Path(__file__).resolve().parent / "lm_tasks"

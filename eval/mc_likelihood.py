@@ -12,7 +12,7 @@ import zlib
 import numpy as np
 
 import llada_jax
-from llada_jax.errors import LladaError
+from llada_jax.system.errors import LladaError
 
 LOGITS_BYTES = 1 << 30  # logits read back per forward call, at most: rows are cut to fit
 

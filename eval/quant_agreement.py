@@ -23,12 +23,12 @@ import jax
 import numpy as np
 
 import llada_jax
-from llada_jax.config import read_config
-from llada_jax.errors import LladaError
-from llada_jax.locations import EMBEDDED_DIR
-from llada_jax.quant_config import EDGE_SCHEME
-from llada_jax.quantize import QuantScheme
-from llada_jax.quantize_checkpoint import quantize_checkpoint
+from llada_jax.model.config import read_config
+from llada_jax.quant.quantize import QuantScheme
+from llada_jax.system.errors import LladaError
+from llada_jax.system.locations import EMBEDDED_DIR
+from llada_jax.weights.quant_config import EDGE_SCHEME
+from llada_jax.weights.quantize_checkpoint import quantize_checkpoint
 
 SCHEMES = {  # name -> (layer scheme, LM head scheme)
     "int8": (QuantScheme(8), EDGE_SCHEME),

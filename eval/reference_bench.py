@@ -19,8 +19,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from llada_jax.errors import LladaError
-from llada_jax.host_cpu import usable_threads
+from llada_jax.system.errors import LladaError
+from llada_jax.system.host_cpu import usable_threads
 from policies.registry import DecoderSetting
 
 CHILD = Path(__file__).with_name("reference_child.py")

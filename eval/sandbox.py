@@ -43,7 +43,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from llada_jax.errors import LladaError
+from llada_jax.system.errors import LladaError
 
 UID_BASE = 61_000        # slot s runs as uid UID_BASE + s (unallocated ids below systemd's dynamic range)
 BACKSTOP_S = 20.0        # the harness kills a supervisor this long past the program's own timeout

@@ -10,7 +10,7 @@ import shutil
 import sys
 
 from eval.sandbox import PRIVATE_DIRS, UID_BASE, Limits, Sandbox, interpreter_mounts, run_program
-from llada_jax.errors import LladaError
+from llada_jax.system.errors import LladaError
 
 
 @functools.cache

@@ -24,10 +24,10 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
-from llada_jax.atomic import atomic_dir
-from llada_jax.config import read_config
-from llada_jax.params import hf_shapes
-from llada_jax.weights_io import INDEX_FILE
+from llada_jax.model.config import read_config
+from llada_jax.model.params import hf_shapes
+from llada_jax.system.atomic import atomic_dir
+from llada_jax.weights.weights_io import INDEX_FILE
 
 DATA = Path(__file__).resolve().parent / "data"
 MODELS = {"llada-8b": DATA / "llada-8b-instruct", "dream-7b": DATA / "dream-v0-instruct-7b",

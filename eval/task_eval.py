@@ -11,9 +11,9 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from eval.tasks import exact_match, held_out
 from llada_jax.api import generate
-from llada_jax.errors import LladaError
+from llada_jax.system.errors import LladaError
+from llada_jax.training.tasks import exact_match, held_out
 from policies.registry import DecoderSetting
 
 GEN_LENGTH, BLOCK_LENGTH = 32, 8

@@ -16,12 +16,12 @@ if _SCHEDULER_FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_SCHEDULER_FLAG}=false".strip()
 
 _EXPORTS = {
-    "Model": "llada_jax.loading",
+    "Model": "llada_jax.weights.loading",
     "generate": "llada_jax.api",
-    "load": "llada_jax.loading",
+    "load": "llada_jax.weights.loading",
     "logits": "llada_jax.api",
-    "LLaDAConfig": "llada_jax.config",
-    "LladaError": "llada_jax.errors",
+    "LLaDAConfig": "llada_jax.model.config",
+    "LladaError": "llada_jax.system.errors",
 }
 __all__ = sorted(_EXPORTS)
 

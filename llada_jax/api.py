@@ -7,12 +7,12 @@ import functools
 
 import numpy as np
 
-from llada_jax.backend import BackendRequest
 from llada_jax.backends.select import select_backend
-from llada_jax.errors import LladaError
-from llada_jax.loading import Model, load
-from llada_jax.readout import ReadoutSpec, TokenBiases
-from llada_jax.shapes import bucket
+from llada_jax.model.readout import ReadoutSpec, TokenBiases
+from llada_jax.model.shapes import bucket
+from llada_jax.system.errors import LladaError
+from llada_jax.weights.loading import Model, load
+from policies.backend import BackendRequest
 from policies.generation import check_token_ids, run_generation
 
 __all__ = ["Model", "generate", "load", "logits"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 
 from llada_jax.backends.select import OpenBundle, open_bundle, select_backend
-from llada_jax.tokenizer import load_tokenizer
+from llada_jax.weights.tokenizer import load_tokenizer
 from policies.generation import run_generation
 
 

@@ -18,15 +18,15 @@ import subprocess
 import time
 from pathlib import Path
 
-from llada_jax.atomic import atomic_dir, check_output_dir
-from llada_jax.checkpoint import compute_dtype
-from llada_jax.config import read_config, read_hf_dict
-from llada_jax.errors import LladaError
 from llada_jax.families import host_loop_conventions
-from llada_jax.memory_plan import weight_bytes
-from llada_jax.qlinear import check_activations
-from llada_jax.tokenizer import eot_id_from_files
-from llada_jax.weights_io import INDEX_FILE, weight_files
+from llada_jax.model.config import read_config, read_hf_dict
+from llada_jax.quant.qlinear import check_activations
+from llada_jax.system.atomic import atomic_dir, check_output_dir
+from llada_jax.system.errors import LladaError
+from llada_jax.weights.checkpoint import compute_dtype
+from llada_jax.weights.memory_plan import weight_bytes
+from llada_jax.weights.tokenizer import eot_id_from_files
+from llada_jax.weights.weights_io import INDEX_FILE, weight_files
 from lowering.bundle_format import ARCHIVE, FORMAT_VERSION, MANIFEST, TOKENIZER_FILES, VMFB, runs_staged, sha256
 from lowering.bundle_weights import WeightLayout, weight_layout, write_archive
 from lowering.export import (
@@ -140,7 +140,7 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
     checkpoint's integers are bound as they are stored (`lowering.bundle_weights`); `activations="int8"`
     runs its int8 per-channel layers as W8A8 matmuls. `data_tiling`: IREE's data tiling on a CPU target with
     resident weights (faster steps; a re-laid copy of the weights is held beside them). The bundle replaces
-only an earlier bundle, with `force` (`llada_jax.atomic`)."""
+only an earlier bundle, with `force` (`llada_jax.system.atomic`)."""
     tgt = target(target_name)
     model_dir, out_dir = Path(model_dir).absolute(), Path(out_dir).absolute()
     config = _checked_config(model_dir, max_len, window)

@@ -6,9 +6,9 @@ import hashlib
 import json
 from pathlib import Path
 
-from llada_jax.config import read_config
-from llada_jax.locations import user_cache_dir
-from llada_jax.packing import head_layout, layer_layout
+from llada_jax.model.config import read_config
+from llada_jax.staging.packing import head_layout, layer_layout
+from llada_jax.system.locations import user_cache_dir
 from lowering.bundle import check_batch_sizes, compile_bundle, iree_version, loop_refusal
 from lowering.bundle_format import FORMAT_VERSION, MANIFEST, sha256
 from lowering.matmul_tiles import host_tiles
@@ -45,7 +45,8 @@ def cached_bundle(model_dir, target: str, *, dtype: str = "float32", max_len: in
 
 # The source files that decide what a bundle computes: a change to any of them compiles a new bundle.
 EXPORTING_CODE = tuple(f"llada_jax/{name}.py" for name in (
-    "model", "moe", "layout", "steps", "layered", "qlinear", "params", "packing", "shapes", "kv_state", "readout"))
+    "model/forward", "model/moe", "model/layout", "model/steps", "model/layered", "quant/qlinear", "model/params",
+    "staging/packing", "model/shapes", "model/kv_state", "model/readout"))
 DECODING_CODE = tuple(f"policies/{name}.py" for name in (
     "decode_loop", "loop_io", "decisions", "cache_policies", "schedule"))
 LOWERING_CODE = tuple(f"lowering/{name}.py" for name in (

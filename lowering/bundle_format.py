@@ -7,8 +7,8 @@ import hashlib
 import math
 from pathlib import Path
 
-from llada_jax.errors import LladaError
-from llada_jax.params import hf_shapes
+from llada_jax.model.params import hf_shapes
+from llada_jax.system.errors import LladaError
 
 PARAMETER_SCOPE = "model"  # IREE parameter scope the weights are bound under
 MANIFEST = "manifest.json"

@@ -3,11 +3,11 @@
 IREE binds each parameter to a byte range of a weights file: the checkpoint's own safetensors files, or a
 CPU bundle's parameter archive (`write_archive`), the same tensors with the quantized integers signed.
 A float tensor is one parameter of its stored dtype. A quantized module (compressed-tensors
-"pack-quantized", see `llada_jax.quant_config`) is two:
+"pack-quantized", see `llada_jax.weights.quant_config`) is two:
 - `<module>.weight_packed`, declared as an `[O, I]` i4 or i8 tensor. Its int32 words hold 32 / bits
   values, the first in the lowest bits, so on a little-endian device their bytes are an `[O, I]`
   array of 4-bit values (two per byte, low nibble first) or bytes. In the checkpoint each is offset by
-  2**(bits-1), which the step undoes (`llada_jax.qlinear.offset_values`); in an archive they are signed.
+  2**(bits-1), which the step undoes (`llada_jax.quant.qlinear.offset_values`); in an archive they are signed.
 - `<module>.weight_scale` `[O, G]`, in its stored float dtype.
 """
 
@@ -18,12 +18,12 @@ from pathlib import Path
 
 import numpy as np
 
-from llada_jax.config import LLaDAConfig
-from llada_jax.errors import LladaError
-from llada_jax.params import hf_shapes
-from llada_jax.quantize import QuantScheme
-from llada_jax.safetensors_file import SafetensorsFile
-from llada_jax.weights_io import check_names, checkpoint_quantization, weight_files
+from llada_jax.model.config import LLaDAConfig
+from llada_jax.model.params import hf_shapes
+from llada_jax.quant.quantize import QuantScheme
+from llada_jax.system.errors import LladaError
+from llada_jax.weights.safetensors_file import SafetensorsFile
+from llada_jax.weights.weights_io import check_names, checkpoint_quantization, weight_files
 
 FLOAT_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llada_jax.errors import LladaError
+from llada_jax.system.errors import LladaError
 
 QEMU = "qemu-aarch64-static"
 SYSROOT = Path("/usr/aarch64-linux-gnu")

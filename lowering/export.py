@@ -16,16 +16,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax import export
 
-from llada_jax.config import LLaDAConfig
-from llada_jax.layered import head_chunk_step, layer_step
-from llada_jax.layout import LayoutRule
-from llada_jax.model import Context
-from llada_jax.packing import PackedLayout, head_chunks, head_layout, layer_layout
-from llada_jax.params import hf_shapes, hf_to_params
-from llada_jax.qlinear import QuantizedWeight, offset_values, row_block_for
-from llada_jax.readout import HeadChunkReadout, ReadoutSpec
-from llada_jax.shapes import kv_shape, widths_within
-from llada_jax.steps import full_forward, head_rows, read_out, scatter_slots, window_forward
+from llada_jax.model.config import LLaDAConfig
+from llada_jax.model.forward import Context
+from llada_jax.model.layered import head_chunk_step, layer_step
+from llada_jax.model.layout import LayoutRule
+from llada_jax.model.params import hf_shapes, hf_to_params
+from llada_jax.model.readout import HeadChunkReadout, ReadoutSpec
+from llada_jax.model.shapes import kv_shape, widths_within
+from llada_jax.model.steps import full_forward, head_rows, read_out, scatter_slots, window_forward
+from llada_jax.quant.qlinear import QuantizedWeight, offset_values, row_block_for
+from llada_jax.staging.packing import PackedLayout, head_chunks, head_layout, layer_layout
 from lowering.bundle_format import PARAMETER_SCOPE, StepSpec
 from lowering.bundle_weights import WeightLayout
 from policies.decode_loop import decode_loop
@@ -60,7 +60,7 @@ def canvas_sizes(max_len: int) -> list[int]:
 
 def step_specs(max_len: int, max_window: int, batch_sizes: tuple[int, ...] = (1,)) -> list[StepSpec]:
     """Every shape the decoders can ask for with canvases up to `max_len` and windows up to `max_window`,
-    for each batch size (rows of a batched step, `llada_jax.step_batcher`)."""
+    for each batch size (rows of a batched step, `policies.step_batcher`)."""
     return [spec for batch in batch_sizes for spec in _step_specs(max_len, max_window, batch)]
 
 

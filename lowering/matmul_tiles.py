@@ -1,6 +1,6 @@
 """Tile sizes for IREE's x86 code generation of float32 matmuls, given to iree-compile as a tuning spec.
 
-A feature-major step multiplies `W [M, K] @ h [K, N]` (`llada_jax.layout`). Tiles split M and N and unroll the
+A feature-major step multiplies `W [M, K] @ h [K, N]` (`llada_jax.model.layout`). Tiles split M and N and unroll the
 sum over K, in order: every output is summed over K in the same order as before, so a tuned bundle computes
 bit for bit what an untuned one does. The tiles depend on the vector registers of the CPU
 compiling for `-target-cpu=host`:
@@ -20,7 +20,7 @@ import re
 from pathlib import Path
 from typing import NamedTuple
 
-from llada_jax.host_cpu import CPUINFO, cpu_flags
+from llada_jax.system.host_cpu import CPUINFO, cpu_flags
 
 
 class Tiles(NamedTuple):

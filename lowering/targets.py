@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from llada_jax.errors import LladaError
-from llada_jax.layout import IREE_CPU_LAYOUT, POSITION_MAJOR, LayoutRule
+from llada_jax.model.layout import IREE_CPU_LAYOUT, POSITION_MAJOR, LayoutRule
+from llada_jax.system.errors import LladaError
 from lowering.matmul_tiles import Tiles, host_tiles
 
 
@@ -19,7 +19,7 @@ class Target:
     tunes_matmuls: bool = False  # float32 matmul tiles for the host's vectors (`lowering.matmul_tiles`)
 
     def layout_rule(self, data_tiling: bool) -> LayoutRule:
-        """Activation layouts (`llada_jax.layout`): feature-major at every width for IREE's CPU code generation,
+        """Activation layouts (`llada_jax.model.layout`): feature-major at every width for IREE's CPU code generation,
         position-major with data tiling (the form it was measured faster in) and on Vulkan (Mesa's lavapipe
         miscomputed the feature-major norm)."""
         if self.driver != "local-task" or data_tiling:

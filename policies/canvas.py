@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from llada_jax.shapes import bucket
+from llada_jax.model.shapes import bucket
 
 
 class Block(NamedTuple):

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from llada_jax import kv_state
-from llada_jax.backend import BackendCall
-from llada_jax.readout import StepOutput
+from llada_jax.model import kv_state
+from llada_jax.model.readout import StepOutput
+from policies.backend import BackendCall
 from policies.canvas import Canvas, Window
 
 

@@ -15,8 +15,8 @@ import time
 
 import numpy as np
 
-from llada_jax.errors import LladaError
-from llada_jax.readout import nonfinite_error
+from llada_jax.model.readout import nonfinite_error
+from llada_jax.system.errors import LladaError
 from policies.cache_policies import CACHE_POLICIES
 from policies.decisions import ranks
 from policies.loop import Result, StepRecord

@@ -8,7 +8,7 @@ probability against the threshold, the compiled loop a float32 log-probability a
 
 from __future__ import annotations
 
-from llada_jax.shapes import bucket
+from llada_jax.model.shapes import bucket
 
 
 def ranks(xp, order, candidates):

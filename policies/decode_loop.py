@@ -22,14 +22,14 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from llada_jax.config import LLaDAConfig
-from llada_jax.kv_state import HIDDEN
-from llada_jax.layout import XLA_LAYOUT, LayoutRule
-from llada_jax.model import Context
-from llada_jax.qlinear import tie_scales
-from llada_jax.readout import ReadoutSpec, nonfinite
-from llada_jax.shapes import kv_shape
-from llada_jax.steps import full_forward, head_rows, read_out, window_forward
+from llada_jax.model.config import LLaDAConfig
+from llada_jax.model.forward import Context
+from llada_jax.model.kv_state import HIDDEN
+from llada_jax.model.layout import XLA_LAYOUT, LayoutRule
+from llada_jax.model.readout import ReadoutSpec, nonfinite
+from llada_jax.model.shapes import kv_shape
+from llada_jax.model.steps import full_forward, head_rows, read_out, window_forward
+from llada_jax.quant.qlinear import tie_scales
 from policies.decisions import (
     block_going,
     draft_commits,
@@ -83,7 +83,7 @@ class Block(NamedTuple):
 def decode_loop(params: dict, inputs: LoopInputs, *, config: LLaDAConfig, spec: LoopSpec, kv_dtype,
                 layout_rule: LayoutRule = XLA_LAYOUT) -> LoopOutputs:
     """Generate `spec.schedule.gen_length` tokens after `inputs.prompt[:prompt_len]` (validated on the host).
-    `layout_rule`: see `model.decoder_layer` (`llada_jax.layout`; IREE exports pass their target's)."""
+    `layout_rule`: see `model.decoder_layer` (`llada_jax.model.layout`; IREE exports pass their target's)."""
     s = spec.slots
     positions = jnp.arange(s)
     length = inputs.prompt_len + spec.schedule.gen_length

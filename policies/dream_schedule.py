@@ -8,7 +8,7 @@ import functools
 
 import numpy as np
 
-from llada_jax.errors import LladaError
+from llada_jax.system.errors import LladaError
 from policies.decisions import fixed_commits
 
 

@@ -10,11 +10,11 @@ from typing import Callable
 import numpy as np
 
 from llada_jax import families
-from llada_jax.backend import BackendRequest
-from llada_jax.config import LLaDAConfig
-from llada_jax.errors import LladaError
-from llada_jax.readout import ReadoutSpec, TokenBiases
-from llada_jax.shapes import bucket
+from llada_jax.model.config import LLaDAConfig
+from llada_jax.model.readout import ReadoutSpec, TokenBiases
+from llada_jax.model.shapes import bucket
+from llada_jax.system.errors import LladaError
+from policies.backend import BackendRequest
 from policies.batch import decode_batch
 from policies.compiled_loop import draft_threshold_of, loop_spec, run_compiled
 from policies.loop import decode_steps, run_alone
@@ -134,7 +134,7 @@ def prepare_generation(config: LLaDAConfig, prompt_ids, options: GenerationOptio
 
 def run_generation(make_backend: Callable, config: LLaDAConfig, prompt_ids, *, on_step: Callable | None = None,
                    loop: str = "auto", **options):
-    """Validate everything, then decode with `make_backend(request)` (a `llada_jax.backend.BackendRequest`:
+    """Validate everything, then decode with `make_backend(request)` (a `policies.backend.BackendRequest`:
     its rows and canvas slots let a backend size its device memory before any step runs).
     `prompt_ids`: one prompt (returns a `Result`) or a batch (see `prompt_rows`; returns a list of them,
     each row as that prompt alone would decode; `on_step(row, canvas, record)`). A batch of one prompt

@@ -13,17 +13,17 @@ from typing import Callable, Generator
 
 import numpy as np
 
-from llada_jax import kv_state
-from llada_jax.backend import BackendCall
-from llada_jax.readout import check_finite
-from llada_jax.shapes import bucket
-from llada_jax.step_batcher import StepBatcher
+from llada_jax.model import kv_state
+from llada_jax.model.readout import check_finite
+from llada_jax.model.shapes import bucket
+from policies.backend import BackendCall
 from policies.canvas import Block, Canvas
 from policies.canvas_steps import canvas_wide, commit_call, window_call
 from policies.decisions import block_going, ranks
 from policies.policy import Policy, Reviser, StepPlan
 from policies.sampling import Sampler
 from policies.schedule import Schedule, in_rank_order
+from policies.step_batcher import StepBatcher
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from llada_jax.shapes import bucket
+from llada_jax.model.shapes import bucket
 from policies.cache_policies import CachePolicy
 from policies.decisions import speculative_width
 from policies.schedule import Schedule

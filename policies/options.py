@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from llada_jax.errors import LladaError
+from llada_jax.system.errors import LladaError
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -16,7 +16,7 @@ from typing import ContextManager, Protocol
 
 import numpy as np
 
-from llada_jax import kv_state
+from llada_jax.model import kv_state
 from policies.canvas import Block, Canvas, Window
 from policies.decisions import draft_commits, read_rows
 

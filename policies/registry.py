@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from llada_jax.errors import LladaError
+from llada_jax.system.errors import LladaError
 from policies.cache_policies import CACHE_POLICIES
 from policies.policy import Policy
 from policies.revision import Revision

@@ -38,10 +38,10 @@ from typing import ClassVar, Iterator, NamedTuple
 
 import numpy as np
 
-from llada_jax import kv_state
-from llada_jax.errors import LladaError
-from llada_jax.readout import check_finite
-from llada_jax.shapes import bucket
+from llada_jax.model import kv_state
+from llada_jax.model.readout import check_finite
+from llada_jax.model.shapes import bucket
+from llada_jax.system.errors import LladaError
 from policies.cache_policies import DualCache, PrefixCache
 from policies.canvas import Block, Canvas, Window
 from policies.canvas_steps import canvas_wide, commit_window, window_step

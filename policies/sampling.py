@@ -13,8 +13,8 @@ import dataclasses
 
 import numpy as np
 
-from llada_jax.errors import LladaError
-from llada_jax.readout import Readout
+from llada_jax.model.readout import Readout
+from llada_jax.system.errors import LladaError
 from policies import dream_sampling
 
 REMASKING = ("low_confidence", "random", "margin", "entropy")

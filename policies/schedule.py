@@ -15,7 +15,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from llada_jax.errors import LladaError
+from llada_jax.system.errors import LladaError
 from policies.canvas import Block
 from policies.decisions import fixed_commits, scheduled_count, threshold_commits
 from policies.dream_schedule import DreamSchedule, FirstTokenFirst

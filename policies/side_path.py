@@ -13,9 +13,9 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
-from llada_jax import kv_state
-from llada_jax.backend import Backend
-from llada_jax.readout import StepOutput
+from llada_jax.model import kv_state
+from llada_jax.model.readout import StepOutput
+from policies.backend import Backend
 
 
 @dataclasses.dataclass

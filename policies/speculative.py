@@ -18,7 +18,7 @@ import dataclasses
 
 import numpy as np
 
-from llada_jax.errors import LladaError
+from llada_jax.system.errors import LladaError
 from policies.cache_policies import DualCache
 from policies.canvas import Block, Canvas
 from policies.decisions import speculative_width, speculative_window

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import HealthCheck, settings
 from safetensors import safe_open
 
-from llada_jax.checkpoint import save_hf
-from llada_jax.config import LLaDAConfig
-from llada_jax.params import init_params
+from llada_jax.model.config import LLaDAConfig
+from llada_jax.model.params import init_params
+from llada_jax.weights.checkpoint import save_hf
 
 # Steps compile on first use, and session fixtures are deliberately shared across examples.
 settings.register_profile("llada", deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -125,7 +125,7 @@ def step_extras(config: LLaDAConfig = TINY, forbid=(), unconfident=()):
     """The runtime arguments every jitted step takes after its inputs: cfg scale and token biases."""
     import jax.numpy as jnp
 
-    from llada_jax.readout import TokenBiases
+    from llada_jax.model.readout import TokenBiases
 
     biases = TokenBiases.build(config.embedding_size, forbid, unconfident)
     return jnp.float32(0), jnp.asarray(biases.logit_bias), jnp.asarray(biases.confidence_bias)
@@ -133,7 +133,7 @@ def step_extras(config: LLaDAConfig = TINY, forbid=(), unconfident=()):
 
 def jax_backend(model, readout_spec=None):
     from llada_jax.backends.xla import JaxBackend
-    from llada_jax.readout import ReadoutSpec, TokenBiases
+    from llada_jax.model.readout import ReadoutSpec, TokenBiases
 
     biases = TokenBiases.build(model.config.embedding_size)
     return JaxBackend(model.params, model.config, readout_spec or ReadoutSpec(), biases)

@@ -11,13 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
-from eval.tasks import held_out
 from llada_jax import api
-from llada_jax.errors import LladaError
-from llada_jax.locations import EMBEDDED_DIR
-from llada_jax.mesh import MeshSpec
-from llada_jax.quantize import QuantScheme
-from llada_jax.quantize_checkpoint import quantize_checkpoint
+from llada_jax.model.mesh import MeshSpec
+from llada_jax.quant.quantize import QuantScheme
+from llada_jax.system.errors import LladaError
+from llada_jax.system.locations import EMBEDDED_DIR
+from llada_jax.training.tasks import held_out
+from llada_jax.weights.quantize_checkpoint import quantize_checkpoint
 
 MESHES = ("data=4", "data=2,model=2", "model=4", "data=all")
 POLICIES = ("vanilla", "prefix-cache", "dual-cache", "dual-cache+speculative@0.9", "prefix-cache@0.7",
@@ -67,9 +67,9 @@ def test_rows_and_weights_are_split_where_the_mesh_says(meshed):
     assert block["q_proj"].sharding.spec == P("model", None) and block["attn_out"].sharding.spec == P(None, "model")
     assert block["ff_out"].sharding.spec == P(None, "model") and block["attn_norm"].sharding.spec == P()
     assert model.params["lm_head"].sharding.spec == P("model", None)
-    from llada_jax.backend import BackendRequest
     from llada_jax.backends.select import select_backend
-    from llada_jax.readout import ReadoutSpec, TokenBiases
+    from llada_jax.model.readout import ReadoutSpec, TokenBiases
+    from policies.backend import BackendRequest
 
     backend = select_backend(model, BackendRequest(readout_spec=ReadoutSpec(kind="argmax"), rows=4, slots=128,
                                                    biases=TokenBiases.build(model.config.embedding_size)))

@@ -10,12 +10,12 @@ import subprocess
 import numpy as np
 import pytest
 
+from llada_jax.backends.iree import IreeBackend, Session, load_bundle
 from llada_jax.cli import main
-from llada_jax.locations import user_cache_dir
-from llada_jax.readout import ReadoutSpec, TokenBiases
+from llada_jax.model.readout import ReadoutSpec, TokenBiases
+from llada_jax.system.locations import user_cache_dir
 from lowering.bundle import compile_bundle
 from lowering.emulation import QEMU, SYSROOT, emulator_available, run_module, runtime_tools_dir
-from lowering.runtime import IreeBackend, Session, load_bundle
 from tests.conftest import TINY, require, write_checkpoint
 from tests.test_families import CONFIGS
 

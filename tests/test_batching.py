@@ -11,10 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import llada_jax
-from llada_jax.backend import BackendCall
 from llada_jax.bundle_runner import bundle_runner
-from llada_jax.errors import LladaError
-from llada_jax.step_batcher import Cancelled, StepBatcher, _chunks
+from llada_jax.system.errors import LladaError
+from policies.backend import BackendCall
+from policies.step_batcher import Cancelled, StepBatcher, _chunks
 from tests.conftest import TINY
 
 SETTINGS = [("vanilla", None), ("prefix-cache", None), ("dual-cache", None), ("dual-cache", 0.3),
@@ -117,7 +117,7 @@ class CountingBackend:
         return None
 
     def full(self, tokens, valid, reads=None):
-        from llada_jax.readout import Readout, StepOutput
+        from llada_jax.model.readout import Readout, StepOutput
 
         if tokens.shape[0] == self.fail_rows:
             raise LladaError("device out of memory")

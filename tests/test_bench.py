@@ -43,7 +43,6 @@ def test_bench_loop_both_gives_a_host_and_a_compiled_row(capsys, tiny_dir):
 def test_ratios_use_the_highest_peak_sampled_around_every_row(capsys, monkeypatch, tiny_dir):
     """The peak is sampled before the first row and after each, and eff / xfloor use the highest sample."""
     from eval import bench
-
     samples = iter([120.0, 150.0, 90.0])
     monkeypatch.setattr(bench, "matmul_peak_gflops", lambda: next(samples))
     code = main(["bench", "--model", str(tiny_dir), "--limit", "1", "--policy", "vanilla", "--policy",
@@ -66,11 +65,11 @@ def test_step_flops_counts_matmuls_and_attention():
 
 def test_bench_rows_counts_the_step_projections():
     """eval.bench_rows's FLOPs are the projections' part of step_flops (no attention, no LM head), and its
-    projections give the same activations in both layouts of llada_jax.layout."""
+    projections give the same activations in both layouts of llada_jax.model.layout."""
     import jax.numpy as jnp
 
     from eval import bench_rows
-    from llada_jax.layout import Features, Positions
+    from llada_jax.model.layout import Features, Positions
 
     no_attention_one_row = step_flops(TINY, width=1, context=0, head_rows=0)
     assert bench_rows.flops(TINY, 5) == 5 * no_attention_one_row
@@ -136,7 +135,6 @@ def test_scale_bench_rows_for_a_checkpoint_a_bundle_and_a_peer(capsys, tiny_dir,
     the bundle's --max-len hold; for IREE its allocator's peak too), and a peer row parsed from llama-bench's
     JSON lines (a stand-in script here, printing what llama-bench prints for `-p 32,160 -n 0 -o jsonl`)."""
     from eval import bench_scale
-
     peer = tmp_path / "llama-bench"
     peer.write_text("#!/bin/sh\necho 'build: 0c1e570'\n" + "".join(
         f"echo '{{\"n_prompt\": {n}, \"n_gen\": 0, \"avg_ns\": {n}000000, \"stddev_ns\": 1}}'\n" for n in (32, 160)))

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 import llada_jax
-from llada_jax.checkpoint import save_hf
-from llada_jax.config import read_config
-from llada_jax.errors import LladaError
-from llada_jax.params import hf_shapes, params_to_hf
+from llada_jax.model.config import read_config
+from llada_jax.model.params import hf_shapes, params_to_hf
+from llada_jax.system.errors import LladaError
+from llada_jax.weights.checkpoint import save_hf
 from tests.conftest import LLADA_8B_DIR, TINY, read_all, write_checkpoint
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from llada_jax.cli import main
-from llada_jax.errors import LladaError
+from llada_jax.system.errors import LladaError
 from tests.conftest import TINY
 
 VALID = ["--prompt-ids", "1,2,3", "--gen-length", "16", "--block-length", "8", "--steps", "8", "--policy", "vanilla"]
@@ -197,9 +197,9 @@ def test_a_new_process_reuses_compiled_steps(tmp_path):
 def test_live_canvas_hides_special_tokens_after_the_answer_ends():
     import io
 
-    from llada_jax.display import MASK_GLYPH, LiveCanvas
-    from llada_jax.locations import default_model_dir
-    from llada_jax.tokenizer import load_tokenizer
+    from llada_jax.cli.display import MASK_GLYPH, LiveCanvas
+    from llada_jax.system.locations import default_model_dir
+    from llada_jax.weights.tokenizer import load_tokenizer
     from policies.canvas import Canvas
     from policies.loop import StepRecord
 

@@ -12,10 +12,10 @@ import pytest
 
 from eval.jsonl import RowWriter, read_rows
 from eval.scale_checkpoint import main as scale_main
-from llada_jax import training
-from llada_jax.atomic import MARKER, previous_output
 from llada_jax.cli import main
-from llada_jax.errors import LladaError
+from llada_jax.system.atomic import MARKER, previous_output
+from llada_jax.system.errors import LladaError
+from llada_jax.training import train as training
 from tests.conftest import write_checkpoint
 
 

@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llada_jax.readout import nonfinite
+from llada_jax.model.readout import nonfinite
 from policies import decisions
 from tests.reference import transfer_counts
 

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import llada_jax
-from llada_jax.errors import LladaError
-from llada_jax.locations import default_model_dir
+from llada_jax.system.errors import LladaError
+from llada_jax.system.locations import default_model_dir
 from policies.loop_io import log_cutoff
 from tests.conftest import TINY
 

@@ -13,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import llada_jax
-from llada_jax.errors import LladaError
-from llada_jax.readout import read_columns
-from llada_jax.shapes import bucket
-from llada_jax.steps import full_step
+from llada_jax.model.readout import read_columns
+from llada_jax.model.shapes import bucket
+from llada_jax.model.steps import full_step
+from llada_jax.system.errors import LladaError
 from policies.cache_policies import DualCache, PrefixCache
 from policies.canvas import Block, Canvas
 from policies.canvas_steps import commit_window
@@ -193,8 +193,8 @@ def test_forbidding_eos_keeps_it_out_and_zero_confidence_delays_it(tiny_model):
 def test_a_model_that_predicts_the_mask_token_ends_each_block(tmp_path, policy, threshold):
     """The reference loops never end when the model keeps predicting the mask token; each block here ends after
     max(steps per block, block length) steps, host and compiled loops alike, the masks left in place."""
-    from llada_jax.checkpoint import save_hf
-    from llada_jax.params import init_params
+    from llada_jax.model.params import init_params
+    from llada_jax.weights.checkpoint import save_hf
 
     config = dataclasses.replace(TINY, mask_token_id=0)
     params = init_params(config, seed=0)

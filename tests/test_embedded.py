@@ -7,8 +7,8 @@ import pytest
 
 import llada_jax
 from eval.task_eval import answer_text
-from eval.tasks import held_out
-from llada_jax.locations import default_model_dir
+from llada_jax.system.locations import default_model_dir
+from llada_jax.training.tasks import held_out
 
 
 @pytest.fixture(scope="module")

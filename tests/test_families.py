@@ -11,13 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import llada_jax
-from llada_jax.checkpoint import save_hf
-from llada_jax.config import LLaDAConfig, read_config
-from llada_jax.errors import LladaError
-from llada_jax.params import hf_to_params
-from llada_jax.quantize import HostQuantized, QuantScheme
-from llada_jax.quantize_checkpoint import quantize_checkpoint
-from llada_jax.weights_io import iter_tensors
+from llada_jax.model.config import LLaDAConfig, read_config
+from llada_jax.model.params import hf_to_params
+from llada_jax.quant.quantize import HostQuantized, QuantScheme
+from llada_jax.system.errors import LladaError
+from llada_jax.weights.checkpoint import save_hf
+from llada_jax.weights.quantize_checkpoint import quantize_checkpoint
+from llada_jax.weights.weights_io import iter_tensors
 from policies.dream_schedule import dream_timesteps
 from tests import dream_reference, reference
 from tests.conftest import LLADA_8B_DIR, read_all, write_checkpoint
@@ -262,9 +262,9 @@ def test_family_bundles_refuse_a_compiled_loop(family_dir, tmp_path):
 @pytest.mark.parametrize("staged", [False, True], ids=["resident", "staged"])
 def test_iree_host_bundle_gives_the_xla_tokens(family_dir, family_model, tmp_path, staged):
     """Resident, and streamed layer by layer through a budget below the weights (`IreeStagedBackend`)."""
+    from llada_jax.backends.iree import load_bundle
     from llada_jax.bundle_runner import bundle_runner
     from lowering.bundle import compile_bundle
-    from lowering.runtime import load_bundle
 
     (_, path), (_, model, _) = family_dir, family_model
     budget = model.weight_bytes - 1 if staged else None

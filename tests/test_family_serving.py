@@ -16,7 +16,7 @@ import pytest
 import llada_jax
 from eval.lm_harness import LladaLM
 from eval.mc_likelihood import greedy_matches, mc_log_likelihood, request_rng
-from llada_jax.locations import EMBEDDED_DIR
+from llada_jax.system.locations import EMBEDDED_DIR
 from tests.conftest import write_checkpoint
 from tests.test_families import CONFIGS
 from tests.test_server import NAME, QUESTIONS, alone, serving

@@ -14,17 +14,17 @@ from eval.gsm8k import BUNDLED_TEST as GSM8K_TEST
 from eval.gsm8k import extract_answer, load_problems, prompt_text, same_number
 from eval.jsonl import RowWriter, finished_rows, read_rows
 from llada_jax.cli.evaluate import add_gsm8k
-from llada_jax.errors import LladaError
+from llada_jax.system.errors import LladaError
 
 TINY_RUN = ["--gen-length", "16", "--block-length", "8", "--steps", "8", "--policy", "vanilla"]
 
 
 def write_char_model(out_dir: Path) -> Path:
     """A random 1-layer model with the character tokenizer and a 1024-token context (prompts are long)."""
-    from llada_jax import char_tokenizer
-    from llada_jax.checkpoint import save_hf
-    from llada_jax.params import init_params
-    from llada_jax.training import embedded_model_config
+    from llada_jax.model.params import init_params
+    from llada_jax.training.train import embedded_model_config
+    from llada_jax.weights import char_tokenizer
+    from llada_jax.weights.checkpoint import save_hf
 
     config = dataclasses.replace(embedded_model_config(d_model=32, n_layers=1), max_sequence_length=1024)
     tokenizer_dir = out_dir.parent / "tokenizer-files"

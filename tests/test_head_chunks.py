@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llada_jax.layered import partial_readout
-from llada_jax.readout import HeadChunkReadout, Readout, TokenBiases, chunk_biases, combine_head_chunks
-from llada_jax.steps import argmax_logprob
+from llada_jax.model.layered import partial_readout
+from llada_jax.model.readout import HeadChunkReadout, Readout, TokenBiases, chunk_biases, combine_head_chunks
+from llada_jax.model.steps import argmax_logprob
 
 
 def chunked(logits: np.ndarray, biases: TokenBiases, rows: int) -> Readout:
@@ -60,8 +60,8 @@ def test_llada_8b_head_stages_in_chunks_no_larger_than_a_layer():
     """With the real 126464-token vocabulary, the largest staged piece is a layer, not the head."""
     import json
 
-    from llada_jax.config import LLaDAConfig
-    from llada_jax.packing import head_chunks, head_layout, layer_layout
+    from llada_jax.model.config import LLaDAConfig
+    from llada_jax.staging.packing import head_chunks, head_layout, layer_layout
     from tests.conftest import LLADA_8B_DIR
 
     config = LLaDAConfig.from_hf_dict(json.loads((LLADA_8B_DIR / "config.json").read_text()))

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from eval.hosts import HostShare, merge
 from eval.jsonl import read_rows
-from llada_jax.errors import LladaError
+from llada_jax.system.errors import LladaError
 from tests.test_gsm8k import TINY_RUN, char_model_dir  # noqa: F401  (a fixture)
 
 ROOT = Path(__file__).resolve().parent.parent

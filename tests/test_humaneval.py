@@ -20,7 +20,7 @@ from eval.jsonl import read_rows
 from eval.sandbox import UID_BASE, Limits, run_program
 from eval.sandbox_probe import detect_sandbox
 from llada_jax.cli.evaluate import add_humaneval
-from llada_jax.errors import LladaError
+from llada_jax.system.errors import LladaError
 from tests.conftest import require
 from tests.test_gsm8k import TINY_RUN, write_char_model
 

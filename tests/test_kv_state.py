@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llada_jax import kv_state
-from llada_jax.errors import LladaError
-from llada_jax.readout import StepOutput
+from llada_jax.model import kv_state
+from llada_jax.model.readout import StepOutput
+from llada_jax.system.errors import LladaError
 from tests.conftest import TINY, jax_backend
 
 SLOTS = 16

@@ -1,6 +1,6 @@
-"""The layer order of the parts, read from the source: every module is declared in one layer and imports only
-its own layer and the layers below; no file-level import cycles; function-local imports only where a listed
-reason needs them; the bundle runtime free of JAX; files and functions within size."""
+"""The layer order of the parts, read from the source: every folder is declared in one layer, and a module imports
+only its own layer and the layers below; no import cycles between folders or files; function-local imports only
+where a listed reason needs them; the bundle runtime free of JAX; files and functions within size."""
 
 from __future__ import annotations
 
@@ -15,37 +15,33 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("llada_jax", "policies", "lowering", "eval")
 
-# Lowest first; a module may import its own layer and any layer below it. "pkg.*" names the package and every
-# module under it; any other name is exactly one module, so a new core file must be declared here.
+# Lowest first: each layer is a list of folders (every folder holding a module is declared once), and a module
+# may import its own layer and any layer below it. A file's folder says its layer.
 LAYERS = (
-    ("core", ("llada_jax.errors", "llada_jax.config", "llada_jax.params", "llada_jax.layout", "llada_jax.model",
-              "llada_jax.kv_state",
-              "llada_jax.steps", "llada_jax.layered", "llada_jax.packing", "llada_jax.shapes", "llada_jax.readout",
-              "llada_jax.staging", "llada_jax.checkpoint", "llada_jax.weights_io", "llada_jax.atomic",
-              "llada_jax.tokenizer", "llada_jax.char_tokenizer", "llada_jax.locations", "llada_jax.compilation",
-              "llada_jax.backend", "llada_jax.loading", "llada_jax.safetensors_file", "llada_jax.quantize",
-              "llada_jax.quant_config", "llada_jax.qlinear", "llada_jax.quantize_checkpoint", "llada_jax.memory_plan",
-              "llada_jax.realign_checkpoint",
-              "llada_jax.step_batcher",
-              "llada_jax.mesh", "llada_jax.host_memory", "llada_jax.host_cpu", "llada_jax.moe",
-              "llada_jax.families.*")),
-    ("decoding", ("policies.*",)),
-    ("lowering", ("lowering.*",)),
-    ("runtime", ("llada_jax.backends.*",)),
-    ("api", ("llada_jax", "llada_jax.api", "llada_jax.bundle_runner")),
-    ("eval", ("eval.*",)),
-    ("serving", ("llada_jax.server.*",)),
-    ("apps", ("llada_jax.cli.*", "llada_jax.training", "llada_jax.display")),
+    ("system", ("llada_jax/system",)),
+    ("families", ("llada_jax/families",)),
+    ("quant", ("llada_jax/quant",)),
+    ("model", ("llada_jax/model",)),
+    ("staging", ("llada_jax/staging",)),
+    ("weights", ("llada_jax/weights",)),
+    ("training", ("llada_jax/training",)),
+    ("decoding", ("policies",)),
+    ("lowering", ("lowering",)),
+    ("runtime", ("llada_jax/backends",)),
+    ("api", ("llada_jax",)),
+    ("eval", ("eval", "eval/lm_tasks")),
+    ("serving", ("llada_jax/server",)),
+    ("apps", ("llada_jax/cli",)),
 )
 # Third-party packages whose function-local imports must be listed below (heavy, or JAX itself).
 HEAVY = ("jax", "jaxlib", "iree", "matplotlib", "orbax")
 # Every function-local import of a project module or a HEAVY package: (module, imported) -> why it is local.
 LOCAL_IMPORTS = {
-    ("llada_jax.params", "jax.numpy"): "params is imported by the JAX-free bundle runtime; only init_params needs JAX",
+    ("llada_jax.model.params", "jax.numpy"): "imported by the JAX-free bundle runtime; only init_params needs JAX",
     ("llada_jax.backends.select", "llada_jax.backends.xla"): "select is JAX-free; XLA backends load when a model runs",
     ("llada_jax.backends.select", "llada_jax.backends.xla_staged"): "as backends.xla",
     ("llada_jax.backends.select", "llada_jax.backends.host_side_path"): "JAX, and optional: a phone has none",
-    ("lowering.runtime", "iree.runtime"): "loaded when a bundle is opened, not whenever a backend is selected",
+    ("llada_jax.backends.iree", "iree.runtime"): "loaded when a bundle is opened, not whenever a backend is selected",
     ("lowering.bundle", "iree.compiler.tools.binaries"): "the compiler, only when a bundle is compiled",
     ("lowering.bundle_weights", "iree.runtime"): "its parameter archive writer, only when a bundle is compiled",
     ("lowering.export", "iree.compiler"): "the compiler's MLIR bindings, only when a step is exported",
@@ -54,11 +50,12 @@ LOCAL_IMPORTS = {
     ("eval.trace_plot", "matplotlib"): "heavy, only for `llada trace`",
     ("eval.trace_plot", "matplotlib.pyplot"): "after matplotlib.use('Agg')",
     ("llada_jax.cli.serve", "llada_jax.server.app"): "FastAPI loads only for `llada serve`, not every `llada` command",
-    ("llada_jax.training", "orbax.checkpoint"): "heavy (~0.4 s), only for a training run, not every `llada` command",
+    ("llada_jax.training.train", "orbax.checkpoint"): "heavy (~0.4 s), only for a training run, not every command",
 }
 # The bundle runtime runs on a phone: numpy + iree.runtime. Nothing these import at module level, directly or
 # through project modules, may be one of JAX_STACK.
-JAX_FREE = ("lowering.runtime", "lowering.staged_runtime", "llada_jax.backends.select", "llada_jax.bundle_runner")
+JAX_FREE = ("llada_jax.backends.iree", "llada_jax.backends.iree_staged", "llada_jax.backends.select",
+            "llada_jax.bundle_runner")
 JAX_STACK = ("jax", "jaxlib", "optax", "orbax", "iree.compiler")
 MAX_FILE_LINES, MAX_FUNCTION_LINES = 350, 60
 
@@ -143,14 +140,12 @@ IMPORTS = [found for module in MODULES for found in imports_of(module)]
 PROJECT_IMPORTS = [found for found in IMPORTS if is_project(found.imported)]
 
 
-def matches(module: str, pattern: str) -> bool:
-    if pattern.endswith(".*"):
-        return module == pattern[:-2] or module.startswith(pattern[:-1])
-    return module == pattern
+def folder_of(module: str) -> str:
+    return MODULES[module].parent.relative_to(ROOT).as_posix()
 
 
 def layers_of(module: str) -> list[str]:
-    return [name for name, patterns in LAYERS if any(matches(module, pattern) for pattern in patterns)]
+    return [name for name, folders in LAYERS if folder_of(module) in folders]
 
 
 def rank(layer: str) -> int:
@@ -161,13 +156,11 @@ def where(found: Import) -> str:
     return f"{MODULES[found.importer].relative_to(ROOT)}:{found.line}"
 
 
-def test_every_module_is_declared_in_exactly_one_layer():
-    assert "llada_jax.*" not in {pattern for _, patterns in LAYERS for pattern in patterns}, \
-        "llada_jax.* would declare every new file; name core modules one by one"
-    undeclared = sorted(module for module in MODULES if not layers_of(module))
-    ambiguous = sorted(f"{module} ({', '.join(layers_of(module))})" for module in MODULES if len(layers_of(module)) > 1)
-    assert not undeclared, f"modules in no layer; declare each in LAYERS (tests/test_layers.py): {undeclared}"
-    assert not ambiguous, f"modules in several layers: {ambiguous}"
+def test_every_folder_is_declared_in_exactly_one_layer():
+    declared = [folder for _, folders in LAYERS for folder in folders]
+    undeclared = sorted({folder_of(module) for module in MODULES} - set(declared))
+    assert not undeclared, f"folders in no layer; declare each in LAYERS (tests/test_layers.py): {undeclared}"
+    assert len(declared) == len(set(declared)), f"folders in several layers: {declared}"
 
 
 def layer_violation(found: Import) -> str | None:
@@ -215,12 +208,20 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_lazy_package_exports_count_as_imports():
     lazy = {found.imported for found in IMPORTS if found.importer == "llada_jax"}
-    assert {"llada_jax.api", "llada_jax.loading", "llada_jax.config", "llada_jax.errors"} <= lazy
+    assert {"llada_jax.api", "llada_jax.weights.loading", "llada_jax.model.config", "llada_jax.system.errors"} <= lazy
 
 
 def test_cycles_finds_a_cycle_and_only_it():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e"}}
     assert sorted(cycles(graph)) == [["a", "b", "c"], ["e"]]
+
+
+def test_no_folder_level_import_cycles():
+    graph = {folder_of(module): set() for module in MODULES}
+    for found in PROJECT_IMPORTS:
+        if folder_of(found.importer) != folder_of(found.imported):
+            graph[folder_of(found.importer)].add(folder_of(found.imported))
+    assert not cycles(graph), f"import cycles between folders: {cycles(graph)}"
 
 
 def test_no_file_level_import_cycles():
@@ -265,7 +266,7 @@ def test_bundle_runtime_imports_no_jax_at_module_level(module):
     assert not reaches_jax(module), f"{module} must load without JAX:\n" + "\n".join(reaches_jax(module))
 
 
-@pytest.mark.parametrize("module", ["llada_jax.bundle_runner", "lowering.runtime"])
+@pytest.mark.parametrize("module", ["llada_jax.bundle_runner", "llada_jax.backends.iree"])
 def test_bundle_runtime_loads_without_jax(module):
     script = f"import sys, {module}\nprint(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib')))"
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=ROOT)

@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from llada_jax.params import init_params
-from llada_jax.qlinear import QuantizedWeight
-from llada_jax.readout import TokenBiases
+from llada_jax.model.params import init_params
+from llada_jax.model.readout import TokenBiases
+from llada_jax.quant.qlinear import QuantizedWeight
 from policies.cache_policies import Vanilla
 from policies.decode_loop import decode_loop
 from policies.loop_io import LoopInputs, LoopSpec, loop_inputs
@@ -116,8 +116,8 @@ def test_iree_loop_dequantizes_inside_its_steps(tmp_path, monkeypatch):
     read from the stream IR iree-compile allocates before it generates code."""
     from iree.compiler.tools.binaries import find_tool
 
-    from llada_jax.quantize import QuantScheme
-    from llada_jax.quantize_checkpoint import quantize_checkpoint
+    from llada_jax.quant.quantize import QuantScheme
+    from llada_jax.weights.quantize_checkpoint import quantize_checkpoint
     from lowering import bundle as bundle_mod
     from lowering.export import canvas_sizes
     from policies.compiled_loop import baked_loops

@@ -14,14 +14,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import llada_jax
+from llada_jax.backends.iree import IreeBackend, Session, load_bundle
 from llada_jax.backends.select import OpenBundle
 from llada_jax.bundle_runner import generate_with_bundle
-from llada_jax.errors import LladaError
-from llada_jax.readout import ReadoutSpec, TokenBiases
+from llada_jax.model.readout import ReadoutSpec, TokenBiases
+from llada_jax.system.errors import LladaError
 from lowering import bundle as bundle_mod
 from lowering.bundle import compile_bundle
 from lowering.matmul_tiles import host_tiles
-from lowering.runtime import IreeBackend, Session, load_bundle
 from tests.conftest import BUNDLE_MAX_LEN, TINY, jax_backend, require, vulkan_available
 
 pytestmark = pytest.mark.slow  # IREE compiles or child processes: the full tier only
@@ -158,8 +158,8 @@ import json, sys
 import numpy as np
 from llada_jax.backends.select import OpenBundle
 from llada_jax.bundle_runner import generate_with_bundle
-from llada_jax.readout import ReadoutSpec, TokenBiases
-from lowering.runtime import IreeBackend, Session, load_bundle
+from llada_jax.model.readout import ReadoutSpec, TokenBiases
+from llada_jax.backends.iree import IreeBackend, Session, load_bundle
 
 path, policies, tokens, valid = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), json.loads(sys.argv[4])
 bundle = load_bundle(path, "vulkan")
@@ -255,8 +255,8 @@ def test_iree_backend_refuses_sampling_it_cannot_run(host_session):
 
 
 def test_embedded_model_decoders_identical_through_iree_and_jax(tmp_path):
-    from eval.tasks import held_out
-    from llada_jax.locations import default_model_dir
+    from llada_jax.system.locations import default_model_dir
+    from llada_jax.training.tasks import held_out
 
     model = llada_jax.load(default_model_dir())
     bundle = load_bundle(compile_bundle(default_model_dir(), "host", tmp_path / "embedded", max_len=128, window=16))

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax import export
 
-from llada_jax.layout import IREE_CPU_LAYOUT, POSITION_MAJOR
+from llada_jax.model.layout import IREE_CPU_LAYOUT, POSITION_MAJOR
 from lowering import targets
 from lowering.bundle import _compile_commands, compile_module
 from lowering.matmul_tiles import AVX2_TILES, AVX512_TILES, Tiles, host_tiles, tunable_matmuls, tuning_spec
@@ -69,7 +69,6 @@ def test_only_the_host_target_with_tiles_and_without_data_tiling_is_tuned(monkey
 def test_bundles_compiled_on_the_fly_are_cached_per_host_tiles(monkeypatch, tmp_path, tiny_dir):
     """A bundle cached under one host's tiles is not reused under another's; under the same tiles it is."""
     from lowering import bundle_cache
-
     compiled = []
 
     def compile_bundle(model_dir, target, out, **options):

@@ -11,13 +11,13 @@ import jax
 import pytest
 
 import llada_jax
-from llada_jax import loading
-from llada_jax.errors import LladaError
-from llada_jax.host_memory import release_freed_memory
-from llada_jax.memory_plan import ENV_OVERRIDE, weight_bytes
-from llada_jax.qlinear import QuantizedWeight, nbytes
-from llada_jax.quantize import QuantScheme
-from llada_jax.quantize_checkpoint import quantize_checkpoint
+from llada_jax.quant.qlinear import QuantizedWeight, nbytes
+from llada_jax.quant.quantize import QuantScheme
+from llada_jax.system.errors import LladaError
+from llada_jax.system.host_memory import release_freed_memory
+from llada_jax.weights import loading
+from llada_jax.weights.memory_plan import ENV_OVERRIDE, weight_bytes
+from llada_jax.weights.quantize_checkpoint import quantize_checkpoint
 from tests.conftest import TINY
 
 
@@ -84,7 +84,7 @@ def test_int8_activations_need_int8_per_channel_layers(tiny_dir, quantized_dirs,
 
 @pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc_trim")
 def test_loading_releases_freed_memory_on_linux(tiny_dir, monkeypatch):
-    """Loading ends with glibc's malloc_trim (see llada_jax.host_memory), found on Linux."""
+    """Loading ends with glibc's malloc_trim (see llada_jax.system.host_memory), found on Linux."""
     assert release_freed_memory()
     calls = []
     monkeypatch.setattr(loading, "release_freed_memory", lambda: calls.append("trim"))

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from llada_jax.errors import LladaError
-from llada_jax.mesh import MeshSpec
+from llada_jax.model.mesh import MeshSpec
+from llada_jax.system.errors import LladaError
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -10,8 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import llada_jax
-from llada_jax import kv_state, layout
-from llada_jax.layout import (
+from llada_jax.model import kv_state, layout
+from llada_jax.model.forward import Context, decoder_layer, lm_logits, rotary_tables
+from llada_jax.model.layout import (
     IREE_CPU_LAYOUT,
     POSITION_MAJOR,
     XLA_LAYOUT,
@@ -21,12 +22,11 @@ from llada_jax.layout import (
     linear,
     split_sum,
 )
-from llada_jax.model import Context, decoder_layer, lm_logits, rotary_tables
-from llada_jax.qlinear import to_device
-from llada_jax.quantize import HostQuantized, QuantScheme, quantize_matrix
-from llada_jax.readout import ReadoutSpec, StepOutput, head_rows_for
-from llada_jax.shapes import bucket
-from llada_jax.steps import argmax_logprob, full_step, guided_logits, head_rows, window_step
+from llada_jax.model.readout import ReadoutSpec, StepOutput, head_rows_for
+from llada_jax.model.shapes import bucket
+from llada_jax.model.steps import argmax_logprob, full_step, guided_logits, head_rows, window_step
+from llada_jax.quant.qlinear import to_device
+from llada_jax.quant.quantize import HostQuantized, QuantScheme, quantize_matrix
 from tests import reference
 from tests.conftest import TINY, assert_close_to_scale, jax_backend, read_all, step_extras
 
@@ -290,7 +290,7 @@ def test_head_rows_refuse_columns_out_of_order_or_range():
 def test_a_head_on_few_rows_makes_no_float32_copy_of_itself(dtype):
     """XLA ran a bf16 head feature-major as a float32 matmul on a float32 copy of the whole head (LLaDA-8B:
     2 GB per step); it runs position-major instead. A float32 head needs no copy either way."""
-    from llada_jax.model import head_logits
+    from llada_jax.model.forward import head_logits
 
     vocab, width = 8192, 256
     params = {"lm_head": jax.ShapeDtypeStruct((vocab, width), dtype)}

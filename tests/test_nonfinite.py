@@ -9,7 +9,7 @@ from safetensors.numpy import load_file, save_file
 
 import llada_jax
 from llada_jax.cli import main
-from llada_jax.errors import LladaError
+from llada_jax.system.errors import LladaError
 from tests.conftest import write_checkpoint
 
 PROMPT = np.array([5, 6, 7, 8])

@@ -18,18 +18,18 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import llada_jax
-from llada_jax import qlinear
-from llada_jax.checkpoint import save_hf
 from llada_jax.cli import main
-from llada_jax.config import read_config
-from llada_jax.errors import LladaError
-from llada_jax.params import hf_shapes, hf_to_params
-from llada_jax.qlinear import QuantizedWeight, quantized_linear, quantized_rows, row_block_for, to_device
-from llada_jax.quant_config import EDGE_SCHEME, planned_modules, quantization_config, quantized_modules
-from llada_jax.quantize import HostQuantized, QuantScheme, dequantize, pack_int32, quantize_matrix, unpack_int32
-from llada_jax.quantize_checkpoint import quantize_checkpoint
-from llada_jax.safetensors_file import SafetensorsFile
-from llada_jax.weights_io import iter_tensors
+from llada_jax.model.config import read_config
+from llada_jax.model.params import hf_shapes, hf_to_params
+from llada_jax.quant import qlinear
+from llada_jax.quant.qlinear import QuantizedWeight, quantized_linear, quantized_rows, row_block_for, to_device
+from llada_jax.quant.quantize import HostQuantized, QuantScheme, dequantize, pack_int32, quantize_matrix, unpack_int32
+from llada_jax.system.errors import LladaError
+from llada_jax.weights.checkpoint import save_hf
+from llada_jax.weights.quant_config import EDGE_SCHEME, planned_modules, quantization_config, quantized_modules
+from llada_jax.weights.quantize_checkpoint import quantize_checkpoint
+from llada_jax.weights.safetensors_file import SafetensorsFile
+from llada_jax.weights.weights_io import iter_tensors
 from tests.conftest import TINY, in_mapped_file, write_checkpoint
 from tests.test_checkpoint import edit_json, raw_tensors
 
@@ -466,7 +466,6 @@ def test_scale_checkpoint_rows_are_distinct():
     import ml_dtypes
 
     from eval import scale_checkpoint
-
     assert all(math.gcd(scale_checkpoint.POOL_SIZE, width) == 1 for width in (4096, 12288))
     pool = np.random.default_rng(0).standard_normal(97).astype(ml_dtypes.bfloat16)  # prime, as POOL_SIZE is to widths
     rows = scale_checkpoint.random_tensor((97, 8), pool, np.random.default_rng(1))

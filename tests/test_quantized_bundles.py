@@ -15,19 +15,19 @@ from hypothesis import strategies as st
 from safetensors.numpy import load_file
 
 import llada_jax
-from llada_jax import qlinear
+from llada_jax.backends.iree import IreeBackend, Session, load_bundle
 from llada_jax.backends.select import OpenBundle
 from llada_jax.bundle_runner import generate_with_bundle
-from llada_jax.errors import LladaError
-from llada_jax.qlinear import row_block_for
-from llada_jax.quant_config import EDGE_SCHEME
-from llada_jax.quantize import QuantScheme
-from llada_jax.quantize_checkpoint import quantize_checkpoint
-from llada_jax.readout import ReadoutSpec, TokenBiases
+from llada_jax.model.readout import ReadoutSpec, TokenBiases
+from llada_jax.quant import qlinear
+from llada_jax.quant.qlinear import row_block_for
+from llada_jax.quant.quantize import QuantScheme
+from llada_jax.system.errors import LladaError
+from llada_jax.weights.quant_config import EDGE_SCHEME
+from llada_jax.weights.quantize_checkpoint import quantize_checkpoint
 from lowering import bundle as bundle_mod
 from lowering.bundle import compile_bundle
 from lowering.bundle_weights import _quantized_parameters
-from lowering.runtime import IreeBackend, Session, load_bundle
 from tests.conftest import TINY, jax_backend, write_checkpoint
 from tests.test_lowering import assert_close, random_canvas
 

@@ -10,12 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import llada_jax
-from llada_jax.packing import layer_layout
-from llada_jax.qlinear import split_nibbles, unpack_stage
-from llada_jax.quant_config import EDGE_SCHEME
-from llada_jax.quantize import HostQuantized, QuantScheme, quantize_matrix
-from llada_jax.quantize_checkpoint import quantize_checkpoint
-from llada_jax.staging import _pack_stage, kv_bytes
+from llada_jax.quant.qlinear import split_nibbles, unpack_stage
+from llada_jax.quant.quantize import HostQuantized, QuantScheme, quantize_matrix
+from llada_jax.staging.packing import layer_layout
+from llada_jax.staging.swap import _pack_stage, kv_bytes
+from llada_jax.weights.quant_config import EDGE_SCHEME
+from llada_jax.weights.quantize_checkpoint import quantize_checkpoint
 from tests.conftest import TINY, write_checkpoint
 from tests.test_staging import check_staged_bytes
 

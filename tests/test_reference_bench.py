@@ -22,7 +22,7 @@ import os, sys, time
 from pathlib import Path
 sys.path.insert(0, {str(REPO)!r})
 import numpy as np
-from llada_jax.config import read_config
+from llada_jax.model.config import read_config
 from tests import reference
 from tests.conftest import read_all
 
@@ -158,7 +158,6 @@ def test_the_scale_bench_times_the_reference_model_on_the_float_checkpoint(capsy
     """A reference row beside ours: load, first call, a forward per canvas the model holds, its own peak RSS;
     a checkout that is not one is refused before anything is measured."""
     from eval import bench_scale
-
     bench_scale.main(["--setting", f"xla={tiny_dir}", "--reference", str(fake_reference), "--json"])
     ours, theirs = json.loads(capsys.readouterr().out)["rows"]
     assert (theirs["setting"], theirs["mode"]) == ("reference", "torch bfloat16") and "error" not in theirs

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import llada_jax
-from llada_jax.config import LLaDAConfig
+from llada_jax.model.config import LLaDAConfig
 from tests import reference
 from tests.conftest import TINY, read_all, write_checkpoint
 

@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import llada_jax
-from llada_jax import kv_state
-from llada_jax.backend import SideBackend
-from llada_jax.errors import LladaError
+from llada_jax.model import kv_state
+from llada_jax.system.errors import LladaError
+from policies.backend import SideBackend
 from policies.canvas import Block, Canvas
 from policies.loop import decode, dense_step
 from policies.registry import make_policy

@@ -16,12 +16,12 @@ from hypothesis import strategies as st
 from safetensors.numpy import load_file, save_file
 
 import llada_jax
-from llada_jax import safetensors_file
-from llada_jax.checkpoint import save_hf
 from llada_jax.cli import main
-from llada_jax.errors import LladaError
-from llada_jax.params import params_to_hf
-from llada_jax.safetensors_file import ALIGN, SafetensorsFile, write_safetensors
+from llada_jax.model.params import params_to_hf
+from llada_jax.system.errors import LladaError
+from llada_jax.weights import safetensors_file
+from llada_jax.weights.checkpoint import save_hf
+from llada_jax.weights.safetensors_file import ALIGN, SafetensorsFile, write_safetensors
 from tests.conftest import in_mapped_file
 
 DTYPES = [np.float32, ml_dtypes.bfloat16, np.float16, np.int32, np.int64, np.int8, np.uint8]

@@ -26,10 +26,10 @@ import llada_jax
 from eval.task_eval import answer_text
 from llada_jax.backends.select import select_backend
 from llada_jax.cli import main
-from llada_jax.locations import EMBEDDED_DIR
 from llada_jax.server.app import create_app
 from llada_jax.server.engine import Busy, Engine
 from llada_jax.server.requests import Defaults, Served
+from llada_jax.system.locations import EMBEDDED_DIR
 from policies.generation import prepare_generation
 from policies.options import GenerationOptions
 from tests.conftest import TINY

@@ -8,11 +8,11 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llada_jax.config import read_config
-from llada_jax.locations import EMBEDDED_DIR
+from llada_jax.model.config import read_config
 from llada_jax.server.answer import SettledAnswer
 from llada_jax.server.requests import end_ids
-from llada_jax.tokenizer import eot_id_from_files, load_tokenizer
+from llada_jax.system.locations import EMBEDDED_DIR
+from llada_jax.weights.tokenizer import eot_id_from_files, load_tokenizer
 
 TOKENIZER, CONFIG = load_tokenizer(EMBEDDED_DIR), read_config(EMBEDDED_DIR, eot_id_from_files(EMBEDDED_DIR))
 ENDS = end_ids(CONFIG)

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llada_jax.errors import LladaError
-from llada_jax.shapes import GRANULE, LARGEST, LENGTH_BUCKETS, bucket
+from llada_jax.model.shapes import GRANULE, LARGEST, LENGTH_BUCKETS, bucket
+from llada_jax.system.errors import LladaError
 
 
 @given(length=st.integers(1, LARGEST))

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import llada_jax
-from llada_jax.errors import LladaError
+from llada_jax.system.errors import LladaError
 from policies.cache_policies import PrefixCache
 from policies.registry import make_policy
 from policies.speculative import Speculative

@@ -13,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import llada_jax
-from llada_jax.errors import LladaError
-from llada_jax.packing import head_chunks, head_layout, layer_layout
-from llada_jax.staging import StagingRing, StagingStats, kv_bytes
+from llada_jax.staging.packing import head_chunks, head_layout, layer_layout
+from llada_jax.staging.swap import StagingRing, StagingStats, kv_bytes
+from llada_jax.system.errors import LladaError
 from tests.conftest import TINY, assert_close_to_scale
 
 POLICIES = ["vanilla", "prefix-cache", "dual-cache", "dual-cache+speculative:1:0.3+revision:0.5"]
@@ -122,12 +122,12 @@ def test_ring_pins_the_largest_stages_and_surfaces_copy_failures():
 
 @pytest.mark.slow
 def test_iree_staged_equals_iree_resident_and_jax(tiny_dir, tiny_model, tmp_path):
+    from llada_jax.backends.iree import IreeBackend, Session, load_bundle
+    from llada_jax.backends.iree_staged import IreeStagedBackend, staged_weights
     from llada_jax.backends.select import OpenBundle
     from llada_jax.bundle_runner import generate_with_bundle
-    from llada_jax.readout import ReadoutSpec, TokenBiases
+    from llada_jax.model.readout import ReadoutSpec, TokenBiases
     from lowering.bundle import compile_bundle
-    from lowering.runtime import IreeBackend, Session, load_bundle
-    from lowering.staged_runtime import IreeStagedBackend, staged_weights
 
     slot = 4 * max(layer_layout(TINY).size, head_layout(TINY).size)
     budget = 2 * slot + kv_bytes(TINY, 1, 32, 4)  # two ring slots: copies overlap compute

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import random
 
-from eval.tasks import FAMILIES, MIN_ANSWER, held_out, training_examples
+from llada_jax.training.tasks import FAMILIES, MIN_ANSWER, held_out, training_examples
 
 
 def test_generators_are_deterministic_and_answers_span_three_blocks():

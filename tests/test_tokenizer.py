@@ -8,8 +8,8 @@ import shutil
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from llada_jax.errors import LladaError
-from llada_jax.tokenizer import eot_id_from_files, load_tokenizer, read_special_tokens, render_chat_template
+from llada_jax.system.errors import LladaError
+from llada_jax.weights.tokenizer import eot_id_from_files, load_tokenizer, read_special_tokens, render_chat_template
 from tests.conftest import LLADA_8B_DIR
 
 

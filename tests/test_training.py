@@ -11,8 +11,8 @@ import pytest
 from safetensors.numpy import load_file
 
 import llada_jax
-from llada_jax import training
-from llada_jax.training import TrainSettings, corrupt, train
+from llada_jax.training import train as training
+from llada_jax.training.train import TrainSettings, corrupt, train
 
 SETTINGS = TrainSettings(steps=4, batch=4, seq_len=96, learning_rate=1e-3, warmup=1, checkpoint_every=2)
 CONFIG = dataclasses.replace(training.embedded_model_config(d_model=32, n_layers=1), max_sequence_length=128)

@@ -1,9 +1,9 @@
 """Documents of the local lm-eval tasks (`llada_tasks`, `llada_choice`): the embedded model's held-out task
-suite (`eval.tasks`), built in memory, so the tasks run with no dataset download."""
+suite (`llada_jax.training.tasks`), built in memory, so the tasks run with no dataset download."""
 
 from __future__ import annotations
 
-from eval.tasks import held_out
+from llada_jax.training.tasks import held_out
 
 DISTRACTORS = 3
 

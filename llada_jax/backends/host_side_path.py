@@ -12,12 +12,12 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from llada_jax import kv_state
-from llada_jax.backend import SideBackend
 from llada_jax.backends.xla import JaxBackend
-from llada_jax.checkpoint import load_params
-from llada_jax.quant_config import quantized_modules
-from llada_jax.readout import StepOutput
+from llada_jax.model import kv_state
+from llada_jax.model.readout import StepOutput
+from llada_jax.weights.checkpoint import load_params
+from llada_jax.weights.quant_config import quantized_modules
+from policies.backend import SideBackend
 
 
 def host_side_backend(backend, weights_dir: Path) -> SideBackend:

@@ -10,11 +10,11 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from llada_jax.backend import Backend, BackendRequest, SideBackend
-from llada_jax.errors import LladaError
-from llada_jax.staging import StagedWeights, StagingStats, kv_bytes, ring_buffers
-from lowering.runtime import Bundle, IreeBackend, Session, load_bundle
-from lowering.staged_runtime import IreeStagedBackend, staged_weights
+from llada_jax.backends.iree import Bundle, IreeBackend, Session, load_bundle
+from llada_jax.backends.iree_staged import IreeStagedBackend, staged_weights
+from llada_jax.staging.swap import StagedWeights, StagingStats, kv_bytes, ring_buffers
+from llada_jax.system.errors import LladaError
+from policies.backend import Backend, BackendRequest, SideBackend
 
 DRIVERS = {"iree-host": "local-task", "iree-vulkan": "vulkan"}
 
@@ -45,7 +45,7 @@ def open_bundle(path, backend: str = "iree-host") -> OpenBundle:
 
 
 def select_backend(source, request: BackendRequest) -> Backend:
-    """The backend that runs one generation of `source` (a `llada_jax.loading.Model` or an `OpenBundle`),
+    """The backend that runs one generation of `source` (a `llada_jax.weights.loading.Model` or an `OpenBundle`),
     sized for the request's rows and canvas positions and checked against the device memory budget."""
     if isinstance(source, OpenBundle):
         return _iree_backend(source, request)

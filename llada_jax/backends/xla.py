@@ -1,4 +1,4 @@
-"""The XLA backend (`llada_jax.backend.Backend`): the jitted steps with device-resident params.
+"""The XLA backend (`policies.backend.Backend`): the jitted steps with device-resident params.
 Readouts come back to the host as numpy; proposed K/V stay on the device until committed."""
 
 from __future__ import annotations
@@ -9,14 +9,14 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 
-from llada_jax import kv_state
-from llada_jax.backend import Backend
-from llada_jax.config import LLaDAConfig
-from llada_jax.mesh import put_kv, put_rows
-from llada_jax.model import Context
-from llada_jax.readout import ReadoutSpec, Reads, StepOutput, TokenBiases, first_columns, head_rows_for
-from llada_jax.shapes import kv_shape
-from llada_jax.steps import full_step, scatter_slots, window_step
+from llada_jax.model import kv_state
+from llada_jax.model.config import LLaDAConfig
+from llada_jax.model.forward import Context
+from llada_jax.model.mesh import put_kv, put_rows
+from llada_jax.model.readout import ReadoutSpec, Reads, StepOutput, TokenBiases, first_columns, head_rows_for
+from llada_jax.model.shapes import kv_shape
+from llada_jax.model.steps import full_step, scatter_slots, window_step
+from policies.backend import Backend
 from policies.decode_loop import decode_loop
 from policies.loop_io import LoopInputs, LoopOutputs, LoopSpec
 
@@ -46,7 +46,7 @@ class JaxBackend(DeviceRows, Backend):
     biases: TokenBiases
     cfg_scale: float = 0.0
     dtype: object = jnp.float32
-    mesh: object = None  # a `jax.sharding.Mesh`: every step's rows split over its data axis (`llada_jax.mesh`)
+    mesh: object = None  # a `jax.sharding.Mesh`: every step's rows split over its data axis (`llada_jax.model.mesh`)
 
     def _rows(self, array, axis: int = 0):
         """A batch array on the device: with a mesh, its rows (axis `axis`) split over the data axis."""

@@ -11,20 +11,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from llada_jax import kv_state
-from llada_jax.backend import Backend
 from llada_jax.backends.xla import DeviceRows, commit_on_device, empty_on_device, to_host
-from llada_jax.config import LLaDAConfig
-from llada_jax.layered import head_chunk_step, layer_step
-from llada_jax.packing import head_chunks
-from llada_jax.readout import ReadoutSpec, Reads, StepOutput, TokenBiases, chunk_biases
-from llada_jax.staging import (
+from llada_jax.model import kv_state
+from llada_jax.model.config import LLaDAConfig
+from llada_jax.model.layered import head_chunk_step, layer_step
+from llada_jax.model.readout import ReadoutSpec, Reads, StepOutput, TokenBiases, chunk_biases
+from llada_jax.staging.packing import head_chunks
+from llada_jax.staging.swap import (
     StagedWeights,
     StagingRing,
     StagingStats,
     staged_full,
     staged_window,
 )
+from policies.backend import Backend
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +53,7 @@ class StagedJaxBackend(DeviceRows, Backend):
     def _upload(self, buffer: int, stage: int) -> dict:
         """One stage to the device, tensor by tensor from its packed host buffer. XLA owns the device
         buffers: on a CPU device `device_put` aliases the aligned host views (nothing is copied), so
-        the real buffer copies are the IREE runtime's (`lowering.staged_runtime`)."""
+        the real buffer copies are the IREE runtime's (`llada_jax.backends.iree_staged`)."""
         layout = self.weights.layouts[stage]
         return {name: jax.device_put(view) for name, view in layout.views(self.weights.stages[stage]).items()}
 

@@ -17,7 +17,7 @@ from llada_jax.cli.generate import add_generate, add_trace
 from llada_jax.cli.quantize import add_quantize
 from llada_jax.cli.serve import add_serve
 from llada_jax.cli.train import add_train
-from llada_jax.errors import LladaError
+from llada_jax.system.errors import LladaError
 
 
 class DefaultsFormatter(argparse.HelpFormatter):

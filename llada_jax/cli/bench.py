@@ -17,10 +17,10 @@ from eval.figure_file import check_png_target
 from eval.gsm8k import extract_answer, load_problems, prompt_text, same_number
 from eval.reference_bench import check_reference, run_reference
 from eval.task_eval import GEN_LENGTH
-from eval.tasks import exact_match, held_out
 from llada_jax.cli.flags import add_model_flags, batch_sizes_arg, model_dir
 from llada_jax.cli.runner import add_runner_flags, generation_runner
-from llada_jax.errors import LladaError
+from llada_jax.system.errors import LladaError
+from llada_jax.training.tasks import exact_match, held_out
 from policies.compiled_loop import loop_covers
 from policies.registry import DecoderSetting, make_policy
 

@@ -12,7 +12,7 @@ from llada_jax.cli.flags import (
     model_dir,
 )
 from llada_jax.cli.progress import stage_printer
-from llada_jax.errors import LladaError
+from llada_jax.system.errors import LladaError
 from lowering.bundle import compile_bundle
 from lowering.export import canvas_sizes
 from lowering.run_script import SCRIPT

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from llada_jax.cli.flags import model_dir
-from llada_jax.realign_checkpoint import realign_checkpoint
+from llada_jax.weights.realign_checkpoint import realign_checkpoint
 
 
 def cmd_convert(args) -> None:

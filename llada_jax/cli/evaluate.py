@@ -18,8 +18,8 @@ from llada_jax.cli.flags import (
     positive_int,
 )
 from llada_jax.cli.hosts import add_host_flags, host_share
-from llada_jax.errors import LladaError
-from llada_jax.mesh import DATA
+from llada_jax.model.mesh import DATA
+from llada_jax.system.errors import LladaError
 from policies.registry import DecoderSetting
 
 

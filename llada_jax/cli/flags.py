@@ -7,13 +7,13 @@ import sys
 from pathlib import Path
 
 from llada_jax.api import load
-from llada_jax.compilation import use_persistent_cache
-from llada_jax.config import read_config
-from llada_jax.errors import LladaError
-from llada_jax.locations import default_model_dir, user_cache_dir
-from llada_jax.mesh import MeshSpec, describe
-from llada_jax.qlinear import ACTIVATIONS
-from llada_jax.weights_io import check_finite_weights
+from llada_jax.model.config import read_config
+from llada_jax.model.mesh import MeshSpec, describe
+from llada_jax.quant.qlinear import ACTIVATIONS
+from llada_jax.system.compilation import use_persistent_cache
+from llada_jax.system.errors import LladaError
+from llada_jax.system.locations import default_model_dir, user_cache_dir
+from llada_jax.weights.weights_io import check_finite_weights
 from policies.compiled_loop import baked_loops, loop_covers
 from policies.generation import LOOPS
 from policies.registry import DecoderSetting, make_policy, with_modifier

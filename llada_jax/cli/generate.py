@@ -11,6 +11,7 @@ import numpy as np
 
 from eval.figure_file import check_png_target
 from eval.trace_plot import plot_trace
+from llada_jax.cli.display import LiveCanvas
 from llada_jax.cli.flags import (
     add_decoding_flags,
     add_model_flags,
@@ -19,9 +20,8 @@ from llada_jax.cli.flags import (
     policy_arg,
 )
 from llada_jax.cli.runner import add_runner_flags, generation_runner
-from llada_jax.compilation import compile_clock
-from llada_jax.display import LiveCanvas
-from llada_jax.errors import LladaError
+from llada_jax.system.compilation import compile_clock
+from llada_jax.system.errors import LladaError
 
 
 def add_prompt_flags(parser: argparse.ArgumentParser) -> None:

@@ -8,7 +8,7 @@ import argparse
 import jax
 
 from eval.hosts import HostShare
-from llada_jax.errors import LladaError
+from llada_jax.system.errors import LladaError
 
 
 def add_host_flags(parser: argparse.ArgumentParser) -> None:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from llada_jax.cli.flags import model_dir
-from llada_jax.config import read_config
-from llada_jax.quant_config import EDGE_SCHEME, default_group_size
-from llada_jax.quantize import BITS, GROUP_SIZES, QuantScheme
-from llada_jax.quantize_checkpoint import quantize_checkpoint
+from llada_jax.model.config import read_config
+from llada_jax.quant.quantize import BITS, GROUP_SIZES, QuantScheme
+from llada_jax.weights.quant_config import EDGE_SCHEME, default_group_size
+from llada_jax.weights.quantize_checkpoint import quantize_checkpoint
 
 
 def cmd_quantize(args) -> None:

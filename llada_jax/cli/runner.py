@@ -11,9 +11,9 @@ from llada_jax.api import generate
 from llada_jax.backends.select import OpenBundle, open_bundle
 from llada_jax.bundle_runner import generate_with_bundle
 from llada_jax.cli.flags import add_data_tiling_flag, load_model, model_dir
-from llada_jax.config import read_config
-from llada_jax.errors import LladaError
-from llada_jax.tokenizer import load_tokenizer
+from llada_jax.model.config import read_config
+from llada_jax.system.errors import LladaError
+from llada_jax.weights.tokenizer import load_tokenizer
 from lowering.bundle_cache import cached_bundle
 from lowering.export import canvas_sizes
 from policies.compiled_loop import baked_loops

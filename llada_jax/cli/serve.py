@@ -10,11 +10,11 @@ import sys
 from llada_jax.backends.select import OpenBundle, select_backend
 from llada_jax.cli.flags import add_decoding_flags, add_model_flags, commit_threshold, model_dir, policy_spec
 from llada_jax.cli.runner import add_runner_flags, opened_source
-from llada_jax.errors import LladaError
+from llada_jax.model.shapes import bucket
 from llada_jax.server.engine import Engine
 from llada_jax.server.requests import Defaults, Served
-from llada_jax.shapes import bucket
-from llada_jax.tokenizer import load_tokenizer
+from llada_jax.system.errors import LladaError
+from llada_jax.weights.tokenizer import load_tokenizer
 from policies.registry import DecoderSetting
 from policies.schedule import Schedule
 

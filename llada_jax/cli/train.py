@@ -3,7 +3,7 @@ exported."""
 
 from __future__ import annotations
 
-from llada_jax.training import (
+from llada_jax.training.train import (
     TrainSettings,
     embedded_model_config,
     export_latest,

@@ -4,8 +4,8 @@ config.json's `architectures[0]`, never guessed from shapes. No JAX here: the bu
 
 from __future__ import annotations
 
-from llada_jax.errors import LladaError
 from llada_jax.families import dream, llada, llada_moe
+from llada_jax.system.errors import LladaError
 
 FAMILIES = (llada, dream, llada_moe)
 BY_ARCHITECTURE = {family.ARCHITECTURE: family for family in FAMILIES}

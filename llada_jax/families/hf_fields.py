@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from llada_jax.errors import LladaError
+from llada_jax.system.errors import LladaError
 
 
 def integers(raw: dict, *names: str) -> list[int]:

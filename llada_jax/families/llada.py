@@ -4,7 +4,7 @@ Bidirectional llama blocks without biases, a separate LM head, no logits shift."
 
 from __future__ import annotations
 
-from llada_jax.errors import LladaError
+from llada_jax.system.errors import LladaError
 
 NAME = "llada"
 ARCHITECTURE = "LLaDAModelLM"

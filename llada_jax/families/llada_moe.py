@@ -8,8 +8,8 @@ renormalisation, SwiGLU experts, no shared expert. Its reference code ignores `n
 
 from __future__ import annotations
 
-from llada_jax.errors import LladaError
 from llada_jax.families.hf_fields import attention_names, integers, require, shared_config, shared_fields
+from llada_jax.system.errors import LladaError
 
 NAME = "llada-moe"
 ARCHITECTURE = "LLaDAMoEModelLM"

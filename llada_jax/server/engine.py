@@ -16,10 +16,10 @@ import dataclasses
 import threading
 from typing import Callable
 
-from llada_jax.errors import LladaError
-from llada_jax.step_batcher import StepBatcher
+from llada_jax.system.errors import LladaError
 from policies.generation import Prepared
 from policies.loop import with_call_seconds
+from policies.step_batcher import StepBatcher
 
 
 class Busy(LladaError):
@@ -48,7 +48,7 @@ class _Waiting:
 
 class Engine:
     """Runs `Prepared` single-prompt generations as rows of shared batchers (see the module docstring).
-    `make_backend(request)` (a `llada_jax.backend.BackendRequest`) builds a backend; each is sized for `max_batch`
+    `make_backend(request)` (a `policies.backend.BackendRequest`) builds a backend; each is sized for `max_batch`
     generations of `max_slots` canvas positions, the most it will run."""
 
     def __init__(self, make_backend: Callable, max_slots: int, max_batch: int = 8, max_queue: int = 32):

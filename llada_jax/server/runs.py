@@ -11,10 +11,10 @@ import functools
 import logging
 from typing import AsyncIterator, Callable
 
-from llada_jax.errors import LladaError
 from llada_jax.server.engine import Engine
 from llada_jax.server.requests import Job
-from llada_jax.step_batcher import Cancelled
+from llada_jax.system.errors import LladaError
+from policies.step_batcher import Cancelled
 
 log = logging.getLogger("llada.serve")
 

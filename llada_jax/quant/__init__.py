@@ -1,0 +1,1 @@
+"""Quantized weights: the schemes and the quantized matmul."""

@@ -1,0 +1,1 @@
+"""Swap-optimized execution: weights streamed through a device budget in packed stages."""

@@ -1,0 +1,126 @@
+"""Writes that never replace what the user has: an output is built in a temporary sibling and renamed into
+place, and only over nothing, an empty directory, or a previous output of the same command (with `force`).
+
+Every output directory carries a marker file naming the command that wrote it; that is how a previous output
+is told apart from the user's own directory. A target that is, or contains, one of the command's inputs is
+refused outright."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from llada_jax.system.errors import LladaError
+
+MARKER = ".llada-output.json"
+
+
+def previous_output(path: Path) -> str | None:
+    """The command that wrote directory `path` (from its marker), or None."""
+    try:
+        record = json.loads((Path(path) / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return record.get("command") if isinstance(record, dict) else None
+
+
+def check_output_dir(out_dir: Path, command: str, inputs=(), force: bool = False) -> None:
+    """Refuse, in one line, a target whose writing could destroy something the user has."""
+    out_dir = Path(out_dir)
+    target = out_dir.resolve()
+    for source in inputs:
+        source = Path(source).resolve()
+        if target == source or target in source.parents:
+            raise LladaError(f"{out_dir} {'is' if target == source else 'contains'} this command's input {source}; "
+                             "choose an output directory of its own")
+    if not out_dir.exists() and not out_dir.is_symlink():
+        return
+    if out_dir.is_symlink() or not out_dir.is_dir():
+        raise LladaError(f"{out_dir} exists and is not a directory; refusing to replace it")
+    if not any(out_dir.iterdir()):
+        return
+    writer = previous_output(out_dir)
+    if writer != command:
+        what = f"an output of `{writer}`" if writer else "not an output of this command"
+        raise LladaError(f"{out_dir} is not empty and is {what}; refusing to replace it (choose a new directory)")
+    if not force:
+        raise LladaError(f"{out_dir} holds an earlier output of `{command}`; pass --force to replace it")
+
+
+@contextlib.contextmanager
+def atomic_dir(out_dir: Path, command: str, inputs=(), force: bool = False):
+    """Yield an empty temporary sibling of `out_dir` to fill; when the block ends without an error it is
+    marked as `command`'s output and becomes `out_dir`, else it is deleted and `out_dir` is left as it was.
+    `check_output_dir` runs before anything is written and again just before the swap."""
+    out_dir = Path(out_dir)
+    check_output_dir(out_dir, command, inputs, force)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        yield staging
+        (staging / MARKER).write_text(json.dumps({"command": command}) + "\n")
+        publish_permissions(staging)
+        check_output_dir(out_dir, command, inputs, force)
+        replace_dir(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def replace_dir(staging: Path, out_dir: Path) -> None:
+    """Move the complete `staging` directory to `out_dir`; an existing `out_dir` (checked by the caller) is
+    swapped out only once the new one is complete, so a reader sees the old or the new directory, never a mix."""
+    if not out_dir.exists():
+        os.replace(staging, out_dir)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old.", dir=out_dir.parent))
+    os.replace(out_dir, old / "replaced")
+    os.replace(staging, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
+def publish_permissions(directory: Path) -> None:
+    """mkdtemp makes a private directory; an output is readable like any other (executables stay executable)."""
+    umask = _umask()
+    directory.chmod(0o777 & ~umask)
+    for path in directory.iterdir():
+        path.chmod((0o777 if path.stat().st_mode & 0o100 else 0o666) & ~umask)
+
+
+def check_output_file(path: Path, is_previous_output, force: bool = False) -> None:
+    """Refuse an existing `path` unless `is_previous_output(path)` and `force`."""
+    path = Path(path)
+    if not path.exists() and not path.is_symlink():
+        return
+    if path.is_symlink() or not path.is_file() or not is_previous_output(path):
+        raise LladaError(f"{path} exists and is not an output of this command; refusing to replace it")
+    if not force:
+        raise LladaError(f"{path} holds an earlier output of this command; pass --force to replace it")
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write `path` whole or not at all: a temporary sibling, flushed to disk, renamed over it. The caller
+    has checked that `path` may be replaced."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, staging = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(handle, "wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+        os.chmod(staging, 0o666 & ~_umask())  # mkstemp's file is private
+        os.replace(staging, path)
+    except BaseException:
+        Path(staging).unlink(missing_ok=True)
+        raise

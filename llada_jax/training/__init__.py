@@ -1,0 +1,1 @@
+"""The embedded model: its synthetic tasks and its training."""

@@ -1,0 +1,143 @@
+"""A model loaded from an HF LLaDA directory: config, tokenizer, and its weights either device-resident
+(the params pytree) or, when they exceed the device memory budget, packed per stage on the host for
+staged execution."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from llada_jax.model.config import LLaDAConfig, read_config
+from llada_jax.model.mesh import MODEL, check_fits_model_axis
+from llada_jax.model.params import hf_shapes
+from llada_jax.quant.qlinear import check_activations
+from llada_jax.quant.quantize import QuantScheme
+from llada_jax.staging.swap import StagedWeights, pack_weights
+from llada_jax.system.errors import LladaError
+from llada_jax.system.host_memory import release_freed_memory
+from llada_jax.weights.checkpoint import compute_dtype, load_params
+from llada_jax.weights.memory_plan import check_fits, resident_need, weight_bytes
+from llada_jax.weights.quant_config import default_group_size, planned_modules
+from llada_jax.weights.tokenizer import Tokenizer, eot_id_from_files, load_tokenizer
+from llada_jax.weights.weights_io import (
+    check_finite_weights,
+    checkpoint_quantization,
+    iter_tensors,
+    stored_scale_itemsize,
+)
+
+LOAD_BAR_BYTES = 1 << 30  # a load that takes seconds or more shows a progress bar
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """A loaded model: device-resident `params`, or, when its weights exceed the device memory budget,
+    `staged` host-packed stages streamed through device memory at every step (params is then None)."""
+
+    config: LLaDAConfig
+    params: dict | None
+    tokenizer: Tokenizer | None
+    dtype: str = "float32"
+    path: Path | None = None
+    device_memory_budget: int | None = None
+    staged: StagedWeights | None = None
+    activations: str = "float"  # "int8": W8A8 matmuls for per-channel int8 weights (see qlinear)
+    quantized: dict = dataclasses.field(default_factory=dict)  # module -> QuantScheme of the checkpoint
+    mesh: object = None  # a `jax.sharding.Mesh` the params are sharded over (`llada_jax.model.mesh`); None: one device
+    scale_itemsize: int = 4  # bytes per quantization scale as held: as stored when resident, float32 when staged
+
+    @property
+    def jnp_dtype(self):
+        return compute_dtype(self.dtype)
+
+    @property
+    def itemsize(self) -> int:
+        return jnp.dtype(self.jnp_dtype).itemsize
+
+    @property
+    def weight_bytes(self) -> int:
+        return weight_bytes(self.config, self.itemsize, self.quantized, self.scale_itemsize)
+
+
+def load(path, dtype: str = "float32", device_memory_budget: int | None = None, check_weights: bool = False,
+         activations: str = "float", mesh=None) -> Model:
+    """Load an HF LLaDA directory (config.json + safetensors weights [+ tokenizer files]). With a device
+    memory budget smaller than the weights, they are packed per layer on the host for staged execution.
+    `check_weights` first scans every tensor for NaN/Inf (a pass over all weights). With a `mesh`
+    (`llada_jax.model.mesh.MeshSpec(...).build()`), the weights are sharded over its model axis (replicated over
+    its data axis) and every step's rows are split over its data axis."""
+    model_dir = Path(path)
+    if not model_dir.is_dir():
+        raise LladaError(f"model directory {model_dir} does not exist")
+    compute_dtype(dtype)
+    if device_memory_budget is not None and device_memory_budget <= 0:
+        raise LladaError(f"device memory budget must be a positive number of bytes, got {device_memory_budget}")
+    tokenizer = load_tokenizer(model_dir)
+    eot = eot_id_from_files(model_dir)
+    if eot is None and tokenizer is not None:
+        eot = tokenizer.token_id("<|eot_id|>")
+    config = read_config(model_dir, eot_token_id=eot)
+    if check_weights:
+        check_finite_weights(model_dir, config)
+    quantized = checkpoint_quantization(model_dir, config)
+    check_activations(activations, quantized)
+    model = Model(config, None, tokenizer, dtype, model_dir, device_memory_budget, activations=activations,
+                  quantized=quantized, mesh=mesh, scale_itemsize=stored_scale_itemsize(model_dir, quantized))
+    staged = device_memory_budget is not None and model.weight_bytes > device_memory_budget
+    if staged:  # stages pack the scales as float32
+        model = dataclasses.replace(model, scale_itemsize=4)
+    if mesh is not None:
+        check_fits_model_axis(config, mesh)
+        if staged:
+            raise LladaError("staged execution (--device-memory-budget) runs on one device; drop --mesh, or shard "
+                             "the weights over a model axis (--mesh model=N) instead of staging them")
+    check_memory(model, staged)
+    bar = functools.partial(tqdm, total=len(hf_shapes(config)), desc=f"loading {model_dir.name}", unit="tensor",
+                            file=sys.stderr, leave=False, disable=model.weight_bytes < LOAD_BAR_BYTES)
+    if staged:
+        model = dataclasses.replace(model, staged=pack_weights(bar(iter_tensors(model_dir, config)),
+                                                               config, np.dtype(model.jnp_dtype), activations))
+    else:
+        model = dataclasses.replace(model, params=load_params(model_dir, config, dtype, activations, mesh, wrap=bar))
+    release_freed_memory()
+    return model
+
+
+def check_memory(model: Model, staged: bool) -> None:
+    """Refuse, before reading any weight, a model the memory cannot hold (see `memory_plan`)."""
+    config, itemsize, quantized = model.config, model.itemsize, model.quantized
+    need = resident_need(config, itemsize, quantized, model.scale_itemsize)
+    if staged:  # host-packed stages, plus the staging buffers (host memory on a CPU device)
+        need = dataclasses.replace(need, working=need.working + min(model.device_memory_budget, need.weights))
+    alternatives = []
+    if model.dtype == "float32":
+        alternatives.append(("--dtype bfloat16", resident_need(config, 2, quantized, model.scale_itemsize)))
+    if not quantized:
+        schemes = [QuantScheme(8)] + ([QuantScheme(4, group)] if (group := default_group_size(config)) else [])
+        for scheme in schemes:
+            alternatives.append((f"a checkpoint from `llada quantize --bits {scheme.bits}`",
+                                 resident_need(config, itemsize, planned_modules(config, scheme))))
+    mode = "staged" if staged else "resident"
+    accelerator = accelerator_memory()
+    if accelerator is not None and model.mesh is not None:  # each accelerator holds its model-axis share
+        need = dataclasses.replace(need, weights=need.weights // model.mesh.shape[MODEL])
+        mode += f", weights split over {model.mesh.shape[MODEL]} devices"
+    check_fits(need, f"{model.path} ({model.dtype}, {mode})", alternatives, accelerator)
+
+
+def accelerator_memory() -> int | None:
+    """Free memory of the first accelerator (GPU/TPU), where the weights live; None on a CPU device,
+    whose memory is the host's (checked instead)."""
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        return None
+    stats = device.memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    return None if limit is None else int(limit) - int(stats.get("bytes_in_use", 0))

@@ -1,0 +1,174 @@
+"""Tokenizer of an HF model directory: `tokenizer.json` via `tokenizers`, special tokens and the chat
+template from `tokenizer_config.json` / `special_tokens_map.json`."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import json
+from pathlib import Path
+
+from llada_jax.system.errors import LladaError
+
+EOT_TOKEN = "<|eot_id|>"
+
+
+@dataclasses.dataclass(frozen=True)
+class Tokenizer:
+    backend: object               # tokenizers.Tokenizer
+    chat_template: str | None
+    special_tokens: dict          # role -> token text: bos_token, eos_token, ...
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids as HF's `tokenizer(text)["input_ids"]` gives them (post-processor applied). Text the
+        vocabulary cannot represent is refused, naming its first character: a tokenizer with an unknown
+        token would silently encode another prompt (byte-level BPE, like LLaDA-8B's, represents all)."""
+        encoding = self.backend.encode(text, add_special_tokens=True)
+        unknown = getattr(self.backend.model, "unk_token", None)
+        unknown_id = self.backend.token_to_id(unknown) if unknown else None
+        for token_id, (start, end) in zip(encoding.ids, encoding.offsets):
+            if unknown_id is not None and token_id == unknown_id and end > start and text[start:end] != unknown:
+                char = text[start:end][:1]
+                raise LladaError(f"the model's vocabulary has no token for {char!r} (U+{ord(char):04X}), "
+                                 "the first such character of the text")
+        return encoding.ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def token_id(self, text: str) -> int | None:
+        return self.backend.token_to_id(text)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(int(token_id))
+
+    def chat_prompt(self, user_text: str) -> str:
+        """One user turn rendered with the checkpoint's chat template and the generation prompt."""
+        return self.chat([{"role": "user", "content": user_text}])
+
+    def chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """A conversation (`{"role", "content"}` turns) rendered with the chat template (and the assistant's
+        generation prompt)."""
+        if not self.chat_template:
+            raise LladaError("this model's tokenizer_config.json has no chat_template; drop --chat")
+        return render_chat_template(self.chat_template, messages, self.special_tokens, add_generation_prompt)
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled_template(template: str):
+    """Compile a chat template once, in a sandbox, as transformers compiles it: loop controls (`break`,
+    `continue`), `{% generation %}` blocks, `raise_exception`, `strftime_now`, and `tojson` that keeps
+    non-ASCII text and takes json.dumps' options."""
+    from jinja2 import TemplateError
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols, _generation_blocks()])
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda format: datetime.datetime.now().strftime(format)
+    env.filters["tojson"] = _tojson
+    try:
+        return env.from_string(template)
+    except TemplateError as err:
+        raise LladaError(f"chat template does not parse: {err}") from None
+
+
+def _raise_exception(message):
+    from jinja2 import TemplateError
+
+    raise TemplateError(message)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _generation_blocks():
+    """`{% generation %}...{% endgeneration %}` (marks the assistant's text for training masks): its body, as is."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class GenerationBlocks(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    return GenerationBlocks
+
+
+def render_chat_template(template: str, messages: list[dict], special_tokens: dict,
+                         add_generation_prompt: bool = True) -> str:
+    """Render a jinja chat template with the variables transformers passes (no tools, no documents)."""
+    from jinja2 import TemplateError
+
+    try:
+        return _compiled_template(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                   tools=None, documents=None, **special_tokens)
+    except TemplateError as err:
+        raise LladaError(f"chat template failed: {err}") from None
+
+
+def _token_text(value) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def read_special_tokens(model_dir: Path) -> tuple[dict, str | None]:
+    """Special token texts (bos_token, eos_token, ...) and the chat template, if the files exist."""
+    special: dict = {}
+    template = None
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        path = model_dir / name
+        if not path.is_file():
+            continue
+        try:
+            data = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise LladaError(f"{path}: not valid JSON ({err})") from None
+        for key in ("bos_token", "eos_token", "pad_token", "unk_token", "mask_token"):
+            text = _token_text(data.get(key))
+            if text is not None:
+                special[key] = text
+        template = data.get("chat_template", template)
+    if isinstance(template, list):  # HF allows a list of named templates
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    return special, template
+
+
+def eot_id_from_files(model_dir: Path) -> int | None:
+    """The id of `<|eot_id|>` as declared in tokenizer_config.json's added tokens, if any."""
+    path = Path(model_dir) / "tokenizer_config.json"
+    if not path.is_file():
+        return None
+    try:
+        added = json.loads(path.read_text()).get("added_tokens_decoder", {})
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        return None
+    for token_id, entry in added.items():
+        if isinstance(entry, dict) and entry.get("content") == EOT_TOKEN:
+            return int(token_id)
+    return None
+
+
+def load_tokenizer(model_dir: Path) -> Tokenizer | None:
+    """The model's tokenizer, or None when the directory has no tokenizer.json."""
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer as HFTokenizer
+
+    try:
+        backend = HFTokenizer.from_file(str(path))
+    except Exception as err:  # the tokenizers library raises plain Exceptions for bad files
+        raise LladaError(f"{path}: cannot load tokenizer ({str(err).splitlines()[0]})") from None
+    special, template = read_special_tokens(Path(model_dir))
+    return Tokenizer(backend, template, special)
