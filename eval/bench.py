@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +42,7 @@ ENGINE_WORKLOAD = {"gen_length": 128, "block_length": 32, "steps": 128, "prompt_
 class Prompt:
     ids: np.ndarray
     answer: str | None = None  # None: no accuracy (random-weights speed runs)
-    score: object = None       # callable(output_text, answer) -> bool
+    score: Callable[[str, str], bool] | None = None  # (output_text, answer) -> correct
 
 
 def matmul_peak_gflops(size: int = 2048, repeats: int = 5) -> float:
@@ -118,7 +119,7 @@ def run_setting(generate, config, setting: DecoderSetting, prompts: list[Prompt]
         # block's masks: the predictions the rule uses).
         floor_flops += sum(step_flops(config, r.width, len(prompt.ids) + gen_length,
                                       r.width if r.read_rows is None else r.read_rows) for r in result.trace)
-        if prompt.answer is not None:
+        if prompt.answer is not None and prompt.score is not None:
             correct.append(prompt.score(answer_text(tokenizer, result.output_ids, config), prompt.answer))
     side_seconds = [result.stats.get("side_seconds", 0.0) for result in results]
     side_waited = sum(result.stats.get("side_wait_seconds", 0.0) if result.stats.get("side_concurrent") else side

@@ -81,7 +81,7 @@ def measure(rows: int, dtype, peak: float, bandwidth: float, rng: np.random.Gene
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=str(__doc__).splitlines()[0])
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--rows", type=int, nargs="+", default=[32, 160])
     args = parser.parse_args(argv)

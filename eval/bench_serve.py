@@ -76,7 +76,7 @@ def streamed_chat(port: int, question: str) -> dict:
 
 def run_level(port: int, examples, streams: int) -> dict:
     """Every example once, `streams` clients at a time."""
-    results: list[dict | None] = [None] * len(examples)
+    results: list[dict] = [{} for _ in examples]  # each request's, once its client has run it
     next_index = iter(range(len(examples)))
     lock = threading.Lock()
 
@@ -102,7 +102,7 @@ def run_level(port: int, examples, streams: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m eval.bench_serve", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m eval.bench_serve", description=str(__doc__).splitlines()[0])
     parser.add_argument("--streams", default="1,8", help="concurrent clients per level, e.g. 1,8")
     parser.add_argument("--requests", type=int, default=32, help="held-out tasks sent per level")
     parser.add_argument("--json", action="store_true")

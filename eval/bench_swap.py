@@ -1,3 +1,5 @@
+# pyright: reportRedeclaration=false
+# (each backend defines its own `run`)
 """Benchmark: staged (swap) execution against resident execution, at device memory budgets of 100%,
 50% and 25% of the weight bytes (plus the KV state), on a random-weights config big enough that staging matters. Each
 budget runs in its own process so its peak RSS is its own. Medians; nothing is asserted.
@@ -73,7 +75,9 @@ def measure(fraction: float | None, backend: str, repeats: int, policy: str, pro
     times, stats = [], {}
     for _ in range(repeats):
         started = time.perf_counter()
-        stats = run().stats
+        result = run()
+        assert not isinstance(result, list), "one prompt gives one result"
+        stats = result.stats
         times.append(time.perf_counter() - started)
     return {"budget_fraction": fraction, "budget_bytes": budget, "median_s": statistics.median(times),
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, **stats}

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Callable, cast
 
 import numpy as np
 from lm_eval.api.model import LM
@@ -48,7 +49,7 @@ def _mesh(data_devices, model_devices):
     return MeshSpec(data, 1 if model_devices is None else _number("model_devices", model_devices, minimum=1)).build()
 
 
-def _number(name: str, value, kind=int, minimum=None):
+def _number(name: str, value, kind: Callable = int, minimum=None):
     """A model argument as a number (lm-eval passes them as text), or a one-line error naming it."""
     try:
         number = kind(value)
@@ -116,7 +117,7 @@ class LladaLM(LM):
     def loglikelihood(self, requests) -> list[tuple[float, bool]]:
         results = []
         for instance in tqdm(requests, desc="llada-jax loglikelihood", disable=len(requests) < 2):
-            context, continuation = instance.args
+            context, continuation = cast(tuple[str, str], instance.args)
             prefix, target = self.encode_pair(context, continuation)
             if not target:
                 raise LladaError(f"the continuation {continuation!r} adds no token to its context")
@@ -136,19 +137,20 @@ class LladaLM(LM):
         answers: list[str | None] = [None] * len(requests)
         groups: dict[tuple, list[int]] = {}
         for index, instance in enumerate(requests):
-            groups.setdefault(self._gen_setting(instance.args[1]), []).append(index)
+            groups.setdefault(self._gen_setting(cast(tuple, instance.args)[1]), []).append(index)
         progress = tqdm(total=len(requests), desc="llada-jax generate_until", disable=len(requests) < 2)
         for (gen_length, temperature), indices in groups.items():
             for start in range(0, len(indices), self.batch_size):
                 chunk = indices[start: start + self.batch_size]
                 prompts = [self._prompt(requests[i].args[0], gen_length) for i in chunk]
                 results = llada_jax.generate(self.model, prompts, **self._options(gen_length, temperature))
+                assert isinstance(results, list), "a batch of prompts gives a list of results"
                 for index, result in zip(chunk, results):
-                    answers[index] = self._cut(result.output_ids, requests[index].args[1])
+                    answers[index] = self._cut(result.output_ids, cast(tuple, requests[index].args)[1])
                     self.cache_hook.add_partial("generate_until", requests[index].args, answers[index])
                 progress.update(len(chunk))
         progress.close()
-        return answers
+        return [answer or "" for answer in answers]  # every request was answered
 
     def _gen_setting(self, gen_kwargs: dict) -> tuple[int, float]:
         """(answer length in whole blocks, temperature) of a request."""

@@ -82,8 +82,12 @@ def reference_forward(root: str, python: str, model: Path, dtype: str, vocab: in
 def run_child(python: str, job: dict, what: str):
     """The child's stdout lines as it prints them; a failure is one line naming its last error."""
     with tempfile.TemporaryFile("w+") as errors:
-        child = subprocess.Popen([shutil.which(python), str(CHILD)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        executable = shutil.which(python)
+        if executable is None:
+            raise LladaError(f"--reference-python {python}: no such program")
+        child = subprocess.Popen([executable, str(CHILD)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                  stderr=errors, text=True)
+        assert child.stdin is not None and child.stdout is not None  # both are pipes
         child.stdin.write(json.dumps(job))
         child.stdin.close()
         yield from child.stdout

@@ -1,3 +1,5 @@
+# pyright: reportMissingImports=false
+# (it runs under the reference's Python, which has torch; this environment has none)
 """Runs the public PyTorch reference on a job read from stdin (JSON). A decoding job prints one JSON line per
 answer: the decoder, the seconds of its generate call, its NFE and the answer's ids. A forward job
 (`"kind": "forward"`) prints one line: the model's load time, its first forward's time and the median time of
@@ -30,7 +32,7 @@ def reference_module(root: str):
     return importlib.import_module("llada.generate")
 
 
-def decode(module, model, decoder: str, ids: list[int], job: dict, gen_length: int, steps: int):
+def decode(module, model, decoder: dict, ids: list[int], job: dict, gen_length: int, steps: int):
     """(seconds, nfe or None, answer ids) of one reference generate call at temperature 0."""
     prompt = torch.tensor([ids])
     started = time.perf_counter()

@@ -23,7 +23,7 @@ def detect_sandbox() -> Sandbox:
 
 
 def candidates() -> list[Sandbox]:
-    spaces = [("fsview", "netns", "pidns")] if shutil.which("bwrap") else []
+    spaces: list[tuple[str, ...]] = [("fsview", "netns", "pidns")] if shutil.which("bwrap") else []
     spaces += [("netns", "pidns"), ("netns",)] if shutil.which("unshare") else []
     spaces.append(())
     uid_modes = [(False, False)]

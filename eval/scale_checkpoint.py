@@ -106,7 +106,7 @@ def _rewrite_layers(staging: Path, shapes: dict[str, tuple[int, ...]], weight_ma
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=str(__doc__).splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="new directory to write (atomically)")
     parser.add_argument("--force", action="store_true", help="replace an earlier output of this command in --out")
     parser.add_argument("--model", choices=sorted(MODELS), default="llada-8b", help="whose shapes and names")

@@ -41,7 +41,9 @@ def generate_batch(model, prompts: list[str], decoding: dict) -> tuple[list, flo
     if not encoded:
         return outcomes, 0.0
     started = time.perf_counter()
-    results = iter(generate(model, encoded, **decoding))
+    batch = generate(model, encoded, **decoding)
+    assert isinstance(batch, list), "a batch of prompts gives a list of results"
+    results = iter(batch)
     share = (time.perf_counter() - started) / len(encoded)
     return [next(results) if outcome is None else outcome for outcome in outcomes], share
 
@@ -60,6 +62,7 @@ def evaluate(model, setting: DecoderSetting, limit: int | None = None, steps: in
         ids = np.array(model.tokenizer.encode(model.tokenizer.chat_prompt(example.prompt)))
         result = generate(model, ids, gen_length=GEN_LENGTH, block_length=block_length, steps=steps,
                           policy=setting.policy, threshold=setting.threshold)
+        assert not isinstance(result, list), "one prompt gives one result"
         output = answer_text(model.tokenizer, result.output_ids, model.config)
         correct.setdefault(example.family, []).append(exact_match(output, example.answer))
         nfes.append(result.nfe)

@@ -166,7 +166,8 @@ only an earlier bundle, with `force` (`llada_jax.system.atomic`)."""
     tuned = tunable_matmuls(module, tiles)
     with atomic_dir(out_dir, COMPILE_COMMAND, inputs=(model_dir,), force=force) as staging:
         say(f"compiling for {tgt.name} ({tgt.note or tgt.driver})")
-        seconds = compile_module(module, flags, staging / VMFB, timeout, tuning_spec(tuned, tiles) if tuned else None)
+        spec = tuning_spec(tuned, tiles) if tuned and tiles else None
+        seconds = compile_module(module, flags, staging / VMFB, timeout, spec)
         weights = _place_weights(model_dir, staging, copy_weights, layout)
         if loops:
             write_run_script(staging, loops[0], config, tgt.driver, weights)

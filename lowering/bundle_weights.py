@@ -72,7 +72,7 @@ def _float_dtype(name: str, dtype: str, where: Path) -> str:
     return FLOAT_DTYPES[dtype]
 
 
-def _quantized_parameters(module: str, shape: tuple[int, int], scheme: QuantScheme, stored: dict,
+def _quantized_parameters(module: str, shape: tuple[int, ...], scheme: QuantScheme, stored: dict,
                           where: Path) -> list[Parameter]:
     rows, columns = shape
     if columns * scheme.bits % 32:

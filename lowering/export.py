@@ -1,3 +1,5 @@
+# pyright: reportRedeclaration=false
+# (each step kind defines its own `run`: one name, one signature per branch)
 """Export the fixed-shape steps with `jax.export` and merge them into one StableHLO module whose
 weights are IREE named parameters (`#flow.parameter.named<"model"::"<HF tensor name>">`), never constants.
 
@@ -277,8 +279,9 @@ def export_function(function: Function, layout: WeightLayout) -> str:
 
     named = [_weight_structs(layout)] if function.named_weights else []
     exported = export.export(jax.jit(function.run, keep_unused=True))(*named, *[sds for _, sds in function.inputs])
-    with ir.Context():
-        return ir.Module.parse(exported.mlir_module()).operation.get_asm(enable_debug_info=False)
+    with ir.Context():  # pyright: ignore[reportAttributeAccessIssue] (native bindings without stubs)
+        module = ir.Module.parse(exported.mlir_module())  # pyright: ignore[reportAttributeAccessIssue]
+        return module.operation.get_asm(enable_debug_info=False)
 
 
 def _body_with_prefix(module_text: str, prefix: str) -> str:

@@ -57,18 +57,22 @@ class Backend(Protocol):
 
     def full(self, tokens: np.ndarray, valid: np.ndarray, reads: Reads | None = None) -> StepOutput:
         """The whole canvas `[B, S]`; `valid` marks real (non-padding) positions."""
+        ...
 
     def window(self, state: KVState, visible: np.ndarray, window_ids: np.ndarray, window_pos: np.ndarray,
                window_valid: np.ndarray, reads: Reads | None = None) -> StepOutput:
         """W positions `[B, W]` against the cached slots `visible` `[B, S]` and each other."""
+        ...
 
     def commit(self, state: KVState, positions: np.ndarray, write: np.ndarray, out: StepOutput,
                tokens: np.ndarray, nfe: int) -> KVState:
         """A new state with `out`'s proposed K/V written at `positions` where `write`, recorded as
         computed from `tokens` by dense forward pass `nfe`."""
+        ...
 
     def empty_state(self, batch: int, slots: int) -> KVState:
         """A KV state of `slots` positions holding nothing, on this backend's device."""
+        ...
 
     def side_backend(self) -> SideBackend | None:
         """Where revision's side path should run concurrently; None: inline on this backend."""

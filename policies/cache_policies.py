@@ -23,7 +23,10 @@ class Vanilla(WithoutSidePath):
 
     name: ClassVar[str] = "vanilla"
     caches: ClassVar[bool] = False
-    stops_when_filled: ClassVar[bool] = False
+
+    @property
+    def stops_when_filled(self) -> bool:
+        return False
 
     def plan(self, canvas: Canvas, block: Block, step: int, kv) -> StepPlan:
         return StepPlan(reads=(block.start, block.end))
@@ -35,7 +38,10 @@ class Cached(WithoutSidePath):
     here: the host loop's plans (numpy) and the compiled loop (`policies.decode_loop`, jax.numpy)."""
 
     caches: ClassVar[bool] = True
-    stops_when_filled: ClassVar[bool] = True
+
+    @property
+    def stops_when_filled(self) -> bool:
+        return True
     window_to_end: ClassVar[bool]  # the window runs to the canvas end (else it is the block alone)
 
     def kv_kept(self, positions, block_start):

@@ -17,24 +17,24 @@ import numpy as np
 
 from llada_jax.model.readout import nonfinite_error
 from llada_jax.system.errors import LladaError
-from policies.cache_policies import CACHE_POLICIES
+from policies.cache_policies import CachePolicy, DualCache, PrefixCache, Vanilla
 from policies.decisions import ranks
 from policies.loop import Result, StepRecord
 from policies.loop_io import NOT_COMMITTED, BakedLoops, LoopOutputs, LoopSpec, loop_inputs
 from policies.registry import make_policy
+from policies.rule import Rule
 from policies.sampling import Sampler
 from policies.schedule import FixedSchedule, Schedule, ThresholdRule, in_rank_order, make_rule
 from policies.speculative import Speculative
 
 
-def loop_spec(policy, rule, sampler, cfg: bool, schedule: Schedule, slots: int) -> LoopSpec | None:
+def loop_spec(policy, rule: Rule, sampler, cfg: bool, schedule: Schedule, slots: int) -> LoopSpec | None:
     """The compiled loop of this setting, or None when only the host loop runs it (Dream's schedule too)."""
-    if not loop_covers(policy, sampler, cfg) or not isinstance(rule, (FixedSchedule, ThresholdRule)):
+    base = cache_policy_of(policy)
+    if base is None or not loop_covers(policy, sampler, cfg) or not isinstance(rule, (FixedSchedule, ThresholdRule)):
         return None
-    lookahead, width = 0, 0
-    if isinstance(policy, Speculative):
-        policy, lookahead, width = policy.base, policy.lookahead, policy.width
-    return LoopSpec(policy=policy, threshold_rule=isinstance(rule, ThresholdRule), lookahead=lookahead,
+    lookahead, width = (policy.lookahead, policy.width) if isinstance(policy, Speculative) else (0, 0)
+    return LoopSpec(policy=base, threshold_rule=isinstance(rule, ThresholdRule), lookahead=lookahead,
                     spec_width=width, schedule=schedule, slots=slots)
 
 
@@ -43,8 +43,13 @@ def loop_covers(policy, sampler: Sampler = Sampler(), cfg: bool = False) -> bool
     temperature 0 with low-confidence remasking and no CFG."""
     if cfg or sampler.temperature != 0.0 or sampler.remasking != "low_confidence" or sampler.dream_confidence:
         return False
+    return cache_policy_of(policy) is not None
+
+
+def cache_policy_of(policy) -> CachePolicy | None:
+    """The cache policy the compiled loop runs for `policy` (itself, or speculation's base); None: not one."""
     base = policy.base if isinstance(policy, Speculative) else policy
-    return type(base) in CACHE_POLICIES.values()
+    return base if isinstance(base, (Vanilla, PrefixCache, DualCache)) else None
 
 
 def baked_loops(policy: str, threshold: float | None, gen_length: int, block_length: int, steps: int,
@@ -58,12 +63,13 @@ def baked_loops(policy: str, threshold: float | None, gen_length: int, block_len
     if not sizes:
         raise LladaError(f"gen_length={schedule.gen_length} leaves no room for a prompt in canvases of at most "
                          f"{max(slot_sizes)} positions (raise --max-len)")
-    if not loop_covers(decoding_policy):
+    specs = [loop_spec(decoding_policy, rule, Sampler(), False, schedule, size) for size in sizes]
+    covered = [spec for spec in specs if spec is not None]
+    if len(covered) < len(specs):
         raise LladaError(f"policy {policy!r} runs only on the host loop: the compiled loop covers vanilla, "
                          "prefix-cache and dual-cache (+speculative)")
-    specs = tuple(loop_spec(decoding_policy, rule, Sampler(), False, schedule, size) for size in sizes)
     setting = policy if threshold is None else f"{policy}@{threshold}"
-    return BakedLoops(setting, specs, threshold, draft_threshold_of(decoding_policy))
+    return BakedLoops(setting, tuple(covered), threshold, draft_threshold_of(decoding_policy))
 
 
 def result_from(outputs: LoopOutputs, spec: LoopSpec, prompt_len: int, wall_s: float) -> Result:

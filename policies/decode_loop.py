@@ -30,6 +30,7 @@ from llada_jax.model.readout import ReadoutSpec, nonfinite
 from llada_jax.model.shapes import kv_shape
 from llada_jax.model.steps import full_forward, head_rows, read_out, window_forward
 from llada_jax.quant.qlinear import tie_scales
+from policies.cache_policies import Cached
 from policies.decisions import (
     block_going,
     draft_commits,
@@ -86,7 +87,7 @@ def decode_loop(params: dict, inputs: LoopInputs, *, config: LLaDAConfig, spec: 
     `layout_rule`: see `model.decoder_layer` (`llada_jax.model.layout`; IREE exports pass their target's)."""
     s = spec.slots
     positions = jnp.arange(s)
-    length = inputs.prompt_len + spec.schedule.gen_length
+    length = jnp.asarray(inputs.prompt_len) + spec.schedule.gen_length
     cached = spec.policy.caches
     zeros = jnp.zeros(kv_shape(config, 1, s), kv_dtype) if cached else None
     carry = Carry(jnp.where(positions < inputs.prompt_len, inputs.prompt, config.mask_token_id).astype(jnp.int32),
@@ -106,10 +107,13 @@ def decode_loop(params: dict, inputs: LoopInputs, *, config: LLaDAConfig, spec: 
 
     _, carry = jax.lax.while_loop(more_blocks, one_block, (jnp.int32(0), carry))
     generated = jax.lax.dynamic_slice(carry.tokens, (inputs.prompt_len,), (spec.schedule.gen_length,))
-    return LoopOutputs(generated, carry.nfe,
-                       jax.lax.dynamic_slice(carry.commit_nfe, (inputs.prompt_len,), (spec.schedule.gen_length,)),
-                       jax.lax.dynamic_slice(carry.commit_logp, (inputs.prompt_len,), (spec.schedule.gen_length,)),
-                       *carry.steps, carry.bad[0], carry.bad[1])
+    step_block, step_width, step_real, step_useful = carry.steps
+    return LoopOutputs(
+        generated=generated, nfe=carry.nfe,
+        commit_nfe=jax.lax.dynamic_slice(carry.commit_nfe, (inputs.prompt_len,), (spec.schedule.gen_length,)),
+        commit_logp=jax.lax.dynamic_slice(carry.commit_logp, (inputs.prompt_len,), (spec.schedule.gen_length,)),
+        step_block=step_block, step_width=step_width, step_real=step_real, step_useful=step_useful,
+        bad_pass=carry.bad[0], bad_position=carry.bad[1])
 
 
 class _Run(NamedTuple):
@@ -196,7 +200,7 @@ class _Run(NamedTuple):
         needed = None if self.spec.lookahead else read_rows(jnp, block.in_block, masked)  # drafts: every row
         x0, logp, bad = self.read(out.hidden, self.positions, valid, needed)
         cached_keys, cached_values, filled = carry.keys, carry.values, carry.filled
-        if self.spec.policy.caches:
+        if isinstance(self.spec.policy, Cached):
             keep = valid & self.spec.policy.kv_kept(self.positions, block.start)
             cached_keys = _keep(keep, out.keys, carry.keys)
             cached_values = _keep(keep, out.values, carry.values)
@@ -250,6 +254,8 @@ class _Run(NamedTuple):
         """(x0, logp, width, computed, bad position) of a window step of `width` slots."""
         slot = jnp.arange(width)
         policy, length = self.spec.policy, self.spec.schedule.block_length
+        assert isinstance(policy, Cached) and carry.keys is not None and carry.values is not None, \
+            "only a cache policy runs window steps"
         window_pos = block.start + slot
         window_valid = window_pos < policy.window_end(block.start + length, self.length)
         if self.spec.lookahead and not policy.window_to_end:  # the block's drafts fill the slots after it

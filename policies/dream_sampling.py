@@ -47,5 +47,5 @@ def confidence(probs: np.ndarray, x0: np.ndarray, kind: str) -> np.ndarray:
         top2 = np.partition(probs, -2, axis=-1)[:, -2:]
         return top2[:, 1] - top2[:, 0]
     if kind == "entropy":
-        return np.sum(probs * np.log(probs + np.float32(1e-10)), axis=-1, dtype=np.float32)
+        return np.asarray(np.sum(probs * np.log(probs + np.float32(1e-10)), axis=-1, dtype=np.float32))
     return np.take_along_axis(probs, x0[:, None], axis=-1)[:, 0]

@@ -10,6 +10,7 @@ import numpy as np
 
 from llada_jax.system.errors import LladaError
 from policies.decisions import fixed_commits
+from policies.rule import Rule
 
 
 @functools.cache  # once per (steps, eps), not at every step of a block
@@ -58,10 +59,10 @@ class FirstTokenFirst:
     """A block's first step commits the block's first position (its prediction), nothing else; later steps
     commit by `rule`, their step index counted from that first step (Fast-dLLM's Dream decoder)."""
 
-    rule: object
+    rule: Rule
 
     @property
-    def fixed_steps(self):
+    def fixed_steps(self) -> int | None:
         return self.rule.fixed_steps
 
     def commits(self, rank: np.ndarray, candidates: np.ndarray, confidence: np.ndarray, step: int,

@@ -18,6 +18,7 @@ from policies.backend import BackendRequest
 from policies.batch import decode_batch
 from policies.compiled_loop import draft_threshold_of, loop_spec, run_compiled
 from policies.loop import decode_steps, run_alone
+from policies.loop_io import LoopSpec
 from policies.options import GenerationOptions
 from policies.registry import make_policy, parse_policy
 from policies.sampling import Sampler
@@ -75,7 +76,7 @@ class Prepared:
     cfg_scale: float
     slots: int                    # canvas positions, padded to the shape bucket
     decode_row: Callable
-    loop_spec: object             # the compiled loop's spec for this setting (None: host loop only)
+    loop_spec: LoopSpec | None    # the compiled loop's spec for this setting (None: host loop only)
     threshold: float | None
     draft_threshold: float
     revisable: bool               # committed tokens may still change (revision): settled only at the end
@@ -154,7 +155,7 @@ def run_generation(make_backend: Callable, config: LLaDAConfig, prompt_ids, *, o
     if prepared.batched and on_step is not None:  # a batch of one: the lone prompt's path, its steps as row 0
         on_step = functools.partial(on_step, 0)
     compiled = _compiled_loop(backend, loop, spec, on_step)
-    if compiled is not None:
+    if compiled is not None and spec is not None:
         result = run_compiled(compiled, spec, prompts[0], prepared.biases, prepared.threshold,
                               prepared.draft_threshold)
     else:
@@ -168,7 +169,7 @@ def _with_staging(result, backend):
     return dataclasses.replace(result, stats={**result.stats, **staging}) if staging else result
 
 
-def _check_loop(loop: str, spec, on_step, several: bool):
+def _check_loop(loop: str, spec: LoopSpec | None, on_step, several: bool) -> LoopSpec | None:
     """The compiled loop's spec for this setting (None: host loop only), refusing what `loop` cannot give."""
     if loop not in LOOPS:
         raise LladaError(f"unknown loop {loop!r}; choose one of {', '.join(LOOPS)}")

@@ -21,6 +21,7 @@ from policies.canvas import Block, Canvas
 from policies.canvas_steps import canvas_wide, commit_call, window_call
 from policies.decisions import block_going, ranks
 from policies.policy import Policy, Reviser, StepPlan
+from policies.rule import Rule
 from policies.sampling import Sampler
 from policies.schedule import Schedule, in_rank_order
 from policies.step_batcher import StepBatcher
@@ -91,7 +92,7 @@ class LoopState:
 Steps = Generator[BackendCall, object, Result]  # a generation: its step calls, each sent back its result
 
 
-def decode(backend, prompt_ids: np.ndarray, schedule: Schedule, policy: Policy, rule, sampler: Sampler, *,
+def decode(backend, prompt_ids: np.ndarray, schedule: Schedule, policy: Policy, rule: Rule, sampler: Sampler, *,
            mask_id: int, max_len: int, cfg: bool = False, seed: int = 0, offset: int = 0,
            on_step: Callable[[Canvas, StepRecord], None] | None = None) -> Result:
     """Generate `schedule.gen_length` tokens after `prompt_ids` (already validated on the host), the
@@ -101,7 +102,7 @@ def decode(backend, prompt_ids: np.ndarray, schedule: Schedule, policy: Policy, 
                                            max_len=max_len, cfg=cfg, seed=seed, offset=offset, on_step=on_step))
 
 
-def decode_steps(backend, prompt_ids: np.ndarray, schedule: Schedule, policy: Policy, rule, sampler: Sampler, *,
+def decode_steps(backend, prompt_ids: np.ndarray, schedule: Schedule, policy: Policy, rule: Rule, sampler: Sampler, *,
                  mask_id: int, max_len: int, cfg: bool = False, seed: int = 0, offset: int = 0,
                  on_step: Callable[[Canvas, StepRecord], None] | None = None) -> Steps:
     """`decode` as a generator of its step calls (`full`, `window`, `commit`), so that a driver can run many
@@ -136,7 +137,8 @@ def run_rows(backend, rows: list[Steps]) -> tuple[list[Result], StepBatcher]:
     """Drive generations together on `backend`, their calls stacked where they share a shape (a lone call runs
     as it is); each result with `step_call_seconds`, the time in the calls it took part in. A row's error is
     raised once every row has stopped (the others run to the end); an interrupt closes every row first."""
-    batcher, ends = StepBatcher(backend), [None] * len(rows)
+    batcher = StepBatcher(backend)
+    ends: list[tuple] = [()] * len(rows)  # each row's (result, error, seconds) once it ends
     for index, steps in enumerate(rows):
         batcher.add(steps, lambda *end, index=index: ends.__setitem__(index, end))
     try:
@@ -187,6 +189,7 @@ def dense_step(canvas: Canvas, kv, plan: StepPlan, reviser: Reviser, nfe: int):
 def _step(state: LoopState, plan: StepPlan, reviser: Reviser, commits: Callable, sampler, rng, masked_at_start: int):
     """One step: the dense step, then token commits in the block (and drafts), then the next side job."""
     canvas, block, nfe = state.canvas, state.block, state.nfe
+    assert block is not None, "a step runs inside a block"
     out, window, read, state.kv, revisions = yield from dense_step(canvas, state.kv, plan, reviser, nfe)
     x0, confidence, order = sampler.choose(out.readout, rng)
     order = canvas_wide(canvas, read, x0, order)[1]
@@ -210,7 +213,7 @@ def _step(state: LoopState, plan: StepPlan, reviser: Reviser, commits: Callable,
                       read_rows=int(read.valid.sum()))
 
 
-def _block_done(canvas: Canvas, block: Block, step: int, policy: Policy, rule, steps_per_block: int) -> bool:
+def _block_done(canvas: Canvas, block: Block, step: int, policy: Policy, rule: Rule, steps_per_block: int) -> bool:
     """Vanilla's fixed schedule runs exactly steps_per_block steps (as LLaDA's reference does); cached
     decoders, speculation and the threshold rule stop as soon as the block has no mask left (as
     Fast-dLLM does; a block whose masks were all drafted early takes no step at all)."""

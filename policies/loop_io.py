@@ -14,8 +14,9 @@ from typing import NamedTuple
 
 import numpy as np
 
+from llada_jax.model.arrays import Array
 from llada_jax.model.shapes import bucket
-from policies.cache_policies import CachePolicy
+from policies.cache_policies import Cached, CachePolicy
 from policies.decisions import speculative_width
 from policies.schedule import Schedule
 
@@ -47,11 +48,13 @@ class LoopSpec:
     def window_widths(self) -> tuple[int, ...]:
         """Slots of each block's window step: from the block start to the policy's window end, and with
         speculation over a block-only window the block and its drafts."""
-        schedule = self.schedule
-        if self.lookahead and not self.policy.window_to_end:
+        schedule, policy = self.schedule, self.policy
+        if not isinstance(policy, Cached):  # vanilla runs no window
+            return ()
+        if self.lookahead and not policy.window_to_end:
             return (speculative_width(schedule.block_length, self.spec_width, self.slots),) * schedule.num_blocks
         starts = range(0, schedule.gen_length, schedule.block_length)
-        ends = (self.policy.window_end(start + schedule.block_length, schedule.gen_length) for start in starts)
+        ends = (policy.window_end(start + schedule.block_length, schedule.gen_length) for start in starts)
         return tuple(bucket(end - start, self.slots) for start, end in zip(starts, ends))
 
     def head_widths(self, rows: int) -> tuple[int, ...]:
@@ -126,27 +129,27 @@ def log_cutoff(threshold: float) -> np.float32:
 class LoopInputs(NamedTuple):
     """The compiled loop's runtime inputs, in call order (weights come first, bound by the backend)."""
 
-    prompt: np.ndarray           # [slots] int32: the prompt, then anything
-    prompt_len: np.ndarray       # [] int32
-    logit_bias: np.ndarray       # [E] float32
-    confidence_bias: np.ndarray  # [E] float32
-    commit_cutoff: np.ndarray    # [] float32: the threshold rule's log_cutoff (unused by the fixed schedule)
-    draft_cutoff: np.ndarray     # [] float32: speculation's log_cutoff (unused without it)
+    prompt: Array                # [slots] int32: the prompt, then anything
+    prompt_len: Array            # [] int32
+    logit_bias: Array            # [E] float32
+    confidence_bias: Array       # [E] float32
+    commit_cutoff: Array         # [] float32: the threshold rule's log_cutoff (unused by the fixed schedule)
+    draft_cutoff: Array          # [] float32: speculation's log_cutoff (unused without it)
 
 
 class LoopOutputs(NamedTuple):
     """The compiled loop's outputs, in return order."""
 
-    generated: np.ndarray    # [gen_length] int32
-    nfe: np.ndarray          # [] int32
-    commit_nfe: np.ndarray   # [gen_length] int32: the pass that committed each position (0-based)
-    commit_logp: np.ndarray  # [gen_length] float32: its log-probability then
-    step_block: np.ndarray   # [max_passes] int32, per pass
-    step_width: np.ndarray   # [max_passes] int32: padded positions computed
-    step_real: np.ndarray    # [max_passes] int32: real positions computed
-    step_useful: np.ndarray  # [max_passes] int32
-    bad_pass: np.ndarray     # [] int32: the pass whose readout was not finite, else NOT_COMMITTED
-    bad_position: np.ndarray  # [] int32: its first such canvas position
+    generated: Array         # [gen_length] int32
+    nfe: Array               # [] int32
+    commit_nfe: Array        # [gen_length] int32: the pass that committed each position (0-based)
+    commit_logp: Array       # [gen_length] float32: its log-probability then
+    step_block: Array        # [max_passes] int32, per pass
+    step_width: Array        # [max_passes] int32: padded positions computed
+    step_real: Array         # [max_passes] int32: real positions computed
+    step_useful: Array       # [max_passes] int32
+    bad_pass: Array          # [] int32: the pass whose readout was not finite, else NOT_COMMITTED
+    bad_position: Array      # [] int32: its first such canvas position
 
 
 def loop_inputs(prompt: np.ndarray, spec: LoopSpec, biases, threshold: float | None,

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import ClassVar, Iterator, NamedTuple
+from typing import Iterator, NamedTuple
 
 import numpy as np
 
@@ -60,7 +60,9 @@ class Revision:
     side_width: int = 8
     settle_rounds: int = 2        # re-scoring rounds after the last dense step while revisions continue
 
-    stops_when_filled: ClassVar[bool] = True
+    @property
+    def stops_when_filled(self) -> bool:
+        return True
 
     def __post_init__(self):
         chain = _chain(self.base)
@@ -108,6 +110,7 @@ def _with_carry(canvas: Canvas, kv: kv_state.KVState, block: Block, base: StepPl
     start = max(canvas.prompt_len, block.start - length)
     stale = kv_state.stale_slots(kv, canvas.tokens)[0] & ~canvas.masked
     carry = start + np.flatnonzero(stale[start: block.start])
+    assert base.positions is not None, "revision widens a window step"
     positions = np.concatenate([carry, base.positions])
     if base.width is None:
         return positions, None

@@ -11,7 +11,6 @@ is exactly what a compiled loop on the device computes (exp in float64 can tie d
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
 
 import numpy as np
 
@@ -19,6 +18,7 @@ from llada_jax.system.errors import LladaError
 from policies.canvas import Block
 from policies.decisions import fixed_commits, scheduled_count, threshold_commits
 from policies.dream_schedule import DreamSchedule, FirstTokenFirst
+from policies.rule import Rule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,11 +82,14 @@ class ThresholdRule:
     """Commit every candidate with confidence >= threshold, and always at least the most confident one."""
 
     threshold: float
-    fixed_steps: ClassVar[None] = None
 
     def __post_init__(self):
         if not 0.0 < self.threshold <= 1.0:
             raise LladaError(f"threshold must be in (0, 1], got {self.threshold}")
+
+    @property
+    def fixed_steps(self) -> None:
+        return None
 
     def commits(self, rank: np.ndarray, candidates: np.ndarray, confidence: np.ndarray, step: int,
                 masked_at_start: int) -> np.ndarray:
@@ -96,7 +99,8 @@ class ThresholdRule:
 SCHEDULES = ("llada", "dream")  # how many tokens a step commits (without a threshold): `--schedule NAME[:EPS]`
 
 
-def make_rule(schedule: Schedule, threshold: float | None, transfer: str = "llada", first_token: bool = False):
+def make_rule(schedule: Schedule, threshold: float | None, transfer: str = "llada",
+              first_token: bool = False) -> Rule:
     """The commit rule: the threshold rule when one is given, else the `transfer` schedule (`llada`, or
     `dream[:EPS]`, eps 1e-3 by default as in Dream's generation config). `first_token`: a block's first step
     commits its first position alone (Fast-dLLM's Dream decoder, `FirstTokenFirst`)."""
@@ -104,7 +108,7 @@ def make_rule(schedule: Schedule, threshold: float | None, transfer: str = "llad
     return FirstTokenFirst(rule) if first_token else rule
 
 
-def _rule(schedule: Schedule, threshold: float | None, transfer: str):
+def _rule(schedule: Schedule, threshold: float | None, transfer: str) -> Rule:
     """The threshold rule when one is given, else the schedule `transfer` names (checked either way)."""
     name, colon, eps = transfer.partition(":")
     if name not in SCHEDULES or (colon and name != "dream"):

@@ -34,7 +34,7 @@ class Cancelled(LladaError):
 
 @dataclasses.dataclass(eq=False)
 class _Row:
-    steps: Generator
+    steps: Generator[BackendCall, object, object]
     done: Done
     call: BackendCall | None = None
     seconds: float = 0.0
@@ -70,7 +70,7 @@ class StepBatcher:
     def live(self) -> int:
         return len(self._rows)
 
-    def add(self, steps: Generator, done: Done) -> int:
+    def add(self, steps: Generator[BackendCall, object, object], done: Done) -> int:
         """A new row: its generator runs to its first call (`done` at once if it ends or fails there)."""
         row, self._next_row = self._next_row, self._next_row + 1
         self._rows[row] = _Row(steps, done)
@@ -93,7 +93,7 @@ class StepBatcher:
 
     def round(self) -> None:
         """Every live row's pending call, stacked by kind and shape; then each row runs to its next call."""
-        pending = {row: entry.call for row, entry in sorted(self._rows.items())}
+        pending = {row: entry.call for row, entry in sorted(self._rows.items()) if entry.call is not None}
         groups: dict[tuple, list[int]] = {}
         for row, call in pending.items():
             groups.setdefault(call_key(call, row), []).append(row)
@@ -172,7 +172,7 @@ def _joined_reads(reads: list) -> Reads | None:
 
 def _own_columns(out: StepOutput, joined: Reads | None, own: Reads | None) -> StepOutput:
     """A call's share of a stacked step's readout cut to the columns it asked for."""
-    if own == joined:
+    if own == joined or own is None:  # None: every column, and then the stacked call read every column too
         return out
     at = own if joined is None else tuple(int(i) for i in np.searchsorted(joined, own))
     return dataclasses.replace(out, readout=read_columns(out.readout, at))

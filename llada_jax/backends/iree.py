@@ -51,7 +51,7 @@ class Session:
         hal = rt.create_hal_module(instance, self.device)
         self.module = rt.VmModule.mmap(instance, str(bundle_dir / VMFB))
         self.context = rt.VmContext(instance, modules=[hal, params, self.module])
-        self._invokers: dict[str, object] = {}
+        self._invokers: dict[str, Callable] = {}
         self._rt = rt
 
     def invoker(self, name: str):

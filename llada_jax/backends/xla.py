@@ -8,6 +8,8 @@ import functools
 
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
+from numpy.typing import DTypeLike
 
 from llada_jax.model import kv_state
 from llada_jax.model.config import LLaDAConfig
@@ -45,8 +47,8 @@ class JaxBackend(DeviceRows, Backend):
     readout_spec: ReadoutSpec
     biases: TokenBiases
     cfg_scale: float = 0.0
-    dtype: object = jnp.float32
-    mesh: object = None  # a `jax.sharding.Mesh`: every step's rows split over its data axis (`llada_jax.model.mesh`)
+    dtype: DTypeLike = jnp.float32
+    mesh: Mesh | None = None  # every step's rows split over its data axis (`llada_jax.model.mesh`)
 
     def _rows(self, array, axis: int = 0):
         """A batch array on the device: with a mesh, its rows (axis `axis`) split over the data axis."""

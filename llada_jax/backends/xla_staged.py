@@ -10,6 +10,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from numpy.typing import DTypeLike
 
 from llada_jax.backends.xla import DeviceRows, commit_on_device, empty_on_device, to_host
 from llada_jax.model import kv_state
@@ -36,7 +37,7 @@ class StagedJaxBackend(DeviceRows, Backend):
     cfg_scale: float
     buffers: int               # staging buffers in device memory
     stats: StagingStats
-    dtype: object = jnp.float32
+    dtype: DTypeLike = jnp.float32
 
     @functools.cached_property
     def _ring(self) -> StagingRing:

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from typing import TextIO
 
 import numpy as np
+
+from llada_jax.weights.tokenizer import Tokenizer
 
 MASK_GLYPH = "\u2591"   # light shade block for a still-masked position
 CLEAR = "\x1b[2J\x1b[H"
@@ -17,9 +20,9 @@ class LiveCanvas:
     From the answer's first end token (`end_ids`: EOS, EoT) on, special tokens are not drawn: the
     answer is over, and LLaDA pads the rest of the canvas with them."""
 
-    tokenizer: object | None
+    tokenizer: Tokenizer | None
     end_ids: tuple[int, ...] = ()
-    stream: object = sys.stderr
+    stream: TextIO = sys.stderr
 
     def piece(self, token_id: int, mask_id: int, after_end: bool) -> str:
         if token_id == mask_id:

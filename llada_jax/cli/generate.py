@@ -108,6 +108,7 @@ def cmd_generate(args) -> None:
     canvas = LiveCanvas(tokenizer, config.special_ids_in_vocab(config.eos_token_id, config.eot_token_id))
     with compile_timing(args) as clock:
         result = run(ids, **decoding_kwargs(args), on_step=canvas if live else None)
+    assert not isinstance(result, list), "one prompt gives one result"
     compile_s = clock.seconds if clock is not None else 0.0
     speed = len(result.output_ids) / max(result.wall_s - compile_s, 1e-9)
     text = tokenizer.decode(result.output_ids) if tokenizer is not None else None
@@ -130,6 +131,7 @@ def cmd_trace(args) -> None:
     _, tokenizer, run = generation_runner(args)
     ids = prompt_ids(args, tokenizer)
     result = run(ids, **decoding_kwargs(args))
+    assert not isinstance(result, list), "one prompt gives one result"
     pieces = [(tokenizer.decode([int(t)]) or "\u00b7") if tokenizer else str(int(t)) for t in result.output_ids]
     plot_trace(result, pieces, args.out, title=f"{policy_arg(args)}: {result.nfe} steps, {result.revisions} revisions",
                force=args.force)

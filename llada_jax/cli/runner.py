@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
+from typing import Sequence
 
 from llada_jax.api import generate
 from llada_jax.backends.select import OpenBundle, open_bundle
@@ -29,7 +30,7 @@ def add_runner_flags(parser: argparse.ArgumentParser) -> None:
     add_data_tiling_flag(parser)
 
 
-def generation_runner(args, loops: list[tuple] = (), batch_sizes: tuple[int, ...] = (1,)):
+def generation_runner(args, loops: Sequence[tuple] = (), batch_sizes: tuple[int, ...] = (1,)):
     """(config, tokenizer, generate(ids, **options)) for the chosen model and backend (see `opened_source`).
     A bundle runs through the bundle runner: IREE steps, no JAX in the generation (the CLI process itself has
     JAX loaded)."""
@@ -39,7 +40,7 @@ def generation_runner(args, loops: list[tuple] = (), batch_sizes: tuple[int, ...
     return source.config, source.tokenizer, lambda ids, **options: generate(source, ids, **options)
 
 
-def opened_source(args, loops: list[tuple] = (), batch_sizes: tuple[int, ...] = (1,)):
+def opened_source(args, loops: Sequence[tuple] = (), batch_sizes: tuple[int, ...] = (1,)):
     """What runs the steps: a loaded model (JAX) or an open bundle (IREE: given, or compiled on first use and
     cached, baking a decode loop for each of `loops` (policy, threshold, gen_length, block_length, steps)
     and steps for each of `batch_sizes` rows)."""
@@ -62,7 +63,8 @@ def opened_source(args, loops: list[tuple] = (), batch_sizes: tuple[int, ...] = 
     target = {"iree-host": "host", "iree-vulkan": "vulkan"}[args.backend]
     config = read_config(model_dir(args))
     sizes = canvas_sizes(config.max_sequence_length)
-    baked = tuple(baked_loops(*setting[:5], sizes) for setting in loops)
+    baked = tuple(baked_loops(policy, threshold, gen_length, block_length, steps, sizes)
+                  for policy, threshold, gen_length, block_length, steps in (setting[:5] for setting in loops))
     bundle_dir = cached_bundle(model_dir(args), target, dtype=args.dtype, loops=baked, batch_sizes=batch_sizes,
                                device_memory_budget=budget, activations=args.activations,
                                data_tiling=args.data_tiling,

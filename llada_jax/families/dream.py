@@ -32,7 +32,7 @@ def hf_config(config) -> dict:
 
 
 def tensor_names(config) -> dict[tuple, str]:
-    names = {("wte",): "model.embed_tokens.weight"}
+    names: dict[tuple, str] = {("wte",): "model.embed_tokens.weight"}
     for layer in range(config.n_layers):
         prefix = f"model.layers.{layer}."
         block = dict(attention_names(prefix, bias=True), ff_proj=prefix + "mlp.gate_proj.weight",

@@ -103,7 +103,7 @@ def hf_config(config) -> dict:
 
 def tensor_names(config) -> dict[tuple, str]:
     """Every tensor's place in the params pytree -> its name in the checkpoint, in checkpoint order."""
-    names = {("wte",): PREFIX + "wte.weight"}
+    names: dict[tuple, str] = {("wte",): PREFIX + "wte.weight"}
     for layer in range(config.n_layers):
         for key, short in BLOCK.items():
             names[("blocks", layer, key)] = f"{PREFIX}blocks.{layer}.{short}.weight"

@@ -45,7 +45,7 @@ def hf_config(config) -> dict:
 
 
 def tensor_names(config) -> dict[tuple, str]:
-    names = {("wte",): "model.embed_tokens.weight"}
+    names: dict[tuple, str] = {("wte",): "model.embed_tokens.weight"}
     for layer in range(config.n_layers):
         prefix = f"model.layers.{layer}."
         block = dict(attention_names(prefix, q_norm=config.qk_norm), router=prefix + "mlp.gate.weight")

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from llada_jax.model.config import LLaDAConfig
-from llada_jax.model.layout import XLA_LAYOUT, LayoutRule, Positions, rms_norm
+from llada_jax.model.layout import XLA_LAYOUT, Features, LayoutRule, rms_norm
 from llada_jax.model.moe import sparse_mlp
 from llada_jax.quant.qlinear import QuantizedWeight, quantized_linear, quantized_rows, stored_matmul
 
@@ -163,7 +163,7 @@ def head_logits(params: dict, hidden: jax.Array, layout_rule: LayoutRule = XLA_L
     b, w, _ = hidden.shape
     layout = layout_rule.pick(b * w, {"lm_head": head})
     # XLA runs a feature-major head that is not float32 as a float32 matmul on a float32 copy of the whole head.
-    if layout is Positions or (layout_rule.fenced and head.dtype != jnp.float32):
+    if not issubclass(layout, Features) or (layout_rule.fenced and head.dtype != jnp.float32):
         return stored_matmul(hidden, head), 2
     return layout.logits(layout.matmul(layout.enter(hidden), head), b, w)
 

@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from llada_jax.model.arrays import Array
 from llada_jax.system.errors import LladaError
 
 EMPTY = -1
@@ -20,8 +21,8 @@ HIDDEN = -1e9  # attention bias of a hidden key; finite, so a row with every key
 
 
 class KVState(NamedTuple):
-    keys: object            # [N, B, S, K, hd] device array
-    values: object          # [N, B, S, K, hd] device array
+    keys: Array             # [N, B, S, K, hd] device array
+    values: Array           # [N, B, S, K, hd] device array
     slot_token: np.ndarray  # [B, S] int32 on host; EMPTY where no K/V is held
     slot_nfe: np.ndarray   # [B, S] int32 on host; EMPTY where no K/V is held
 

@@ -186,7 +186,7 @@ class LayoutRule(NamedTuple):
     feature_rows: int         # steps of at most this many positions run feature-major
     fenced: bool              # XLA: the barrier in `Features.fence`; IREE: none, long sums in pieces (`OpenFeatures`)
 
-    def pick(self, rows: int, block: dict):
+    def pick(self, rows: int, block: dict) -> type[Positions] | type[Features]:
         """Feature-major up to `feature_rows`; position-major above, for W8A8 weights (their activations
         are quantized per position, over the feature axis of a row) and for sparse MoE layers (routed per
         position)."""

@@ -46,7 +46,7 @@ class MeshSpec:
             raise LladaError("--mesh: model=all is not allowed; give the model axis a size")
         if any(size == 0 for size in sizes.values()):
             raise LladaError(f"--mesh axis sizes must be >= 1, got {text!r}")
-        return cls(sizes.get(DATA), sizes.get(MODEL, 1))
+        return cls(sizes.get(DATA), sizes.get(MODEL) or 1)
 
     def build(self, devices: list | None = None) -> Mesh:
         """The mesh over `devices` (default: this process's own devices, `jax.local_devices()`)."""
@@ -75,7 +75,7 @@ def weight_sharding(name: str, shape: tuple[int, ...], mesh: Mesh) -> NamedShard
     size = mesh.shape[MODEL]
     if axis is None or size == 1 or len(shape) <= axis or shape[axis] % size:
         return NamedSharding(mesh, PartitionSpec())
-    spec = [None] * len(shape)
+    spec: list[str | None] = [None] * len(shape)
     spec[axis] = MODEL
     return NamedSharding(mesh, PartitionSpec(*spec))
 
@@ -90,7 +90,7 @@ def rows_sharding(mesh: Mesh, shape: tuple[int, ...], axis: int, heads_axis: int
     """Rows (axis `axis` of `shape`) split across the data axis when they divide evenly, else replicated
     (a step of fewer rows than data devices runs whole on each); attention heads (`heads_axis`) split across
     the model axis, as the steps compute them."""
-    spec = [None] * len(shape)
+    spec: list[str | None] = [None] * len(shape)
     if shape[axis] % mesh.shape[DATA] == 0:
         spec[axis] = DATA
     if heads_axis is not None and shape[heads_axis] % mesh.shape[MODEL] == 0:

@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from llada_jax.model.arrays import Array
 from llada_jax.model.shapes import bucket
 from llada_jax.system.errors import LladaError
 
@@ -25,20 +26,20 @@ class Readout(NamedTuple):
     """What a step read out at its computed positions, rows `[B', W]`: the argmax token `x0` with its
     log-probability `logp` (an argmax readout), or `logits` `[B', W, E]` (a logits readout)."""
 
-    x0: object = None
-    logp: object = None
-    logits: object = None
+    x0: Array = None       # None where the readout's kind has none
+    logp: Array = None
+    logits: Array = None
 
 
 class HeadChunkReadout(NamedTuple):
     """One vocabulary chunk's partial argmax readout (see `layered.partial_readout`), rows `[B', W]`."""
 
-    x0: object
-    lmax: object
-    top: object
-    others: object
-    smax: object
-    ssum: object
+    x0: Array
+    lmax: Array
+    top: Array
+    others: Array
+    smax: Array
+    ssum: Array
 
 
 Reads = tuple  # the window columns (ascending, distinct) whose predictions a step returns; None: all
@@ -76,8 +77,8 @@ class StepOutput:
     """What every backend's step returns: the readout on the host, proposed K/V on the device."""
 
     readout: Readout  # numpy
-    keys: object      # proposed K [N, B, W, K, hd]
-    values: object    # proposed V [N, B, W, K, hd]
+    keys: Array       # proposed K [N, B, W, K, hd]
+    values: Array     # proposed V [N, B, W, K, hd]
 
 
 def check_finite(readout: Readout, positions: np.ndarray, valid: np.ndarray, step: int) -> None:

@@ -14,7 +14,7 @@ LARGEST = 32768
 def _length_buckets() -> tuple[int, ...]:
     """8, 16, 32, then multiples of max(32, P/8) between each power of two P and 2P: padding wastes at most
     1/8 of a step from 256 positions on (at most 32 positions below), with 8 shapes per doubling."""
-    sizes = list(SMALL_BUCKETS)
+    sizes: list[int] = list(SMALL_BUCKETS)
     while sizes[-1] < LARGEST:
         power = 1 << (sizes[-1].bit_length() - 1)  # the largest power of two <= the last size
         sizes.append(sizes[-1] + max(GRANULE, power // 8))

@@ -110,7 +110,7 @@ def xla_row_block(shape: tuple[int, int], dtype) -> int:
     return row_block_for(shape, None if dtype == jnp.int4 else LOOP_COPY_BYTES)
 
 
-def _splits_in_nibbles(shape: tuple[int, int], scale_shape: tuple[int, int]) -> bool:
+def _splits_in_nibbles(shape: tuple[int, ...], scale_shape: tuple[int, ...]) -> bool:
     """Whether a 4-bit matrix's rows split into byte pairs that never straddle a scale group."""
     return shape[1] % 2 == 0 and (shape[1] // scale_shape[1]) % 2 == 0
 
@@ -126,7 +126,7 @@ def split_nibbles(packed: jax.Array, offset: int = 0) -> tuple[jax.Array, jax.Ar
             jax.lax.shift_right_arithmetic(signed, four))
 
 
-def row_block_for(shape: tuple[int, int], copy_bytes: int | None = None) -> int:
+def row_block_for(shape: tuple[int, ...], copy_bytes: int | None = None) -> int:
     """Rows per float copy of at most `copy_bytes` (default FLOAT_COPY_BYTES) for a float-activation matmul on a
     matrix of `shape` (0: the whole matrix; LLaDA-8B's 4-bit head unsplit gave a 2.07 GB float copy, and a
     NaN, in an IREE bundle)."""

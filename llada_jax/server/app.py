@@ -13,6 +13,7 @@ import contextlib
 import logging
 import secrets
 import time
+from typing import Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -23,7 +24,7 @@ from llada_jax.server.engine import Busy, Engine
 from llada_jax.server.protocol import ChatRequest, CompletionRequest
 from llada_jax.server.requests import RequestError, Served, jobs_of
 from llada_jax.server.responses import DONE, Response, error_body, sse
-from llada_jax.server.runs import Run
+from llada_jax.server.runs import Run, Update
 
 RETRY_AFTER_S = 1
 log = logging.getLogger("llada.serve")
@@ -72,7 +73,8 @@ async def _answer(served: Served, engine: Engine, body, request: Request, chat: 
     response = Response(served.name, chat, sum(job.prompt_tokens for job in jobs[:: body.n]))
     if body.stream:
         return EventStream(_stream(run, response, body.include_usage, request), run)
-    texts, lasts = [""] * len(jobs), [None] * len(jobs)
+    texts: list[str] = [""] * len(jobs)
+    lasts: list[Update | None] = [None] * len(jobs)
     async for update in run.updates(poll=request.is_disconnected):
         texts[update.index] += update.delta
         if update.last:
@@ -80,7 +82,7 @@ async def _answer(served: Served, engine: Engine, body, request: Request, chat: 
     failed = next((last.error for last in lasts if last is not None and last.error is not None), None)
     if None in lasts or failed is not None:  # the client went away (nobody reads this), or a generation failed
         return JSONResponse(error_body(f"generation failed: {failed or 'cancelled'}", "server_error"), status_code=500)
-    return JSONResponse(response.whole(list(zip(texts, lasts))))
+    return JSONResponse(response.whole([(text, last) for text, last in zip(texts, lasts) if last is not None]))
 
 
 class EventStream(StreamingResponse):
@@ -155,7 +157,7 @@ def _add_error_handlers(app: FastAPI) -> None:
                             status_code=500)
 
 
-def _validation_message(errors: list[dict]) -> tuple[str, str, str | None]:
+def _validation_message(errors: Sequence[dict]) -> tuple[str, str, str | None]:
     """(message, kind, param) of the first bad field."""
     first = errors[0]
     if first.get("type") == "json_invalid":

@@ -12,7 +12,7 @@ Extension fields (the `openai` client sends them with `extra_body`): `block_leng
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -172,8 +172,8 @@ class CompletionRequest(GenerationFields):
     def prompts(self) -> list[str | list[int]]:
         """Each prompt: text or token ids."""
         if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
-            return [self.prompt]
-        return list(self.prompt)
+            return [cast(str | list[int], self.prompt)]
+        return list(cast(list[str] | list[list[int]], self.prompt))
 
 
 class TextPart(Lenient):

@@ -13,6 +13,7 @@ from llada_jax.model.config import LLaDAConfig
 from llada_jax.server.answer import SettledAnswer
 from llada_jax.server.protocol import ChatRequest, CompletionRequest, GenerationFields
 from llada_jax.system.errors import LladaError
+from llada_jax.weights.tokenizer import Tokenizer
 from policies.generation import Prepared, check_token_ids, prepare_generation
 from policies.options import GenerationOptions
 from policies.registry import DecoderSetting
@@ -66,7 +67,7 @@ class Served:
 
     name: str
     config: LLaDAConfig
-    tokenizer: object           # llada_jax.weights.tokenizer.Tokenizer
+    tokenizer: Tokenizer
     defaults: Defaults
     limit: int | None = None    # a bundle's longest canvas, when lower than the model's own
 

@@ -13,6 +13,7 @@ import dataclasses
 import functools
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from llada_jax.model.config import LLaDAConfig
 from llada_jax.model.params import layer_stage_shapes
@@ -66,7 +67,7 @@ class ByteLayout:
     size: int                                                          # bytes, padded to 64
 
     @classmethod
-    def of(cls, specs: dict[str, tuple[tuple[int, ...], object]]) -> "ByteLayout":
+    def of(cls, specs: dict[str, tuple[tuple[int, ...], DTypeLike]]) -> "ByteLayout":
         entries, offset = [], 0
         for name, (shape, dtype) in specs.items():
             entries.append((name, tuple(shape), np.dtype(dtype), offset))

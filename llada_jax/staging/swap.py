@@ -18,11 +18,13 @@ import time
 from typing import Callable, Protocol
 
 import numpy as np
+from numpy.typing import DTypeLike
 
+from llada_jax.model.arrays import Array
 from llada_jax.model.config import LLaDAConfig
 from llada_jax.model.kv_state import HIDDEN, KVState, visible_bias
 from llada_jax.model.params import stage_key, tensor_places
-from llada_jax.model.readout import Reads, StepOutput, combine_head_chunks, read_columns
+from llada_jax.model.readout import HeadChunkReadout, Reads, StepOutput, combine_head_chunks, read_columns
 from llada_jax.model.shapes import kv_shape
 from llada_jax.quant.quantize import HostQuantized, dequantize
 from llada_jax.staging.packing import (
@@ -44,7 +46,7 @@ class StagedWeights:
     embedding: np.ndarray | HostQuantized  # [E, D] host, gathered on the host
     layers: tuple[np.ndarray, ...]
     head: tuple[np.ndarray, ...]  # chunks: final norm + a vocabulary slice of the LM head each
-    dtype: object
+    dtype: DTypeLike
     layouts: tuple                # per stage: its PackedLayout, or ByteLayout when quantized
     quantization: tuple[Quantization, ...]  # per stage ((): none)
 
@@ -87,6 +89,7 @@ def pack_weights(tensors, config: LLaDAConfig, dtype, activations: str = "float"
     chunks = [_pack_stage(chunk, head_layout(config), dtype, activations)
               for chunk in head_chunk_tensors(head["ln_f"], head["lm_head"], config)]
     stages = [packed[i] for i in range(n)] + chunks
+    assert embedding is not None, "the checkpoint's names were checked at load: it has an embedding"
     return StagedWeights(embedding, tuple(s[0] for s in stages[:n]), tuple(s[0] for s in chunks), dtype,
                          tuple(s[1] for s in stages), tuple(s[2] for s in stages))
 
@@ -229,17 +232,22 @@ class StagedDevice(Protocol):
     """What a staged forward needs of a device (XLA arrays or IREE buffers); `tensors` are one stage's
     weights as `upload` put them in a ring buffer."""
 
-    def embed(self, rows: np.ndarray):
+    def embed(self, rows: np.ndarray) -> Array:
         """Embedding rows `[B, W, D]` gathered on the host, to the device."""
+        ...
 
-    def layer(self, tensors, x, positions: np.ndarray, key_bias: np.ndarray, state, layer: int):
+    def layer(self, tensors, x, positions: np.ndarray, key_bias: np.ndarray, state,
+              layer: int) -> tuple[Array, Array, Array]:
         """One decoder layer: (x, k, v); `state` None for a full step, else the KV state's cached K/V."""
+        ...
 
-    def head(self, tensors, x, chunk: int):
+    def head(self, tensors, x, chunk: int) -> HeadChunkReadout | Array:
         """One head chunk's readout on the host: a `HeadChunkReadout` (argmax), or its logits."""
+        ...
 
-    def stack(self, per_layer: list):
+    def stack(self, per_layer: list) -> Array:
         """Per-layer proposed K (or V) stacked into `[N, B, W, K, hd]`."""
+        ...
 
 
 def staged_forward(device: StagedDevice, ring: StagingRing, weights: StagedWeights, config: LLaDAConfig,

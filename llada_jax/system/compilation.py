@@ -37,10 +37,10 @@ class CompileClock:
     from_cache: int = 0        # of them, read back from the persistent cache
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
-    def record(self, event: str, duration: float, **_) -> None:
+    def record(self, event: str, duration_secs: float, **_) -> None:
         if event in COMPILE_EVENTS:
             with self._lock:
-                self.seconds += duration
+                self.seconds += duration_secs
 
     def count(self, event: str, **_) -> None:
         with self._lock:

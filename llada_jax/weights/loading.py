@@ -12,6 +12,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 from tqdm import tqdm
 
 from llada_jax.model.config import LLaDAConfig, read_config
@@ -50,7 +51,7 @@ class Model:
     staged: StagedWeights | None = None
     activations: str = "float"  # "int8": W8A8 matmuls for per-channel int8 weights (see qlinear)
     quantized: dict = dataclasses.field(default_factory=dict)  # module -> QuantScheme of the checkpoint
-    mesh: object = None  # a `jax.sharding.Mesh` the params are sharded over (`llada_jax.model.mesh`); None: one device
+    mesh: Mesh | None = None  # the params are sharded over it (`llada_jax.model.mesh`); None: one device
     scale_itemsize: int = 4  # bytes per quantization scale as held: as stored when resident, float32 when staged
 
     @property
@@ -114,7 +115,7 @@ def check_memory(model: Model, staged: bool) -> None:
     """Refuse, before reading any weight, a model the memory cannot hold (see `memory_plan`)."""
     config, itemsize, quantized = model.config, model.itemsize, model.quantized
     need = resident_need(config, itemsize, quantized, model.scale_itemsize)
-    if staged:  # host-packed stages, plus the staging buffers (host memory on a CPU device)
+    if staged and model.device_memory_budget is not None:  # host-packed stages, plus the staging buffers
         need = dataclasses.replace(need, working=need.working + min(model.device_memory_budget, need.weights))
     alternatives = []
     if model.dtype == "float32":

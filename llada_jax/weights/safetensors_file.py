@@ -92,14 +92,14 @@ class SafetensorsFile:
         (one thread faulting in the fresh pages and copying them is the slower: eval/RESULTS.md)."""
         dtype, shape, start, end = self.entries[name]
         out = aligned_empty(shape, DTYPES[dtype])
-        view = memoryview(out.reshape(-1).view(np.uint8))
+        view = out.reshape(-1).view(np.uint8).data
         readers = min(usable_threads(), max(1, (end - start) // PIECE_BYTES))
         piece = max(1, -(-(end - start) // readers))
         pieces = [(at, view[at: at + piece]) for at in range(0, end - start, piece)]
         if len(pieces) > 1:
             if self._readers is None:
                 self._readers = ThreadPoolExecutor(readers, thread_name_prefix="llada-read")
-            list(self._readers.map(lambda part: self._fill(name, *part, start), pieces))
+            list(self._readers.map(lambda part: self._fill(name, part[0], part[1], start), pieces))
         elif pieces:
             self._fill(name, *pieces[0], start)
         return out
@@ -169,4 +169,4 @@ def write_tensors(path: Path, specs: dict[str, tuple], array_of, metadata: dict[
             array = np.asarray(array_of(name), order="C")
             if array.dtype != np.dtype(specs[name][0]) or array.shape != tuple(specs[name][1]):
                 raise LladaError(f"{path}: tensor {name} is not the {specs[name]} announced")
-            out.write(memoryview(array.reshape(-1).view(np.uint8)))
+            out.write(array.reshape(-1).view(np.uint8).data)

@@ -8,15 +8,19 @@ import datetime
 import functools
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from llada_jax.system.errors import LladaError
+
+if TYPE_CHECKING:  # loaded with the first tokenizer (see load_tokenizer), not by every import
+    from tokenizers import Tokenizer as HFTokenizer
 
 EOT_TOKEN = "<|eot_id|>"
 
 
 @dataclasses.dataclass(frozen=True)
 class Tokenizer:
-    backend: object               # tokenizers.Tokenizer
+    backend: HFTokenizer
     chat_template: str | None
     special_tokens: dict          # role -> token text: bos_token, eos_token, ...
 

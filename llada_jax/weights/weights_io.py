@@ -86,7 +86,7 @@ def stored_scale_itemsize(model_dir: Path, quantized: dict[str, QuantScheme]) ->
         return 4
     try:
         weight_map = weight_files(model_dir)
-        files = {weight_map.get(f"{module}.weight_scale") for module in quantized} - {None}
+        files = {weight_map[f"{module}.weight_scale"] for module in quantized if f"{module}.weight_scale" in weight_map}
         sizes = []
         for file in files:
             with SafetensorsFile(model_dir / file) as handle:
@@ -138,7 +138,7 @@ def _check_float(array: np.ndarray, name: str, shape: tuple[int, ...], where: Pa
     return array
 
 
-def _read_quantized(read, module: str, shape: tuple[int, int], scheme: QuantScheme, where: Path,
+def _read_quantized(read, module: str, shape: tuple[int, ...], scheme: QuantScheme, where: Path,
                     scales_in_place: bool = False, words_in_place: bool = False) -> HostQuantized:
     """The module's parts, its scales and packed words mapped where asked and aligned."""
     rows, columns = shape
