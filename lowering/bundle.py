@@ -21,6 +21,7 @@ from pathlib import Path
 from llada_jax.families import host_loop_conventions
 from llada_jax.model.config import read_config, read_hf_dict
 from llada_jax.quant.qlinear import check_activations
+from llada_jax.quant.quantize import Activations
 from llada_jax.system.atomic import atomic_dir, check_output_dir
 from llada_jax.system.errors import LladaError
 from llada_jax.weights.checkpoint import compute_dtype
@@ -130,8 +131,9 @@ def _run_compiler(command: list[str], seconds_left: float, timeout: float) -> No
 
 def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, window: int = 64,
                    dtype: str = "float32", copy_weights: bool = True, device_memory_budget: int | None = None,
-                   loops: tuple[BakedLoops, ...] = (), batch_sizes: tuple[int, ...] = (1,), activations: str = "float",
-                   data_tiling: bool = False, progress=None, force: bool = False) -> Path:
+                   loops: tuple[BakedLoops, ...] = (), batch_sizes: tuple[int, ...] = (1,),
+                   activations: Activations = "float", data_tiling: bool = False, progress=None,
+                   force: bool = False) -> Path:
     """Compile every step for canvases up to `max_len`, windows up to `window` and each of `batch_sizes`
     rows (a batch of prompts runs in steps of these sizes) into a bundle; with a
     device memory budget smaller than the weights, the per-layer pieces that staged execution streams
@@ -148,8 +150,7 @@ only an earlier bundle, with `force` (`llada_jax.system.atomic`)."""
         raise LladaError(f"{config.family} bundles carry steps only so far (compile with --no-loop): "
                          f"{loop_refusal(config)}")
     check_output_dir(out_dir, COMPILE_COMMAND, (model_dir,), force)  # before minutes of export and compile
-    compute = compute_dtype(dtype)
-    layout = weight_layout(model_dir, config)
+    compute, layout = compute_dtype(dtype), weight_layout(model_dir, config)
     check_activations(activations, layout.quantized)
     batch_sizes = check_batch_sizes(batch_sizes)
     staged = _runs_staged(config, layout, device_memory_budget)
@@ -198,7 +199,7 @@ def _loop_specs(loops, max_len: int) -> list:
     return specs
 
 
-def _functions(specs, loop_specs, config, compute, layout, activations: str, rule) -> list:
+def _functions(specs, loop_specs, config, compute, layout, activations: Activations, rule) -> list:
     """The functions to export: each step, then each decode loop, in the target's activation layouts."""
     return ([step(spec, config, compute, layout, activations, rule) for spec in specs]
             + [loop(spec, config, compute, layout, activations, rule) for spec in loop_specs])

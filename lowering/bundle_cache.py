@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from llada_jax.model.config import read_config
+from llada_jax.quant.quantize import Activations
 from llada_jax.staging.packing import head_layout, layer_layout
 from llada_jax.system.locations import user_cache_dir
 from lowering.bundle import check_batch_sizes, compile_bundle, iree_version, loop_refusal
@@ -16,7 +17,7 @@ from lowering.matmul_tiles import host_tiles
 
 def cached_bundle(model_dir, target: str, *, dtype: str = "float32", max_len: int | None = None,
                   window: int | None = None, device_memory_budget: int | None = None, loops: tuple = (),
-                  batch_sizes: tuple[int, ...] = (1,), activations: str = "float", data_tiling: bool = False,
+                  batch_sizes: tuple[int, ...] = (1,), activations: Activations = "float", data_tiling: bool = False,
                   progress=None) -> Path:
     """A bundle for this model (by content), target, dtype, activations, data tiling, shapes, staged weight
     layouts, compiled decode loops, IREE version and this host's matmul tiles; compiled if absent."""

@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import math
 from pathlib import Path
+from typing import Literal
 
 from llada_jax.model.params import hf_shapes
 from llada_jax.system.errors import LladaError
@@ -23,13 +24,16 @@ FORMAT_VERSION = 8  # 2: staged pieces take one argument per weight tensor; 3: t
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
+StepKind = Literal["full", "window", "read", "commit", "layer_full", "layer_window", "head", "stack"]
+
+
 @dataclasses.dataclass(frozen=True)
 class StepSpec:
     """One compiled function: `full` (canvas S) and `window` (W positions against S slots), each giving the
     hidden rows and K/V; `read` (the LM head and readout on W of S hidden rows); `commit`; or the staged
     pieces `layer_full`, `layer_window`, `head` (W positions) and `stack` (per-layer K/V)."""
 
-    kind: str
+    kind: StepKind
     batch: int
     slots: int
     width: int = 0

@@ -27,6 +27,7 @@ from llada_jax.model.readout import HeadChunkReadout, ReadoutSpec
 from llada_jax.model.shapes import kv_shape, widths_within
 from llada_jax.model.steps import full_forward, head_rows, read_out, scatter_slots, window_forward
 from llada_jax.quant.qlinear import QuantizedWeight, offset_values, row_block_for
+from llada_jax.quant.quantize import Activations
 from llada_jax.staging.packing import PackedLayout, head_chunks, head_layout, layer_layout
 from lowering.bundle_format import PARAMETER_SCOPE, StepSpec
 from lowering.bundle_weights import WeightLayout
@@ -175,7 +176,7 @@ def _staged_function(spec: StepSpec, config: LLaDAConfig, layout_rule: LayoutRul
     return run
 
 
-def step_function(spec: StepSpec, config: LLaDAConfig, layout: WeightLayout, compute_dtype, activations: str,
+def step_function(spec: StepSpec, config: LLaDAConfig, layout: WeightLayout, compute_dtype, activations: Activations,
                   layout_rule: LayoutRule):
     """The flat function to export: weights (as stored, see `params_of`), then inputs. `commit` only
     scatters K/V and takes no weights; staged pieces take theirs as inputs, tensor by tensor. `layout_rule`:
@@ -220,14 +221,14 @@ class Function(NamedTuple):
     run: Callable
 
 
-def step(spec: StepSpec, config: LLaDAConfig, compute_dtype, layout: WeightLayout, activations: str,
+def step(spec: StepSpec, config: LLaDAConfig, compute_dtype, layout: WeightLayout, activations: Activations,
          layout_rule: LayoutRule) -> Function:
     inputs, outputs = io_signature(spec, config, compute_dtype)
     return Function(spec.name, spec.kind in NAMED_WEIGHTS, inputs, outputs,
                     step_function(spec, config, layout, compute_dtype, activations, layout_rule))
 
 
-def loop(spec: LoopSpec, config: LLaDAConfig, compute_dtype, layout: WeightLayout, activations: str,
+def loop(spec: LoopSpec, config: LLaDAConfig, compute_dtype, layout: WeightLayout, activations: Activations,
          layout_rule: LayoutRule) -> Function:
     """The whole decode loop of `spec` (`policies.decode_loop`), weights as named parameters."""
     s, g, e, m = spec.slots, spec.schedule.gen_length, config.embedding_size, spec.max_passes
@@ -248,7 +249,7 @@ def loop(spec: LoopSpec, config: LLaDAConfig, compute_dtype, layout: WeightLayou
     return Function(spec.name, True, signature(LoopInputs._fields), signature(LoopOutputs._fields), run)
 
 
-def params_of(weights, layout: WeightLayout, config: LLaDAConfig, compute_dtype, activations: str) -> dict:
+def params_of(weights, layout: WeightLayout, config: LLaDAConfig, compute_dtype, activations: Activations) -> dict:
     """The params pytree from the named parameters as stored (`lowering.bundle_weights`): float tensors
     cast to the compute dtype, each quantized module a `QuantizedWeight` (offset values signed again; no
     hoisting barrier, which iree-compile could not schedule at LLaDA-8B's size)."""

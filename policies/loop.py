@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Generator
+from typing import Callable, Generator, Literal
 
 import numpy as np
 
 from llada_jax.model import kv_state
-from llada_jax.model.readout import check_finite
-from llada_jax.model.shapes import bucket
+from llada_jax.model.readout import check_finite, read_width
 from policies.backend import BackendCall
 from policies.canvas import Block, Canvas
 from policies.canvas_steps import canvas_wide, commit_call, window_call
@@ -34,7 +33,7 @@ class StepRecord:
 
     nfe: int
     block: int
-    kind: str                 # "full" or "window"
+    kind: Literal["full", "window"]
     width: int                # real positions computed
     shape_width: int          # positions of the fixed shape, padding included
     useful: int               # computed positions whose prediction the policy could use
@@ -209,7 +208,7 @@ def _step(state: LoopState, plan: StepPlan, reviser: Reviser, commits: Callable,
                       positions=tuple(int(p) - canvas.offset for p in committed),
                       tokens=tuple(int(t) for t in x0[committed]),
                       confidence=tuple(float(c) for c in confidence[committed]), drafts=len(drafts),
-                      revisions=unpadded(canvas, revisions), head_rows=bucket(read.valid.size, window.valid.size),
+                      revisions=unpadded(canvas, revisions), head_rows=read_width(read.valid.size, window.valid.size),
                       read_rows=int(read.valid.sum()))
 
 

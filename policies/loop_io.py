@@ -15,6 +15,7 @@ from typing import NamedTuple
 import numpy as np
 
 from llada_jax.model.arrays import Array
+from llada_jax.model.readout import read_width
 from llada_jax.model.shapes import bucket
 from policies.cache_policies import Cached, CachePolicy
 from policies.decisions import speculative_width
@@ -60,13 +61,13 @@ class LoopSpec:
     def head_widths(self, rows: int) -> tuple[int, ...]:
         """The declared widths the LM head of a `rows`-row pass runs in: those covering 1 to block_length
         of the block's masks (the rows whose predictions the rule uses)."""
-        return tuple(sorted({bucket(count, rows) for count in range(1, min(rows, self.schedule.block_length) + 1)}))
+        return tuple(sorted({read_width(count, rows) for count in range(1, min(rows, self.schedule.block_length) + 1)}))
 
     def head_rows(self, width: int, useful: int) -> int:
         """The rows the LM head of a `width`-slot pass with `useful` masks to predict ran on: every row when
         drafts are read out, else the declared width covering them (at least one row). The host loop's plans
         read out the same (`policies.policy.StepPlan.read_columns`)."""
-        return width if self.lookahead else bucket(max(useful, 1), width)
+        return width if self.lookahead else read_width(max(useful, 1), width)
 
     @property
     def name(self) -> str:

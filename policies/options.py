@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from llada_jax.system.errors import LladaError
+from policies.sampling import Remasking
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -16,7 +17,7 @@ class GenerationOptions:
     steps: int
     temperature: float = 0.0
     cfg_scale: float = 0.0
-    remasking: str = "low_confidence"
+    remasking: Remasking = "low_confidence"
     policy: str = "vanilla"                  # POLICY grammar of `policies.registry`
     threshold: float | None = None           # Fast-dLLM's threshold rule (None: the fixed schedule)
     seed: int = 0

@@ -10,21 +10,24 @@ Dream's `sample_tokens` computes them (`policies.dream_sampling`): top-1 minus t
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal, get_args
 
 import numpy as np
 
-from llada_jax.model.readout import Readout
+from llada_jax.model.readout import Readout, ReadoutKind
 from llada_jax.system.errors import LladaError
 from policies import dream_sampling
 
-REMASKING = ("low_confidence", "random", "margin", "entropy")
+# Which masks a step commits first: the most confident (LLaDA), random ones, or by Dream's margin or entropy.
+Remasking = Literal["low_confidence", "random", "margin", "entropy"]
+REMASKING: tuple[str, ...] = get_args(Remasking)
 FROM_PROBABILITIES = ("margin", "entropy")  # confidences computed from a logits readout on the host
 
 
 @dataclasses.dataclass(frozen=True)
 class Sampler:
     temperature: float = 0.0
-    remasking: str = "low_confidence"
+    remasking: Remasking = "low_confidence"
     unconfident_ids: tuple[int, ...] = ()  # confidence 0 when predicted, and left out of the softmax
     top_k: int | None = None    # Dream's filters before its confidence softmax (None: off)
     top_p: float | None = None
@@ -46,7 +49,7 @@ class Sampler:
         return self.remasking in FROM_PROBABILITIES or (filtered and self.remasking == "low_confidence")
 
     @property
-    def readout_kind(self) -> str:
+    def readout_kind(self) -> ReadoutKind:
         return "argmax" if self.temperature == 0.0 and not self.dream_confidence else "logits"
 
     def choose(self, readout: Readout, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

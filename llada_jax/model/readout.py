@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import numpy as np
 
 from llada_jax.model.arrays import Array
 from llada_jax.model.shapes import bucket
 from llada_jax.system.errors import LladaError
+
+ReadoutKind = Literal["argmax", "logits"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,7 +20,7 @@ class ReadoutSpec:
     (float32, full vocab). cfg: batch rows are (conditional, unconditional), combined into one row of
     guided logits."""
 
-    kind: str = "argmax"
+    kind: ReadoutKind = "argmax"
     cfg: bool = False
 
 
@@ -45,6 +47,12 @@ class HeadChunkReadout(NamedTuple):
 Reads = tuple  # the window columns (ascending, distinct) whose predictions a step returns; None: all
 
 
+def read_width(count: int, rows: int) -> int:
+    """The declared width the LM head runs in to read out `count` of a step's `rows`: the host loop's steps pad
+    their reads to it (`head_rows_for`), the compiled loop branches over these widths (`LoopSpec.head_widths`)."""
+    return bucket(count, rows)
+
+
 def head_rows_for(reads: Reads | None, rows: int) -> np.ndarray:
     """The hidden rows `[R]` (int32) the LM head runs on for `reads` of a step's `rows`: `reads` padded to
     the declared width R = bucket(len(reads)) by repeating the last (every row when `reads` is None).
@@ -54,7 +62,7 @@ def head_rows_for(reads: Reads | None, rows: int) -> np.ndarray:
     columns = np.asarray(reads, np.int32)
     if columns.size == 0 or columns.min() < 0 or columns.max() >= rows or np.any(np.diff(columns) <= 0):
         raise ValueError(f"read-out columns must be distinct, ascending and within the step's {rows} rows")
-    padded = np.full(bucket(columns.size, rows), columns[-1], np.int32)
+    padded = np.full(read_width(columns.size, rows), columns[-1], np.int32)
     padded[: columns.size] = columns
     return padded
 

@@ -16,15 +16,16 @@ import dataclasses
 import functools
 import operator
 import re
+from typing import get_args
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from llada_jax.quant.quantize import HostQuantized, QuantScheme
+from llada_jax.quant.quantize import Activations, HostQuantized, QuantScheme
 from llada_jax.system.errors import LladaError
 
-ACTIVATIONS = ("float", "int8")
+ACTIVATIONS: tuple[str, ...] = get_args(Activations)
 # The largest float32 copy of one quantized matrix a float-activation matmul makes at once in an IREE bundle;
 # LLaDA-8B's decoder matrices (201 MB at most) are under it, its LM head (2.07 GB) is split into 9 row blocks.
 FLOAT_COPY_BYTES = 256 << 20
@@ -38,7 +39,7 @@ LOOP_COPY_BYTES = 16 << 20
 class QuantizedWeight:
     values: jax.Array  # [O, I] int8 or int4, or with `nibbles` [O, I / 2] uint8
     scale: jax.Array   # [O, G] float, as stored (bf16 scales converted to float32 a few rows at a time)
-    activations: str = dataclasses.field(default="float", metadata={"static": True})
+    activations: Activations = dataclasses.field(default="float", metadata={"static": True})
     row_block: int = dataclasses.field(default=0, metadata={"static": True})  # rows per float copy (0: all)
     # XLA's form (see `quantized_linear`): group-wise dequantization behind an optimization barrier, in a loop
     # over row blocks. IREE bundles build their weights without it: with the barrier iree-compile failed on
@@ -63,7 +64,7 @@ class QuantizedWeight:
         return self.shape[1] // self.scale.shape[1]
 
 
-def to_device(host: HostQuantized, activations: str = "float", put=jnp.asarray) -> QuantizedWeight:
+def to_device(host: HostQuantized, activations: Activations = "float", put=jnp.asarray) -> QuantizedWeight:
     """The weight on the device for XLA; `put(host_array)` places each part (default: the default device)."""
     if activations not in ACTIVATIONS:
         raise LladaError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
@@ -97,7 +98,7 @@ def tie_scales(params, anchor):
                                      for leaf in leaves])
 
 
-def uses_stored_words(scheme: QuantScheme, activations: str) -> bool:
+def uses_stored_words(scheme: QuantScheme, activations: Activations) -> bool:
     """Whether XLA multiplies this scheme's compressed-tensors bytes as stored (float activations: the sign is
     restored on the rows a step reads), so a CPU device can use the checkpoint's own pages; W8A8 multiplies
     signed int8 values, a copy."""
@@ -138,7 +139,7 @@ def row_block_for(shape: tuple[int, ...], copy_bytes: int | None = None) -> int:
 DECODER_LAYER = re.compile(r"\.(blocks|layers)\.\d+\.")  # a decoder layer's module, in any family's names
 
 
-def check_activations(activations: str, quantized: dict) -> None:
+def check_activations(activations: object, quantized: dict) -> None:
     """int8 activations need int8 per-channel decoder layers; anywhere else they would be ignored."""
     if activations not in ACTIVATIONS:
         raise LladaError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
@@ -154,7 +155,7 @@ def restore_sign(offset: jax.Array, bits: int) -> jax.Array:
     return jax.lax.bitwise_xor(offset, jnp.asarray(-(1 << (bits - 1)), offset.dtype))
 
 
-def offset_values(packed: jax.Array, bits: int, activations: str) -> tuple[jax.Array, int]:
+def offset_values(packed: jax.Array, bits: int, activations: Activations) -> tuple[jax.Array, int]:
     """(values, offset) of compressed-tensors' offset integers read as int4/int8: for float activations read
     unsigned, the offset undone in float after the bit-extend (IREE bundles: no op on the integers that
     iree-compile would hoist into a copy of every weight); for int8 activations (int8 x int8) signed again."""
@@ -166,7 +167,7 @@ def offset_values(packed: jax.Array, bits: int, activations: str) -> tuple[jax.A
 UNSIGNED = {4: jnp.uint4, 8: jnp.uint8}
 
 
-def from_packed_bytes(packed: jax.Array, scale: jax.Array, bits: int, activations: str) -> QuantizedWeight:
+def from_packed_bytes(packed: jax.Array, scale: jax.Array, bits: int, activations: Activations) -> QuantizedWeight:
     """A QuantizedWeight on XLA from a matrix's compressed-tensors bytes `[O, I * bits / 8]` uint8 (values
     offset by 2**(bits-1); two 4-bit values per byte, low nibble first) and its float32 scales."""
     shape = (packed.shape[0], packed.shape[1] * 8 // bits)

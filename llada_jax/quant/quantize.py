@@ -14,6 +14,7 @@ first value in the lowest bits; a row's last int32 is zero-padded.
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 import ml_dtypes
 import numpy as np
@@ -23,6 +24,8 @@ from llada_jax.system.host_memory import aligned_empty
 
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
+# What a matmul multiplies its weights with: float activations, or int8 ones quantized per position (W8A8).
+Activations = Literal["float", "int8"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +43,7 @@ class QuantScheme:
     def qmax(self) -> int:
         return (1 << (self.bits - 1)) - 1
 
-    def matmul_activations(self, activations: str) -> str:
+    def matmul_activations(self, activations: Activations) -> Activations:
         """The activations a matmul of this scheme runs with: int8 (W8A8) only for per-channel 8-bit weights."""
         return activations if self.bits == 8 and self.group_size is None else "float"
 

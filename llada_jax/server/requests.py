@@ -17,6 +17,7 @@ from llada_jax.weights.tokenizer import Tokenizer
 from policies.generation import Prepared, check_token_ids, prepare_generation
 from policies.options import GenerationOptions
 from policies.registry import DecoderSetting
+from policies.sampling import Remasking
 from policies.schedule import Schedule
 
 
@@ -49,7 +50,7 @@ class Defaults:
     steps: int = 32
     temperature: float = 0.0
     cfg_scale: float = 0.0
-    remasking: str = "low_confidence"
+    remasking: Remasking = "low_confidence"
     policy: str = "vanilla"
     threshold: float | None = None
     seed: int = 0

@@ -26,7 +26,7 @@ from llada_jax.model.kv_state import HIDDEN, KVState, visible_bias
 from llada_jax.model.params import stage_key, tensor_places
 from llada_jax.model.readout import HeadChunkReadout, Reads, StepOutput, combine_head_chunks, read_columns
 from llada_jax.model.shapes import kv_shape
-from llada_jax.quant.quantize import HostQuantized, dequantize
+from llada_jax.quant.quantize import Activations, HostQuantized, dequantize
 from llada_jax.staging.packing import (
     PackedLayout,
     head_chunk_tensors,
@@ -67,7 +67,7 @@ class StagedWeights:
         return rows.reshape(*ids.shape, rows.shape[-1]).astype(self.dtype)
 
 
-def pack_weights(tensors, config: LLaDAConfig, dtype, activations: str = "float") -> StagedWeights:
+def pack_weights(tensors, config: LLaDAConfig, dtype, activations: Activations = "float") -> StagedWeights:
     """Pack every stage from (HF name, host array or HostQuantized) pairs read one at a time; a stage is
     packed as soon as its last tensor arrives, so at most a few stages are ever held unpacked."""
     n = config.n_layers
@@ -94,7 +94,7 @@ def pack_weights(tensors, config: LLaDAConfig, dtype, activations: str = "float"
                          tuple(s[1] for s in stages), tuple(s[2] for s in stages))
 
 
-def _pack_stage(tensors: dict, layout: PackedLayout, dtype, activations: str) -> tuple:
+def _pack_stage(tensors: dict, layout: PackedLayout, dtype, activations: Activations) -> tuple:
     """(packed buffer, its layout, its Quantization) of one stage; quantized matrices keep their integers."""
     schemes = {name: t.scheme for name, t in tensors.items() if isinstance(t, HostQuantized)}
     if not schemes:

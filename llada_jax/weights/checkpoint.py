@@ -21,7 +21,7 @@ from llada_jax.model.config import LLaDAConfig
 from llada_jax.model.mesh import place_weight
 from llada_jax.model.params import hf_to_params, params_to_hf, tensor_role
 from llada_jax.quant.qlinear import to_device, uses_stored_words
-from llada_jax.quant.quantize import HostQuantized
+from llada_jax.quant.quantize import Activations, HostQuantized
 from llada_jax.system.atomic import atomic_dir
 from llada_jax.system.errors import LladaError
 from llada_jax.system.host_memory import aligned_empty
@@ -37,7 +37,7 @@ def compute_dtype(name: str):
     return COMPUTE_DTYPES[name]
 
 
-def read_tensors(model_dir: Path, config: LLaDAConfig, dtype, activations: str = "float", mesh=None,
+def read_tensors(model_dir: Path, config: LLaDAConfig, dtype, activations: Activations = "float", mesh=None,
                  quantized: dict | None = None, wrap=iter) -> dict:
     """Load and validate every tensor, converting each to the compute dtype on the device, or with a
     `jax.sharding.Mesh`, straight into its shards there (quantized matrices stay integers, see `qlinear`).
@@ -66,7 +66,7 @@ def in_dtype(array: np.ndarray, dtype) -> np.ndarray:
     return out
 
 
-def load_params(model_dir: Path, config: LLaDAConfig, dtype="float32", activations: str = "float",
+def load_params(model_dir: Path, config: LLaDAConfig, dtype="float32", activations: Activations = "float",
                 mesh=None, quantized: dict | None = None, wrap=iter) -> dict:
     tensors = read_tensors(Path(model_dir), config, compute_dtype(dtype), activations, mesh, quantized, wrap)
     return hf_to_params(tensors, config)

@@ -19,7 +19,7 @@ from llada_jax.model.config import LLaDAConfig, read_config
 from llada_jax.model.mesh import MODEL, check_fits_model_axis
 from llada_jax.model.params import hf_shapes
 from llada_jax.quant.qlinear import check_activations
-from llada_jax.quant.quantize import QuantScheme
+from llada_jax.quant.quantize import Activations, QuantScheme
 from llada_jax.staging.swap import StagedWeights, pack_weights
 from llada_jax.system.errors import LladaError
 from llada_jax.system.host_memory import release_freed_memory
@@ -49,7 +49,7 @@ class Model:
     path: Path | None = None
     device_memory_budget: int | None = None
     staged: StagedWeights | None = None
-    activations: str = "float"  # "int8": W8A8 matmuls for per-channel int8 weights (see qlinear)
+    activations: Activations = "float"  # "int8": W8A8 matmuls for per-channel int8 weights (see qlinear)
     quantized: dict = dataclasses.field(default_factory=dict)  # module -> QuantScheme of the checkpoint
     mesh: Mesh | None = None  # the params are sharded over it (`llada_jax.model.mesh`); None: one device
     scale_itemsize: int = 4  # bytes per quantization scale as held: as stored when resident, float32 when staged
@@ -68,7 +68,7 @@ class Model:
 
 
 def load(path, dtype: str = "float32", device_memory_budget: int | None = None, check_weights: bool = False,
-         activations: str = "float", mesh=None) -> Model:
+         activations: Activations = "float", mesh=None) -> Model:
     """Load an HF LLaDA directory (config.json + safetensors weights [+ tokenizer files]). With a device
     memory budget smaller than the weights, they are packed per layer on the host for staged execution.
     `check_weights` first scans every tensor for NaN/Inf (a pass over all weights). With a `mesh`
