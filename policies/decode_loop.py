@@ -26,7 +26,7 @@ from llada_jax.model.config import LLaDAConfig
 from llada_jax.model.forward import Context
 from llada_jax.model.kv_state import HIDDEN
 from llada_jax.model.layout import XLA_LAYOUT, LayoutRule
-from llada_jax.model.readout import ReadoutSpec, nonfinite
+from llada_jax.model.readout import ReadoutSpec, first_nonfinite
 from llada_jax.model.shapes import kv_shape
 from llada_jax.model.steps import full_forward, head_rows, read_out, window_forward
 from llada_jax.quant.qlinear import tie_scales
@@ -287,5 +287,4 @@ def _keep(keep, proposed, cached):
 def _first_nonfinite(logp, valid, positions):
     """The canvas position of the first valid entry whose log-probability is NaN or +inf (as
     `readout.check_finite` finds it on the host), else NOT_COMMITTED."""
-    bad = valid & nonfinite(jnp, logp)
-    return jnp.where(jnp.any(bad), positions[jnp.argmax(bad)], NOT_COMMITTED).astype(jnp.int32)
+    return first_nonfinite(jnp, logp[None], valid, positions, NOT_COMMITTED).astype(jnp.int32)

@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llada_jax.model.readout import nonfinite
+from llada_jax.model.readout import first_nonfinite, nonfinite
 from policies import decisions
 from tests.reference import transfer_counts
 
@@ -60,6 +60,17 @@ def test_nonfinite_is_nan_or_positive_infinity(values):
     expected = [v != v or v == np.inf for v in values]
     assert nonfinite(np, array).tolist() == expected
     assert np.asarray(nonfinite(jnp, jnp.asarray(array))).tolist() == expected
+
+
+@given(values=st.lists(st.sampled_from([np.nan, np.inf, -np.inf, 0.0]), min_size=6, max_size=6),
+       valid=st.lists(st.booleans(), min_size=3, max_size=3), rows=st.sampled_from([1, 2]))
+def test_first_nonfinite_is_the_first_valid_column_with_nan_or_inf_in_both_loops(values, valid, rows):
+    scores = np.resize(np.asarray(values, np.float32), (rows, 3, 2))  # [rows, columns, vocabulary]
+    positions = np.asarray([7, 3, 5])
+    bad = [valid[c] and any(v != v or v == np.inf for v in scores[:, c].ravel()) for c in range(3)]
+    expected = int(positions[bad.index(True)]) if any(bad) else -1
+    assert int(first_nonfinite(np, scores, np.asarray(valid), positions, none=-1)) == expected
+    assert int(first_nonfinite(jnp, jnp.asarray(scores), jnp.asarray(valid), jnp.asarray(positions), -1)) == expected
 
 
 @given(in_reads=st.lists(st.booleans(), min_size=1, max_size=16), masked=st.lists(st.booleans(), max_size=16))

@@ -93,10 +93,19 @@ def check_finite(readout: Readout, positions: np.ndarray, valid: np.ndarray, ste
     """Refuse a step whose readout holds NaN (or +inf) at a computed position: garbage from here on.
     -inf is legitimate (a token biased away, or x0 left out of the confidence softmax). `positions`
     `[W]` are the canvas positions of the readout's columns, real where `valid`."""
-    values = readout.logits if readout.logits is not None else readout.logp[..., None]
-    bad = nonfinite(np, values).any(axis=(0, 2)) & valid  # [W]
-    if bad.any():
-        raise nonfinite_error(step, int(positions[np.argmax(bad)]))
+    values = readout.logits if readout.logits is not None else readout.logp
+    position = int(first_nonfinite(np, values, valid, positions, none=-1))
+    if position >= 0:
+        raise nonfinite_error(step, position)
+
+
+def first_nonfinite(xp, values, valid, positions, none: int):
+    """The canvas position of the first valid column of `values` `[B', W, ...]` (any row, any vocabulary entry)
+    holding NaN or +inf, else `none`. One rule for both loops: `xp` is numpy on the host, jax.numpy in the
+    compiled loop; column i is canvas position `positions[i]`, real where `valid[i]`."""
+    bad = nonfinite(xp, values)
+    bad = xp.any(bad.reshape(bad.shape[0], bad.shape[1], -1), axis=(0, 2)) & valid  # [W]
+    return xp.where(xp.any(bad), positions[xp.argmax(bad)], none)
 
 
 def nonfinite(xp, values):
