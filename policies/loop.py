@@ -19,7 +19,7 @@ from policies.backend import BackendCall
 from policies.canvas import Block, Canvas
 from policies.canvas_steps import canvas_wide, commit_call, window_call
 from policies.decisions import block_going, ranks
-from policies.policy import Policy, Reviser, StepPlan
+from policies.policy import Policy, Reviser, StepPlan, write_revisions
 from policies.rule import Rule
 from policies.sampling import Sampler
 from policies.schedule import Schedule, in_rank_order
@@ -124,6 +124,7 @@ def decode_steps(backend, prompt_ids: np.ndarray, schedule: Schedule, policy: Po
                     on_step(canvas, record)
                 state.step += 1
         state.kv, revisions = reviser.finish(state.kv)
+        write_revisions(canvas.tokens, revisions)
         stats = reviser.stats()
     trace = state.trace
     if revisions:
@@ -180,6 +181,7 @@ def dense_step(canvas: Canvas, kv, plan: StepPlan, reviser: Reviser, nfe: int):
     read = window.columns(reads)
     check_finite(out.readout, read.positions, read.valid, nfe)
     kv, revisions = reviser.merge(kv, nfe)
+    write_revisions(canvas.tokens, revisions)
     if plan.keep_kv is not None:
         kv = yield commit_call(kv, window, plan.keep_kv[window.positions], out, inputs, nfe)
     return out, window, read, kv, revisions

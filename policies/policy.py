@@ -71,9 +71,16 @@ class StepPlan:
 Revisions = tuple  # ((position, old token, new token), ...)
 
 
+def write_revisions(tokens: np.ndarray, revisions: Revisions) -> None:
+    """Write revised tokens into canvas rows `tokens` `[B, S]` (every row, as a commit writes)."""
+    for position, _, new in revisions:
+        tokens[:, position] = new
+
+
 class Reviser(Protocol):
     """Post-step work of one generation: the loop calls `merge` after each dense step computes (before
-    its K/V commit), `submit` after its token commits, `finish` after the last step."""
+    its K/V commit), `submit` after its token commits, `finish` after the last step. A reviser reads the canvas
+    and never writes it: `merge` and `finish` return their revisions, and the loop writes them."""
 
     def merge(self, kv: kv_state.KVState, nfe: int) -> tuple[kv_state.KVState, Revisions]: ...
 

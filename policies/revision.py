@@ -45,7 +45,7 @@ from llada_jax.system.errors import LladaError
 from policies.cache_policies import DualCache, PrefixCache
 from policies.canvas import Block, Canvas, Window
 from policies.canvas_steps import canvas_wide, commit_window, window_step
-from policies.policy import Policy, Revisions, StepPlan
+from policies.policy import Policy, Revisions, StepPlan, write_revisions
 from policies.side_path import SidePath, side_path_for
 
 NEVER = -1
@@ -147,19 +147,21 @@ class RevisionSession:
         self.probes = 0            # tokens re-scored by the side path
         self.last_nfe = 0          # the last dense step
 
-    def merge(self, kv: kv_state.KVState, nfe: int) -> tuple[kv_state.KVState, Revisions]:
-        """Apply the pending side job: its K/V where the slot is still stale, then its re-scores."""
+    def merge(self, kv: kv_state.KVState, nfe: int,
+              rows: np.ndarray | None = None) -> tuple[kv_state.KVState, Revisions]:
+        """Apply the pending side job: its K/V where the slot is still stale, then its re-scores, returned as
+        revisions for the caller to write. `rows`: the canvas's token rows as they stand (default: the canvas's)."""
         if self.pending is None:
             return kv, ()
         found: SideResult = self.side.join(self.pending)
         self.pending = None
-        tokens_now = self.canvas.tokens
+        tokens_now = self.canvas.tokens if rows is None else rows
         for window, tokens, out in found.refreshed:
             still = (kv.slot_token[:, window.positions] != tokens) & (tokens_now[:, window.positions] == tokens)
             kv = commit_window(self.backend, kv, window, still.all(axis=0), self.side.to_dense(out), tokens, nfe)
         self.refreshes += sum(int(window.valid.sum()) for window, _, _ in found.refreshed)
         self.probes += len(found.probed)
-        return kv, self._rescore(found, nfe)
+        return kv, self._rescore(found, nfe, tokens_now)
 
     def submit(self, kv: kv_state.KVState, window: Window, confidence: np.ndarray, nfe: int) -> None:
         """Record the step's new commits, then hand the side path its job over a snapshot: refresh stale
@@ -167,24 +169,27 @@ class RevisionSession:
         self._mark_new_commits(confidence, nfe)
         self._submit_job(kv, window, nfe)
 
-    def _submit_job(self, kv: kv_state.KVState, window: Window, nfe: int) -> None:
+    def _submit_job(self, kv: kv_state.KVState, window: Window, nfe: int, rows: np.ndarray | None = None) -> None:
         computed = window.positions[window.valid]
         unstable = computed[~self.stable[computed] & (self.committed_at[computed] != NEVER)]
-        snapshot = dataclasses.replace(self.canvas, tokens=self.canvas.tokens.copy())
+        snapshot = dataclasses.replace(self.canvas, tokens=(self.canvas.tokens if rows is None else rows).copy())
         self.pending = self.side.submit(_side_job, kv, snapshot, np.sort(unstable), self.policy.side_width, nfe)
         self.last_nfe = nfe
 
     def finish(self, kv: kv_state.KVState) -> tuple[kv_state.KVState, Revisions]:
         """Merge the last job, then settle: re-score the answer's unstable tokens again while the
-        previous merge revised any (up to `settle_rounds`). Returns every revision made here."""
-        kv, merged = self.merge(kv, self.last_nfe)
+        previous merge revised any (up to `settle_rounds`), each round over the canvas with the revisions so far.
+        Returns every revision made here, for the caller to write."""
+        rows = self.canvas.tokens.copy()
+        kv, merged = self.merge(kv, self.last_nfe, rows)
         revisions = list(merged)
         answer = self.canvas.window(np.arange(self.canvas.prompt_len, self.canvas.length))
         for _ in range(self.policy.settle_rounds):
             if not merged:
                 break
-            self._submit_job(kv, answer, self.last_nfe)
-            kv, merged = self.merge(kv, self.last_nfe)
+            write_revisions(rows, merged)
+            self._submit_job(kv, answer, self.last_nfe, rows)
+            kv, merged = self.merge(kv, self.last_nfe, rows)
             revisions += merged
         return kv, tuple(revisions)
 
@@ -201,18 +206,18 @@ class RevisionSession:
         self.stable = self.stable | (new & (confidence >= self.policy.stable_confidence))
         self.belief = np.where(new, confidence, self.belief)
 
-    def _rescore(self, found: SideResult, nfe: int) -> Revisions:
-        """Confirm the tokens the re-score agrees with; revise those it rejects confidently enough."""
-        canvas, policy = self.canvas, self.policy
+    def _rescore(self, found: SideResult, nfe: int, rows: np.ndarray) -> Revisions:
+        """Confirm the tokens the re-score agrees with; revise those it rejects confidently enough (the probed
+        positions are distinct, so each check reads the canvas `rows` before any revision of this re-score)."""
+        policy = self.policy
         revisions = []
         for p, token, choice, confidence in zip(found.probed, found.probed_tokens, found.x0, found.confidence):
-            if self.stable[p] or canvas.tokens[0, p] != token:
+            if self.stable[p] or rows[0, p] != token:
                 continue
             if choice == token:
                 self.confirmations[p] += 1
                 self.stable[p] = self.confirmations[p] >= policy.confirmations
             elif confidence >= policy.revise_threshold and confidence > self.belief[p]:
-                canvas.write(np.array([p]), np.array([choice]))
                 revisions.append((int(p), int(token), int(choice)))
                 self.confirmations[p] = 0
                 self.committed_at[p] = nfe
