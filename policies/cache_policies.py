@@ -38,11 +38,11 @@ class Cached(WithoutSidePath):
     here: the host loop's plans (numpy) and the compiled loop (`policies.decode_loop`, jax.numpy)."""
 
     caches: ClassVar[bool] = True
+    window_to_end: ClassVar[bool]  # the window runs to the canvas end (else it is the block alone)
 
     @property
     def stops_when_filled(self) -> bool:
         return True
-    window_to_end: ClassVar[bool]  # the window runs to the canvas end (else it is the block alone)
 
     def kv_kept(self, positions, block_start):
         """Which of `positions` the block-start step caches."""

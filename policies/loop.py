@@ -169,7 +169,8 @@ def unpadded(canvas: Canvas, revisions) -> tuple:
 
 
 def dense_step(canvas: Canvas, kv, plan: StepPlan, reviser: Reviser, nfe: int):
-    """Compute the plan, merge the reviser's side work (it ran beside this step), commit the plan's K/V.
+    """Compute the plan, merge the reviser's side work (it ran beside this step) and write its revisions, commit
+    the plan's K/V.
     Returns (step output, window, the window's read-out part, KV state, revisions the merge made)."""
     window = plan.window(canvas)
     reads = plan.read_columns(window, canvas)
