@@ -368,11 +368,17 @@ def test_requests_joining_at_any_step_decode_as_alone(tiny_model, lengths, delay
         assert (result.output_ids.tolist(), result.nfe) == (want.output_ids.tolist(), want.nfe)
 
 
-def test_the_engine_refuses_past_its_queue(tiny_model):
+def gated_engine(model, max_queue: int):
+    """(gate, an engine of one row whose steps wait for the gate, a short generation to submit to it)."""
     gate = threading.Event()
-    engine = Engine(slowed(tiny_model, gate), 64, max_batch=1, max_queue=0)
-    prepared = prepare_generation(tiny_model.config, np.arange(10, 14),
+    engine = Engine(slowed(model, gate), 64, max_batch=1, max_queue=max_queue)
+    prepared = prepare_generation(model.config, np.arange(10, 14),
                                   GenerationOptions(gen_length=8, block_length=8, steps=8))
+    return gate, engine, prepared
+
+
+def test_the_engine_refuses_past_its_queue(tiny_model):
+    gate, engine, prepared = gated_engine(tiny_model, max_queue=0)
     try:
         first = engine.submit(prepared)
         with pytest.raises(Busy, match="1 generations running, 0 waiting"):
@@ -387,10 +393,7 @@ def test_the_engine_refuses_past_its_queue(tiny_model):
 
 def test_a_waiting_generation_whose_future_is_cancelled_frees_its_place(tiny_model):
     """Cancelled through its future (not its ticket) while it waits: the engine skips it and keeps no row for it."""
-    gate = threading.Event()
-    engine = Engine(slowed(tiny_model, gate), 64, max_batch=1, max_queue=1)
-    prepared = prepare_generation(tiny_model.config, np.arange(10, 14),
-                                  GenerationOptions(gen_length=8, block_length=8, steps=8))
+    gate, engine, prepared = gated_engine(tiny_model, max_queue=1)
     try:
         first, second = engine.submit(prepared), engine.submit(prepared)
         assert second.future.cancel()
