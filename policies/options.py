@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import types
+import typing
+
+import numpy as np
 
 from llada_jax.system.errors import LladaError
 from policies.sampling import Remasking
@@ -29,6 +33,18 @@ class GenerationOptions:
     top_p: float | None = None
     first_token: bool | None = None          # a cached block's first step commits its first position alone
 
+    def __post_init__(self):
+        """Each value of its field's declared type, refused in one line before anything runs (a float
+        gen_length would be truncated silently, a string would fail deep inside)."""
+        hints = typing.get_type_hints(type(self))
+        for field in dataclasses.fields(self):
+            value, allowed = getattr(self, field.name), _alternatives(hints[field.name])
+            if not any(_is_a(value, kind) for kind in allowed):
+                names = " or ".join(_name(kind) for kind in allowed)
+                raise LladaError(f"generation option {field.name} must be {names}, got {value!r}")
+        if self.seed < 0:
+            raise LladaError(f"generation option seed must be >= 0, got {self.seed}")
+
     @classmethod
     def of(cls, options: dict) -> "GenerationOptions":
         """From keywords, refusing unknown or missing ones in one line."""
@@ -42,3 +58,28 @@ class GenerationOptions:
         if missing:
             raise LladaError(f"generation needs {', '.join(missing)}")
         return cls(**options)
+
+
+def _alternatives(hint) -> tuple:
+    """The types a field admits: each member of a union (`int | None`), else the type itself."""
+    return typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+
+
+def _is_a(value, kind) -> bool:
+    if kind is type(None):
+        return value is None
+    if typing.get_origin(kind) is typing.Literal:
+        return value in typing.get_args(kind)
+    if isinstance(value, (bool, np.bool_)):  # True is an int to Python, not a length
+        return kind is bool
+    if kind is int:
+        return isinstance(value, (int, np.integer))
+    if kind is float:
+        return isinstance(value, (int, float, np.integer, np.floating))
+    return isinstance(value, kind)
+
+
+def _name(kind) -> str:
+    if typing.get_origin(kind) is typing.Literal:
+        return "one of " + ", ".join(typing.get_args(kind))
+    return {type(None): "None", int: "an integer", float: "a number", bool: "true or false", str: "text"}[kind]

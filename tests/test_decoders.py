@@ -214,6 +214,11 @@ def test_a_model_that_predicts_the_mask_token_ends_each_block(tmp_path, policy, 
     (dict(gen_length=8, block_length=8, steps=8, polcy="dual-cache"), "unknown generation option polcy; the options "
                                                                       "are gen_length, block_length, steps,"),
     (dict(block_length=8), "generation needs gen_length, steps"),
+    (dict(gen_length=8.5, block_length=8, steps=8), "generation option gen_length must be an integer, got 8.5"),
+    (dict(gen_length=True, block_length=8, steps=8), "generation option gen_length must be an integer, got True"),
+    (dict(gen_length=8, block_length=8, steps=8, temperature="hot"), "temperature must be a number, got 'hot'"),
+    (dict(gen_length=8, block_length=8, steps=8, threshold="a"), "threshold must be a number or None, got 'a'"),
+    (dict(gen_length=8, block_length=8, steps=8, seed=-1), "generation option seed must be >= 0, got -1"),
 ])
 def test_unknown_or_missing_options_are_one_line_errors(tiny_model, options, message):
     with pytest.raises(LladaError, match=re.escape(message)) as error:
