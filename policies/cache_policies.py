@@ -8,7 +8,7 @@ commits nothing else, so the LM head runs on those positions alone.
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import ClassVar, get_args
 
 import numpy as np
 
@@ -22,7 +22,6 @@ class Vanilla(WithoutSidePath):
     the fixed schedule's steps."""
 
     name: ClassVar[str] = "vanilla"
-    caches: ClassVar[bool] = False
 
     @property
     def stops_when_filled(self) -> bool:
@@ -37,7 +36,6 @@ class Cached(WithoutSidePath):
     window from the block start to `window_end` against the cache. Both loops take these two decisions from
     here: the host loop's plans (numpy) and the compiled loop (`policies.decode_loop`, jax.numpy)."""
 
-    caches: ClassVar[bool] = True
     window_to_end: ClassVar[bool]  # the window runs to the canvas end (else it is the block alone)
 
     @property
@@ -78,5 +76,5 @@ class DualCache(Cached):
     window_to_end: ClassVar[bool] = False
 
 
-CACHE_POLICIES = {policy.name: policy for policy in (Vanilla, PrefixCache, DualCache)}
 CachePolicy = Vanilla | PrefixCache | DualCache
+CACHE_POLICIES = {policy.name: policy for policy in get_args(CachePolicy)}

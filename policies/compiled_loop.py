@@ -17,7 +17,7 @@ import numpy as np
 
 from llada_jax.model.readout import nonfinite_error
 from llada_jax.system.errors import LladaError
-from policies.cache_policies import CachePolicy, DualCache, PrefixCache, Vanilla
+from policies.cache_policies import CachePolicy
 from policies.decisions import ranks
 from policies.loop import Result, StepRecord
 from policies.loop_io import NOT_COMMITTED, BakedLoops, LoopOutputs, LoopSpec, loop_inputs
@@ -49,7 +49,7 @@ def loop_covers(policy, sampler: Sampler = Sampler(), cfg: bool = False) -> bool
 def cache_policy_of(policy) -> CachePolicy | None:
     """The cache policy the compiled loop runs for `policy` (itself, or speculation's base); None: not one."""
     base = policy.base if isinstance(policy, Speculative) else policy
-    return base if isinstance(base, (Vanilla, PrefixCache, DualCache)) else None
+    return base if isinstance(base, CachePolicy) else None
 
 
 def baked_loops(policy: str, threshold: float | None, gen_length: int, block_length: int, steps: int,

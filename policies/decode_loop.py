@@ -88,7 +88,7 @@ def decode_loop(params: dict, inputs: LoopInputs, *, config: LLaDAConfig, spec: 
     s = spec.slots
     positions = jnp.arange(s)
     length = jnp.asarray(inputs.prompt_len) + spec.schedule.gen_length
-    cached = spec.policy.caches
+    cached = spec.caches
     zeros = jnp.zeros(kv_shape(config, 1, s), kv_dtype) if cached else None
     carry = Carry(jnp.where(positions < inputs.prompt_len, inputs.prompt, config.mask_token_id).astype(jnp.int32),
                   zeros, zeros, jnp.zeros(s, bool), jnp.int32(0), jnp.full(s, NOT_COMMITTED, jnp.int32),
@@ -149,10 +149,10 @@ class _Run(NamedTuple):
 
         def one_step(state):
             step, carry = state
-            return step + 1, self.step(block, step, carry, full=not spec.policy.caches)
+            return step + 1, self.step(block, step, carry, full=not spec.caches)
 
         state = (jnp.int32(0), carry)
-        if spec.policy.caches:
+        if spec.caches:
             # The cached decoders' first pass (the full forward that fills the cache) is peeled out of the
             # step loop: IREE 3.13's multithreaded driver fails on a branch on the step inside it. A block
             # entered holds a mask (`next_block`), so the pass always runs.

@@ -42,6 +42,11 @@ class LoopSpec:
         return self.policy.stops_when_filled or self.lookahead > 0
 
     @property
+    def caches(self) -> bool:
+        """The policy keeps K/V (prefix-cache, dual-cache); vanilla recomputes the whole canvas every pass."""
+        return isinstance(self.policy, Cached)
+
+    @property
     def max_passes(self) -> int:
         """Forward passes at most: a block takes its fixed steps, or one commit at least per pass."""
         return self.schedule.num_blocks * max(self.schedule.steps_per_block, self.schedule.block_length)
