@@ -23,4 +23,4 @@ def save_png(figure, path, command: str, force: bool) -> None:
     check_png_target(path, command, force)
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=figure.dpi, metadata={"Software": _signature(command).decode()})
-    atomic_write_bytes(Path(path), buffer.getvalue())
+    atomic_write_bytes(Path(path), buffer.getvalue(), command)

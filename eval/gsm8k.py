@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from eval.context_fit import skipped_reasons
 from eval.hosts import HostShare
 from eval.jsonl import RowWriter, finished_rows, read_jsonl, run_setting
 from eval.task_eval import answer_text, generate_batch
@@ -100,9 +101,10 @@ def solve(model, batch: list[int], prompts: dict[int, str], golds: dict[int, str
 
 def evaluate(model, problems: list[dict], shots: list[dict], decoding: dict, *, chat: bool = False,
              out: Path | None = None, progress: bool = True, batch_size: int = 1,
-             share: HostShare = HostShare()) -> dict:
+             share: HostShare = HostShare(), skip_too_long: bool = False) -> dict:
     """Solve every problem of this host's `share` not already in its results file (`share.part(out)`),
-    `batch_size` at a time, appending each row; then summarize the share."""
+    `batch_size` at a time, appending each row; then summarize the share. A prompt too long for the model's
+    context refuses the run before its first step, or with `skip_too_long` is recorded as skipped."""
     if model.tokenizer is None:
         raise LladaError("GSM8K needs a model with a tokenizer (tokenizer.json)")
     if batch_size < 1:
@@ -111,28 +113,40 @@ def evaluate(model, problems: list[dict], shots: list[dict], decoding: dict, *, 
                for index, p in enumerate(problems) if share.owns(index)}
     run = run_setting("gsm8k", decoding, shots=len(shots), chat=chat)
     path = share.part(out)
-    rows = finished_rows(path, "prompt", prompts, run)
-    todo = [index for index in prompts if index not in rows]
-    golds = {index: problems[index]["gold"] for index in todo}
-    with RowWriter(path) as writer, tqdm(total=len(prompts), initial=len(rows), desc="gsm8k", file=sys.stderr,
-                                         disable=not progress, dynamic_ncols=True) as bar:
-        for start in range(0, len(todo), batch_size):
-            for row in solve(model, todo[start: start + batch_size], prompts, golds, decoding):
+    with RowWriter(path) as writer:
+        rows = finished_rows(path, "prompt", prompts, run)
+        todo = [index for index in prompts if index not in rows]
+        golds = {index: problems[index]["gold"] for index in todo}
+        skipped = skipped_reasons(model, {index: prompts[index] for index in todo}, decoding["gen_length"],
+                                  skip_too_long, len(prompts))
+        with tqdm(total=len(prompts), initial=len(rows), desc="gsm8k", file=sys.stderr, disable=not progress,
+                  dynamic_ncols=True) as bar:
+            def record(row: dict) -> None:
                 rows[row["index"]] = row = {**row, "run": run, "problems": len(problems)}
                 writer.write(row)
                 bar.update()
-            bar.set_postfix(accuracy=f"{np.mean([row['correct'] for row in rows.values()]):.3f}")
+
+            for index, reason in skipped.items():
+                record({"index": index, "prompt": prompts[index], "gold": golds[index], "output": "",
+                        "extracted": None, "correct": False, "nfe": 0, "latency_s": 0.0, "skipped": reason})
+            todo = [index for index in todo if index not in skipped]
+            for start in range(0, len(todo), batch_size):
+                for row in solve(model, todo[start: start + batch_size], prompts, golds, decoding):
+                    record(row)
+                bar.set_postfix(accuracy=f"{np.mean([row['correct'] for row in rows.values()]):.3f}")
     return summarize([rows[index] for index in sorted(rows)], run)
 
 
 def summarize(rows: list[dict], run: dict) -> dict:
-    """Accuracy over every problem; speed over the generated ones (`errors`: prompts the model's
-    vocabulary cannot represent, scored wrong); the setting of `run` (see `eval.jsonl.run_setting`)."""
-    generated = [row for row in rows if "error" not in row]
-    correct = sum(row["correct"] for row in rows)
+    """Accuracy over the problems that ran (`skipped`: prompts too long for the model's context, counted apart);
+    speed over the generated ones (`errors`: prompts the model's vocabulary cannot represent, scored wrong); the
+    setting of `run` (see `eval.jsonl.run_setting`)."""
+    scored = [row for row in rows if "skipped" not in row]
+    generated = [row for row in scored if "error" not in row]
+    correct = sum(row["correct"] for row in scored)
     seconds = sum(row.get("share_s", row["latency_s"]) for row in generated)
-    return {"accuracy": correct / len(rows) if rows else 0.0, "correct": correct, "problems": len(rows),
-            "errors": len(rows) - len(generated),
+    return {"accuracy": correct / len(scored) if scored else 0.0, "correct": correct, "problems": len(scored),
+            "skipped": len(rows) - len(scored), "errors": len(scored) - len(generated),
             "mean_nfe": float(np.mean([row["nfe"] for row in generated])) if generated else 0.0,
             "tokens_per_s": len(generated) * run["gen_length"] / seconds if seconds else 0.0,
             "shots": run["shots"], "chat": run["chat"], **{key: run[key] for key in

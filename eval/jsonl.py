@@ -1,11 +1,14 @@
 """Resumable JSONL results: every row is flushed and fsynced as it is written, so a run killed at any
-moment leaves complete rows plus at most one truncated last line, which the next run drops."""
+moment leaves complete rows plus at most one truncated last line, which the next run drops (and says so).
+One run writes a results file at a time (an exclusive lock), so no row is written twice."""
 
 from __future__ import annotations
 
+import fcntl
 import gzip
 import json
 import os
+import sys
 from pathlib import Path
 
 from llada_jax.system.errors import LladaError
@@ -30,6 +33,8 @@ def read_rows(path: Path | None) -> list[dict]:
     if tail:
         with open(path, "r+b") as handle:
             handle.truncate(len(complete))
+        print(f"llada: {path}: dropped its last row, cut off by a killed run ({len(tail)} bytes); "
+              "that problem runs again", file=sys.stderr)
     return rows
 
 
@@ -78,16 +83,25 @@ def read_jsonl(path, required: tuple[str, ...]) -> list[dict]:
 
 
 class RowWriter:
-    """Appends one JSON row per line; each row is on disk (flush + fsync) before `write` returns."""
+    """Appends one JSON row per line; each row is on disk (flush + fsync) before `write` returns. It holds the
+    file's lock from opening to closing: read the finished rows after opening it. A file it created and
+    left empty is removed when it closes."""
 
     def __init__(self, path: Path | None):
-        self.handle = None
-        if path is not None:
-            try:
-                Path(path).parent.mkdir(parents=True, exist_ok=True)
-                self.handle = open(path, "a", encoding="utf-8")
-            except OSError as err:
-                raise LladaError(f"cannot write {path}: {err.strerror}") from None
+        self.handle, self.path, self.created = None, path, False
+        if path is None:
+            return
+        try:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            self.created = not Path(path).exists()
+            self.handle = open(path, "a", encoding="utf-8")
+        except OSError as err:
+            raise LladaError(f"cannot write {path}: {err.strerror}") from None
+        try:
+            fcntl.flock(self.handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.close()
+            raise LladaError(f"{path} is being written by another run; wait for it or use another --out file") from None
 
     def write(self, row: dict) -> None:
         if self.handle is None:
@@ -98,8 +112,12 @@ class RowWriter:
         os.fsync(self.handle.fileno())
 
     def close(self) -> None:
-        if self.handle is not None:
-            self.handle.close()
+        if self.handle is None:
+            return
+        if self.created and self.handle.tell() == 0 and self.path is not None:
+            Path(self.path).unlink(missing_ok=True)  # ours, and nothing was written
+        self.handle.close()
+        self.handle = None
 
     def __enter__(self) -> "RowWriter":
         return self

@@ -27,6 +27,8 @@ from safetensors.numpy import save_file
 from llada_jax.model.config import read_config
 from llada_jax.model.params import hf_shapes
 from llada_jax.system.atomic import atomic_dir
+from llada_jax.system.errors import LladaError
+from llada_jax.system.interrupts import Terminated, raise_on_sigterm
 from llada_jax.weights.weights_io import INDEX_FILE
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -105,7 +107,7 @@ def _rewrite_layers(staging: Path, shapes: dict[str, tuple[int, ...]], weight_ma
     (staging / INDEX_FILE).write_text(json.dumps(index, indent=2))
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=str(__doc__).splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="new directory to write (atomically)")
     parser.add_argument("--force", action="store_true", help="replace an earlier output of this command in --out")
@@ -116,9 +118,21 @@ def main(argv=None) -> None:
     most = read_config(MODELS[args.model]).n_layers
     if args.layers is not None and not 1 <= args.layers <= most:
         parser.error(f"--layers must be between 1 and {most}, got {args.layers}")
-    write_scale_checkpoint(args.out, args.seed, MODELS[args.model], layers=args.layers, force=args.force)
+    raise_on_sigterm()
+    try:
+        write_scale_checkpoint(args.out, args.seed, MODELS[args.model], layers=args.layers, force=args.force)
+    except LladaError as err:
+        print(f"scale_checkpoint: error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("scale_checkpoint: interrupted", file=sys.stderr)
+        return 130
+    except Terminated as stop:
+        print("scale_checkpoint: interrupted (SIGTERM)", file=sys.stderr)
+        return stop.exit_status
     print(args.out)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -93,6 +93,11 @@ class Prepared:
                               slots=self.slots if slots is None else slots)
 
 
+def canvas_length(prompt_length: int, gen_length: int) -> int:
+    """The canvas a prompt of `prompt_length` tokens needs: it must fit the model's max_sequence_length."""
+    return prompt_length + gen_length
+
+
 def prepare_generation(config: LLaDAConfig, prompt_ids, options: GenerationOptions) -> Prepared:
     """Validate every input on the host and pick readout, sampler, commit rule and policy (see
     `run_generation`); nothing runs yet."""
@@ -102,7 +107,7 @@ def prepare_generation(config: LLaDAConfig, prompt_ids, options: GenerationOptio
     prompts, batched = prompt_rows(prompt_ids, config)
     schedule = Schedule(int(options.gen_length), int(options.block_length), int(options.steps))
     longest = max(len(prompt) for prompt in prompts)
-    total = longest + schedule.gen_length
+    total = canvas_length(longest, schedule.gen_length)
     if total > config.max_sequence_length:
         raise LladaError(f"{'the longest ' if batched else ''}prompt ({longest}) + gen_length "
                          f"({schedule.gen_length}) = {total} exceeds max_sequence_length={config.max_sequence_length}"

@@ -114,13 +114,14 @@ def test_a_file_where_a_directory_goes_is_refused(capsys, tmp_path, model_in_fol
     ("unrelated", "not an output of this command"),
     ("parent", "contains this command's input"),
 ])
-def test_scale_checkpoint_refuses_before_writing(tmp_path, target, expected):
+def test_scale_checkpoint_refuses_before_writing(capsys, tmp_path, target, expected):
     from eval.scale_checkpoint import METADATA_DIR
 
     out = user_dir(tmp_path / "unrelated") if target == "unrelated" else METADATA_DIR.parent
     before = snapshot(out)
-    with pytest.raises(LladaError, match=expected):
-        scale_main(["--out", str(out), "--layers", "1"])
+    assert scale_main(["--out", str(out), "--layers", "1"]) == 1
+    err = capsys.readouterr().err
+    assert expected in err and err.count("\n") == 1 and "Traceback" not in err
     assert snapshot(out) == before
 
 

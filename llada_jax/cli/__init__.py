@@ -18,6 +18,7 @@ from llada_jax.cli.quantize import add_quantize
 from llada_jax.cli.serve import add_serve
 from llada_jax.cli.train import add_train
 from llada_jax.system.errors import LladaError
+from llada_jax.system.interrupts import Terminated, raise_on_sigterm
 
 
 class DefaultsFormatter(argparse.HelpFormatter):
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.prompt is not None:
             parser.error("give the prompt either positionally or with --prompt, not both")
         args.prompt = args.prompt_text
+    raise_on_sigterm()
     try:
         args.run(args)
     except LladaError as err:
@@ -76,4 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("llada: interrupted", file=sys.stderr)
         return 130
+    except Terminated as stop:
+        print("llada: interrupted (SIGTERM)", file=sys.stderr)
+        return stop.exit_status
     return 0

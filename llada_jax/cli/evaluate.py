@@ -47,7 +47,7 @@ def cmd_gsm8k(args) -> None:
     share = host_share(args)
     model = load_model(args)
     summary = gsm8k.evaluate(model, problems, shots, decoding, chat=args.chat, out=Path(args.out) if args.out else None,
-                             batch_size=batch_size(args, model), share=share)
+                             batch_size=batch_size(args, model), share=share, skip_too_long=args.skip_too_long)
     print_gsm8k(summary, args.json, share)
 
 
@@ -56,7 +56,12 @@ def print_gsm8k(summary: dict, as_json: bool, share: HostShare = HostShare()) ->
         print(json.dumps({**summary, **_host_fields(share)}))
         return
     print(f"{_whose(share)}accuracy {summary['accuracy']:.3f} ({summary['correct']}/{summary['problems']})  "
-          f"mean NFE {summary['mean_nfe']:.1f}  {summary['tokens_per_s']:.1f} tok/s")
+          f"mean NFE {summary['mean_nfe']:.1f}  {summary['tokens_per_s']:.1f} tok/s{_skipped(summary)}")
+
+
+def _skipped(summary: dict) -> str:
+    count = summary.get("skipped", 0)
+    return f"  skipped {count} (too long for the context)" if count else ""
 
 
 def _host_fields(share: HostShare) -> dict:
@@ -82,7 +87,8 @@ def humaneval_jobs(args, problems: list[dict]) -> tuple[humaneval.Jobs, int]:
     if args.samples:
         return humaneval.sample_jobs(args.samples, problems, args.limit), args.batch_size or 1
     model = load_model(args)
-    return humaneval.model_jobs(model, problems[: args.limit], decoding_kwargs(args)), batch_size(args, model)
+    jobs = humaneval.model_jobs(model, problems[: args.limit], decoding_kwargs(args), args.skip_too_long)
+    return jobs, batch_size(args, model)
 
 
 def cmd_humaneval(args) -> None:
@@ -104,7 +110,7 @@ def print_humaneval(summary: dict, as_json: bool, share: HostShare = HostShare()
     if "mean_nfe" in summary:
         speed = f"  mean NFE {summary['mean_nfe']:.1f}  {summary['tokens_per_s']:.1f} tok/s"
     print(f"{_whose(share)}pass@1 {summary['pass@1']:.3f} ({summary['passed']}/{summary['samples']} samples, "
-          f"{summary['tasks']} tasks){speed}  sandbox {summary['sandbox']}")
+          f"{summary['tasks']} tasks){speed}  sandbox {summary['sandbox']}{_skipped(summary)}")
 
 
 def cmd_merge(args) -> None:
@@ -164,6 +170,9 @@ def add_humaneval(suites) -> None:
 
 
 def add_batch_flags(parser) -> None:
+    parser.add_argument("--skip-too-long", action="store_true",
+                        help="record problems whose prompt + --gen-length exceed the model's context as skipped "
+                             "(default: refuse the run before its first step)")
     parser.add_argument("--batch-size", type=positive_int, default=None,
                         help="problems generated together (default: 1, or one per device of --mesh's data axis)")
     add_host_flags(parser)

@@ -3,7 +3,8 @@ place, and only over nothing, an empty directory, or a previous output of the sa
 
 Every output directory carries a marker file naming the command that wrote it; that is how a previous output
 is told apart from the user's own directory. A target that is, or contains, one of the command's inputs is
-refused outright."""
+refused outright. The temporary siblings are named by `scratch` (command, host, pid, start time), so a run
+can remove what a killed run of the same target left behind."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 from llada_jax.system.errors import LladaError
+from llada_jax.system.scratch import remove_stale_scratch, scratch_prefix
 
 MARKER = ".llada-output.json"
 
@@ -59,25 +61,27 @@ def atomic_dir(out_dir: Path, command: str, inputs=(), force: bool = False):
     out_dir = Path(out_dir)
     check_output_dir(out_dir, command, inputs, force)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    remove_stale_scratch(out_dir)
+    staging = Path(tempfile.mkdtemp(prefix=scratch_prefix(out_dir, command), dir=out_dir.parent))
     try:
         yield staging
         (staging / MARKER).write_text(json.dumps({"command": command}) + "\n")
         publish_permissions(staging)
         check_output_dir(out_dir, command, inputs, force)
-        replace_dir(staging, out_dir)
+        replace_dir(staging, out_dir, command)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
 
 
-def replace_dir(staging: Path, out_dir: Path) -> None:
+def replace_dir(staging: Path, out_dir: Path, command: str) -> None:
     """Move the complete `staging` directory to `out_dir`; an existing `out_dir` (checked by the caller) is
-    swapped out only once the new one is complete, so a reader sees the old or the new directory, never a mix."""
+    swapped out only once the new one is complete, so a reader sees the old or the new directory, never a mix.
+    The old one waits in a scratch sibling, which a later run removes if this one is killed first."""
     if not out_dir.exists():
         os.replace(staging, out_dir)
         return
-    old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old.", dir=out_dir.parent))
+    old = Path(tempfile.mkdtemp(prefix=scratch_prefix(out_dir, command), dir=out_dir.parent))
     os.replace(out_dir, old / "replaced")
     os.replace(staging, out_dir)
     shutil.rmtree(old, ignore_errors=True)
@@ -108,12 +112,13 @@ def check_output_file(path: Path, is_previous_output, force: bool = False) -> No
         raise LladaError(f"{path} holds an earlier output of this command; pass --force to replace it")
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
+def atomic_write_bytes(path: Path, data: bytes, command: str) -> None:
     """Write `path` whole or not at all: a temporary sibling, flushed to disk, renamed over it. The caller
     has checked that `path` may be replaced."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle, staging = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    remove_stale_scratch(path)
+    handle, staging = tempfile.mkstemp(prefix=scratch_prefix(path, command), dir=path.parent)
     try:
         with os.fdopen(handle, "wb") as out:
             out.write(data)
