@@ -19,10 +19,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from eval.bench import matmul_peak_gflops
+from llada_jax.model.config import LLaDAConfig
 from llada_jax.model.moe import sparse_mlp
 from llada_jax.system.host_cpu import describe
 
 D_MODEL, EXPERTS, HIDDEN, TOP = 2048, 64, 1024, 8
+ROUTING = LLaDAConfig(d_model=D_MODEL, n_layers=1, n_heads=16, n_kv_heads=16, mlp_hidden_size=HIDDEN, vocab_size=1,
+                      embedding_size=1, max_sequence_length=1, mask_token_id=0, n_experts=EXPERTS,
+                      experts_per_token=TOP)  # LLaDA-MoE's softmax router
 REPEATS = 5
 
 
@@ -71,7 +75,7 @@ def measure(rows: int, dtype, peak: float, bandwidth: float, rng: np.random.Gene
     active_flops = 2 * rows * TOP * 3 * D_MODEL * HIDDEN + 2 * rows * D_MODEL * EXPERTS
     expert_bytes = 3 * D_MODEL * HIDDEN * jnp.dtype(dtype).itemsize
     dense = [weights(TOP * HIDDEN, D_MODEL), weights(TOP * HIDDEN, D_MODEL), weights(D_MODEL, TOP * HIDDEN)]
-    moe_s = timed(jax.jit(lambda b, x: sparse_mlp(b, x, TOP)), block, x)
+    moe_s = timed(jax.jit(lambda b, x: sparse_mlp(b, x, ROUTING)), block, x)
     return {"rows": rows, "dtype": jnp.dtype(dtype).name, "moe_ms": 1e3 * moe_s,
             "flops_floor_ms": 1e3 * active_flops / (peak * 1e9),
             "bytes_floor_ms": 1e3 * touched_experts(rows) * expert_bytes / bandwidth,

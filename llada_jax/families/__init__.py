@@ -4,10 +4,10 @@ config.json's `architectures[0]`, never guessed from shapes. No JAX here: the bu
 
 from __future__ import annotations
 
-from llada_jax.families import dream, llada, llada_moe
+from llada_jax.families import dream, llada, llada2, llada_moe
 from llada_jax.system.errors import LladaError
 
-FAMILIES = (llada, dream, llada_moe)
+FAMILIES = (llada, dream, llada_moe, llada2)
 BY_ARCHITECTURE = {family.ARCHITECTURE: family for family in FAMILIES}
 BY_NAME = {family.NAME: family for family in FAMILIES}
 SUPPORTED_ARCHITECTURES = tuple(BY_ARCHITECTURE)

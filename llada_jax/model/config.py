@@ -16,7 +16,8 @@ from llada_jax.system.errors import LladaError
 class LLaDAConfig:
     """Architecture and special ids of one checkpoint (hashable: it is a static jit argument). The family's
     deltas over LLaDA's forward are flags: biases on q/k/v, per-head q/k norms, a sparse MoE in place of the
-    MLP (`mlp_hidden_size` is then each expert's), logits shifted by one position."""
+    MLP (`mlp_hidden_size` is then each expert's), logits shifted by one position; LLaDA2's fused q/k/v,
+    partial rotary, dense first layers, grouped sigmoid router with a shared expert, block-causal attention."""
 
     d_model: int
     n_layers: int
@@ -37,6 +38,16 @@ class LLaDAConfig:
     n_experts: int = 0           # 0: a dense MLP
     experts_per_token: int = 0
     logits_shift: bool = False
+    fused_qkv: bool = False      # one [q; k; v] projection (`qkv_proj`)
+    rotary_dim: int = 0          # the first dims of each head that rotate (0: all of them)
+    dense_layers: int = 0        # of a sparse MoE model, the first layers that are a dense MLP ...
+    dense_hidden_size: int = 0   # ... this wide
+    shared_expert_size: int = 0  # an always-on SwiGLU beside the routed experts (0: none)
+    router: str = "softmax"      # softmax top-k (LLaDA-MoE) or sigmoid-grouped (LLaDA2)
+    expert_groups: int = 1       # sigmoid-grouped: experts in this many groups, ...
+    groups_kept: int = 1         # ... the top ones kept before the top k
+    routed_scaling: float = 1.0  # sigmoid-grouped: the routed experts' weights (summing to 1) times this
+    block_causal: bool = False   # attention sees the own block and earlier ones only (block diffusion)
 
     def __post_init__(self):
         for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "mlp_hidden_size",
@@ -59,6 +70,11 @@ class LLaDAConfig:
             raise LladaError("config rope_theta and rms_norm_eps must be positive")
         if self.family not in families.BY_NAME:
             raise LladaError(f"unknown model family {self.family!r}; choose one of {', '.join(families.BY_NAME)}")
+        if not 0 <= self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
+            raise LladaError(f"config rotary_dim={self.rotary_dim} must be even and at most the head dimension "
+                             f"{self.head_dim}")
+        if self.router not in ("softmax", "sigmoid-grouped"):
+            raise LladaError(f"unknown router {self.router!r}; choose softmax or sigmoid-grouped")
         if self.n_experts and not 1 <= self.experts_per_token <= self.n_experts:
             raise LladaError(f"config experts per token ({self.experts_per_token}) must be in [1, "
                              f"{self.n_experts}] (the experts)")
@@ -66,6 +82,15 @@ class LLaDAConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def rotary_width(self) -> int:
+        """The dims of each head that rotary embeddings rotate (the first ones)."""
+        return self.rotary_dim or self.head_dim
+
+    def sparse_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` has a sparse MoE MLP (else a dense one)."""
+        return bool(self.n_experts) and layer >= self.dense_layers
 
     def special_ids_in_vocab(self, *ids: int) -> tuple[int, ...]:
         """The given ids that exist in this model's output vocabulary (EoT may not, on a small model)."""

@@ -4,7 +4,8 @@ Bidirectional llama-style blocks: RMSNorm (float32), rotary embeddings (float32,
 grouped K/V attention without a causal mask, SwiGLU MLP (`ff_proj` is the SiLU-gated branch, `up_proj`
 the linear one, the block's `ff_out` the down projection), a separate LM head. The family deltas, each a
 config flag: q/k/v biases (Dream), per-head q/k RMSNorm before RoPE and a sparse MoE MLP (LLaDA-MoE,
-`llada_jax.model.moe`), logits shifted one position (Dream: `shift_rows`).
+`llada_jax.model.moe`), logits shifted one position (Dream: `shift_rows`); LLaDA2's fused q/k/v, partial rotary
+and per-layer dense or sparse MLPs (its block-causal attention is the decoder's: `policies.block_diffusion`).
 
 Shapes: B batch, W query positions, T = S cached slots + W keys, H heads, K kv-heads, G = H / K,
 D model width, E embedding (vocab) size, N layers.
@@ -46,11 +47,15 @@ def rotary_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[ja
 
 
 def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate-half RoPE on `[B, W, heads, hd]`, computed in float32."""
+    """Rotate-half RoPE on `[B, W, heads, hd]`, computed in float32; with tables narrower than hd (partial
+    rotary), on the first dims only, the rest passed through."""
+    width = cos.shape[-1]
     x32 = x.astype(jnp.float32)
-    first, second = jnp.split(x32, 2, axis=-1)
+    turned, kept = x32[..., :width], x32[..., width:]
+    first, second = jnp.split(turned, 2, axis=-1)
     rotated = jnp.concatenate([-second, first], axis=-1)
-    return (x32 * cos[:, :, None, :] + rotated * sin[:, :, None, :]).astype(x.dtype)
+    turned = turned * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+    return (jnp.concatenate([turned, kept], axis=-1) if kept.shape[-1] else turned).astype(x.dtype)
 
 
 def attention(q: jax.Array, keys: jax.Array, values: jax.Array, key_bias: jax.Array) -> jax.Array:
@@ -81,11 +86,10 @@ def decoder_layer(block: dict, x: jax.Array, rotary, cached, key_bias: jax.Array
     `layout` (`llada_jax.model.layout`) defaults to the one `layout_rule` picks for this many positions (XLA's by
     default; IREE exports pass their target's)."""
     b, w, _ = x.shape
-    hd = config.head_dim
     layout = layout or layout_rule.pick(b * w, block)
     h = layout.enter(x)
     normed = layout.norm(h, block["attn_norm"], config.rms_norm_eps)
-    q, k, v = (layout.heads(projection(layout, normed, block, name), b, w, hd) for name in ("q", "k", "v"))
+    q, k, v = projections(layout, normed, block, config, b, w)
     if config.qk_norm:
         q, k = rms_norm(q, block["q_norm"], config.rms_norm_eps), rms_norm(k, block["k_norm"], config.rms_norm_eps)
     q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
@@ -96,10 +100,23 @@ def decoder_layer(block: dict, x: jax.Array, rotary, cached, key_bias: jax.Array
     attended = layout.merge(attention(q, all_k, all_v, key_bias))
     h = h + layout.linear(attended, block["attn_out"])
     normed = layout.norm(h, block["ff_norm"], config.rms_norm_eps)
-    if config.n_experts:
-        return layout.leave(h + sparse_mlp(block, normed, config.experts_per_token), b, w), k, v
-    gated = jax.nn.silu(layout.linear(normed, block["ff_proj"])) * layout.linear(normed, block["up_proj"])
-    return layout.leave(h + layout.linear(gated, block["ff_out"]), b, w), k, v
+    if "router" in block:
+        return layout.leave(h + sparse_mlp(block, normed, config), b, w), k, v
+    return layout.leave(h + swiglu(layout, normed, block["ff_proj"], block["up_proj"], block["ff_out"]), b, w), k, v
+
+
+def swiglu(layout, normed, gate, up, down):
+    """down(silu(gate(x)) * up(x)): the dense MLP."""
+    return layout.linear(jax.nn.silu(layout.linear(normed, gate)) * layout.linear(normed, up), down)
+
+
+def projections(layout, normed, block: dict, config: LLaDAConfig, b: int, w: int):
+    """q, k, v `[B, W, heads, hd]`: three projections, or one fused `[q; k; v]` split by heads (LLaDA2)."""
+    hd = config.head_dim
+    if "qkv_proj" not in block:
+        return (layout.heads(projection(layout, normed, block, name), b, w, hd) for name in ("q", "k", "v"))
+    fused = layout.heads(layout.linear(normed, block["qkv_proj"]), b, w, hd)
+    return jnp.split(fused, [config.n_heads, config.n_heads + config.n_kv_heads], axis=2)
 
 
 def projection(layout, normed, block: dict, name: str):
@@ -117,7 +134,7 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, token_bias: j
     decides whether to commit them into a KV state.
     """
     x = embed(params["wte"], tokens, params["ln_f"].dtype)
-    rotary = rotary_tables(positions, config.head_dim, config.rope_theta)
+    rotary = rotary_tables(positions, config.rotary_width, config.rope_theta)
     key_bias = token_bias if context is None else jnp.concatenate([context.bias, token_bias], axis=1)
     new_keys, new_values = [], []
     for layer, block in enumerate(params["blocks"]):

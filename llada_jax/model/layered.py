@@ -28,7 +28,7 @@ def layer_step(weights, x: jax.Array, positions: jax.Array, key_bias: jax.Array,
     come first in the keys, biased by `key_bias` `[B, S + W]` (or `[B, W]`). Returns x, k, v.
     `quantization`: the stage's quantized matrices, stored as packed bytes (`qlinear.unpack_stage`)."""
     weights = block_from_stage(unpack_stage(weights, quantization))
-    rotary = rotary_tables(positions, config.head_dim, config.rope_theta)
+    rotary = rotary_tables(positions, config.rotary_width, config.rope_theta)
     cached = None if cached_keys is None else (cached_keys, cached_values)
     return decoder_layer(weights, x, rotary, cached, key_bias, config, layout_rule=layout_rule)
 

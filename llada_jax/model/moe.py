@@ -3,6 +3,9 @@ the positions routed to it, never all experts on every position.
 
 Routing as LLaDA-MoE's reference: router logits, softmax over every expert in float32, the top k kept with
 their probabilities (no renormalisation), SwiGLU experts, the outputs summed weighted by those probabilities.
+LLaDA2's (`sigmoid-grouped`): float32 sigmoid scores, experts chosen on score + expert_bias among the best
+groups (a group scores the sum of its top 2), weighted by their unbiased scores normalised to sum 1 times the
+scaling factor, summed in float32; plus the shared expert on every position.
 The routed (position, expert) pairs are sorted by expert; each expert runs over its run of the sorted rows in
 tiles of a fixed size (shapes stay static, the trip counts follow the routing), so the work is the routed
 rows plus at most one partly filled tile per expert. The experts are separate arrays, one loop each, so every
@@ -17,17 +20,43 @@ import jax
 import jax.numpy as jnp
 
 from llada_jax.model.layout import linear
+from llada_jax.quant.qlinear import stored_matmul
 
 EXPERT_KEYS = ("experts_gate", "experts_up", "experts_down")  # each a list of one matrix per expert
 
 
-def sparse_mlp(block: dict, x: jax.Array, experts_per_token: int) -> jax.Array:
+def sparse_mlp(block: dict, x: jax.Array, config) -> jax.Array:
     """The MoE MLP of position-major `x` `[B, W, D]` (the normed residual), in x's dtype."""
     b, w, d = x.shape
     rows = x.reshape(b * w, d)
-    probs = jax.nn.softmax(linear(rows[None], block["router"]).astype(jnp.float32)[0], axis=-1)
-    weights, experts = jax.lax.top_k(probs, experts_per_token)
-    return routed_sum(block, rows, experts, weights.astype(x.dtype)).reshape(b, w, d)
+    if config.router == "sigmoid-grouped":
+        experts, weights = grouped_route(block, rows, config)
+    else:
+        probs = jax.nn.softmax(linear(rows[None], block["router"]).astype(jnp.float32)[0], axis=-1)
+        weights, experts = jax.lax.top_k(probs, config.experts_per_token)
+        weights = weights.astype(x.dtype)
+    out = routed_sum(block, rows, experts, weights)
+    if "shared_gate" in block:
+        gated = jax.nn.silu(linear(rows[None], block["shared_gate"])) * linear(rows[None], block["shared_up"])
+        out = out + linear(gated, block["shared_down"])[0]
+    return out.reshape(b, w, d)
+
+
+def grouped_route(block: dict, rows: jax.Array, config) -> tuple[jax.Array, jax.Array]:
+    """LLaDA2's router: the chosen experts `[R, k]` and their float32 weights."""
+    logits = stored_matmul(rows.astype(jnp.float32), block["router"].astype(jnp.float32))
+    scores = jax.nn.sigmoid(logits)
+    biased = scores + block["expert_bias"].astype(jnp.float32)
+    r, n = biased.shape
+    groups = biased.reshape(r, config.expert_groups, n // config.expert_groups)
+    group_scores = jnp.sum(jax.lax.top_k(groups, 2)[0], axis=-1)
+    kept_groups = jax.lax.top_k(group_scores, config.groups_kept)[1]
+    kept = jnp.zeros(group_scores.shape, bool).at[jnp.arange(r)[:, None], kept_groups].set(True)
+    candidates = jnp.where(jnp.repeat(kept, n // config.expert_groups, axis=1), biased, -jnp.inf)
+    experts = jax.lax.top_k(candidates, config.experts_per_token)[1]
+    chosen = jnp.take_along_axis(scores, experts, axis=1)
+    weights = chosen / (jnp.sum(chosen, axis=-1, keepdims=True) + 1e-20) if experts.shape[1] > 1 else chosen
+    return experts, weights * config.routed_scaling
 
 
 def tile_rows(routed: int, n_experts: int) -> int:
@@ -38,7 +67,8 @@ def tile_rows(routed: int, n_experts: int) -> int:
 
 
 def routed_sum(block: dict, rows: jax.Array, experts: jax.Array, weights: jax.Array) -> jax.Array:
-    """Σ_j weights[r, j] * expert_{experts[r, j]}(rows[r]) for every row r: `[R, D]`."""
+    """Σ_j weights[r, j] * expert_{experts[r, j]}(rows[r]) for every row r: `[R, D]`, summed in the weights'
+    dtype, returned in the rows'."""
     r, d = rows.shape
     k = experts.shape[1]
     n_experts = len(block["experts_gate"])
@@ -62,4 +92,4 @@ def routed_sum(block: dict, rows: jax.Array, experts: jax.Array, weights: jax.Ar
 
         out = jax.lax.fori_loop(0, (counts[e] + tile - 1) // tile, one_tile, out)
     per_pair = jnp.zeros((r * k, d), rows.dtype).at[order].set(out[: r * k])
-    return jnp.sum(per_pair.reshape(r, k, d) * weights[..., None], axis=1)
+    return jnp.sum(per_pair.reshape(r, k, d).astype(weights.dtype) * weights[..., None], axis=1).astype(rows.dtype)

@@ -5,9 +5,9 @@ No JAX at import time (the bundle runtime uses the shapes). Matrices keep the ch
 `[out_features, in_features]`, so loading is a plain copy and export back to HF is bit-exact; a sparse MoE
 layer's experts are a list per matrix, one array each, as stored (`llada_jax.model.moe`). Pytree:
     {"wte": [E, D], "blocks": [{key: array} per layer], "ln_f": [D], "lm_head": [E, D]}
-Block keys: attn_norm, q_proj, k_proj, v_proj, attn_out, ff_norm, then ff_proj, up_proj, ff_out (a dense MLP)
-or router, experts_gate, experts_up, experts_down (a sparse MoE); q_bias, k_bias, v_bias and q_norm, k_norm
-where the family has them.
+Block keys: attn_norm, q_proj, k_proj, v_proj (or one qkv_proj), attn_out, ff_norm, then ff_proj, up_proj, ff_out
+(a dense MLP) or router, experts_gate, experts_up, experts_down (a sparse MoE; expert_bias, shared_gate,
+shared_up, shared_down where it has them); q_bias, k_bias, v_bias and q_norm, k_norm where the family has them.
 """
 
 from __future__ import annotations
@@ -22,16 +22,20 @@ from llada_jax.model.config import LLaDAConfig
 
 
 def block_shapes(config: LLaDAConfig) -> dict[str, tuple[int, ...]]:
-    """Shapes of one decoder layer's tensors by key (an MoE expert's matrices: one expert's)."""
+    """Shapes of a decoder layer's tensors by key (an MoE expert's matrices: one expert's); a model with dense
+    and sparse layers has both kinds of keys here, each layer its own (`tensor_places`)."""
     d, hd, h = config.d_model, config.head_dim, config.mlp_hidden_size
     q, kv = config.n_heads * hd, config.n_kv_heads * hd
-    shapes = {"attn_norm": (d,), "q_proj": (q, d), "k_proj": (kv, d), "v_proj": (kv, d),
+    shapes = {"attn_norm": (d,), "q_proj": (q, d), "k_proj": (kv, d), "v_proj": (kv, d), "qkv_proj": (q + 2 * kv, d),
               "q_bias": (q,), "k_bias": (kv,), "v_bias": (kv,), "q_norm": (hd,), "k_norm": (hd,),
               "attn_out": (d, q), "ff_norm": (d,)}
     if config.n_experts:
-        shapes.update(router=(config.n_experts, d), experts_gate=(h, d), experts_up=(h, d), experts_down=(d, h))
-    else:
-        shapes.update(ff_proj=(h, d), up_proj=(h, d), ff_out=(d, h))
+        shapes.update(router=(config.n_experts, d), expert_bias=(config.n_experts,), experts_gate=(h, d),
+                      experts_up=(h, d), experts_down=(d, h))
+        s = config.shared_expert_size
+        shapes.update(shared_gate=(s, d), shared_up=(s, d), shared_down=(d, s))
+    dense = config.dense_hidden_size if config.n_experts else h
+    shapes.update(ff_proj=(dense, d), up_proj=(dense, d), ff_out=(d, dense))
     return shapes
 
 
@@ -123,7 +127,9 @@ def init_params(config: LLaDAConfig, seed: int = 0, dtype="float32", std: float 
     rng = np.random.default_rng(seed)
     tensors = {}
     for name, shape in hf_shapes(config).items():
-        if len(shape) == 1 and not name.endswith(".bias"):
+        if name.endswith("expert_bias"):
+            value = rng.normal(0.0, std, size=shape).astype(np.float32)
+        elif len(shape) == 1 and not name.endswith(".bias"):
             value = np.ones(shape, np.float32)
         else:
             value = rng.normal(0.0, std, size=shape).astype(np.float32)
