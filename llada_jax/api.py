@@ -13,26 +13,36 @@ from llada_jax.model.shapes import bucket
 from llada_jax.system.errors import LladaError
 from llada_jax.weights.loading import Model, load
 from policies.backend import BackendRequest
+from policies.block_diffusion import block_logits
 from policies.generation import check_token_ids, run_generation
 
 __all__ = ["Model", "generate", "load", "logits"]
 
 
-def logits(model: Model, ids) -> np.ndarray:
-    """Full-canvas forward: float32 logits `[B, L, E]` for token ids `[B, L]` (the mask id is allowed)."""
+def logits(model: Model, ids, block_length: int | None = None) -> np.ndarray:
+    """Full-canvas forward: float32 logits `[B, L, E]` for token ids `[B, L]` (the mask id is allowed). A
+    block-causal model (LLaDA2) needs `block_length`: its attention sees the own block and earlier ones."""
     ids = check_token_ids(ids, model.config, "ids", allow_mask=True)
     if ids.ndim != 2:
         raise LladaError(f"ids must have shape [batch, length], got {list(ids.shape)}")
     batch, length = ids.shape
-    if length > model.config.max_sequence_length:
-        raise LladaError(f"length {length} exceeds max_sequence_length={model.config.max_sequence_length}")
-    slots = bucket(length, model.config.max_sequence_length)
-    padded = np.full((batch, slots), model.config.mask_token_id, np.int32)
-    padded[:, :length] = ids
-    valid = np.broadcast_to(np.arange(slots) < length, padded.shape)
+    block_causal = model.config.block_causal
+    if block_causal and (block_length is None or block_length < 1):
+        raise LladaError("this model's attention is block-causal: give block_length (>= 1) to logits")
+    if not block_causal and block_length is not None:
+        raise LladaError(f"block_length is for block-causal models; {model.config.family} attends to every position")
+    total = -(-length // block_length) * block_length if block_length else length
+    if total > model.config.max_sequence_length:
+        raise LladaError(f"length {total} exceeds max_sequence_length={model.config.max_sequence_length}")
+    slots = bucket(total, model.config.max_sequence_length)
     request = BackendRequest(readout_spec=ReadoutSpec(kind="logits"), rows=batch, slots=slots,
                              biases=TokenBiases.build(model.config.embedding_size))
     backend = select_backend(model, request)
+    if block_length is not None:
+        return block_logits(backend, ids, block_length, model.config.mask_token_id, slots)
+    padded = np.full((batch, slots), model.config.mask_token_id, np.int32)
+    padded[:, :length] = ids
+    valid = np.broadcast_to(np.arange(slots) < length, padded.shape)
     return np.asarray(backend.full(padded, valid).readout.logits[:, :length], np.float32)
 
 

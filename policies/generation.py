@@ -16,10 +16,11 @@ from llada_jax.model.shapes import bucket
 from llada_jax.system.errors import LladaError
 from policies.backend import BackendRequest
 from policies.batch import decode_batch
+from policies.block_diffusion import BlockSettings, decode_blocks
 from policies.compiled_loop import draft_threshold_of, loop_spec, run_compiled
 from policies.loop import decode_steps, run_alone
 from policies.loop_io import LoopSpec
-from policies.options import GenerationOptions
+from policies.options import BLOCK_OPTIONS, GenerationOptions
 from policies.registry import make_policy, parse_policy
 from policies.sampling import Sampler
 from policies.schedule import Schedule, make_rule
@@ -93,9 +94,25 @@ class Prepared:
                               slots=self.slots if slots is None else slots)
 
 
-def canvas_length(prompt_length: int, gen_length: int) -> int:
-    """The canvas a prompt of `prompt_length` tokens needs: it must fit the model's max_sequence_length."""
-    return prompt_length + gen_length
+def canvas_length(prompt_length: int, gen_length: int, block_length: int | None = None) -> int:
+    """The canvas a prompt of `prompt_length` tokens needs: it must fit the model's max_sequence_length. Block
+    diffusion (`block_length` given) rounds it up to whole blocks."""
+    total = prompt_length + gen_length
+    return total if block_length is None else -(-total // block_length) * block_length
+
+
+def check_fits(config: LLaDAConfig, prompts: list[np.ndarray], gen_length: int, batched: bool, limit: int | None,
+               block_length: int | None = None) -> int:
+    """The canvas length of the longest prompt, refused in one line past the model's context."""
+    longest = max(len(prompt) for prompt in prompts)
+    total = canvas_length(longest, gen_length, block_length)
+    if total > config.max_sequence_length:
+        whole = block_length and total > longest + gen_length
+        rounded = f" rounded up to whole blocks of {block_length}" if whole else ""
+        raise LladaError(f"{'the longest ' if batched else ''}prompt ({longest}) + gen_length "
+                         f"({gen_length}){rounded} = {total} exceeds max_sequence_length={config.max_sequence_length}"
+                         f"{' (the bundle was compiled with --max-len ' + str(limit) + ')' if limit else ''}")
+    return total
 
 
 def prepare_generation(config: LLaDAConfig, prompt_ids, options: GenerationOptions) -> Prepared:
@@ -105,13 +122,11 @@ def prepare_generation(config: LLaDAConfig, prompt_ids, options: GenerationOptio
     if limit is not None:
         config = dataclasses.replace(config, max_sequence_length=min(limit, config.max_sequence_length))
     prompts, batched = prompt_rows(prompt_ids, config)
+    if config.block_causal:
+        return prepare_blocks(config, prompts, batched, options)
+    check_block_options(options, config)
     schedule = Schedule(int(options.gen_length), int(options.block_length), int(options.steps))
-    longest = max(len(prompt) for prompt in prompts)
-    total = canvas_length(longest, schedule.gen_length)
-    if total > config.max_sequence_length:
-        raise LladaError(f"{'the longest ' if batched else ''}prompt ({longest}) + gen_length "
-                         f"({schedule.gen_length}) = {total} exceeds max_sequence_length={config.max_sequence_length}"
-                         f"{' (the bundle was compiled with --max-len ' + str(limit) + ')' if limit else ''}")
+    total = check_fits(config, prompts, schedule.gen_length, batched, limit)
     if not options.cfg_scale >= 0.0:
         raise LladaError(f"cfg_scale must be >= 0, got {options.cfg_scale}")
     decoding_policy = make_policy(options.policy)
@@ -136,6 +151,44 @@ def prepare_generation(config: LLaDAConfig, prompt_ids, options: GenerationOptio
                     loop_spec=loop_spec(decoding_policy, rule, sampler, cfg, schedule, slots),
                     threshold=options.threshold, draft_threshold=draft_threshold_of(decoding_policy),
                     revisable="revision" in parse_policy(options.policy)[1])
+
+
+def check_block_options(options: GenerationOptions, config: LLaDAConfig) -> None:
+    """Block diffusion's own options, refused on a family that does not decode by blocks."""
+    for name in BLOCK_OPTIONS:
+        if getattr(options, name) != getattr(GenerationOptions, name):
+            raise LladaError(f"generation option {name} is LLaDA2's (block diffusion); {config.family} models "
+                             "do not take it")
+
+
+def prepare_blocks(config: LLaDAConfig, prompts: list[np.ndarray], batched: bool,
+                   options: GenerationOptions) -> Prepared:
+    """A block-causal family's generation (`policies.block_diffusion`): the exact block cache, or `vanilla`, its
+    uncached twin; LLaDA2.1's editing decoder when `editing_threshold` is set."""
+    base, modifiers = parse_policy(options.policy)
+    if modifiers:
+        raise LladaError(f"+{' +'.join(modifiers)} is not implemented for block-diffusion models yet; "
+                         "use vanilla (uncached) or dual-cache (the exact block cache)")
+    unsupported = {"cfg_scale": options.cfg_scale != 0.0, "remasking": options.remasking != "low_confidence",
+                   "schedule": options.schedule != "llada", "top_k": bool(options.top_k),
+                   "top_p": options.top_p not in (None, 1.0), "first_token": bool(options.first_token),
+                   "logits_eos_inf": options.logits_eos_inf, "confidence_eos_eot_inf": options.confidence_eos_eot_inf}
+    for name, given in unsupported.items():
+        if given:
+            raise LladaError(f"generation option {name} is not implemented for block-diffusion models")
+    settings = BlockSettings(
+        gen_length=int(options.gen_length), block_length=int(options.block_length), steps=int(options.steps),
+        threshold=options.threshold, cached=base != "vanilla", minimal_topk=options.minimal_topk,
+        editing_threshold=options.editing_threshold, max_post_steps=options.max_post_steps,
+        num_to_transfer=options.num_to_transfer)
+    total = check_fits(config, prompts, settings.gen_length, batched, options.limit, settings.block_length)
+    sampler = Sampler(float(options.temperature))
+    decode_row = functools.partial(decode_blocks, settings=settings, sampler=sampler, mask_id=config.mask_token_id,
+                                   max_len=config.max_sequence_length, seed=options.seed)
+    return Prepared(prompts=prompts, batched=batched, readout_spec=ReadoutSpec(kind=sampler.readout_kind),
+                    biases=TokenBiases.build(config.embedding_size), cfg_scale=0.0,
+                    slots=bucket(total, config.max_sequence_length), decode_row=decode_row, loop_spec=None,
+                    threshold=options.threshold, draft_threshold=1.0, revisable=False)
 
 
 def run_generation(make_backend: Callable, config: LLaDAConfig, prompt_ids, *, on_step: Callable | None = None,

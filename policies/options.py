@@ -32,6 +32,11 @@ class GenerationOptions:
     top_k: int | None = None                 # Dream's confidence filters (None: the family's default)
     top_p: float | None = None
     first_token: bool | None = None          # a cached block's first step commits its first position alone
+    # Block diffusion (LLaDA2; `policies.block_diffusion`): steps are per block there.
+    minimal_topk: int = 1                    # steps per block at most gen_length // minimal_topk
+    editing_threshold: float | None = None   # set: LLaDA2.1's decoder, which edits committed tokens above it
+    max_post_steps: int = 16                 # 2.1: editing passes after a block has no mask left
+    num_to_transfer: int = 1                 # 2.1: masks committed per pass when too few are above threshold
 
     def __post_init__(self):
         """Each value of its field's declared type, refused in one line before anything runs (a float
@@ -58,6 +63,9 @@ class GenerationOptions:
         if missing:
             raise LladaError(f"generation needs {', '.join(missing)}")
         return cls(**options)
+
+
+BLOCK_OPTIONS = ("minimal_topk", "editing_threshold", "max_post_steps", "num_to_transfer")
 
 
 def _alternatives(hint) -> tuple:

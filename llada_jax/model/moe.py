@@ -44,7 +44,7 @@ def sparse_mlp(block: dict, x: jax.Array, config) -> jax.Array:
 
 def grouped_route(block: dict, rows: jax.Array, config) -> tuple[jax.Array, jax.Array]:
     """LLaDA2's router: the chosen experts `[R, k]` and their float32 weights."""
-    logits = stored_matmul(rows.astype(jnp.float32), block["router"].astype(jnp.float32))
+    logits = stored_matmul(rows.astype(jnp.float32)[None], block["router"].astype(jnp.float32))[0]
     scores = jax.nn.sigmoid(logits)
     biased = scores + block["expert_bias"].astype(jnp.float32)
     r, n = biased.shape

@@ -1,0 +1,257 @@
+"""Block diffusion (LLaDA2.0, LLaDA2.1): the canvas is cut into blocks from position 0 and attention is
+block-causal, so a finished block's K/V never change and a cache of them is exact.
+
+The canvas is the prompt plus the answer rounded up to whole blocks; the block holding the prompt's end is
+denoised with the answer (its prompt positions stay). With the cache (every policy but `vanilla`), the
+prompt's whole blocks are computed once, block by block, each against the ones before it; every step then
+computes only the current block against the cached blocks, and a finished block's K/V are computed once
+from its final tokens (one pass, counted in `stats["cache_passes"]`, not in `nfe`). `vanilla` is the uncached
+twin: each step recomputes every earlier block from scratch first, as the reference recomputes its window.
+
+Commit rules, as the reference samplers (dllm `LLaDA2Sampler`, `LLaDA21Sampler`) at temperature 0:
+- 2.0 (`editing_threshold` None): `steps` per block (at most gen_length // minimal_topk), the block's
+  positions split evenly over them; each step commits every masked position with probability > threshold,
+  or, when fewer than the step's share are, the share's most confident.
+- 2.1 (`editing_threshold` set): each step commits the masked positions above threshold, or the
+  `num_to_transfer` most confident; and replaces a committed answer token of the block whose new prediction
+  differs with probability > editing_threshold. Once the block has no mask, up to `max_post_steps` more
+  passes edit it; the block ends at a pass that edits nothing. The reference can loop forever (a mask
+  predicted as itself every time, edits that cycle); here a block whose state repeats, or that runs past
+  `pass_bound`, stops (`stats["bounded_blocks"]` counts them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable
+
+import numpy as np
+
+from llada_jax.model.readout import check_finite
+from llada_jax.system.errors import LladaError
+from policies.backend import BackendCall
+from policies.canvas import Canvas
+from policies.loop import Result, StepRecord
+from policies.sampling import Sampler
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSettings:
+    """One block-diffusion generation's settings (the reference samplers' arguments; see the module doc)."""
+
+    gen_length: int
+    block_length: int
+    steps: int                          # per block (2.0)
+    threshold: float | None             # None: the schedule alone (the reference's threshold >= 1)
+    cached: bool = True
+    minimal_topk: int = 1
+    editing_threshold: float | None = None  # set: LLaDA2.1's decoder
+    max_post_steps: int = 16
+    num_to_transfer: int = 1
+
+    def __post_init__(self):
+        for name in ("gen_length", "block_length", "steps", "minimal_topk", "num_to_transfer"):
+            if getattr(self, name) < 1:
+                raise LladaError(f"{name} must be >= 1, got {getattr(self, name)}"
+                                 + (" (the reference loops forever at 0)" if name == "num_to_transfer" else ""))
+        if self.max_post_steps < 0:
+            raise LladaError(f"max_post_steps must be >= 0, got {self.max_post_steps}")
+        if self.editing_threshold is None and self.gen_length < self.minimal_topk:
+            raise LladaError(f"gen_length // minimal_topk = {self.gen_length} // {self.minimal_topk} leaves no step "
+                             "per block; lower minimal_topk")
+
+    def canvas_length(self, prompt_length: int) -> int:
+        """The prompt plus the answer, rounded up to whole blocks."""
+        return -(-(prompt_length + self.gen_length) // self.block_length) * self.block_length
+
+    @property
+    def block_steps(self) -> int:
+        """2.0's denoising steps per block."""
+        return min(self.steps, self.gen_length // self.minimal_topk)
+
+    def shares(self) -> np.ndarray:
+        """2.0's positions to commit at each step of a block: the block split evenly, the remainder first."""
+        steps = self.block_steps
+        if steps == 0:
+            return np.zeros(0, np.int64)
+        counts = np.full(steps, self.block_length // steps, np.int64)
+        counts[: self.block_length % steps] += 1
+        return counts
+
+
+def most_confident(confidence: np.ndarray, count: int) -> np.ndarray:
+    """The `count` positions of highest confidence (ties to the lower position)."""
+    return np.argsort(-confidence, kind="stable")[:count]
+
+
+def mask_commits(confidence: np.ndarray, active: np.ndarray, threshold: float | None, share: int) -> np.ndarray:
+    """[W] bool: the masked positions a step commits: all above threshold if at least `share` are, else the
+    `share` most confident."""
+    candidates = np.where(active, confidence, -np.inf)
+    high = (candidates > threshold) & active if threshold is not None else np.zeros_like(active)
+    if high.sum() >= share:
+        return high
+    chosen = np.zeros_like(active)
+    if share > 0 and active.any():
+        chosen[most_confident(candidates, min(share, int(active.sum())))] = True
+    return chosen
+
+
+@dataclasses.dataclass
+class BlockRun:
+    """One generation's canvas, cache and counters while its blocks run."""
+
+    canvas: Canvas
+    settings: BlockSettings
+    sampler: Sampler
+    rng: np.random.Generator
+    fresh_state: Callable  # () -> an empty KV state of the canvas's shape
+    kv: object = None
+    trace: list = dataclasses.field(default_factory=list)
+    cache_passes: int = 0
+    bounded_blocks: int = 0
+
+    def block_call(self, lo: int, reads=None) -> BackendCall:
+        """The window step of the block at [lo, lo + block_length) against the cached blocks before it."""
+        width = self.settings.block_length
+        columns = np.arange(lo, lo + width)
+        visible = np.broadcast_to(np.arange(self.canvas.padded_length) < lo, self.canvas.tokens.shape)
+        positions = np.broadcast_to(columns, (self.canvas.tokens.shape[0], width))
+        valid = np.ones(positions.shape, bool)
+        return BackendCall("window", (self.kv, visible, self.canvas.tokens[:, columns], positions, valid, reads))
+
+    def cache_block(self, lo: int):
+        """Compute the block at `lo` from its tokens now and commit its K/V (a generator of the two calls)."""
+        width = self.settings.block_length
+        out = yield self.block_call(lo, reads=(0,))
+        columns = np.arange(lo, lo + width)
+        positions = np.broadcast_to(columns, (self.canvas.tokens.shape[0], width))
+        self.kv = yield BackendCall("commit", (self.kv, positions, np.ones(positions.shape, bool), out,
+                                               self.canvas.tokens[:, columns], len(self.trace)))
+        self.cache_passes += 1
+
+    def predict(self, lo: int):
+        """One denoising pass over the block at `lo`: (x0, confidence) per position (a generator)."""
+        if not self.settings.cached:  # the uncached twin: every earlier block recomputed first
+            self.kv = self.fresh_state()
+            for earlier in range(0, lo, self.settings.block_length):
+                yield from self.cache_block(earlier)
+        out = yield self.block_call(lo)
+        width = self.settings.block_length
+        check_finite(out.readout, np.arange(lo, lo + width), np.ones(width, bool), len(self.trace))
+        x0, confidence, _ = self.sampler.choose(out.readout, self.rng)
+        return x0, confidence
+
+    def record(self, block: int, lo: int, committed: np.ndarray, x0, confidence, revisions=()) -> None:
+        positions = lo + np.flatnonzero(committed)
+        self.trace.append(StepRecord(
+            nfe=len(self.trace), block=block, kind="window", width=self.settings.block_length,
+            shape_width=self.settings.block_length, useful=self.settings.block_length,
+            positions=tuple(int(p) for p in positions), tokens=tuple(int(t) for t in x0[committed]),
+            confidence=tuple(float(c) for c in confidence[committed]), revisions=tuple(revisions)))
+
+
+def decode_blocks(backend, prompt_ids: np.ndarray, settings: BlockSettings, sampler: Sampler, *, mask_id: int,
+                  max_len: int, seed: int = 0, offset: int = 0, on_step: Callable | None = None):
+    """Generate after `prompt_ids` block by block (a generator of step calls, like `policies.loop.decode_steps`).
+    A batch's rows keep their own blocks: `offset` (left padding) is not applied."""
+    del offset  # blocks start at the row's position 0, as the reference's; rows need no common columns
+    started = time.perf_counter()
+    length = settings.canvas_length(len(prompt_ids))
+    canvas = Canvas.start(prompt_ids, length - len(prompt_ids), mask_id, False, max_len)
+    def fresh_state():
+        return backend.empty_state(canvas.tokens.shape[0], canvas.padded_length)
+
+    run = BlockRun(canvas, settings, sampler, np.random.default_rng(seed), fresh_state, fresh_state())
+    width, prompt_len = settings.block_length, len(prompt_ids)
+    if settings.cached:
+        for lo in range(0, prompt_len // width * width, width):
+            yield from run.cache_block(lo)
+    last = length // width - 1
+    for block in range(prompt_len // width, last + 1):
+        lo = block * width
+        denoise = edit_block if settings.editing_threshold is not None else schedule_block
+        yield from denoise(run, block, lo, on_step)
+        if settings.cached and block < last:
+            yield from run.cache_block(lo)
+    output = canvas.tokens[0, prompt_len: prompt_len + settings.gen_length].astype(np.int64)
+    stats = {"cache_passes": run.cache_passes, "canvas_length": length}
+    if settings.editing_threshold is not None:
+        stats["bounded_blocks"] = run.bounded_blocks
+    return Result(output, len(run.trace), time.perf_counter() - started, tuple(run.trace), prompt_len, stats)
+
+
+def schedule_block(run: BlockRun, block: int, lo: int, on_step):
+    """LLaDA2.0: the block's steps, each committing above threshold or its share of the most confident."""
+    tokens = run.canvas.tokens
+    for share in run.settings.shares():
+        active = tokens[0, lo: lo + run.settings.block_length] == run.canvas.mask_id
+        if not active.any():
+            return
+        x0, confidence = yield from run.predict(lo)
+        committed = mask_commits(confidence, active, run.settings.threshold, int(share))
+        tokens[:, lo + np.flatnonzero(committed)] = x0[committed]
+        run.record(block, lo, committed, x0, confidence)
+        if on_step is not None:
+            on_step(run.canvas, run.trace[-1])
+
+
+def edit_block(run: BlockRun, block: int, lo: int, on_step):
+    """LLaDA2.1: commits and edits until a pass without masks edits nothing (or max_post_steps such passes).
+    At temperature 0 a pass is a function of the block's tokens and the post-step count, so a state seen
+    before means the reference would loop forever: the block stops there (`bounded_blocks`); sampling, the
+    block stops after `pass_bound` passes."""
+    settings, tokens = run.settings, run.canvas.tokens
+    answer = np.arange(lo, lo + settings.block_length) >= run.canvas.prompt_len
+    post_steps, seen = 0, set()
+    for _ in range(pass_bound(settings)):
+        old = tokens[0, lo: lo + settings.block_length].copy()
+        active = old == run.canvas.mask_id
+        post_steps += not active.any()
+        if post_steps > settings.max_post_steps:
+            return
+        if run.sampler.temperature == 0.0:
+            state = (old.tobytes(), post_steps)
+            if state in seen:
+                break
+            seen.add(state)
+        x0, confidence = yield from run.predict(lo)
+        committed = (mask_commits(confidence, active, settings.threshold, settings.num_to_transfer)
+                     if active.any() else np.zeros_like(active))
+        edited = ~active & answer & (confidence > settings.editing_threshold) & (x0 != old)
+        changed = committed | edited
+        tokens[:, lo + np.flatnonzero(changed)] = x0[changed]
+        run.record(block, lo, committed, x0, confidence,
+                   [(lo + int(i), int(old[i]), int(x0[i])) for i in np.flatnonzero(edited)])
+        if on_step is not None:
+            on_step(run.canvas, run.trace[-1])
+        if not active.any() and not edited.any():
+            return
+    run.bounded_blocks += 1
+
+
+def pass_bound(settings: BlockSettings) -> int:
+    """The most passes a 2.1 block takes: generous, as a mask predicted as itself or an edit undone later
+    still let the reference end; only a loop it never leaves reaches this."""
+    return 16 * (settings.block_length + settings.max_post_steps + 1)
+
+
+def block_logits(backend, ids: np.ndarray, block_length: int, mask_id: int, slots: int) -> np.ndarray:
+    """Float32 logits `[B, L]` of `ids` under block-causal attention: block by block, each against the cached
+    K/V of the blocks before it (what the reference's full window under its block mask computes)."""
+    batch, length = ids.shape
+    padded = np.full((batch, slots), mask_id, np.int32)
+    padded[:, :length] = ids
+    kv = backend.empty_state(batch, slots)
+    pieces = []
+    for lo in range(0, length, block_length):
+        columns = np.arange(lo, lo + block_length)
+        positions = np.broadcast_to(columns, (batch, block_length))
+        valid = np.broadcast_to(columns < length, positions.shape)
+        visible = np.broadcast_to(np.arange(slots) < lo, (batch, slots))
+        out = backend.window(kv, visible, padded[:, columns], positions, valid)
+        pieces.append(np.asarray(out.readout.logits, np.float32))
+        if lo + block_length < length:
+            kv = backend.commit(kv, positions, valid, out, padded[:, columns], 0)
+    return np.concatenate(pieces, axis=1)[:, :length]

@@ -1,0 +1,163 @@
+"""LLaDA2.0 / LLaDA2.1 (`LLaDA2MoeModelLM`): tiny checkpoints in the exact HF layout load, their logits match
+the float64 oracle of the published modeling code under its block-causal mask, both published samplers are
+reproduced token for token at temperature 0, and the exact block cache gives the uncached tokens."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import llada_jax
+from llada_jax.model.config import LLaDAConfig, read_config
+from llada_jax.model.params import hf_shapes, init_params
+from llada_jax.system.errors import LladaError
+from llada_jax.weights.checkpoint import save_hf
+from tests import llada2_reference as ref
+from tests.conftest import write_checkpoint
+
+# One dense layer then two MoE layers; 8 experts in 4 groups, 2 groups kept, top 2; a shared expert; 4 of each
+# head's 8 dims rotate; GQA 4 query heads over 2 kv-heads.
+CONFIG = LLaDAConfig(
+    family="llada2", d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, mlp_hidden_size=16, vocab_size=96,
+    embedding_size=96, max_sequence_length=128, rope_theta=600000.0, rms_norm_eps=1e-6, mask_token_id=90,
+    eos_token_id=91, eot_token_id=91, qk_norm=True, fused_qkv=True, rotary_dim=4, n_experts=8, experts_per_token=2,
+    dense_layers=1, dense_hidden_size=48, shared_expert_size=16, router="sigmoid-grouped", expert_groups=4,
+    groups_kept=2, routed_scaling=2.5, block_causal=True)
+
+# config.json as the reference's `LLaDA2MoeConfig.save_pretrained` writes it (every attribute), LLaDA2.0-mini's
+# values scaled down.
+REFERENCE_CONFIG = {
+    "architectures": ["LLaDA2MoeModelLM"], "model_type": "llada2_moe", "vocab_size": 96, "hidden_size": 32,
+    "intermediate_size": 48, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "hidden_act": "silu", "use_qkv_bias": False, "use_qk_norm": True, "use_bias": False, "rms_norm_eps": 1e-06,
+    "norm_head": False, "tie_word_embeddings": False, "embedding_dropout": 0.0, "attention_dropout": 0.0,
+    "output_dropout": 0.0, "initializer_range": 0.02, "max_position_embeddings": 128, "rope_theta": 600000,
+    "use_cache": False, "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28,
+    "head_dim": 8, "rope_scaling": None, "pad_token_id": 91, "num_experts": 8, "num_shared_experts": 1,
+    "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2, "moe_intermediate_size": 16,
+    "first_k_dense_replace": 1, "output_router_logits": False, "routed_scaling_factor": 2.5,
+    "partial_rotary_factor": 0.5, "norm_topk_prob": True, "score_function": "sigmoid", "router_dtype": "fp32",
+    "moe_router_enable_expert_bias": True, "rotary_dim": 4, "mask_token_id": 90, "eos_token_id": 91,
+    "torch_dtype": "float32",
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """The tiny model in the HF layout, its config.json the reference's own."""
+    out = write_checkpoint(tmp_path_factory.mktemp("llada2") / "tiny", CONFIG, std=0.4)
+    (out / "config.json").write_text(json.dumps(REFERENCE_CONFIG, indent=2))
+    return out
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    return llada_jax.load(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def weights(checkpoint):
+    from safetensors.numpy import load_file
+
+    return {name: value.astype(np.float64) for name, value in load_file(checkpoint / "model.safetensors").items()}
+
+
+def test_the_reference_config_reads_as_the_model_and_writes_back(checkpoint, tmp_path):
+    assert read_config(checkpoint) == CONFIG
+    assert LLaDAConfig.from_hf_dict(CONFIG.to_hf_dict()) == CONFIG
+    names = set(hf_shapes(CONFIG))
+    assert "model.layers.0.mlp.gate_proj.weight" in names and "model.layers.0.mlp.gate.weight" not in names
+    assert {"model.layers.1.attention.query_key_value.weight", "model.layers.1.mlp.gate.expert_bias",
+            "model.layers.2.mlp.experts.7.down_proj.weight", "model.layers.2.mlp.shared_experts.up_proj.weight",
+            "model.layers.1.attention.query_layernorm.weight", "model.word_embeddings.weight"} <= names
+    assert hf_shapes(CONFIG)["model.layers.1.attention.query_key_value.weight"] == ((4 + 2 * 2) * 8, 32)
+    save_hf(init_params(CONFIG), CONFIG, tmp_path / "again")
+    assert read_config(tmp_path / "again") == CONFIG
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"use_bias": True}, "use_bias"), ({"use_qkv_bias": True}, "use_qkv_bias"), ({"norm_head": True}, "norm_head"),
+    ({"tie_word_embeddings": True}, "tie_word_embeddings"), ({"rope_scaling": {"type": "linear"}}, "rope_scaling"),
+    ({"n_group": 3}, "n_group"), ({"partial_rotary_factor": 0.1}, "partial_rotary_factor"),
+    ({"head_dim": 16}, "head_dim"), ({"hidden_act": "gelu"}, "hidden_act"),
+])
+def test_what_the_reference_would_compute_otherwise_is_refused_in_one_line(change, named):
+    with pytest.raises(LladaError, match=named) as refused:
+        LLaDAConfig.from_hf_dict({**REFERENCE_CONFIG, **change})
+    assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("length, block_length", [(7, 4), (16, 8), (13, 32)])
+def test_logits_match_the_float64_oracle_under_the_block_causal_mask(model, weights, length, block_length):
+    ids = np.random.default_rng(length).integers(0, 90, (2, length))
+    ours = llada_jax.logits(model, ids, block_length=block_length)
+    expected = ref.forward(weights, CONFIG, ids, block_length)
+    np.testing.assert_allclose(ours, expected, atol=2e-4, rtol=2e-4)
+
+
+def test_block_causal_logits_need_a_block_length(model):
+    with pytest.raises(LladaError, match="block-causal"):
+        llada_jax.logits(model, np.zeros((1, 4), int))
+
+
+PROMPTS = st.lists(st.integers(0, 89), min_size=1, max_size=11)
+
+
+@given(prompt=PROMPTS, block=st.sampled_from([4, 8]), gen=st.integers(1, 12), steps=st.integers(1, 5),
+       threshold=st.sampled_from([None, 0.05, 0.2]), minimal_topk=st.sampled_from([1, 3]))
+def test_llada2_0_decoder_matches_the_reference_sampler(model, weights, prompt, block, gen, steps, threshold,
+                                                         minimal_topk):
+    prompt, gen = np.array(prompt), max(gen, minimal_topk)
+    result = llada_jax.generate(model, prompt, gen_length=gen, block_length=block, steps=steps, threshold=threshold,
+                                minimal_topk=minimal_topk, policy="dual-cache")
+    canvas, nfe = ref.sample_llada2(weights, CONFIG, prompt, gen, block, steps,
+                                    threshold=1.0 if threshold is None else threshold, minimal_topk=minimal_topk)
+    assert result.output_ids.tolist() == canvas[len(prompt): len(prompt) + gen].tolist()
+    assert result.nfe == nfe
+
+
+@given(prompt=PROMPTS, block=st.sampled_from([4, 8]), gen=st.integers(1, 12),
+       threshold=st.sampled_from([0.05, 0.3, 0.99]), editing=st.sampled_from([0.05, 0.2, 0.9]),
+       post=st.integers(0, 3), per_pass=st.integers(1, 3))
+def test_llada2_1_decoder_matches_the_reference_sampler(model, weights, prompt, block, gen, threshold, editing, post,
+                                                         per_pass):
+    prompt = np.array(prompt)
+    result = llada_jax.generate(model, prompt, gen_length=gen, block_length=block, steps=block, threshold=threshold,
+                                editing_threshold=editing, max_post_steps=post, num_to_transfer=per_pass,
+                                policy="dual-cache")
+    canvas, nfe = ref.sample_llada21(weights, CONFIG, prompt, gen, block, threshold=threshold,
+                                     editing_threshold=editing, max_post_steps=post, num_to_transfer=per_pass)
+    assert result.output_ids.tolist() == canvas[len(prompt): len(prompt) + gen].tolist()
+    assert result.nfe == nfe
+
+
+@given(prompt=PROMPTS, block=st.sampled_from([2, 4, 8]), gen=st.integers(1, 16), editing=st.sampled_from([None, 0.3]))
+def test_the_block_cache_gives_the_uncached_tokens(model, prompt, block, gen, editing):
+    options = dict(gen_length=gen, block_length=block, steps=block, threshold=0.3, editing_threshold=editing)
+    cached = llada_jax.generate(model, np.array(prompt), policy="dual-cache", **options)
+    uncached = llada_jax.generate(model, np.array(prompt), policy="vanilla", **options)
+    assert cached.output_ids.tolist() == uncached.output_ids.tolist()
+    confidences = [[c for record in result.trace for c in record.confidence] for result in (cached, uncached)]
+    assert confidences[0] == pytest.approx(confidences[1], abs=1e-5)
+    assert cached.stats["cache_passes"] <= uncached.stats["cache_passes"]
+
+
+@pytest.mark.parametrize("options, named", [
+    ({"policy": "dual-cache+speculative"}, "not implemented for block-diffusion"),
+    ({"num_to_transfer": 0}, "loops forever"),
+    ({"gen_length": 120}, "rounded up to whole blocks"),
+    ({"gen_length": 2, "minimal_topk": 3}, "leaves no step"),
+])
+def test_bad_block_settings_are_one_line_errors(model, options, named):
+    settings = {"gen_length": 8, "block_length": 8, "steps": 8, "policy": "dual-cache", **options}
+    with pytest.raises(LladaError, match=named):
+        llada_jax.generate(model, np.arange(9), **settings)
+
+
+def test_block_options_are_refused_on_other_families(tiny_model):
+    with pytest.raises(LladaError, match="editing_threshold is LLaDA2's"):
+        llada_jax.generate(tiny_model, np.arange(4), gen_length=8, block_length=8, steps=8, editing_threshold=0.5)
