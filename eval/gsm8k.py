@@ -117,7 +117,7 @@ def evaluate(model, problems: list[dict], shots: list[dict], decoding: dict, *, 
         rows = finished_rows(path, "prompt", prompts, run)
         todo = [index for index in prompts if index not in rows]
         golds = {index: problems[index]["gold"] for index in todo}
-        skipped = skipped_reasons(model, {index: prompts[index] for index in todo}, decoding["gen_length"],
+        skipped = skipped_reasons(model, {index: prompts[index] for index in todo}, decoding,
                                   skip_too_long, len(prompts))
         with tqdm(total=len(prompts), initial=len(rows), desc="gsm8k", file=sys.stderr, disable=not progress,
                   dynamic_ncols=True) as bar:

@@ -221,7 +221,7 @@ def model_jobs(model, problems: list[dict], decoding: dict, skip_too_long: bool 
 
     def skipped(indices: list[int], total: int) -> dict[int, str]:
         prompts = {index: prompt_of(model, problems[index]) for index in indices}
-        return skipped_reasons(model, prompts, decoding["gen_length"], skip_too_long, total)
+        return skipped_reasons(model, prompts, decoding, skip_too_long, total)
 
     return Jobs(dict(enumerate(problems)),
                 lambda indices: complete(model, [problems[index] for index in indices], decoding),

@@ -115,6 +115,9 @@ class LladaLM(LM):
         return prefix, whole[len(prefix):]
 
     def loglikelihood(self, requests) -> list[tuple[float, bool]]:
+        if self.model.config.block_causal:
+            raise LladaError("loglikelihood is not implemented for block-diffusion models (LLaDA2): LLaDA's Monte "
+                             "Carlo bound masks the whole canvas at once; use generate_until tasks")
         results = []
         for instance in tqdm(requests, desc="llada-jax loglikelihood", disable=len(requests) < 2):
             context, continuation = cast(tuple[str, str], instance.args)
@@ -159,7 +162,9 @@ class LladaLM(LM):
         return -(-wanted // self.block_length) * self.block_length, temperature
 
     def _options(self, gen_length: int, temperature: float) -> dict:
-        steps = self.steps if self.steps is not None else gen_length
+        """generate's keywords; steps count per block on a block-diffusion model (default: one per position)."""
+        steps = self.steps if self.steps is not None else (
+            self.block_length if self.model.config.block_causal else gen_length)
         return dict(gen_length=gen_length, block_length=self.block_length, steps=steps, temperature=temperature,
                     cfg_scale=self.cfg_scale, remasking=self.remasking, policy=self.policy, threshold=self.threshold,
                     seed=self.seed, loop="host")

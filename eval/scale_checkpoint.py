@@ -1,5 +1,6 @@
 """Write a checkpoint with a real model's exact config, tensor names, shapes and bf16 storage (from
-`eval/data/<model>`: LLaDA-8B-Instruct with its shard layout, Dream-v0-Instruct-7B, LLaDA-MoE-7B-A1B-Instruct),
+`eval/data/<model>`: LLaDA-8B-Instruct with its shard layout, Dream-v0-Instruct-7B, LLaDA-MoE-7B-A1B-Instruct,
+LLaDA2.0-mini (inclusionAI's `llada2_mini` config from its dFactory repository, c29d72c)),
 filled with random values: the real workload's size without its weights, which cannot be fetched here. About
 15-16 GB; one shard is held at a time.
 
@@ -28,12 +29,12 @@ from llada_jax.model.config import read_config
 from llada_jax.model.params import hf_shapes
 from llada_jax.system.atomic import atomic_dir
 from llada_jax.system.errors import LladaError
-from llada_jax.system.interrupts import Terminated, raise_on_sigterm
+from llada_jax.system.interrupts import Terminated, sigterm_raises
 from llada_jax.weights.weights_io import INDEX_FILE
 
 DATA = Path(__file__).resolve().parent / "data"
 MODELS = {"llada-8b": DATA / "llada-8b-instruct", "dream-7b": DATA / "dream-v0-instruct-7b",
-          "llada-moe-7b": DATA / "llada-moe-7b-a1b-instruct"}
+          "llada-moe-7b": DATA / "llada-moe-7b-a1b-instruct", "llada2-mini": DATA / "llada2-mini"}
 METADATA_DIR = MODELS["llada-8b"]
 SHARD_BYTES = 4 << 30  # where the metadata has no shard index of its own
 # Odd, so prime to every row width (4096, 12288): row r of a matrix starts at offset r * width of the tiled
@@ -118,9 +119,9 @@ def main(argv=None) -> int:
     most = read_config(MODELS[args.model]).n_layers
     if args.layers is not None and not 1 <= args.layers <= most:
         parser.error(f"--layers must be between 1 and {most}, got {args.layers}")
-    raise_on_sigterm()
     try:
-        write_scale_checkpoint(args.out, args.seed, MODELS[args.model], layers=args.layers, force=args.force)
+        with sigterm_raises():
+            write_scale_checkpoint(args.out, args.seed, MODELS[args.model], layers=args.layers, force=args.force)
     except LladaError as err:
         print(f"scale_checkpoint: error: {err}", file=sys.stderr)
         return 1

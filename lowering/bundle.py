@@ -20,6 +20,7 @@ from pathlib import Path
 
 from llada_jax.families import host_loop_conventions
 from llada_jax.model.config import read_config, read_hf_dict
+from llada_jax.model.params import uniform_layers
 from llada_jax.quant.qlinear import check_activations
 from llada_jax.quant.quantize import Activations
 from llada_jax.system.atomic import atomic_dir, check_output_dir
@@ -216,6 +217,8 @@ def loop_refusal(config) -> str | None:
     if host_loop_conventions(config):
         return ("the compiled decode loop follows LLaDA's conventions, and this family's own (its confidence "
                 "filter, blocks begun with their first token) run on the host loop")
+    if config.block_causal:
+        return "block diffusion (LLaDA2) runs on the host loop: its compiled decode loop is not written yet"
     if config.n_experts:  # the per-expert loops with routed trip counts, inside the decode loop
         return ("IREE 3.13 fails on a sparse MoE's decode loop (iree-compile for arm64: 'failed to solve for "
                 "timepoint coverage'; the host module crashes when run)")
@@ -254,7 +257,12 @@ def _runs_staged(config, layout: WeightLayout, budget: int | None) -> bool:
     if budget <= 0:
         raise LladaError(f"device memory budget must be a positive number of bytes, got {budget}")
     if not layout.quantized:
-        return runs_staged(budget, config)
+        staged = runs_staged(budget, config)
+        if staged and not uniform_layers(config):
+            raise LladaError(f"{config.family} bundles cannot stream their weights yet: its dense first layers "
+                             "and MoE layers need two staged layer pieces (staging runs on XLA: "
+                             "llada generate --device-memory-budget)")
+        return staged
     if budget < weight_bytes(config, 4, layout.quantized):
         raise LladaError(f"a quantized model needs {weight_bytes(config, 4, layout.quantized):,} bytes of device "
                          f"memory; bundles that stream quantized weights are not supported yet (raise the budget)")

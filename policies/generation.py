@@ -188,7 +188,7 @@ def prepare_blocks(config: LLaDAConfig, prompts: list[np.ndarray], batched: bool
     return Prepared(prompts=prompts, batched=batched, readout_spec=ReadoutSpec(kind=sampler.readout_kind),
                     biases=TokenBiases.build(config.embedding_size), cfg_scale=0.0,
                     slots=bucket(total, config.max_sequence_length), decode_row=decode_row, loop_spec=None,
-                    threshold=options.threshold, draft_threshold=1.0, revisable=False)
+                    threshold=options.threshold, draft_threshold=1.0, revisable=settings.editing_threshold is not None)
 
 
 def run_generation(make_backend: Callable, config: LLaDAConfig, prompt_ids, *, on_step: Callable | None = None,

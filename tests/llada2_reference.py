@@ -121,8 +121,9 @@ def sample_llada2(w, cfg, prompt, max_new_tokens, block_size, steps_per_block, t
 
 
 def sample_llada21(w, cfg, prompt, max_new_tokens, block_size, threshold=0.95, editing_threshold=0.9,
-                   max_post_steps=16, num_to_transfer=1):
-    """`LLaDA21Sampler.sample` at temperature 0 (no eos_early_stop): the canvas [T] and the forward passes."""
+                   max_post_steps=16, num_to_transfer=1, give_up=200):
+    """`LLaDA21Sampler.sample` at temperature 0 (no eos_early_stop): the canvas [T] and the forward passes, or
+    None where a block passes `give_up` passes (its `while True` may never end: a mask predicted as itself)."""
     mask_id, p_len = cfg.mask_token_id, len(prompt)
     num_blocks = (p_len + max_new_tokens + block_size - 1) // block_size
     x = np.full(num_blocks * block_size, mask_id)
@@ -132,7 +133,7 @@ def sample_llada21(w, cfg, prompt, max_new_tokens, block_size, threshold=0.95, e
         start, end = blk * block_size, (blk + 1) * block_size
         in_prompt = np.arange(start, end) < p_len
         post_steps = 0
-        while True:
+        for _ in range(give_up + 1):
             old = x[start:end].copy()
             active = old == mask_id
             if not active.any():
@@ -153,4 +154,6 @@ def sample_llada21(w, cfg, prompt, max_new_tokens, block_size, threshold=0.95, e
             x[start:end][commit | edit] = tokens[commit | edit]
             if not active.any() and not edit.any():
                 break
+        else:
+            return None
     return x, nfe

@@ -145,7 +145,7 @@ FAULTS = {
     fault_moe_architecture: "config.json lacks required field num_experts",
     fault_dream_architecture: "config.json lacks required field hidden_size",
     fault_unknown_architecture: "architecture 'RND1ForCausalLM', which llada-jax does not load "
-                                "(supported: LLaDAModelLM, DreamModel, LLaDAMoEModelLM)",
+                                "(supported: LLaDAModelLM, DreamModel, LLaDAMoEModelLM, LLaDA2MoeModelLM)",
     fault_malformed_architectures: "architectures must be a list of names",
 }
 

@@ -46,9 +46,9 @@ def embedded():
 
 
 @contextlib.contextmanager
-def serving(model, max_batch: int = 4, max_queue: int = 8, make_backend=None, api_key=None):
+def serving(model, max_batch: int = 4, max_queue: int = 8, make_backend=None, api_key=None, defaults=DEFAULTS):
     """The app on uvicorn in a thread; yields (base URL, engine)."""
-    served = Served(NAME, model.config, model.tokenizer, DEFAULTS)
+    served = Served(NAME, model.config, model.tokenizer, defaults)
     engine = Engine(make_backend or functools.partial(select_backend, model), 256, max_batch, max_queue)
     app = create_app(served, engine, api_key)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))

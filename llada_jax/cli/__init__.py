@@ -18,7 +18,7 @@ from llada_jax.cli.quantize import add_quantize
 from llada_jax.cli.serve import add_serve
 from llada_jax.cli.train import add_train
 from llada_jax.system.errors import LladaError
-from llada_jax.system.interrupts import Terminated, raise_on_sigterm
+from llada_jax.system.interrupts import Terminated, sigterm_raises
 
 
 class DefaultsFormatter(argparse.HelpFormatter):
@@ -60,9 +60,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.prompt is not None:
             parser.error("give the prompt either positionally or with --prompt, not both")
         args.prompt = args.prompt_text
-    raise_on_sigterm()
     try:
-        args.run(args)
+        with sigterm_raises():
+            args.run(args)
     except LladaError as err:
         print(f"llada: error: {err}", file=sys.stderr)
         return 1

@@ -43,9 +43,9 @@ def cmd_tasks(args) -> None:
 def cmd_gsm8k(args) -> None:
     problems = gsm8k.load_problems(args.data, args.limit)
     shots = gsm8k.load_shots(args.train_data, args.shots)
-    decoding = decoding_kwargs(args)
     share = host_share(args)
     model = load_model(args)
+    decoding = decoding_kwargs(args, model.config)
     summary = gsm8k.evaluate(model, problems, shots, decoding, chat=args.chat, out=Path(args.out) if args.out else None,
                              batch_size=batch_size(args, model), share=share, skip_too_long=args.skip_too_long)
     print_gsm8k(summary, args.json, share)
@@ -87,7 +87,8 @@ def humaneval_jobs(args, problems: list[dict]) -> tuple[humaneval.Jobs, int]:
     if args.samples:
         return humaneval.sample_jobs(args.samples, problems, args.limit), args.batch_size or 1
     model = load_model(args)
-    jobs = humaneval.model_jobs(model, problems[: args.limit], decoding_kwargs(args), args.skip_too_long)
+    jobs = humaneval.model_jobs(model, problems[: args.limit], decoding_kwargs(args, model.config),
+                                args.skip_too_long)
     return jobs, batch_size(args, model)
 
 

@@ -22,6 +22,8 @@ from policies.sampling import Sampler
 # The default decoder of generate and eval: on the embedded model's held-out tasks it scores as well as
 # vanilla or better (94.5% vs 92.75% on 400 tasks) at ~20x its speed (README's speculation table).
 DEFAULT_POLICY = "dual-cache+speculative@0.9"
+# Block-diffusion models (LLaDA2): the exact block cache at the reference samplers' threshold (0.95).
+BLOCK_POLICY = "dual-cache"
 
 
 def policy_arg(args) -> str:
@@ -66,6 +68,22 @@ def add_decoding_flags(parser: argparse.ArgumentParser) -> None:
                              "revision, resident weights), else the host loop")
     parser.add_argument("--forbid-eos", action="store_true", help="never predict EOS (logits set to -inf)")
     parser.add_argument("--no-eos-confidence", action="store_true", help="EOS/EoT predictions get confidence 0")
+    add_block_flags(parser)
+
+
+def add_block_flags(parser: argparse.ArgumentParser) -> None:
+    """Block diffusion's flags (LLaDA2 models; docs/families.md maps them onto the reference samplers)."""
+    block = parser.add_argument_group("block diffusion (LLaDA2)", "on these models --steps counts per block "
+                                      "(default: --block-length), the default --policy is dual-cache (the exact "
+                                      "block cache; vanilla: uncached) and the default --threshold 0.95")
+    block.add_argument("--editing-threshold", type=float, default=None,
+                       help="LLaDA2.1's decoder: replace a committed token whose new prediction is above this")
+    block.add_argument("--max-post-steps", type=int, default=None, help="LLaDA2.1: editing passes once a block "
+                       "has no mask (default 16)")
+    block.add_argument("--num-to-transfer", type=int, default=None,
+                       help="LLaDA2.1: masks committed per pass when too few pass --threshold (default 1)")
+    block.add_argument("--minimal-topk", type=int, default=None,
+                       help="LLaDA2.0: at most gen-length / this steps per block (default 1)")
 
 
 def add_loop_flags(parser: argparse.ArgumentParser) -> None:
@@ -113,14 +131,22 @@ def commit_threshold(args) -> float | None:
     return setting.threshold
 
 
-def decoding_kwargs(args) -> dict:
-    """The keyword arguments of `llada_jax.generate` the decoder flags give."""
-    return {"gen_length": args.gen_length, "block_length": args.block_length,
-            "steps": args.steps if args.steps is not None else args.gen_length,
-            "temperature": args.temperature, "cfg_scale": args.cfg_scale, "remasking": args.remasking,
-            "policy": policy_spec(args), "threshold": commit_threshold(args), "seed": args.seed,
-            "logits_eos_inf": args.forbid_eos, "confidence_eos_eot_inf": args.no_eos_confidence, "loop": args.loop,
-            "schedule": args.schedule, "top_k": args.top_k, "top_p": args.top_p}
+def decoding_kwargs(args, config=None) -> dict:
+    """The keyword arguments of `llada_jax.generate` the decoder flags give (for the model of `config`: a
+    block-diffusion model has its own defaults, see `add_block_flags`)."""
+    kwargs = {"gen_length": args.gen_length, "block_length": args.block_length,
+              "steps": args.steps if args.steps is not None else args.gen_length,
+              "temperature": args.temperature, "cfg_scale": args.cfg_scale, "remasking": args.remasking,
+              "policy": policy_spec(args), "threshold": commit_threshold(args), "seed": args.seed,
+              "logits_eos_inf": args.forbid_eos, "confidence_eos_eot_inf": args.no_eos_confidence, "loop": args.loop,
+              "schedule": args.schedule, "top_k": args.top_k, "top_p": args.top_p}
+    if config is not None and config.block_causal:
+        kwargs.update(steps=args.steps if args.steps is not None else args.block_length)
+        if args.policy is None:
+            kwargs.update(policy=BLOCK_POLICY, threshold=args.threshold if args.threshold is not None else 0.95)
+    blocks = {"editing_threshold": args.editing_threshold, "max_post_steps": args.max_post_steps,
+              "num_to_transfer": args.num_to_transfer, "minimal_topk": args.minimal_topk}
+    return {**kwargs, **{name: value for name, value in blocks.items() if value is not None}}
 
 
 def loop_settings(args) -> list[tuple]:

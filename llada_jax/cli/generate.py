@@ -72,12 +72,12 @@ def compile_timing(args):
     return compile_clock()
 
 
-def cmd_generate_file(args, tokenizer, run) -> None:
+def cmd_generate_file(args, config, tokenizer, run) -> None:
     """Every prompt of --prompt-file, --batch-size at a time: one line (text, or JSON with --json) each."""
     prompts = file_prompts(args, tokenizer)
     for start in range(0, len(prompts), args.batch_size):
         batch = prompts[start: start + args.batch_size]
-        for result in run(batch, **decoding_kwargs(args)):
+        for result in run(batch, **decoding_kwargs(args, config)):
             text = tokenizer.decode(result.output_ids) if tokenizer is not None else None
             if args.json:
                 print(json.dumps({"output_ids": result.output_ids.tolist(), "nfe": result.nfe, "wall_s": result.wall_s,
@@ -102,12 +102,12 @@ def cmd_generate(args) -> None:
     batch_sizes = (1, args.batch_size) if args.prompt_file is not None else (1,)  # a bundle's compiled sizes
     config, tokenizer, run = generation_runner(args, loop_settings(args), batch_sizes=batch_sizes)
     if args.prompt_file is not None:
-        return cmd_generate_file(args, tokenizer, run)
+        return cmd_generate_file(args, config, tokenizer, run)
     ids = prompt_ids(args, tokenizer)
     live = sys.stderr.isatty() and not args.json and not args.no_visual and args.loop != "compiled"
     canvas = LiveCanvas(tokenizer, config.special_ids_in_vocab(config.eos_token_id, config.eot_token_id))
     with compile_timing(args) as clock:
-        result = run(ids, **decoding_kwargs(args), on_step=canvas if live else None)
+        result = run(ids, **decoding_kwargs(args, config), on_step=canvas if live else None)
     assert not isinstance(result, list), "one prompt gives one result"
     compile_s = clock.seconds if clock is not None else 0.0
     speed = len(result.output_ids) / max(result.wall_s - compile_s, 1e-9)
@@ -128,9 +128,9 @@ def cmd_generate(args) -> None:
 
 def cmd_trace(args) -> None:
     check_png_target(args.out, "llada trace", args.force)  # before the model loads
-    _, tokenizer, run = generation_runner(args)
+    config, tokenizer, run = generation_runner(args)
     ids = prompt_ids(args, tokenizer)
-    result = run(ids, **decoding_kwargs(args))
+    result = run(ids, **decoding_kwargs(args, config))
     assert not isinstance(result, list), "one prompt gives one result"
     pieces = [(tokenizer.decode([int(t)]) or "\u00b7") if tokenizer else str(int(t)) for t in result.output_ids]
     plot_trace(result, pieces, args.out, title=f"{policy_arg(args)}: {result.nfe} steps, {result.revisions} revisions",

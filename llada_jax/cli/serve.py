@@ -8,27 +8,31 @@ import socket
 import sys
 
 from llada_jax.backends.select import OpenBundle, select_backend
-from llada_jax.cli.flags import add_decoding_flags, add_model_flags, commit_threshold, model_dir, policy_spec
+from llada_jax.cli.flags import add_decoding_flags, add_model_flags, decoding_kwargs, model_dir
 from llada_jax.cli.runner import add_runner_flags, opened_source
 from llada_jax.model.shapes import bucket
 from llada_jax.server.engine import Engine
 from llada_jax.server.requests import Defaults, Served
 from llada_jax.system.errors import LladaError
 from llada_jax.weights.tokenizer import load_tokenizer
+from policies.options import BLOCK_OPTIONS
 from policies.registry import DecoderSetting
 from policies.schedule import Schedule
 
 
-def serving_defaults(args) -> Defaults:
-    """The decoder flags as the server's defaults, checked now rather than at the first request."""
-    steps = args.steps if args.steps is not None else args.gen_length
-    Schedule(args.gen_length, args.block_length, steps)
-    policy, threshold = policy_spec(args), commit_threshold(args)
-    DecoderSetting(policy, threshold)
+def serving_defaults(args, config) -> Defaults:
+    """The decoder flags as the server's defaults for the model of `config`, checked now rather than at the
+    first request."""
+    decoding = decoding_kwargs(args, config)
+    if not config.block_causal:
+        Schedule(args.gen_length, args.block_length, decoding["steps"])
+    DecoderSetting(decoding["policy"], decoding["threshold"])
     if args.temperature < 0 or args.cfg_scale < 0:
         raise LladaError("--temperature and --cfg-scale must be >= 0")
-    return Defaults(args.gen_length, args.block_length, steps, args.temperature, args.cfg_scale, args.remasking,
-                    policy, threshold, args.seed, args.forbid_eos, args.no_eos_confidence)
+    block_options = tuple((name, decoding[name]) for name in BLOCK_OPTIONS if name in decoding)
+    return Defaults(args.gen_length, args.block_length, decoding["steps"], args.temperature, args.cfg_scale,
+                    args.remasking, decoding["policy"], decoding["threshold"], args.seed, args.forbid_eos,
+                    args.no_eos_confidence, block_options)
 
 
 def check_serve_flags(args) -> None:
@@ -42,9 +46,9 @@ def check_serve_flags(args) -> None:
 
 def served_model(args) -> tuple[Served, Engine]:
     """The model (JAX, or an IREE bundle compiled for batches up to --max-batch) and its engine."""
-    defaults = serving_defaults(args)
     sizes = tuple(sorted({1 << k for k in range(args.max_batch.bit_length())} | {args.max_batch}))
     source = opened_source(args, batch_sizes=sizes)
+    defaults = serving_defaults(args, source.config)
     if isinstance(source, OpenBundle):
         tokenizer, limit, name = load_tokenizer(source.bundle.path), source.bundle.manifest["max_len"], args.bundle
     else:

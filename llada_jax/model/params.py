@@ -52,10 +52,16 @@ def stage_key(place: tuple) -> str:
     return place[2] if len(place) == 3 else f"{place[2]}.{place[3]}"
 
 
-def layer_stage_shapes(config: LLaDAConfig) -> dict[str, tuple[int, ...]]:
-    """One decoder layer's tensors by stage key, in checkpoint order."""
+def layer_stage_shapes(config: LLaDAConfig, layer: int = 0) -> dict[str, tuple[int, ...]]:
+    """Decoder layer `layer`'s tensors by stage key, in checkpoint order (LLaDA2's dense first layers differ
+    from its MoE layers; every other family's layers are alike)."""
     return {stage_key(place): _shape(config, place) for place in tensor_places(config).values()
-            if place[0] == "blocks" and place[1] == 0}
+            if place[0] == "blocks" and place[1] == layer}
+
+
+def uniform_layers(config: LLaDAConfig) -> bool:
+    """Whether every decoder layer holds the same tensors (one compiled layer piece serves them all)."""
+    return not (config.n_experts and 0 < config.dense_layers < config.n_layers)
 
 
 def block_from_stage(tensors: dict) -> dict:

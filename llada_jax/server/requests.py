@@ -56,6 +56,7 @@ class Defaults:
     seed: int = 0
     logits_eos_inf: bool = False
     confidence_eos_eot_inf: bool = False
+    block_options: tuple = ()   # block diffusion's (name, value) options (LLaDA2), as `llada serve` was given them
 
     @property
     def tokens_per_step(self) -> float:
@@ -158,9 +159,7 @@ def jobs_of(served: Served, request: CompletionRequest | ChatRequest) -> list[Jo
     jobs = []
     for prompt in prompts_of(served, request):
         gen_length, block = answer_length(served, request, asked, len(prompt))
-        steps = request.steps or (gen_length // block) * max(1, round(block / defaults.tokens_per_step))
-        with about("steps" if request.steps else "block_length"):
-            Schedule(gen_length, block, steps)
+        steps = request_steps(served, request, gen_length, block)
         for choice in range(request.n):
             with about(None):
                 prepared = prepare_generation(served.config, prompt, GenerationOptions(
@@ -169,11 +168,24 @@ def jobs_of(served: Served, request: CompletionRequest | ChatRequest) -> list[Jo
                     cfg_scale=_given(request.cfg_scale, defaults.cfg_scale),
                     remasking=request.remasking or defaults.remasking, policy=policy, threshold=threshold,
                     seed=_given(request.seed, defaults.seed) + choice, logits_eos_inf=defaults.logits_eos_inf,
-                    confidence_eos_eot_inf=defaults.confidence_eos_eot_inf, limit=served.limit))
+                    confidence_eos_eot_inf=defaults.confidence_eos_eot_inf, limit=served.limit,
+                    **dict(defaults.block_options)))
             answer = SettledAnswer(served.tokenizer, served.config.mask_token_id, end_ids(served.config),
                                    tuple(request.stop or ()), prepared.revisable)
             jobs.append(Job(len(jobs), prepared, answer, len(prompt)))
     return jobs
+
+
+def request_steps(served: Served, request: GenerationFields, gen_length: int, block: int) -> int:
+    """The request's steps, else the server's pace (its tokens per step); on a block-diffusion model steps count
+    per block, as its reference samplers count them."""
+    defaults = served.defaults
+    if served.config.block_causal:
+        return request.steps or defaults.steps
+    steps = request.steps or (gen_length // block) * max(1, round(block / defaults.tokens_per_step))
+    with about("steps" if request.steps else "block_length"):
+        Schedule(gen_length, block, steps)
+    return steps
 
 
 def _given(value, default):

@@ -101,9 +101,9 @@ def quantized_layout(shapes: dict[str, tuple[int, ...]], schemes: dict, float_dt
 
 
 @functools.cache
-def layer_layout(config: LLaDAConfig) -> PackedLayout:
-    """One decoder layer's tensors (a sparse MoE: each expert's matrices as their own entries)."""
-    return PackedLayout.of(layer_stage_shapes(config))
+def layer_layout(config: LLaDAConfig, layer: int = 0) -> PackedLayout:
+    """Decoder layer `layer`'s tensors (a sparse MoE: each expert's matrices as their own entries)."""
+    return PackedLayout.of(layer_stage_shapes(config, layer))
 
 
 @functools.cache

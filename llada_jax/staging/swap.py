@@ -83,8 +83,8 @@ def pack_weights(tensors, config: LLaDAConfig, dtype, activations: Activations =
             continue
         stage, short = stage_of[name]
         pending.setdefault(stage, {})[short] = array
-        if stage < n and len(pending[stage]) == len(layer_layout(config).entries):
-            packed[stage] = _pack_stage(pending.pop(stage), layer_layout(config), dtype, activations)
+        if stage < n and len(pending[stage]) == len(layer_layout(config, stage).entries):
+            packed[stage] = _pack_stage(pending.pop(stage), layer_layout(config, stage), dtype, activations)
     head = pending.pop(n)
     chunks = [_pack_stage(chunk, head_layout(config), dtype, activations)
               for chunk in head_chunk_tensors(head["ln_f"], head["lm_head"], config)]

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 
@@ -13,10 +14,18 @@ class Terminated(BaseException):
     exit_status = 128 + signal.SIGTERM
 
 
-def raise_on_sigterm() -> None:
-    """From now on SIGTERM raises `Terminated` in the main thread (signal handlers can only be set there)."""
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _raise_terminated)
+@contextlib.contextmanager
+def sigterm_raises():
+    """Inside the block SIGTERM raises `Terminated` in the main thread (signal handlers can only be set there);
+    the previous handler is back afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _raise_terminated(signum, frame) -> None:
