@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from tests import reference
 from tests.reference import forward
 
 ALGORITHMS = {"maskgit_plus": "low_confidence", "topk_margin": "margin", "entropy": "entropy"}
@@ -95,7 +96,11 @@ def fast_dllm_generate(w, cfg, prompt, gen_length: int, block_length: int, steps
         x[0, start] = logits[0, start].argmax()
         past = presents if dual else [(k[:, :, :start], v[:, :, :start]) for k, v in presents]
         nfe, i = nfe + 1, 1
+        passes = 0
         while (x[0, start:end] == mask).any():
+            passes += 1
+            if passes > reference.GIVE_UP:
+                raise reference.NeverEnds
             window = forward(w, cfg, x[:, start:end], past, replace=(start, end)) if dual else \
                 forward(w, cfg, x[:, start:], past)
             logits, nfe = window[0][0][:block_length], nfe + 1

@@ -223,3 +223,63 @@ def test_llada_generate_takes_the_family_defaults(chat_model, capsys):
     assert main(["generate", "--model", str(chat_model.path), "--prompt-ids", "1,2,3", "--policy",
                  "dual-cache+speculative"]) == 1
     assert "not implemented for block-diffusion" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_staged_runs_give_the_resident_tokens(model, checkpoint, tmp_path):
+    """Streamed through a budget below the weights: the dense first layer and the MoE layers are stages of
+    their own shapes; float and int8 alike, the resident tokens (2.0 and 2.1)."""
+    from llada_jax.quant.quantize import QuantScheme
+    from llada_jax.weights.quantize_checkpoint import quantize_checkpoint
+
+    quantized = quantize_checkpoint(checkpoint, tmp_path / "q8", QuantScheme(8))
+    for resident, directory in ((model, checkpoint), (llada_jax.load(quantized), quantized)):
+        staged = llada_jax.load(directory, device_memory_budget=resident.weight_bytes - 1)
+        assert staged.staged is not None
+        for editing in (None, 0.3):
+            options = dict(gen_length=12, block_length=4, steps=4, threshold=0.3, editing_threshold=editing,
+                           policy="dual-cache")
+            assert (llada_jax.generate(staged, np.arange(5), **options).output_ids.tolist()
+                    == llada_jax.generate(resident, np.arange(5), **options).output_ids.tolist())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_llada2_runs_as_its_dequantized_twin(checkpoint, bits, tmp_path):
+    """Per expert, the shared expert and the fused q/k/v quantized; the router and expert_bias stay float."""
+    from llada_jax.model.params import hf_to_params
+    from llada_jax.quant.quantize import HostQuantized, QuantScheme
+    from llada_jax.weights.quantize_checkpoint import quantize_checkpoint
+    from llada_jax.weights.weights_io import iter_tensors
+
+    quantized = quantize_checkpoint(checkpoint, tmp_path / "q", QuantScheme(bits, 8 if bits == 4 else None))
+    stored = dict(iter_tensors(quantized, CONFIG))
+    assert isinstance(stored["model.layers.1.mlp.experts.3.up_proj.weight"], HostQuantized)
+    assert isinstance(stored["model.layers.1.attention.query_key_value.weight"], HostQuantized)
+    assert not isinstance(stored["model.layers.1.mlp.gate.weight"], HostQuantized)
+    tensors = {name: value.dequantize() if isinstance(value, HostQuantized) else value
+               for name, value in stored.items()}
+    twin = llada_jax.load(save_hf(hf_to_params(tensors, CONFIG), CONFIG, tmp_path / "twin"))
+    model = llada_jax.load(quantized)
+    options = dict(gen_length=12, block_length=4, steps=4, threshold=0.3, policy="dual-cache")
+    assert (llada_jax.generate(model, np.arange(1, 7), **options).output_ids.tolist()
+            == llada_jax.generate(twin, np.arange(1, 7), **options).output_ids.tolist())
+
+
+@pytest.mark.slow
+def test_iree_host_bundle_gives_the_xla_tokens(model, checkpoint, tmp_path, capsys):
+    """Block steps through an IREE host bundle (no compiled loop: a one-line refusal without --no-loop)."""
+    from llada_jax.bundle_runner import bundle_runner
+    from llada_jax.cli import main
+    from lowering.bundle import compile_bundle
+
+    assert main(["compile", "--model", str(checkpoint), "--target", "host", "--out", str(tmp_path / "looped"),
+                 "--max-len", "32", "--gen-length", "12", "--block-length", "4"]) == 1
+    assert "block diffusion (LLaDA2) runs on the host loop" in capsys.readouterr().err
+    bundle = compile_bundle(checkpoint, "host", tmp_path / "bundle", max_len=32, window=32)
+    _, _, generate_bundled = bundle_runner(bundle)
+    for editing in (None, 0.3):
+        options = dict(gen_length=12, block_length=4, steps=4, threshold=0.3, editing_threshold=editing,
+                       policy="dual-cache", loop="host")
+        assert (generate_bundled(np.arange(1, 7), **options).output_ids.tolist()
+                == llada_jax.generate(model, np.arange(1, 7), **options).output_ids.tolist())
