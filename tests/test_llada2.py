@@ -279,7 +279,7 @@ def test_iree_host_bundle_gives_the_xla_tokens(model, checkpoint, tmp_path, caps
     bundle = compile_bundle(checkpoint, "host", tmp_path / "bundle", max_len=32, window=32)
     _, _, generate_bundled = bundle_runner(bundle)
     for editing in (None, 0.3):
-        options = dict(gen_length=12, block_length=4, steps=4, threshold=0.3, editing_threshold=editing,
+        options = dict(gen_length=12, block_length=8, steps=4, threshold=0.3, editing_threshold=editing,
                        policy="dual-cache", loop="host")
         assert (generate_bundled(np.arange(1, 7), **options).output_ids.tolist()
                 == llada_jax.generate(model, np.arange(1, 7), **options).output_ids.tolist())

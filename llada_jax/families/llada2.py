@@ -64,7 +64,10 @@ def config_fields(raw: dict) -> dict:
     if not 0 <= dense_layers <= n_layers:
         raise LladaError(f"config first_k_dense_replace={dense_layers} is outside [0, {n_layers}]")
     eos = raw.get("eos_token_id", EOS_ID)
-    eos = eos[0] if isinstance(eos, list) and eos else eos
+    if isinstance(eos, list):  # transformers allows several; the first ends an answer
+        eos = eos[0] if eos else None
+    if not isinstance(eos, int):
+        raise LladaError(f"config.json field eos_token_id must be a token id, got {eos!r}")
     return dict(
         family=NAME, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
         n_kv_heads=int(raw.get("num_key_value_heads") or n_heads), vocab_size=vocab, embedding_size=vocab,
