@@ -29,7 +29,7 @@ from llada_jax.model.config import read_config
 from llada_jax.model.params import hf_shapes
 from llada_jax.system.atomic import atomic_dir
 from llada_jax.system.errors import LladaError
-from llada_jax.system.interrupts import Terminated, sigterm_raises
+from llada_jax.system.interrupts import run_interruptible
 from llada_jax.weights.weights_io import INDEX_FILE
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -120,19 +120,14 @@ def main(argv=None) -> int:
     if args.layers is not None and not 1 <= args.layers <= most:
         parser.error(f"--layers must be between 1 and {most}, got {args.layers}")
     try:
-        with sigterm_raises():
-            write_scale_checkpoint(args.out, args.seed, MODELS[args.model], layers=args.layers, force=args.force)
+        status = run_interruptible("scale_checkpoint", lambda: write_scale_checkpoint(
+            args.out, args.seed, MODELS[args.model], layers=args.layers, force=args.force))
     except LladaError as err:
         print(f"scale_checkpoint: error: {err}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("scale_checkpoint: interrupted", file=sys.stderr)
-        return 130
-    except Terminated as stop:
-        print("scale_checkpoint: interrupted (SIGTERM)", file=sys.stderr)
-        return stop.exit_status
-    print(args.out)
-    return 0
+    if status == 0:
+        print(args.out)
+    return status
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from llada_jax.cli.quantize import add_quantize
 from llada_jax.cli.serve import add_serve
 from llada_jax.cli.train import add_train
 from llada_jax.system.errors import LladaError
-from llada_jax.system.interrupts import Terminated, sigterm_raises
+from llada_jax.system.interrupts import run_interruptible
 
 
 class DefaultsFormatter(argparse.HelpFormatter):
@@ -61,8 +61,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("give the prompt either positionally or with --prompt, not both")
         args.prompt = args.prompt_text
     try:
-        with sigterm_raises():
-            args.run(args)
+        return run_interruptible("llada", lambda: args.run(args))
     except LladaError as err:
         print(f"llada: error: {err}", file=sys.stderr)
         return 1
@@ -75,10 +74,3 @@ def main(argv: list[str] | None = None) -> int:
                 if "RESOURCE_EXHAUSTED" in first else "")
         print(f"llada: error: {first}{hint}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("llada: interrupted", file=sys.stderr)
-        return 130
-    except Terminated as stop:
-        print("llada: interrupted (SIGTERM)", file=sys.stderr)
-        return stop.exit_status
-    return 0

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import threading
+from typing import Callable
 
 
 class Terminated(BaseException):
@@ -30,3 +32,18 @@ def sigterm_raises():
 
 def _raise_terminated(signum, frame) -> None:
     raise Terminated()
+
+
+def run_interruptible(prog: str, work: Callable[[], object]) -> int:
+    """`work()` with SIGTERM raising: 0, or after a one-line message, 130 (SIGINT) or 143 (SIGTERM). Other
+    errors pass through to the caller."""
+    try:
+        with sigterm_raises():
+            work()
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except Terminated as stop:
+        print(f"{prog}: interrupted (SIGTERM)", file=sys.stderr)
+        return stop.exit_status
+    return 0
