@@ -283,3 +283,11 @@ def test_iree_host_bundle_gives_the_xla_tokens(model, checkpoint, tmp_path, caps
                        policy="dual-cache", loop="host")
         assert (generate_bundled(np.arange(1, 7), **options).output_ids.tolist()
                 == llada_jax.generate(model, np.arange(1, 7), **options).output_ids.tolist())
+
+
+def test_a_batch_decodes_each_prompt_as_alone(model):
+    prompts = [np.arange(3), np.arange(1, 12), np.arange(5, 13)]
+    options = dict(gen_length=10, block_length=4, steps=4, threshold=0.3, editing_threshold=0.4, policy="dual-cache")
+    batch = llada_jax.generate(model, prompts, **options)
+    assert [r.output_ids.tolist() for r in batch] == [
+        llada_jax.generate(model, prompt, **options).output_ids.tolist() for prompt in prompts]
