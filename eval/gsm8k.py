@@ -133,7 +133,8 @@ def evaluate(model, problems: list[dict], shots: list[dict], decoding: dict, *, 
             for start in range(0, len(todo), batch_size):
                 for row in solve(model, todo[start: start + batch_size], prompts, golds, decoding):
                     record(row)
-                bar.set_postfix(accuracy=f"{np.mean([row['correct'] for row in rows.values()]):.3f}")
+                scored = [row["correct"] for row in rows.values() if "skipped" not in row]
+                bar.set_postfix(accuracy=f"{np.mean(scored):.3f}")
     return summarize([rows[index] for index in sorted(rows)], run)
 
 
