@@ -19,14 +19,14 @@ from llada_jax.system.errors import LladaError
 TINY_RUN = ["--gen-length", "16", "--block-length", "8", "--steps", "8", "--policy", "vanilla"]
 
 
-def write_char_model(out_dir: Path) -> Path:
-    """A random 1-layer model with the character tokenizer and a 1024-token context (prompts are long)."""
+def write_char_model(out_dir: Path, context: int = 1024) -> Path:
+    """A random 1-layer model with the character tokenizer and a `context`-token context (prompts are long)."""
     from llada_jax.model.params import init_params
     from llada_jax.training.train import embedded_model_config
     from llada_jax.weights import char_tokenizer
     from llada_jax.weights.checkpoint import save_hf
 
-    config = dataclasses.replace(embedded_model_config(d_model=32, n_layers=1), max_sequence_length=1024)
+    config = dataclasses.replace(embedded_model_config(d_model=32, n_layers=1), max_sequence_length=context)
     tokenizer_dir = out_dir.parent / "tokenizer-files"
     tokenizer_dir.mkdir(parents=True, exist_ok=True)
     char_tokenizer.write_tokenizer_files(tokenizer_dir)
@@ -148,3 +148,23 @@ def test_run_appends_rows_and_a_killed_run_resumes(char_model_dir, tmp_path, cap
 
     with pytest.raises(LladaError, match="written for a different prompt"):
         run_cli(*common, "--limit", "1", "--shots", "1", "--train-data", str(GSM8K_TEST))
+
+
+def test_prompts_too_long_for_the_context_are_refused_before_any_step_or_skipped(tmp_path, capsys):
+    """Of the bundled split's first 6 problems, one (489 tokens) does not fit a 256-position model with its
+    answer: the run is refused before any problem runs, or with --skip-too-long it is recorded as skipped and
+    counted apart."""
+    model = write_char_model(tmp_path / "model", context=256)
+    out = tmp_path / "gsm8k.jsonl"
+    common = ["--model", str(model), "--out", str(out), "--limit", "6", *TINY_RUN]
+    refusal = r"^1 of 6 problems do not fit the model's context: the longest prompt \(489\)"
+    with pytest.raises(LladaError, match=refusal):
+        run_cli(*common)
+    assert not out.exists()  # nothing ran, nothing written
+    run_cli(*common, "--skip-too-long", "--json")
+    summary = json.loads(capsys.readouterr().out)
+    rows = read_rows(out)
+    skipped = [row for row in rows if "skipped" in row]
+    assert len(rows) == 6 and summary["skipped"] == len(skipped) == 1 and summary["problems"] == 5
+    assert all("exceeds max_sequence_length=256" in row["skipped"] and row["correct"] is False for row in skipped)
+    assert summary["correct"] == sum(row["correct"] for row in rows if "skipped" not in row)
