@@ -164,7 +164,8 @@ def evaluate(jobs: "Jobs", *, out: Path | None = None, workers: int = 2, limits:
                 rows[row["index"]] = row
                 writer.write(row)
                 bar.update()
-                bar.set_postfix(passed=f"{np.mean([r['passed'] for r in rows.values()]):.3f}")
+                scored = [r["passed"] for r in rows.values() if "skipped" not in r]
+                bar.set_postfix(passed=f"{np.mean(scored):.3f}" if scored else "-")
     return summarize([rows[index] for index in sorted(rows)], sandbox.level)
 
 

@@ -23,6 +23,7 @@ Commit rules, as the reference samplers (dllm `LLaDA2Sampler`, `LLaDA21Sampler`)
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Callable
 
@@ -34,6 +35,8 @@ from policies.backend import BackendCall
 from policies.canvas import Canvas
 from policies.loop import Result, StepRecord
 from policies.sampling import Sampler
+
+REFERENCE_THRESHOLD = 0.95  # the reference samplers' default commit threshold
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +60,10 @@ class BlockSettings:
                                  + (" (the reference loops forever at 0)" if name == "num_to_transfer" else ""))
         if self.max_post_steps < 0:
             raise LladaError(f"max_post_steps must be >= 0, got {self.max_post_steps}")
+        for name in ("threshold", "editing_threshold"):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                raise LladaError(f"{name} must be a finite number, got {value}")
         if self.editing_threshold is None and self.gen_length < self.minimal_topk:
             raise LladaError(f"gen_length // minimal_topk = {self.gen_length} // {self.minimal_topk} leaves no step "
                              "per block; lower minimal_topk")
@@ -98,6 +105,26 @@ def mask_commits(confidence: np.ndarray, active: np.ndarray, threshold: float | 
     return chosen
 
 
+def block_call(kv, tokens: np.ndarray, lo: int, width: int, length: int | None = None, reads=None) -> BackendCall:
+    """The window step of the block at [lo, lo + width) of `tokens` `[B, S]` against the cached blocks before
+    it (the slots before `lo`); positions at or past `length` are padding."""
+    rows, slots = tokens.shape
+    columns = np.arange(lo, lo + width)
+    visible = np.broadcast_to(np.arange(slots) < lo, tokens.shape)
+    positions = np.broadcast_to(columns, (rows, width))
+    valid = np.broadcast_to(columns < (slots if length is None else length), positions.shape)
+    return BackendCall("window", (kv, visible, tokens[:, columns], positions, valid, reads))
+
+
+def commit_block(kv, tokens: np.ndarray, lo: int, width: int, out, nfe: int, length: int | None = None) -> BackendCall:
+    """The commit of `out`'s K/V for the block at `lo` (its real positions), computed from `tokens`' block."""
+    rows, slots = tokens.shape
+    columns = np.arange(lo, lo + width)
+    positions = np.broadcast_to(columns, (rows, width))
+    write = np.broadcast_to(columns < (slots if length is None else length), positions.shape)
+    return BackendCall("commit", (kv, positions, write, out, tokens[:, columns], nfe))
+
+
 @dataclasses.dataclass
 class BlockRun:
     """One generation's canvas, cache and counters while its blocks run."""
@@ -112,23 +139,11 @@ class BlockRun:
     cache_passes: int = 0
     bounded_blocks: int = 0
 
-    def block_call(self, lo: int, reads=None) -> BackendCall:
-        """The window step of the block at [lo, lo + block_length) against the cached blocks before it."""
-        width = self.settings.block_length
-        columns = np.arange(lo, lo + width)
-        visible = np.broadcast_to(np.arange(self.canvas.padded_length) < lo, self.canvas.tokens.shape)
-        positions = np.broadcast_to(columns, (self.canvas.tokens.shape[0], width))
-        valid = np.ones(positions.shape, bool)
-        return BackendCall("window", (self.kv, visible, self.canvas.tokens[:, columns], positions, valid, reads))
-
     def cache_block(self, lo: int):
         """Compute the block at `lo` from its tokens now and commit its K/V (a generator of the two calls)."""
         width = self.settings.block_length
-        out = yield self.block_call(lo, reads=(0,))
-        columns = np.arange(lo, lo + width)
-        positions = np.broadcast_to(columns, (self.canvas.tokens.shape[0], width))
-        self.kv = yield BackendCall("commit", (self.kv, positions, np.ones(positions.shape, bool), out,
-                                               self.canvas.tokens[:, columns], len(self.trace)))
+        out = yield block_call(self.kv, self.canvas.tokens, lo, width, reads=(0,))
+        self.kv = yield commit_block(self.kv, self.canvas.tokens, lo, width, out, len(self.trace))
         self.cache_passes += 1
 
     def predict(self, lo: int):
@@ -137,8 +152,8 @@ class BlockRun:
             self.kv = self.fresh_state()
             for earlier in range(0, lo, self.settings.block_length):
                 yield from self.cache_block(earlier)
-        out = yield self.block_call(lo)
         width = self.settings.block_length
+        out = yield block_call(self.kv, self.canvas.tokens, lo, width)
         check_finite(out.readout, np.arange(lo, lo + width), np.ones(width, bool), len(self.trace))
         x0, confidence, _ = self.sampler.choose(out.readout, self.rng)
         return x0, confidence
@@ -246,12 +261,8 @@ def block_logits(backend, ids: np.ndarray, block_length: int, mask_id: int, slot
     kv = backend.empty_state(batch, slots)
     pieces = []
     for lo in range(0, length, block_length):
-        columns = np.arange(lo, lo + block_length)
-        positions = np.broadcast_to(columns, (batch, block_length))
-        valid = np.broadcast_to(columns < length, positions.shape)
-        visible = np.broadcast_to(np.arange(slots) < lo, (batch, slots))
-        out = backend.window(kv, visible, padded[:, columns], positions, valid)
+        out = block_call(kv, padded, lo, block_length, length).run(backend)
         pieces.append(np.asarray(out.readout.logits, np.float32))
         if lo + block_length < length:
-            kv = backend.commit(kv, positions, valid, out, padded[:, columns], 0)
+            kv = commit_block(kv, padded, lo, block_length, out, 0, length).run(backend)
     return np.concatenate(pieces, axis=1)[:, :length]

@@ -24,7 +24,7 @@ from tests.conftest import write_checkpoint
 CONFIG = LLaDAConfig(
     family="llada2", d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, mlp_hidden_size=16, vocab_size=96,
     embedding_size=96, max_sequence_length=128, rope_theta=600000.0, rms_norm_eps=1e-6, mask_token_id=90,
-    eos_token_id=91, eot_token_id=91, qk_norm=True, fused_qkv=True, rotary_dim=4, n_experts=8, experts_per_token=2,
+    eos_token_id=91, eot_token_id=91, qk_norm=True, rotary_dim=4, n_experts=8, experts_per_token=2,
     dense_layers=1, dense_hidden_size=48, shared_expert_size=16, router="sigmoid-grouped", expert_groups=4,
     groups_kept=2, routed_scaling=2.5, block_causal=True)
 
@@ -158,6 +158,7 @@ def test_the_block_cache_gives_the_uncached_tokens(model, prompt, block, gen, ed
     ({"num_to_transfer": 0}, "loops forever"),
     ({"gen_length": 120}, "rounded up to whole blocks"),
     ({"gen_length": 2, "minimal_topk": 3}, "leaves no step"),
+    ({"editing_threshold": float("nan")}, "editing_threshold must be a finite number"),
 ])
 def test_bad_block_settings_are_one_line_errors(model, options, named):
     settings = {"gen_length": 8, "block_length": 8, "steps": 8, "policy": "dual-cache", **options}

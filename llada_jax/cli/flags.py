@@ -14,6 +14,7 @@ from llada_jax.system.compilation import use_persistent_cache
 from llada_jax.system.errors import LladaError
 from llada_jax.system.locations import default_model_dir, user_cache_dir
 from llada_jax.weights.weights_io import check_finite_weights
+from policies.block_diffusion import REFERENCE_THRESHOLD
 from policies.compiled_loop import baked_loops, loop_covers
 from policies.generation import LOOPS
 from policies.registry import DecoderSetting, make_policy, with_modifier
@@ -22,7 +23,7 @@ from policies.sampling import Sampler
 # The default decoder of generate and eval: on the embedded model's held-out tasks it scores as well as
 # vanilla or better (94.5% vs 92.75% on 400 tasks) at ~20x its speed (README's speculation table).
 DEFAULT_POLICY = "dual-cache+speculative@0.9"
-# Block-diffusion models (LLaDA2): the exact block cache at the reference samplers' threshold (0.95).
+# Block-diffusion models (LLaDA2): the exact block cache, at the reference samplers' threshold.
 BLOCK_POLICY = "dual-cache"
 
 
@@ -143,7 +144,8 @@ def decoding_kwargs(args, config=None) -> dict:
     if config is not None and config.block_causal:
         kwargs.update(steps=args.steps if args.steps is not None else args.block_length)
         if args.policy is None:
-            kwargs.update(policy=BLOCK_POLICY, threshold=args.threshold if args.threshold is not None else 0.95)
+            kwargs.update(policy=BLOCK_POLICY,
+                          threshold=args.threshold if args.threshold is not None else REFERENCE_THRESHOLD)
     blocks = {"editing_threshold": args.editing_threshold, "max_post_steps": args.max_post_steps,
               "num_to_transfer": args.num_to_transfer, "minimal_topk": args.minimal_topk}
     return {**kwargs, **{name: value for name, value in blocks.items() if value is not None}}

@@ -75,7 +75,7 @@ def config_fields(raw: dict) -> dict:
         rope_theta=float(raw.get("rope_theta", 10000.0)), rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
         mask_token_id=int(raw.get("mask_token_id", MASK_ID)), eos_token_id=int(eos),
         eot_token_id=int(raw.get("eot_token_id", eos)), qk_norm=bool(raw.get("use_qk_norm", True)),
-        fused_qkv=True, rotary_dim=rotary_dim, mlp_hidden_size=moe_hidden, n_experts=experts,
+        rotary_dim=rotary_dim, mlp_hidden_size=moe_hidden, n_experts=experts,
         experts_per_token=per_token, dense_layers=dense_layers, dense_hidden_size=dense_hidden,
         shared_expert_size=moe_hidden * int(raw.get("num_shared_experts") or 0),
         router="sigmoid-grouped", expert_groups=groups, groups_kept=kept,

@@ -38,7 +38,6 @@ class LLaDAConfig:
     n_experts: int = 0           # 0: a dense MLP
     experts_per_token: int = 0
     logits_shift: bool = False
-    fused_qkv: bool = False      # one [q; k; v] projection (`qkv_proj`)
     rotary_dim: int = 0          # the first dims of each head that rotate (0: all of them)
     dense_layers: int = 0        # of a sparse MoE model, the first layers that are a dense MLP ...
     dense_hidden_size: int = 0   # ... this wide
@@ -87,10 +86,6 @@ class LLaDAConfig:
     def rotary_width(self) -> int:
         """The dims of each head that rotary embeddings rotate (the first ones)."""
         return self.rotary_dim or self.head_dim
-
-    def sparse_layer(self, layer: int) -> bool:
-        """Whether decoder layer `layer` has a sparse MoE MLP (else a dense one)."""
-        return bool(self.n_experts) and layer >= self.dense_layers
 
     def special_ids_in_vocab(self, *ids: int) -> tuple[int, ...]:
         """The given ids that exist in this model's output vocabulary (EoT may not, on a small model)."""

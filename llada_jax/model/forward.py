@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from llada_jax.model.config import LLaDAConfig
-from llada_jax.model.layout import XLA_LAYOUT, Features, LayoutRule, rms_norm
+from llada_jax.model.layout import XLA_LAYOUT, Features, LayoutRule, rms_norm, swiglu
 from llada_jax.model.moe import sparse_mlp
 from llada_jax.quant.qlinear import QuantizedWeight, quantized_linear, quantized_rows, stored_matmul
 
@@ -103,11 +103,6 @@ def decoder_layer(block: dict, x: jax.Array, rotary, cached, key_bias: jax.Array
     if "router" in block:
         return layout.leave(h + sparse_mlp(block, normed, config), b, w), k, v
     return layout.leave(h + swiglu(layout, normed, block["ff_proj"], block["up_proj"], block["ff_out"]), b, w), k, v
-
-
-def swiglu(layout, normed, gate, up, down):
-    """down(silu(gate(x)) * up(x)): the dense MLP."""
-    return layout.linear(jax.nn.silu(layout.linear(normed, gate)) * layout.linear(normed, up), down)
 
 
 def projections(layout, normed, block: dict, config: LLaDAConfig, b: int, w: int):

@@ -46,6 +46,11 @@ def linear(x: jax.Array, weight: jax.Array) -> jax.Array:
     return stored_matmul(x, weight).astype(x.dtype)
 
 
+def swiglu(layout, normed, gate, up, down):
+    """down(silu(gate(x)) * up(x)), in `layout` (a dense MLP, an MoE's shared expert)."""
+    return layout.linear(jax.nn.silu(layout.linear(normed, gate)) * layout.linear(normed, up), down)
+
+
 class Positions:
     """Activations `[B, W, D]`: one row per position."""
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from llada_jax.model.layout import linear
+from llada_jax.model.layout import Positions, linear, swiglu
 from llada_jax.quant.qlinear import stored_matmul
 
 EXPERT_KEYS = ("experts_gate", "experts_up", "experts_down")  # each a list of one matrix per expert
@@ -37,8 +37,7 @@ def sparse_mlp(block: dict, x: jax.Array, config) -> jax.Array:
         weights = weights.astype(x.dtype)
     out = routed_sum(block, rows, experts, weights)
     if "shared_gate" in block:
-        gated = jax.nn.silu(linear(rows[None], block["shared_gate"])) * linear(rows[None], block["shared_up"])
-        out = out + linear(gated, block["shared_down"])[0]
+        out = out + swiglu(Positions, rows[None], block["shared_gate"], block["shared_up"], block["shared_down"])[0]
     return out.reshape(b, w, d)
 
 
