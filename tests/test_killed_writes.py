@@ -17,6 +17,7 @@ import pytest
 
 from llada_jax.model.config import LLaDAConfig
 from llada_jax.system.atomic import MARKER, atomic_dir, previous_output
+from llada_jax.system.interrupts import Terminated, run_interruptible
 from llada_jax.system.scratch import TAG, process_start, remove_stale_scratch, scratch_prefix
 from tests.conftest import write_checkpoint
 from tests.test_data_safety import snapshot, user_dir
@@ -65,6 +66,26 @@ def test_only_stale_scratch_of_the_same_target_is_removed(tmp_path, capsys):
     assert {what: snapshot(path) for what, path in keep.items()} == before
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "removed 1 scratch copy" in err and "0.0 MB" in err
+
+
+class FailsInDel:
+    """What a signal leaves of a progress bar interrupted inside its __init__: its __del__ raises."""
+
+    def __del__(self):
+        raise AttributeError("'tqdm' object has no attribute 'pos'")
+
+
+@pytest.mark.parametrize("stop, status", [(KeyboardInterrupt, 130), (Terminated, 143)])
+def test_an_interrupt_that_leaves_an_object_half_built_still_ends_in_one_line(monkeypatch, capsys, stop, status):
+    monkeypatch.setattr(sys, "unraisablehook", sys.__unraisablehook__)
+
+    def work():
+        half_built = FailsInDel()  # noqa: F841 (alive in the frame the exception holds)
+        raise stop()
+
+    assert run_interruptible("llada", work) == status
+    assert capsys.readouterr().err.splitlines() == ["llada: interrupted" + (" (SIGTERM)" if status == 143 else "")]
+    assert sys.unraisablehook is sys.__unraisablehook__
 
 
 def test_a_failed_write_leaves_no_scratch_and_a_finished_one_is_marked(tmp_path):
@@ -153,7 +174,7 @@ def test_sigint_and_sigterm_remove_the_scratch_before_exiting(tmp_path, medium_i
         pytest.fail("the write finished before the signal; the checkpoint needs to be larger")
     assert stopped.returncode == status, stopped.stderr
     assert stopped.stderr.strip().splitlines()[-1].startswith("llada: interrupted")
-    assert "Traceback" not in stopped.stderr
+    assert "Traceback" not in stopped.stderr and "Exception ignored" not in stopped.stderr
     assert sorted(tmp_path.iterdir()) == []
     assert snapshot(medium_in_folder.parent) == inputs
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import signal
 import sys
 import threading
@@ -37,13 +38,24 @@ def _raise_terminated(signum, frame) -> None:
 def run_interruptible(prog: str, work: Callable[[], object]) -> int:
     """`work()` with SIGTERM raising: 0, or after a one-line message, 130 (SIGINT) or 143 (SIGTERM). Other
     errors pass through to the caller."""
+    previous_hook = sys.unraisablehook
     try:
         with sigterm_raises():
             work()
+        return 0
     except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return 130
+        sys.unraisablehook = _ignore_unraisable
+        message, status = f"{prog}: interrupted", 130
     except Terminated as stop:
-        print(f"{prog}: interrupted (SIGTERM)", file=sys.stderr)
-        return stop.exit_status
-    return 0
+        sys.unraisablehook = _ignore_unraisable
+        message, status = f"{prog}: interrupted (SIGTERM)", stop.exit_status
+    try:
+        gc.collect()  # objects the signal left half-built (a progress bar mid-__init__) fail in __del__: quietly
+    finally:
+        sys.unraisablehook = previous_hook
+    print(message, file=sys.stderr)
+    return status
+
+
+def _ignore_unraisable(unraisable) -> None:
+    pass
