@@ -19,6 +19,7 @@ PACKAGES = ("llada_jax", "policies", "lowering", "eval")
 # may import its own layer and any layer below it. A file's folder says its layer.
 LAYERS = (
     ("system", ("llada_jax/system",)),
+    ("kernels", ("llada_jax/kernels",)),
     ("families", ("llada_jax/families",)),
     ("quant", ("llada_jax/quant",)),
     ("model", ("llada_jax/model",)),

@@ -16,16 +16,19 @@ import dataclasses
 import functools
 import operator
 import re
-from typing import get_args
+from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from llada_jax.kernels import xla as own_kernels
 from llada_jax.quant.quantize import Activations, HostQuantized, QuantScheme
 from llada_jax.system.errors import LladaError
 
 ACTIVATIONS: tuple[str, ...] = get_args(Activations)
+Kernels = Literal["own", "compiler"]  # our kernels where they apply (`llada_jax.kernels`), or XLA's / IREE's code
+KERNELS: tuple[str, ...] = get_args(Kernels)
 # The largest float32 copy of one quantized matrix a float-activation matmul makes at once in an IREE bundle;
 # LLaDA-8B's decoder matrices (201 MB at most) are under it, its LM head (2.07 GB) is split into 9 row blocks.
 FLOAT_COPY_BYTES = 256 << 20
@@ -53,6 +56,9 @@ class QuantizedWeight:
     # bytes split by shifts are vectorized). With an offset (8), the checkpoint's own bytes, used in place:
     # the split restores the sign with an xor on the few rows it reads.
     nibbles: bool = dataclasses.field(default=False, metadata={"static": True})
+    # Our own kernel for this matrix (`llada_jax.kernels`: "w4a8", "w4a16", "w8a8"), `values` then the
+    # checkpoint's bytes as stored; "": XLA's code.
+    kernel: str = dataclasses.field(default="", metadata={"static": True})
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -64,10 +70,19 @@ class QuantizedWeight:
         return self.shape[1] // self.scale.shape[1]
 
 
-def to_device(host: HostQuantized, activations: Activations = "float", put=jnp.asarray) -> QuantizedWeight:
-    """The weight on the device for XLA; `put(host_array)` places each part (default: the default device)."""
+def to_device(host: HostQuantized, activations: Activations = "float", put=jnp.asarray,
+              kernels: Kernels = "compiler") -> QuantizedWeight:
+    """The weight on the device for XLA; `put(host_array)` places each part (default: the default device).
+    With `kernels="own"` (loaded: `own_kernels.available()`), matrices one of our kernels takes keep the
+    checkpoint's bytes for it."""
     if activations not in ACTIVATIONS:
         raise LladaError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
+    bits = host.scheme.bits
+    kernel = own_kernels.scheme_for(bits, activations, host.shape[1], host.shape[1] // host.scale.shape[1])
+    if kernels == "own" and kernel:
+        values = host.stored_bytes()[:, :host.shape[1] * bits // 8]
+        return QuantizedWeight(put(values), put(host.scale), activations, offset=1 << (bits - 1),
+                               nibbles=bits == 4, kernel=kernel)
     nibbles = host.scheme.bits == 4 and _splits_in_nibbles(host.shape, host.scale.shape)
     width, offset = host.shape[1] // 2 if nibbles else host.shape[1], 0
     if uses_stored_words(host.scheme, activations) and (nibbles or host.scheme.bits == 8):
@@ -139,14 +154,31 @@ def row_block_for(shape: tuple[int, ...], copy_bytes: int | None = None) -> int:
 DECODER_LAYER = re.compile(r"\.(blocks|layers)\.\d+\.")  # a decoder layer's module, in any family's names
 
 
-def check_activations(activations: object, quantized: dict) -> None:
-    """int8 activations need int8 per-channel decoder layers; anywhere else they would be ignored."""
+def check_activations(activations: object, quantized: dict, kernels: Kernels = "compiler") -> None:
+    """int8 activations need quantized decoder layers: any with our kernels, int8 per-channel ones with XLA's
+    code; anywhere else they would be ignored."""
     if activations not in ACTIVATIONS:
         raise LladaError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
+    if kernels not in KERNELS:
+        raise LladaError(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
     blocks = [s for module, s in quantized.items() if DECODER_LAYER.search(module)]
-    if activations == "int8" and not (blocks and all(s.matmul_activations("int8") == "int8" for s in blocks)):
-        raise LladaError("--activations int8 needs a checkpoint with int8 per-channel layers "
-                         "(`llada quantize --bits 8`)")
+    if activations != "int8" or (blocks and kernels == "own"):
+        return
+    if not blocks:
+        raise LladaError("--activations int8 needs a quantized checkpoint (`llada quantize --bits 4|8`)")
+    if not all(s.matmul_activations("int8") == "int8" for s in blocks):
+        raise LladaError("--activations int8 on 4-bit or group-wise layers needs our kernels (--kernels own, "
+                         "with a C compiler); XLA's code takes int8 per-channel layers only")
+
+
+def kernels_in_use(kernels: Kernels, quantized: dict, mesh=None) -> Kernels:
+    """"own" where our kernels can run this model's matmuls (a quantized checkpoint, one CPU device, the
+    kernels built on this machine), else "compiler" (after a one-line note when the build is what failed)."""
+    if kernels not in KERNELS:
+        raise LladaError(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
+    if kernels == "compiler" or not quantized or mesh is not None or jax.default_backend() != "cpu":
+        return "compiler"
+    return "own" if own_kernels.available() else "compiler"
 
 
 def restore_sign(offset: jax.Array, bits: int) -> jax.Array:
@@ -242,6 +274,8 @@ def quantized_linear(x: jax.Array, w: QuantizedWeight, columns: bool = False, dt
     out of a loop (the compiled decode loop's while body: LLaDA-8B int4 asked for 30 GB, every weight
     dequantized at once before it). IREE bundles, and int4 values (`xla_row_block`), unroll the blocks."""
     dtype = dtype or x.dtype
+    if w.kernel:
+        return _own_kernel_linear(x, w, columns).astype(dtype)
     if w.activations == "int8":
         if columns:
             raise ValueError("W8A8 matmuls run position-major (llada_jax.model.layout.LayoutRule.pick)")
@@ -262,6 +296,13 @@ def quantized_linear(x: jax.Array, w: QuantizedWeight, columns: bool = False, dt
         return jnp.concatenate(blocks, axis)
     shape = (total, x.shape[1]) if columns else (*x.shape[:-1], total)
     return _row_loop(rows, total, block, axis, shape).astype(dtype)
+
+
+def _own_kernel_linear(x: jax.Array, w: QuantizedWeight, columns: bool) -> jax.Array:
+    """x @ dequantized(w).T by our kernel, which takes positions as rows: `[R, I]` -> `[R, O]`."""
+    positions = x.T if columns else x.reshape(-1, x.shape[-1])
+    out = own_kernels.matmul(positions, w.values, w.scale, w.kernel)
+    return out.T if columns else out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def _row_slice(array: jax.Array, start, count: int) -> jax.Array:

@@ -20,7 +20,7 @@ import numpy as np
 from llada_jax.model.config import LLaDAConfig
 from llada_jax.model.mesh import place_weight
 from llada_jax.model.params import hf_to_params, params_to_hf, tensor_role
-from llada_jax.quant.qlinear import to_device, uses_stored_words
+from llada_jax.quant.qlinear import Kernels, to_device, uses_stored_words
 from llada_jax.quant.quantize import Activations, HostQuantized
 from llada_jax.system.atomic import atomic_dir
 from llada_jax.system.errors import LladaError
@@ -38,7 +38,7 @@ def compute_dtype(name: str):
 
 
 def read_tensors(model_dir: Path, config: LLaDAConfig, dtype, activations: Activations = "float", mesh=None,
-                 quantized: dict | None = None, wrap=iter) -> dict:
+                 quantized: dict | None = None, wrap=iter, kernels: Kernels = "compiler") -> dict:
     """Load and validate every tensor, converting each to the compute dtype on the device, or with a
     `jax.sharding.Mesh`, straight into its shards there (quantized matrices stay integers, see `qlinear`).
     `quantized` (module -> scheme) defaults to what the directory's config.json says; `wrap` wraps the
@@ -46,12 +46,15 @@ def read_tensors(model_dir: Path, config: LLaDAConfig, dtype, activations: Activ
     tensors = {}
     # Only one CPU device uses host buffers in place; elsewhere a mapped view would only add to RSS.
     in_place = np.dtype(dtype) if mesh is None and jax.default_backend() == "cpu" else None
-    words = functools.partial(uses_stored_words, activations=activations)
+
+    def words(scheme) -> bool:  # our kernels read every matrix's bytes as stored
+        return kernels == "own" or uses_stored_words(scheme, activations)
+
     tensors_read = iter_tensors(model_dir, config, quantized=quantized, in_place=in_place, words_in_place=words)
     for name, array in wrap(tensors_read):
         put = jax.device_put if mesh is None else functools.partial(place_weight, name=tensor_role(name, config),
                                                                     mesh=mesh)
-        tensors[name] = (to_device(array, activations, put) if isinstance(array, HostQuantized)
+        tensors[name] = (to_device(array, activations, put, kernels) if isinstance(array, HostQuantized)
                          else put(in_dtype(array, dtype)))
     return tensors
 
@@ -67,8 +70,9 @@ def in_dtype(array: np.ndarray, dtype) -> np.ndarray:
 
 
 def load_params(model_dir: Path, config: LLaDAConfig, dtype="float32", activations: Activations = "float",
-                mesh=None, quantized: dict | None = None, wrap=iter) -> dict:
-    tensors = read_tensors(Path(model_dir), config, compute_dtype(dtype), activations, mesh, quantized, wrap)
+                mesh=None, quantized: dict | None = None, wrap=iter, kernels: Kernels = "compiler") -> dict:
+    tensors = read_tensors(Path(model_dir), config, compute_dtype(dtype), activations, mesh, quantized, wrap,
+                           kernels)
     return hf_to_params(tensors, config)
 
 

@@ -18,7 +18,7 @@ from tqdm import tqdm
 from llada_jax.model.config import LLaDAConfig, read_config
 from llada_jax.model.mesh import MODEL, check_fits_model_axis
 from llada_jax.model.params import hf_shapes
-from llada_jax.quant.qlinear import check_activations
+from llada_jax.quant.qlinear import Kernels, check_activations, kernels_in_use
 from llada_jax.quant.quantize import Activations, QuantScheme
 from llada_jax.staging.swap import StagedWeights, pack_weights
 from llada_jax.system.errors import LladaError
@@ -49,7 +49,8 @@ class Model:
     path: Path | None = None
     device_memory_budget: int | None = None
     staged: StagedWeights | None = None
-    activations: Activations = "float"  # "int8": W8A8 matmuls for per-channel int8 weights (see qlinear)
+    activations: Activations = "float"  # "int8": int8 x int8 matmuls (W8A8, or W4A8 with our kernels; see qlinear)
+    kernels: Kernels = "compiler"  # "own": our kernels run the quantized matmuls (`llada_jax.kernels`)
     quantized: dict = dataclasses.field(default_factory=dict)  # module -> QuantScheme of the checkpoint
     mesh: Mesh | None = None  # the params are sharded over it (`llada_jax.model.mesh`); None: one device
     scale_itemsize: int = 4  # bytes per quantization scale as held: as stored when resident, float32 when staged
@@ -68,7 +69,7 @@ class Model:
 
 
 def load(path, dtype: str = "float32", device_memory_budget: int | None = None, check_weights: bool = False,
-         activations: Activations = "float", mesh=None) -> Model:
+         activations: Activations = "float", mesh=None, kernels: Kernels = "own") -> Model:
     """Load an HF LLaDA directory (config.json + safetensors weights [+ tokenizer files]). With a device
     memory budget smaller than the weights, they are packed per layer on the host for staged execution.
     `check_weights` first scans every tensor for NaN/Inf (a pass over all weights). With a `mesh`
@@ -88,9 +89,11 @@ def load(path, dtype: str = "float32", device_memory_budget: int | None = None, 
     if check_weights:
         check_finite_weights(model_dir, config)
     quantized = checkpoint_quantization(model_dir, config)
-    check_activations(activations, quantized)
+    kernels = kernels_in_use(kernels, quantized, mesh)
+    check_activations(activations, quantized, kernels)
     model = Model(config, None, tokenizer, dtype, model_dir, device_memory_budget, activations=activations,
-                  quantized=quantized, mesh=mesh, scale_itemsize=stored_scale_itemsize(model_dir, quantized))
+                  kernels=kernels, quantized=quantized, mesh=mesh,
+                  scale_itemsize=stored_scale_itemsize(model_dir, quantized))
     staged = device_memory_budget is not None and model.weight_bytes > device_memory_budget
     if staged:  # stages pack the scales as float32
         model = dataclasses.replace(model, scale_itemsize=4)
@@ -106,7 +109,8 @@ def load(path, dtype: str = "float32", device_memory_budget: int | None = None, 
         model = dataclasses.replace(model, staged=pack_weights(bar(iter_tensors(model_dir, config)),
                                                                config, np.dtype(model.jnp_dtype), activations))
     else:
-        model = dataclasses.replace(model, params=load_params(model_dir, config, dtype, activations, mesh, wrap=bar))
+        model = dataclasses.replace(model, params=load_params(model_dir, config, dtype, activations, mesh, wrap=bar,
+                                                                  kernels=kernels))
     release_freed_memory()
     return model
 

@@ -1,0 +1,85 @@
+"""Building the kernels with the system's C compiler, once per machine and source: a shared library in the user's
+cache, keyed by the sources, the compiler, its flags and the CPU's flags (`-march=native` picks the ISA path)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from llada_jax.system.errors import LladaError
+from llada_jax.system.host_cpu import cpu_flags
+from llada_jax.system.locations import user_cache_dir
+
+SOURCE_DIR = Path(__file__).resolve().parent / "c"
+KERNEL_SOURCES = ("activations.c", "w4a8.c", "w4a16.c", "w8a8.c")
+HEADERS = ("kernels.h", "simd.h", "int8_matmul.h")
+XLA_SHIM = "xla_ffi.cc"
+# Freestanding C (no libc: the same files link into IREE's executables); strict IEEE float (no contraction
+# across the statements the numpy statement of each kernel follows).
+C_FLAGS = ("-O3", "-std=c11", "-fPIC", "-ffreestanding", "-fno-math-errno", "-Wall")
+CXX_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-Wall")
+HOST_ARCH = ("-march=native",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Toolchain:
+    cc: str
+    cxx: str
+
+    def version(self) -> str:
+        return subprocess.run([self.cc, "--version"], capture_output=True, text=True, check=False).stdout
+
+
+def find_toolchain() -> Toolchain | None:
+    """$CC / $CXX, else the first of cc, gcc, clang (c++, g++, clang++) on PATH; None without both."""
+    cc = os.environ.get("CC") or next((c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
+    cxx = os.environ.get("CXX") or next((c for c in ("c++", "g++", "clang++") if shutil.which(c)), None)
+    return Toolchain(cc, cxx) if cc and cxx else None
+
+
+def xla_library(toolchain: Toolchain, include_dir: Path, arch: tuple[str, ...] = HOST_ARCH) -> Path:
+    """The XLA plugin (`xla_ffi.cc` + the kernels) for this host, built on first use."""
+    sources = [SOURCE_DIR / name for name in (*KERNEL_SOURCES, *HEADERS, XLA_SHIM)]
+    key = _key(sources, toolchain.version(), arch, str(include_dir), " ".join(sorted(cpu_flags())))
+    out = user_cache_dir("kernels") / f"xla-{key}" / "libllada_kernels.so"
+    if not out.is_file():
+        _build_shared(toolchain, include_dir, arch, out)
+    return out
+
+
+def _key(sources: list[Path], *facts: object) -> str:
+    digest = hashlib.sha256()
+    for path in sources:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    digest.update(repr(facts).encode())
+    return digest.hexdigest()[:16]
+
+
+def _build_shared(toolchain: Toolchain, include_dir: Path, arch: tuple[str, ...], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".build-", dir=out.parent) as scratch:
+        objects = [_compile([toolchain.cc, *C_FLAGS, *arch], SOURCE_DIR / name, Path(scratch))
+                   for name in KERNEL_SOURCES]
+        objects.append(_compile([toolchain.cxx, *CXX_FLAGS, *arch, f"-I{include_dir}"], SOURCE_DIR / XLA_SHIM,
+                                Path(scratch)))
+        linked = Path(scratch) / out.name
+        _run([toolchain.cxx, "-shared", "-o", str(linked), *map(str, objects)])
+        os.replace(linked, out)  # atomic: a reader sees no library or a whole one
+
+
+def _compile(command: list[str], source: Path, directory: Path) -> Path:
+    obj = directory / (source.stem + ".o")
+    _run([*command, "-I", str(SOURCE_DIR), "-c", str(source), "-o", str(obj)])
+    return obj
+
+
+def _run(command: list[str]) -> None:
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode:
+        first = next((line for line in done.stderr.splitlines() if "error" in line), done.stderr.strip()[:200])
+        raise LladaError(f"building the kernels failed ({Path(command[0]).name}): {first}")

@@ -1,0 +1,71 @@
+/* The int8 x int8 tile loop shared by W4A8 and W8A8: a tile of NR weight rows x NC positions keeps its
+ * NR x NC float accumulators in registers over the whole sum; per 32-column block each row's weights are
+ * unpacked once and each position's int8 values loaded once. */
+#ifndef LLADA_INT8_MATMUL_H
+#define LLADA_INT8_MATMUL_H
+
+#include "kernels.h"
+#include "simd.h"
+
+#if defined(LLK_X86) && !defined(__AVX512VL__)
+#define TILE_ROWS 2 /* AVX2 has 16 vector registers */
+#else
+#define TILE_ROWS 4
+#endif
+#define TILE_POSITIONS 4
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+ALWAYS_INLINE wvec block_weights(const llk_weights* w, int64_t row, int64_t block, int bits) {
+  int64_t bytes_per_row = w->columns * bits / 8;
+  const uint8_t* p = w->weights + row * bytes_per_row + block * (LLK_BLOCK * bits / 8);
+  return bits == 4 ? unpack4(p) : load8(p, w->signed8);
+}
+
+ALWAYS_INLINE void int8_tile(const llk_weights* w, const llk_int8_activations* a, float* out, int64_t o,
+                             int64_t r, const int nr, const int nc, const int bits) {
+  const int offset = bits == 4 ? W4_OFFSET : W8_OFFSET;
+  int64_t blocks = w->columns / LLK_BLOCK, groups = w->columns / w->group, per_group = w->group / LLK_BLOCK;
+  fvec acc[TILE_ROWS][TILE_POSITIONS];
+  for (int i = 0; i < nr; i++)
+    for (int j = 0; j < nc; j++) acc[i][j] = fzero();
+  for (int64_t b = 0; b < blocks; b++) {
+    wvec wv[TILE_ROWS];
+    fvec ws[TILE_ROWS];
+    for (int i = 0; i < nr; i++) {
+      wv[i] = block_weights(w, o + i, b, bits);
+      ws[i] = fsplat(scale_at(w->scales, (o + i) * groups + b / per_group, w->scale_bf16));
+    }
+    for (int j = 0; j < nc; j++) {
+      int64_t at = (r + j) * blocks + b;
+      const int8_t* values = a->values + (r + j) * w->columns + b * LLK_BLOCK;
+      ivec init = init_lane(-offset * a->sums[at]);
+      fvec as = fsplat(a->scales[at]);
+      for (int i = 0; i < nr; i++) {
+        ivec sum = bits == 4 ? dot4(init, wv[i], values) : dot8(init, wv[i], values);
+        acc[i][j] = fmadd(fmul(ifloat(sum), as), ws[i], acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < nr; i++)
+    for (int j = 0; j < nc; j++) out[(r + j) * w->rows + o + i] = hsum(acc[i][j]);
+}
+
+/* Rows [o_begin, o_end) of every position, in whole tiles, then the rows' and positions' remainders. */
+ALWAYS_INLINE void int8_matmul(const llk_weights* w, const llk_int8_activations* a, float* out,
+                               int64_t o_begin, int64_t o_end, const int bits) {
+  int64_t whole_rows = o_begin + (o_end - o_begin) / TILE_ROWS * TILE_ROWS;
+  int64_t whole_positions = a->positions / TILE_POSITIONS * TILE_POSITIONS;
+  for (int64_t o = o_begin; o < whole_rows; o += TILE_ROWS) {
+    for (int64_t r = 0; r < whole_positions; r += TILE_POSITIONS)
+      int8_tile(w, a, out, o, r, TILE_ROWS, TILE_POSITIONS, bits);
+    for (int64_t r = whole_positions; r < a->positions; r++) int8_tile(w, a, out, o, r, TILE_ROWS, 1, bits);
+  }
+  for (int64_t o = whole_rows; o < o_end; o++) {
+    for (int64_t r = 0; r < whole_positions; r += TILE_POSITIONS)
+      int8_tile(w, a, out, o, r, 1, TILE_POSITIONS, bits);
+    for (int64_t r = whole_positions; r < a->positions; r++) int8_tile(w, a, out, o, r, 1, 1, bits);
+  }
+}
+
+#endif

@@ -1,0 +1,49 @@
+/* llada-jax quantized matmul micro-kernels: out[R, O] = x[R, I] @ W[O, I]^T with W stored quantized.
+ *
+ * Weights, as the checkpoint stores them (compressed-tensors, row-major):
+ *   4-bit: bytes [O, I/2], value(o, 2j) = (b & 15) - 8, value(o, 2j+1) = (b >> 4) - 8;
+ *   8-bit: bytes [O, I], value = b - 128 (`signed8` = 0) or the byte read as int8 (`signed8` = 1).
+ *   Scales [O, I / group] float32 (`scale_bf16` = 0) or bfloat16 (1); group a multiple of 32.
+ * Activations enter in blocks of 32 columns:
+ *   int8 (W4A8, W8A8): `llk_quantize_activations` gives per block q = rint(x / d), d = max|x| / 127, and
+ *   sum(q); 4-bit kernels read a block's values even columns first, then odd (the nibbles' order);
+ *   float (W4A16): `llk_order_activations` puts each block's even columns first, then odd.
+ * Kernels write output rows [o_begin, o_end) of every position: callers split O over their threads.
+ * No libc: these files link into IREE's dispatch executables as well as the XLA plugin. */
+#ifndef LLADA_KERNELS_H
+#define LLADA_KERNELS_H
+
+#include <stdint.h>
+
+#define LLK_BLOCK 32
+
+typedef struct {
+  const uint8_t* weights;  /* [O, I * bits / 8] */
+  const void* scales;      /* [O, I / group] */
+  int64_t rows;            /* O */
+  int64_t columns;         /* I, a multiple of 32 */
+  int64_t group;           /* columns per scale, a multiple of 32 (I for per-channel) */
+  int32_t scale_bf16;
+  int32_t signed8;
+} llk_weights;
+
+typedef struct {
+  const int8_t* values;  /* [R, I], per block in the weights' order */
+  const float* scales;   /* [R, I / 32] */
+  const int32_t* sums;   /* [R, I / 32] */
+  int64_t positions;     /* R */
+} llk_int8_activations;
+
+/* Which instructions this build's kernels use (a static string naming the ISA path). */
+const char* llk_isa(void);
+
+void llk_quantize_activations(const float* x, int64_t positions, int64_t columns, int32_t nibble_order,
+                              int8_t* values, float* scales, int32_t* sums);
+void llk_order_activations(const float* x, int64_t positions, int64_t columns, float* ordered);
+
+void llk_w4a8(const llk_weights* w, const llk_int8_activations* a, float* out, int64_t o_begin, int64_t o_end);
+void llk_w8a8(const llk_weights* w, const llk_int8_activations* a, float* out, int64_t o_begin, int64_t o_end);
+void llk_w4a16(const llk_weights* w, const float* ordered, int64_t positions, float* out, int64_t o_begin,
+               int64_t o_end);
+
+#endif

@@ -1,0 +1,68 @@
+"""The kernels on XLA's CPU path: one FFI custom call, `out[R, O] = x[R, I] @ W.T`, for the weights'
+schemes W4A8, W4A16 and W8A8 (`c/kernels.h`). XLA's own code stays the fallback (no compiler, another device,
+a layout the kernels do not take) and the GPU path."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from llada_jax.kernels.build import find_toolchain, xla_library
+from llada_jax.system.errors import LladaError
+
+TARGET = "llada_quantized_matmul"
+SCHEMES = {"w4a8": 0, "w8a8": 1, "w4a16": 2}
+BLOCK = 32  # the kernels' activation block: the columns and every scale group are whole blocks
+
+
+@functools.cache
+def load(library: Path | None = None) -> str:
+    """Builds (first time on this machine) and registers the kernels with XLA; the ISA path they use.
+    Raises LladaError without a C compiler or when the build fails."""
+    if library is None:
+        toolchain = find_toolchain()
+        if toolchain is None:
+            raise LladaError("no C compiler (cc/gcc/clang and c++) on PATH to build the kernels")
+        library = xla_library(toolchain, Path(jax.ffi.include_dir()))
+    handle = ctypes.CDLL(str(library))
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handle.LladaQuantizedMatmul), platform="cpu")
+    handle.LladaKernelsIsa.restype = ctypes.c_char_p
+    return handle.LladaKernelsIsa().decode()
+
+
+def available() -> str | None:
+    """The ISA path of this machine's kernels, or None after a one-line note on why XLA's code runs instead."""
+    try:
+        return load()
+    except LladaError as error:
+        _note_once(f"llada: {error}; quantized matmuls use XLA's code (--kernels compiler)")
+        return None
+
+
+@functools.cache
+def _note_once(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+def scheme_for(bits: int, activations: str, columns: int, group: int) -> str | None:
+    """Which kernel multiplies a matrix of `bits`-bit weights with `columns` inputs in groups of `group`
+    (None: none does; XLA's code runs it)."""
+    if columns % BLOCK or group % BLOCK or columns % group:
+        return None
+    return {(4, "int8"): "w4a8", (4, "float"): "w4a16", (8, "int8"): "w8a8"}.get((bits, activations))
+
+
+def matmul(x: jax.Array, stored: jax.Array, scale: jax.Array, scheme: str, signed8: bool = False) -> jax.Array:
+    """x `[R, I]` float32 @ W.T `[R, O]` float32, W's bytes `stored` `[O, I * bits / 8]` as `c/kernels.h` reads
+    them and its scales `[O, G]` (float32 or bfloat16)."""
+    rows, groups = scale.shape
+    columns = x.shape[1]
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], rows), jnp.float32))
+    return call(x.astype(jnp.float32), jax.lax.bitcast_convert_type(stored, jnp.uint8), scale,
+                scheme=np.int64(SCHEMES[scheme]), group=np.int64(columns // groups), signed8=signed8)
