@@ -44,11 +44,18 @@ def find_toolchain() -> Toolchain | None:
 
 def xla_library(toolchain: Toolchain, include_dir: Path, arch: tuple[str, ...] = HOST_ARCH) -> Path:
     """The XLA plugin (`xla_ffi.cc` + the kernels) for this host, built on first use."""
-    sources = [SOURCE_DIR / name for name in (*KERNEL_SOURCES, *HEADERS, XLA_SHIM)]
-    key = _key(sources, toolchain.version(), arch, str(include_dir), " ".join(sorted(cpu_flags())))
-    out = user_cache_dir("kernels") / f"xla-{key}" / "libllada_kernels.so"
+    return shared_library(toolchain, arch, include_dir)
+
+
+def shared_library(toolchain: Toolchain, arch: tuple[str, ...], xla_include_dir: Path | None = None) -> Path:
+    """The kernels built with `arch` flags as a shared library in the cache (with the XLA shim when given
+    XLA's FFI headers), built on first use."""
+    names = (*KERNEL_SOURCES, *HEADERS) + ((XLA_SHIM,) if xla_include_dir else ())
+    key = _key([SOURCE_DIR / name for name in names], toolchain.version(), arch, str(xla_include_dir),
+               " ".join(sorted(cpu_flags())))
+    out = user_cache_dir("kernels") / key / "libllada_kernels.so"
     if not out.is_file():
-        _build_shared(toolchain, include_dir, arch, out)
+        _build_shared(toolchain, arch, xla_include_dir, out)
     return out
 
 
@@ -60,13 +67,14 @@ def _key(sources: list[Path], *facts: object) -> str:
     return digest.hexdigest()[:16]
 
 
-def _build_shared(toolchain: Toolchain, include_dir: Path, arch: tuple[str, ...], out: Path) -> None:
+def _build_shared(toolchain: Toolchain, arch: tuple[str, ...], xla_include_dir: Path | None, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".build-", dir=out.parent) as scratch:
         objects = [_compile([toolchain.cc, *C_FLAGS, *arch], SOURCE_DIR / name, Path(scratch))
                    for name in KERNEL_SOURCES]
-        objects.append(_compile([toolchain.cxx, *CXX_FLAGS, *arch, f"-I{include_dir}"], SOURCE_DIR / XLA_SHIM,
-                                Path(scratch)))
+        if xla_include_dir:
+            objects.append(_compile([toolchain.cxx, *CXX_FLAGS, *arch, f"-I{xla_include_dir}"],
+                                    SOURCE_DIR / XLA_SHIM, Path(scratch)))
         linked = Path(scratch) / out.name
         _run([toolchain.cxx, "-shared", "-o", str(linked), *map(str, objects)])
         os.replace(linked, out)  # atomic: a reader sees no library or a whole one

@@ -1,0 +1,182 @@
+"""Our quantized matmul kernels against the numpy statement of their arithmetic (`kernel_statement`): every ISA
+path this host can build (its own flags, AVX2 without VNNI, plain C), then through XLA's FFI, then in a model."""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import llada_jax
+from llada_jax.kernels import xla as own_kernels
+from llada_jax.kernels.build import find_toolchain, shared_library
+from llada_jax.quant.qlinear import quantized_linear, to_device
+from llada_jax.quant.quantize import HostQuantized, QuantScheme, quantize_matrix
+from llada_jax.system.host_cpu import cpu_flags
+from llada_jax.weights.quantize_checkpoint import quantize_checkpoint
+from tests import kernel_statement as statement
+from tests.conftest import require
+
+
+def isa_builds() -> list[tuple[str, ...]]:
+    """Compiler flags giving each ISA path this host can run: its own, AVX2 without VNNI, plain C."""
+    if platform.machine() in ("x86_64", "AMD64"):
+        return [("-march=native",), *([("-march=x86-64-v3",)] if "avx2" in cpu_flags() else []), ("-march=x86-64",)]
+    if platform.machine() in ("aarch64", "arm64"):
+        return [("-march=native",), ("-march=armv8-a",)]
+    return [("-march=native",)]
+
+
+@pytest.fixture(scope="module", params=isa_builds(), ids=lambda flags: flags[0])
+def library(request):
+    toolchain = find_toolchain()
+    require(toolchain is not None, "a C compiler (gcc or clang, with c++)")
+    assert toolchain is not None
+    return shared_library(toolchain, request.param)
+
+
+def test_each_build_names_its_isa_path(library):
+    lib = ctypes.CDLL(str(library))
+    lib.llk_isa.restype = ctypes.c_char_p
+    isa, flags = lib.llk_isa().decode(), cpu_flags()
+    if "generic" in isa:
+        return
+    if platform.machine() == "x86_64":
+        assert "avx2" in flags and ("vnni" in isa) <= ("avx512_vnni" in flags or "avx_vnni" in flags), isa
+    else:
+        assert "asimddp" in flags and "sdot" in isa, isa
+
+
+def draw_problem(data, bits: int):
+    """positions, rows and blocks of 32 columns; a scale group of whole blocks (or the whole row)."""
+    positions, rows, blocks = data.draw(st.integers(1, 9)), data.draw(st.integers(1, 11)), data.draw(st.integers(1, 8))
+    group_blocks = data.draw(st.sampled_from(sorted({d for d in (1, 2, 4) if blocks % d == 0} | {blocks})))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    x = (rng.standard_normal((positions, 32 * blocks)) * 10.0 ** rng.uniform(-3, 3)).astype(np.float32)
+    if data.draw(st.booleans()):
+        x[:, :32] = 0  # an all-zero block: scale 0
+    low = -(1 << (bits - 1))
+    values = rng.integers(low, -low, (rows, 32 * blocks))
+    scales = rng.uniform(1e-3, 1.0, (rows, blocks // group_blocks)).astype(np.float32)
+    if data.draw(st.booleans()):
+        scales = scales.astype(ml_dtypes.bfloat16)
+    return x, values, scales
+
+
+def assert_within_rounding(got: np.ndarray, want: np.ndarray, magnitude: np.ndarray) -> None:
+    assert np.all(np.isfinite(got))
+    np.testing.assert_array_less(np.abs(got - want), 1e-5 * magnitude + 1e-30)
+
+
+@settings(max_examples=40)
+@given(data=st.data())
+def test_w4a8_is_its_statement(library, data):
+    x, values, scales = draw_problem(data, 4)
+    got = statement.run(library, "w4a8", x, statement.pack4(values), scales)
+    want = statement.int8_result(x, values, scales.astype(np.float32), nibbles=True)
+    assert_within_rounding(got, want, statement.int8_result(np.abs(x), np.abs(values), np.abs(scales), True))
+
+
+@settings(max_examples=40)
+@given(data=st.data(), signed8=st.booleans())
+def test_w8a8_is_its_statement(library, data, signed8):
+    x, values, scales = draw_problem(data, 8)
+    got = statement.run(library, "w8a8", x, statement.pack8(values, signed8), scales, signed8)
+    want = statement.int8_result(x, values, scales.astype(np.float32), nibbles=False)
+    assert_within_rounding(got, want, statement.int8_result(np.abs(x), np.abs(values), np.abs(scales), False))
+
+
+@settings(max_examples=40)
+@given(data=st.data())
+def test_w4a16_is_its_statement(library, data):
+    x, values, scales = draw_problem(data, 4)
+    got = statement.run(library, "w4a16", x, statement.pack4(values), scales)
+    want = statement.float_result(x, values, scales.astype(np.float32))
+    assert_within_rounding(got, want, statement.float_result(np.abs(x), np.abs(values), np.abs(scales)))
+
+
+@settings(max_examples=30)
+@given(data=st.data(), nibbles=st.booleans())
+def test_activations_are_quantized_exactly_as_stated(library, data, nibbles):
+    x, _, _ = draw_problem(data, 4)
+    got = statement.activations_of(library, x, nibbles)
+    want = statement.quantize_activations(x, nibbles)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("bits, scheme", [(4, "w4a8"), (8, "w8a8")])
+def test_int32_block_sums_are_exact(library, bits, scheme):
+    """Integer activations with a 127 in every block quantize to themselves (scale 1): with unit weight scales
+    the float result is the exact integer sum."""
+    rng = np.random.default_rng(bits)
+    x = rng.integers(-127, 128, (7, 256)).astype(np.float32)
+    x[:, ::32] = 127
+    low = -(1 << (bits - 1))
+    values = rng.integers(low, -low, (13, 256))
+    values[0] = low  # the extreme weight everywhere on one row
+    stored = statement.pack4(values) if bits == 4 else statement.pack8(values, False)
+    got = statement.run(library, scheme, x, stored, np.ones((13, 2), np.float32))
+    want = statement.block_sums(x.reshape(7, -1, 32).astype(np.int8) if bits == 8 else
+                                statement.block_order(x, True).astype(np.int8), values, bits == 4).sum(-1)
+    np.testing.assert_array_equal(got, want.astype(np.float32))
+
+
+def kernels_on_xla() -> str:
+    require(find_toolchain() is not None, "a C compiler (gcc or clang, with c++)")
+    isa = own_kernels.available()
+    assert isa, "the kernels did not build"
+    return isa
+
+
+@pytest.mark.parametrize("scheme, bits", [("w4a8", 4), ("w4a16", 4), ("w8a8", 8)])
+@pytest.mark.parametrize("scale_dtype", [np.float32, ml_dtypes.bfloat16])
+def test_the_xla_custom_call_is_the_statement(scheme, bits, scale_dtype):
+    kernels_on_xla()
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((37, 96)).astype(np.float32)  # positions not a multiple of the tile
+    low = -(1 << (bits - 1))
+    values = rng.integers(low, -low, (70, 96))
+    scales = rng.uniform(0.01, 1, (70, 3 if bits == 4 else 1)).astype(scale_dtype)
+    stored = statement.pack4(values) if bits == 4 else statement.pack8(values, False)
+    got = np.asarray(own_kernels.matmul(jnp.asarray(x), jnp.asarray(stored), jnp.asarray(scales), scheme))
+    s32 = scales.astype(np.float32)
+    want = (statement.float_result(x, values, s32) if scheme == "w4a16"
+            else statement.int8_result(x, values, s32, nibbles=bits == 4))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("columns", [False, True])
+def test_a_w4a16_linear_equals_xla_code(columns):
+    kernels_on_xla()
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((48, 128)).astype(np.float32)
+    host = HostQuantized.of(*quantize_matrix(w, QuantScheme(4, 32)), QuantScheme(4, 32))
+    x = jnp.asarray(rng.standard_normal((128, 9) if columns else (2, 9, 128)).astype(np.float32))
+    own = quantized_linear(x, to_device(host, kernels="own"), columns)
+    theirs = quantized_linear(x, to_device(host), columns)
+    np.testing.assert_allclose(np.asarray(own), np.asarray(theirs), rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def int4_dir(tiny_dir, tmp_path_factory):
+    return quantize_checkpoint(tiny_dir, tmp_path_factory.mktemp("kernels") / "q4", QuantScheme(4, 32))
+
+
+def test_a_model_with_our_w4a16_kernels_generates_xla_tokens(int4_dir):
+    kernels_on_xla()
+    own = llada_jax.load(int4_dir)
+    theirs = llada_jax.load(int4_dir, kernels="compiler")
+    assert own.kernels == "own" and own.params["blocks"][0]["q_proj"].kernel == "w4a16"
+    ids = np.arange(3, 27)[None]
+    np.testing.assert_allclose(llada_jax.logits(own, ids), llada_jax.logits(theirs, ids), rtol=1e-4, atol=1e-4)
+    prompt = [5, 9, 11, 4]
+    options = dict(gen_length=16, block_length=16, steps=8)
+    assert (llada_jax.generate(own, prompt, **options).output_ids.tolist()
+            == llada_jax.generate(theirs, prompt, **options).output_ids.tolist())
