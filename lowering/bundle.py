@@ -21,7 +21,7 @@ from pathlib import Path
 from llada_jax.families import host_loop_conventions
 from llada_jax.model.config import read_config, read_hf_dict
 from llada_jax.model.params import uniform_layers
-from llada_jax.quant.qlinear import check_activations
+from llada_jax.quant.choice import check_activations
 from llada_jax.quant.quantize import Activations
 from llada_jax.system.atomic import atomic_dir, check_output_dir
 from llada_jax.system.errors import LladaError

@@ -31,12 +31,12 @@ def block_order(x: np.ndarray, nibbles: bool) -> np.ndarray:
 
 def quantize_activations(x: np.ndarray, nibbles: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """int8 values `[R, I/32, 32]` (block order), scales and sums `[R, I/32]`: q = rint(x * (1/d)),
-    d = max|x| / 127, all in float32."""
+    d = max|x| x float32(1/127), all in float32."""
     blocks = block_order(x.astype(F32), nibbles)
-    d = (np.abs(blocks).max(-1) / F32(127)).astype(F32)
+    d = (np.abs(blocks).max(-1) * F32(1 / 127)).astype(F32)
     inverse = np.divide(F32(1), d, out=np.zeros_like(d), where=d > 0)
     q = np.rint(blocks * inverse[..., None]).astype(np.int8)
-    return q, d, q.astype(np.int32).sum(-1)
+    return q, d, q.astype(np.int32).sum(-1, dtype=np.int32)
 
 
 def block_sums(q: np.ndarray, values: np.ndarray, nibbles: bool) -> np.ndarray:
@@ -76,46 +76,24 @@ def _ptr(array: np.ndarray) -> int:
 
 def run(library: Path, scheme: str, x: np.ndarray, stored: np.ndarray, scales: np.ndarray,
         signed8: bool = False) -> np.ndarray:
-    """The library's kernel `scheme` on float32 x `[R, I]`, the weights' bytes and scales (float32 or
-    bfloat16 `[O, G]`), rows split in two calls as threads would."""
+    """The library's kernel `scheme` on float32 x `[R, I]` (prepared as stated here), the weights' bytes and
+    scales (float32 or bfloat16 `[O, G]`), rows split in two calls as threads would."""
     lib = ctypes.CDLL(str(library))
     positions, columns = x.shape
     rows = stored.shape[0]
-    x = np.ascontiguousarray(x, F32)
-    bf16 = scales.dtype != F32
-    w = Weights(_ptr(stored), _ptr(scales), rows, columns, columns // scales.shape[1], int(bf16), int(signed8))
+    w = Weights(_ptr(stored), _ptr(scales), rows, columns, columns // scales.shape[1], int(scales.dtype != F32),
+                int(signed8))
     out = np.full((positions, rows), np.nan, F32)
     halves = [(0, rows // 2), (rows // 2, rows)]
     if scheme == "w4a16":
-        ordered = np.empty_like(x)
-        lib.llk_order_activations(ctypes.c_void_p(_ptr(x)), ctypes.c_int64(positions), ctypes.c_int64(columns),
-                                  ctypes.c_void_p(_ptr(ordered)))
+        ordered = np.ascontiguousarray(block_order(x.astype(F32), True).reshape(positions, columns))
         for begin, end in halves:
             lib.llk_w4a16(ctypes.byref(w), ctypes.c_void_p(_ptr(ordered)), ctypes.c_int64(positions),
                           ctypes.c_void_p(_ptr(out)), ctypes.c_int64(begin), ctypes.c_int64(end))
         return out
-    values = np.empty((positions, columns), np.int8)
-    block_scales = np.empty((positions, columns // BLOCK), F32)
-    sums = np.empty((positions, columns // BLOCK), np.int32)
-    lib.llk_quantize_activations(ctypes.c_void_p(_ptr(x)), ctypes.c_int64(positions), ctypes.c_int64(columns),
-                                 ctypes.c_int32(scheme == "w4a8"), ctypes.c_void_p(_ptr(values)),
-                                 ctypes.c_void_p(_ptr(block_scales)), ctypes.c_void_p(_ptr(sums)))
+    values, block_scales, sums = (np.ascontiguousarray(a) for a in quantize_activations(x, scheme == "w4a8"))
     a = Int8Activations(_ptr(values), _ptr(block_scales), _ptr(sums), positions)
     for begin, end in halves:
         getattr(lib, f"llk_{scheme}")(ctypes.byref(w), ctypes.byref(a), ctypes.c_void_p(_ptr(out)),
                                       ctypes.c_int64(begin), ctypes.c_int64(end))
     return out
-
-
-def activations_of(library: Path, x: np.ndarray, nibbles: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The library's own quantized activations of x, as `quantize_activations` shapes them."""
-    lib = ctypes.CDLL(str(library))
-    positions, columns = x.shape
-    x = np.ascontiguousarray(x, F32)
-    values = np.empty((positions, columns), np.int8)
-    scales = np.empty((positions, columns // BLOCK), F32)
-    sums = np.empty((positions, columns // BLOCK), np.int32)
-    lib.llk_quantize_activations(ctypes.c_void_p(_ptr(x)), ctypes.c_int64(positions), ctypes.c_int64(columns),
-                                 ctypes.c_int32(nibbles), ctypes.c_void_p(_ptr(values)), ctypes.c_void_p(_ptr(scales)),
-                                 ctypes.c_void_p(_ptr(sums)))
-    return values.reshape(positions, -1, BLOCK), scales, sums

@@ -11,6 +11,7 @@ import jax
 import pytest
 
 import llada_jax
+from llada_jax.kernels import xla as own_kernels
 from llada_jax.quant.qlinear import QuantizedWeight, nbytes
 from llada_jax.quant.quantize import QuantScheme
 from llada_jax.system.errors import LladaError
@@ -18,7 +19,7 @@ from llada_jax.system.host_memory import release_freed_memory
 from llada_jax.weights import loading
 from llada_jax.weights.memory_plan import ENV_OVERRIDE, weight_bytes
 from llada_jax.weights.quantize_checkpoint import quantize_checkpoint
-from tests.conftest import TINY
+from tests.conftest import TINY, require
 
 
 def held_bytes(params: dict) -> int:
@@ -72,14 +73,24 @@ def test_cli_refusal_is_one_line(tiny_dir, value):
     assert len(lines) == 1 and lines[0].startswith("llada: error:"), proc.stderr
 
 
-@pytest.mark.parametrize("source", ["float", 4])
-def test_int8_activations_need_int8_per_channel_layers(tiny_dir, quantized_dirs, source):
-    path = tiny_dir if source == "float" else quantized_dirs[source]
-    with pytest.raises(LladaError, match="--activations int8 needs a checkpoint with int8 per-channel layers"):
-        llada_jax.load(path, activations="int8")
+def test_int8_activations_need_layers_a_kernel_takes(tiny_dir, quantized_dirs):
+    with pytest.raises(LladaError, match="--activations int8 needs a quantized checkpoint"):
+        llada_jax.load(tiny_dir, activations="int8")
     with pytest.raises(LladaError, match="activations must be one of float, int8"):
-        llada_jax.load(path, activations="fp4")
-    assert llada_jax.load(quantized_dirs[8], activations="int8").params["blocks"][0]["q_proj"].activations == "int8"
+        llada_jax.load(tiny_dir, activations="fp4")
+    with pytest.raises(LladaError, match="on 4-bit or group-wise layers needs our kernels"):
+        llada_jax.load(quantized_dirs[4], activations="int8", kernels="compiler")
+    with pytest.raises(LladaError, match="kernels must be one of own, compiler"):
+        llada_jax.load(quantized_dirs[4], kernels="fast")
+    int8 = llada_jax.load(quantized_dirs[8], activations="int8", kernels="compiler").params["blocks"][0]["q_proj"]
+    assert int8.activations == "int8" and int8.kernel == ""
+
+
+def test_int8_activations_with_our_kernels_need_groups_of_whole_blocks(quantized_dirs):
+    require(own_kernels.available() is not None, "a C compiler (gcc or clang, with c++)")
+    with pytest.raises(LladaError, match="groups of 16 .*--group-size 32"):
+        llada_jax.load(quantized_dirs[4], activations="int8")  # group 16: no kernel takes it
+    assert llada_jax.load(quantized_dirs[8], activations="int8").params["blocks"][0]["q_proj"].kernel == "w8a8"
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc_trim")

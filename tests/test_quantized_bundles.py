@@ -232,7 +232,7 @@ def test_what_a_quantized_bundle_cannot_do_is_refused_before_compiling(quantized
     one_line(lambda: compile_bundle(int4, "host", tmp_path / "a", max_len=8, window=8, device_memory_budget=1000),
              "bundles that stream quantized weights are not supported yet")
     one_line(lambda: compile_bundle(int4, "host", tmp_path / "b", max_len=8, window=8, activations="int8"),
-             "--activations int8 needs a checkpoint with int8 per-channel layers")
+             "--activations int8 on 4-bit or group-wise layers needs our kernels")
     stored = {"m.weight_packed": ("I32", (4, 1)), "m.weight_scale": ("BF16", (4, 1))}
     one_line(lambda: _quantized_parameters("m", (4, 12), QuantScheme(4), stored, tmp_path),
              "fill whole int32 words (a multiple of 8)")

@@ -9,7 +9,7 @@ from pathlib import Path
 from llada_jax.api import load
 from llada_jax.model.config import read_config
 from llada_jax.model.mesh import MeshSpec, describe
-from llada_jax.quant.qlinear import ACTIVATIONS
+from llada_jax.quant.choice import ACTIVATIONS, KERNELS
 from llada_jax.system.compilation import use_persistent_cache
 from llada_jax.system.errors import LladaError
 from llada_jax.system.locations import default_model_dir, user_cache_dir
@@ -189,7 +189,12 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", help="compute dtype: float32 or bfloat16")
     parser.add_argument("--check-weights", action="store_true", help="scan every weight for NaN/Inf before use")
     parser.add_argument("--activations", choices=ACTIVATIONS, default="float",
-                        help="int8: quantize activations on the fly for int8 checkpoints (W8A8 matmuls)")
+                        help="int8: quantize activations on the fly per 32 columns for 4-bit and 8-bit checkpoints "
+                             "(W4A8 / W8A8 matmuls; 4-bit needs --kernels own); float: W4A16 / weight-only int8")
+    parser.add_argument("--kernels", choices=KERNELS, default=None,
+                        help="quantized matmuls on the CPU: own (default where a C compiler exists: our int4/int8 "
+                             "kernels, built once per machine into ~/.cache/llada-jax/kernels) or compiler (XLA's "
+                             "code); IREE bundles use IREE's code")
     parser.add_argument("--mesh", default=None, metavar="data=N|all,model=M",
                         help="run on several of this host's devices: a batch's rows split over N (data axis), each "
                              "weight matrix over M (model axis, for weights one device cannot hold); default: one")
@@ -219,4 +224,4 @@ def load_model(args):
     if mesh is not None:
         print(f"mesh: {describe(mesh)}", file=sys.stderr)
     return load(model_dir(args), dtype=args.dtype, device_memory_budget=getattr(args, "device_memory_budget", None),
-                activations=args.activations, mesh=mesh)
+                activations=args.activations, mesh=mesh, kernels=args.kernels or "own")

@@ -51,6 +51,9 @@ def opened_source(args, loops: Sequence[tuple] = (), batch_sizes: tuple[int, ...
     if getattr(args, "mesh", None) and (args.bundle is not None or args.backend != "jax"):
         raise LladaError("--mesh shards a model over JAX devices; an IREE bundle runs on one device (drop --mesh, "
                          "or use --backend jax)")
+    if getattr(args, "kernels", None) == "own" and (args.bundle is not None or args.backend != "jax"):
+        raise LladaError("IREE bundles do not link our kernels yet; they run IREE's code (drop --kernels own, "
+                         "or use --backend jax)")
     if args.data_tiling and (args.bundle is not None or args.backend == "jax"):
         raise LladaError("--data-tiling is an IREE compile flag: use it with --backend iree-host (or llada compile); "
                          "a given bundle keeps the flags it was compiled with")

@@ -1,5 +1,5 @@
-"""The kernels on XLA's CPU path: one FFI custom call, `out[R, O] = x[R, I] @ W.T`, for the weights'
-schemes W4A8, W4A16 and W8A8 (`c/kernels.h`). XLA's own code stays the fallback (no compiler, another device,
+"""The kernels on XLA's CPU path: FFI custom calls, `out[R, O] = x[R, I] @ W.T`, for the weights' schemes W4A8,
+W4A16 and W8A8 (`c/kernels.h`). XLA's own code stays the fallback (no compiler, another device,
 a layout the kernels do not take) and the GPU path."""
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from llada_jax.kernels import activations
 from llada_jax.kernels.build import find_toolchain, xla_library
 from llada_jax.system.errors import LladaError
 
-TARGET = "llada_quantized_matmul"
-SCHEMES = {"w4a8": 0, "w8a8": 1, "w4a16": 2}
-BLOCK = 32  # the kernels' activation block: the columns and every scale group are whole blocks
+TARGETS = {"llada_int8_matmul": "LladaInt8Matmul", "llada_float_matmul": "LladaFloatMatmul"}
+BLOCK = activations.BLOCK  # the columns and every scale group are whole blocks
 
 
 @functools.cache
@@ -31,7 +31,8 @@ def load(library: Path | None = None) -> str:
             raise LladaError("no C compiler (cc/gcc/clang and c++) on PATH to build the kernels")
         library = xla_library(toolchain, Path(jax.ffi.include_dir()))
     handle = ctypes.CDLL(str(library))
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handle.LladaQuantizedMatmul), platform="cpu")
+    for target, symbol in TARGETS.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(handle, symbol)), platform="cpu")
     handle.LladaKernelsIsa.restype = ctypes.c_char_p
     return handle.LladaKernelsIsa().decode()
 
@@ -59,10 +60,16 @@ def scheme_for(bits: int, activations: str, columns: int, group: int) -> str | N
 
 
 def matmul(x: jax.Array, stored: jax.Array, scale: jax.Array, scheme: str, signed8: bool = False) -> jax.Array:
-    """x `[R, I]` float32 @ W.T `[R, O]` float32, W's bytes `stored` `[O, I * bits / 8]` as `c/kernels.h` reads
-    them and its scales `[O, G]` (float32 or bfloat16)."""
+    """x `[R, I]` @ W.T `[R, O]` float32, W's bytes `stored` `[O, I * bits / 8]` as `c/kernels.h` reads them and
+    its scales `[O, G]` (float32 or bfloat16); x prepared for the kernel here (`activations`)."""
     rows, groups = scale.shape
-    columns = x.shape[1]
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], rows), jnp.float32))
-    return call(x.astype(jnp.float32), jax.lax.bitcast_convert_type(stored, jnp.uint8), scale,
-                scheme=np.int64(SCHEMES[scheme]), group=np.int64(columns // groups), signed8=signed8)
+    group = np.int64(x.shape[1] // groups)
+    stored = jax.lax.bitcast_convert_type(stored, jnp.uint8)
+    out = jax.ShapeDtypeStruct((x.shape[0], rows), jnp.float32)
+    nibbles = scheme != "w8a8"
+    if scheme == "w4a16":
+        ordered = activations.block_order(x.astype(jnp.float32), nibbles)
+        return jax.ffi.ffi_call("llada_float_matmul", out)(ordered, stored, scale, group=group)
+    values, block_scales, sums = activations.quantized(x, nibbles)
+    return jax.ffi.ffi_call("llada_int8_matmul", out)(values, block_scales, sums, stored, scale,
+                                                      bits=np.int64(4 if nibbles else 8), group=group, signed8=signed8)

@@ -15,20 +15,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
-import re
-from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from llada_jax.kernels import xla as own_kernels
+from llada_jax.quant.choice import ACTIVATIONS, Kernels
 from llada_jax.quant.quantize import Activations, HostQuantized, QuantScheme
 from llada_jax.system.errors import LladaError
 
-ACTIVATIONS: tuple[str, ...] = get_args(Activations)
-Kernels = Literal["own", "compiler"]  # our kernels where they apply (`llada_jax.kernels`), or XLA's / IREE's code
-KERNELS: tuple[str, ...] = get_args(Kernels)
 # The largest float32 copy of one quantized matrix a float-activation matmul makes at once in an IREE bundle;
 # LLaDA-8B's decoder matrices (201 MB at most) are under it, its LM head (2.07 GB) is split into 9 row blocks.
 FLOAT_COPY_BYTES = 256 << 20
@@ -149,36 +145,6 @@ def row_block_for(shape: tuple[int, ...], copy_bytes: int | None = None) -> int:
     rows, columns = shape
     block = max(1, (copy_bytes or FLOAT_COPY_BYTES) // (columns * 4))
     return block if rows > block else 0
-
-
-DECODER_LAYER = re.compile(r"\.(blocks|layers)\.\d+\.")  # a decoder layer's module, in any family's names
-
-
-def check_activations(activations: object, quantized: dict, kernels: Kernels = "compiler") -> None:
-    """int8 activations need quantized decoder layers: any with our kernels, int8 per-channel ones with XLA's
-    code; anywhere else they would be ignored."""
-    if activations not in ACTIVATIONS:
-        raise LladaError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
-    if kernels not in KERNELS:
-        raise LladaError(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
-    blocks = [s for module, s in quantized.items() if DECODER_LAYER.search(module)]
-    if activations != "int8" or (blocks and kernels == "own"):
-        return
-    if not blocks:
-        raise LladaError("--activations int8 needs a quantized checkpoint (`llada quantize --bits 4|8`)")
-    if not all(s.matmul_activations("int8") == "int8" for s in blocks):
-        raise LladaError("--activations int8 on 4-bit or group-wise layers needs our kernels (--kernels own, "
-                         "with a C compiler); XLA's code takes int8 per-channel layers only")
-
-
-def kernels_in_use(kernels: Kernels, quantized: dict, mesh=None) -> Kernels:
-    """"own" where our kernels can run this model's matmuls (a quantized checkpoint, one CPU device, the
-    kernels built on this machine), else "compiler" (after a one-line note when the build is what failed)."""
-    if kernels not in KERNELS:
-        raise LladaError(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
-    if kernels == "compiler" or not quantized or mesh is not None or jax.default_backend() != "cpu":
-        return "compiler"
-    return "own" if own_kernels.available() else "compiler"
 
 
 def restore_sign(offset: jax.Array, bits: int) -> jax.Array:

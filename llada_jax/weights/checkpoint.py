@@ -20,7 +20,8 @@ import numpy as np
 from llada_jax.model.config import LLaDAConfig
 from llada_jax.model.mesh import place_weight
 from llada_jax.model.params import hf_to_params, params_to_hf, tensor_role
-from llada_jax.quant.qlinear import Kernels, to_device, uses_stored_words
+from llada_jax.quant.choice import Kernels
+from llada_jax.quant.qlinear import to_device, uses_stored_words
 from llada_jax.quant.quantize import Activations, HostQuantized
 from llada_jax.system.atomic import atomic_dir
 from llada_jax.system.errors import LladaError

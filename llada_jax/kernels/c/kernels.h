@@ -4,10 +4,10 @@
  *   4-bit: bytes [O, I/2], value(o, 2j) = (b & 15) - 8, value(o, 2j+1) = (b >> 4) - 8;
  *   8-bit: bytes [O, I], value = b - 128 (`signed8` = 0) or the byte read as int8 (`signed8` = 1).
  *   Scales [O, I / group] float32 (`scale_bf16` = 0) or bfloat16 (1); group a multiple of 32.
- * Activations enter in blocks of 32 columns:
- *   int8 (W4A8, W8A8): `llk_quantize_activations` gives per block q = rint(x / d), d = max|x| / 127, and
- *   sum(q); 4-bit kernels read a block's values even columns first, then odd (the nibbles' order);
- *   float (W4A16): `llk_order_activations` puts each block's even columns first, then odd.
+ * Activations enter prepared in blocks of 32 columns (`llada_jax/kernels/activations.py`, in the exported
+ * program itself): for 4-bit weights each block's even columns first, then odd (the nibbles' order);
+ *   int8 (W4A8, W8A8): per block q = rint(x * (1 / d)), d = max|x| * (1 / 127), and sum(q);
+ *   float (W4A16): the values themselves.
  * Kernels write output rows [o_begin, o_end) of every position: callers split O over their threads.
  * No libc: these files link into IREE's dispatch executables as well as the XLA plugin. */
 #ifndef LLADA_KERNELS_H
@@ -36,10 +36,6 @@ typedef struct {
 
 /* Which instructions this build's kernels use (a static string naming the ISA path). */
 const char* llk_isa(void);
-
-void llk_quantize_activations(const float* x, int64_t positions, int64_t columns, int32_t nibble_order,
-                              int8_t* values, float* scales, int32_t* sums);
-void llk_order_activations(const float* x, int64_t positions, int64_t columns, float* ordered);
 
 void llk_w4a8(const llk_weights* w, const llk_int8_activations* a, float* out, int64_t o_begin, int64_t o_end);
 void llk_w8a8(const llk_weights* w, const llk_int8_activations* a, float* out, int64_t o_begin, int64_t o_end);

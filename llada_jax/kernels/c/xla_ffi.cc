@@ -1,11 +1,10 @@
-// The kernels as an XLA FFI custom call on CPU (`llada_jax.kernels.xla`): activations prepared once per call,
-// then the weight rows split in chunks over XLA's intra-op thread pool.
+// The kernels as XLA FFI custom calls on CPU (`llada_jax.kernels.xla`): activations come prepared by the step
+// (`activations.py`); the weight rows are split in chunks over XLA's intra-op thread pool.
 #include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <thread>
-#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -17,9 +16,10 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-enum Scheme : int64_t { kW4A8 = 0, kW8A8 = 1, kW4A16 = 2 };
 using Matrix = ffi::Buffer<ffi::F32, 2>;
 using Bytes = ffi::Buffer<ffi::U8, 2>;
+using Int8s = ffi::Buffer<ffi::S8, 2>;
+using Int32s = ffi::Buffer<ffi::S32, 2>;
 
 // Runs work(begin, end) over [0, rows) in chunks on the pool and the calling thread. The caller waits only
 // for chunks already taken, never for a task to start: a busy pool cannot deadlock it.
@@ -46,48 +46,67 @@ void ParallelRows(ffi::ThreadPool& pool, int64_t rows, const std::function<void(
   while (shared->done.load(std::memory_order_acquire) < shared->chunks) std::this_thread::yield();
 }
 
-ffi::Error QuantizedMatmul(ffi::ThreadPool pool, Matrix x, Bytes weights, ffi::AnyBuffer scales,
-                           ffi::Result<Matrix> out, int64_t scheme,
-                           int64_t group, bool signed8) {
-  const int64_t positions = x.dimensions()[0], columns = x.dimensions()[1], rows = weights.dimensions()[0];
-  const int bits = scheme == kW8A8 ? 8 : 4;
+llk_weights Weights(Bytes& weights, ffi::AnyBuffer& scales, int64_t columns, int64_t group, bool signed8) {
+  return {weights.typed_data(), scales.untyped_data(), weights.dimensions()[0], columns, group,
+          scales.element_type() == ffi::BF16, signed8};
+}
+
+// Shapes as `c/kernels.h` needs them (the Python side builds them so; a mismatch is a bug, not user input).
+ffi::Error Check(int64_t columns, int64_t bits, int64_t group, Bytes& weights, ffi::AnyBuffer& scales) {
+  auto rows = weights.dimensions()[0];
   if (scales.element_type() != ffi::F32 && scales.element_type() != ffi::BF16)
     return ffi::Error::InvalidArgument("llada kernels: scales must be float32 or bfloat16");
   if (columns % LLK_BLOCK || group % LLK_BLOCK || columns % group || weights.dimensions()[1] * 8 != columns * bits ||
       scales.dimensions().size() != 2 || scales.dimensions()[0] != rows || scales.dimensions()[1] * group != columns)
     return ffi::Error::InvalidArgument("llada kernels: shapes do not match the quantized layout");
-  llk_weights w = {weights.typed_data(), scales.untyped_data(), rows, columns, group,
-                   scales.element_type() == ffi::BF16, signed8};
-  float* result = out->typed_data();
-  if (scheme == kW4A16) {
-    std::vector<float> ordered(positions * columns);
-    llk_order_activations(x.typed_data(), positions, columns, ordered.data());
-    ParallelRows(pool, rows, [&](int64_t b, int64_t e) { llk_w4a16(&w, ordered.data(), positions, result, b, e); });
-    return ffi::Error::Success();
-  }
-  int64_t blocks = positions * columns / LLK_BLOCK;
-  std::vector<int8_t> values(positions * columns);
-  std::vector<float> block_scales(blocks);
-  std::vector<int32_t> sums(blocks);
-  llk_quantize_activations(x.typed_data(), positions, columns, bits == 4, values.data(), block_scales.data(),
-                           sums.data());
-  llk_int8_activations a = {values.data(), block_scales.data(), sums.data(), positions};
+  return ffi::Error::Success();
+}
+
+ffi::Error Int8Matmul(ffi::ThreadPool pool, Int8s values, Matrix block_scales, Int32s sums, Bytes weights,
+                      ffi::AnyBuffer scales, ffi::Result<Matrix> out, int64_t bits, int64_t group, bool signed8) {
+  const int64_t positions = values.dimensions()[0], columns = values.dimensions()[1];
+  if (auto error = Check(columns, bits, group, weights, scales); error.failure()) return error;
+  llk_weights w = Weights(weights, scales, columns, group, signed8);
+  llk_int8_activations a = {values.typed_data(), block_scales.typed_data(), sums.typed_data(), positions};
   auto kernel = bits == 4 ? llk_w4a8 : llk_w8a8;
-  ParallelRows(pool, rows, [&](int64_t b, int64_t e) { kernel(&w, &a, result, b, e); });
+  float* result = out->typed_data();
+  ParallelRows(pool, w.rows, [&](int64_t b, int64_t e) { kernel(&w, &a, result, b, e); });
+  return ffi::Error::Success();
+}
+
+ffi::Error FloatMatmul(ffi::ThreadPool pool, Matrix ordered, Bytes weights, ffi::AnyBuffer scales,
+                       ffi::Result<Matrix> out, int64_t group) {
+  const int64_t positions = ordered.dimensions()[0], columns = ordered.dimensions()[1];
+  if (auto error = Check(columns, 4, group, weights, scales); error.failure()) return error;
+  llk_weights w = Weights(weights, scales, columns, group, false);
+  float* result = out->typed_data();
+  const float* x = ordered.typed_data();
+  ParallelRows(pool, w.rows, [&](int64_t b, int64_t e) { llk_w4a16(&w, x, positions, result, b, e); });
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LladaQuantizedMatmul, QuantizedMatmul,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LladaInt8Matmul, Int8Matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Int8s>()
+                                  .Arg<Matrix>()
+                                  .Arg<Int32s>()
+                                  .Arg<Bytes>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<Matrix>()
+                                  .Attr<int64_t>("bits")
+                                  .Attr<int64_t>("group")
+                                  .Attr<bool>("signed8"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LladaFloatMatmul, FloatMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<Matrix>()
                                   .Arg<Bytes>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<Matrix>()
-                                  .Attr<int64_t>("scheme")
-                                  .Attr<int64_t>("group")
-                                  .Attr<bool>("signed8"));
+                                  .Attr<int64_t>("group"));
 
 extern "C" const char* LladaKernelsIsa() { return llk_isa(); }
