@@ -70,12 +70,12 @@ def forward_pass(generate, config, prompt: int, generated: int) -> tuple[float, 
     return times[0], statistics.median(times[1:]), statistics.median(streamed)
 
 
-def measure(path: str, activations: str, dtype: str, budget: int | None) -> dict:
+def measure(path: str, activations: str, kernels: str, dtype: str, budget: int | None) -> dict:
     """One checkpoint through XLA (`llada_jax.load`), or one bundle through IREE."""
     if (Path(path) / MANIFEST).is_file():
         return measure_bundle(Path(path))
     started = time.perf_counter()
-    model = llada_jax.load(path, dtype=dtype, device_memory_budget=budget, activations=activations)
+    model = llada_jax.load(path, dtype=dtype, device_memory_budget=budget, activations=activations, kernels=kernels)
     row = {"load_s": time.perf_counter() - started, "weight_bytes": model.weight_bytes}
     return canvas_rows(row, lambda ids, **options: llada_jax.generate(model, ids, **options), model.config,
                        model.config.max_sequence_length)
@@ -145,20 +145,26 @@ def run_child(name: str, mode: str, arguments: list[str]) -> dict:
     return {"setting": name, "mode": mode, **json.loads(done.stdout)}
 
 
-def parse_setting(setting: str) -> tuple[str, Path, str]:
-    """`NAME=DIR[:int8]` -> (name, directory, activations or "")."""
+SETTING_OPTIONS = {"int8": "int8 activations (W4A8 / W8A8)", "compiler": "XLA's code for the quantized matmuls"}
+
+
+def parse_setting(setting: str) -> tuple[str, Path, str, str]:
+    """`NAME=DIR[:int8][:compiler]` -> (name, directory, activations, kernels)."""
     name, _, spec = setting.partition("=")
-    path, _, activations = spec.partition(":")
-    return name, Path(path), activations
+    path, *options = spec.split(":")
+    unknown = [option for option in options if option not in SETTING_OPTIONS]
+    if unknown:
+        raise LladaError(f"unknown setting option {unknown[0]!r} in {setting!r}; options: {', '.join(SETTING_OPTIONS)}")
+    return name, Path(path), "int8" if "int8" in options else "float", "compiler" if "compiler" in options else "own"
 
 
 def setting_rows(setting: str, dtype: str, budget: int | None) -> list[dict]:
-    name, path, activations = parse_setting(setting)
+    name, path, activations, kernels = parse_setting(setting)
     if (path / MANIFEST).is_file():
-        return [run_child(name, "IREE bundle", ["--one", f"{path}:float"])]
+        return [run_child(name, "IREE bundle", ["--one", f"{path}:float:own"])]
     rows = []
     for each in (None, budget) if budget else (None,):
-        arguments = ["--one", f"{path}:{activations or 'float'}", "--dtype", dtype]
+        arguments = ["--one", f"{path}:{activations}:{kernels}", "--dtype", dtype]
         if each is not None:
             arguments += ["--budget", str(each)]
         rows.append(run_child(name, "resident" if each is None else f"staged {each / 1e9:.1f} GB", arguments))
@@ -193,9 +199,9 @@ def print_table(rows: list[dict], config, peak: float) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--setting", action="append", default=[], metavar="NAME=DIR[:int8]",
-                        help="a checkpoint (':int8': W8A8 activations) or a compiled bundle to measure; repeat for "
-                             "several")
+    parser.add_argument("--setting", action="append", default=[], metavar="NAME=DIR[:int8][:compiler]",
+                        help="a checkpoint (':int8': int8 activations, W4A8 / W8A8; ':compiler': XLA's code, not our "
+                             "kernels) or a compiled bundle to measure; repeat for several")
     parser.add_argument("--dtype", default="bfloat16", help="compute dtype (default bfloat16)")
     parser.add_argument("--budget", type=int, default=None, help="also run each checkpoint staged at this budget")
     parser.add_argument("--llama-bench", default=None, metavar="BIN", help="llama.cpp's llama-bench, for peer rows")
@@ -210,8 +216,8 @@ def main(argv=None) -> None:
     parser.add_argument("--one-peer", default=None, help=argparse.SUPPRESS)  # child process: one GGUF
     args = parser.parse_args(argv)
     if args.one is not None:
-        path, activations = args.one.rsplit(":", 1)
-        print(json.dumps(measure(path, activations, args.dtype, args.budget)))
+        path, activations, kernels = args.one.rsplit(":", 2)
+        print(json.dumps(measure(path, activations, kernels, args.dtype, args.budget)))
         return
     if args.one_peer is not None:
         print(json.dumps(measure_peer(args.llama_bench, args.one_peer)))
@@ -221,6 +227,8 @@ def main(argv=None) -> None:
     if args.gguf and not args.llama_bench:
         parser.error("--gguf needs --llama-bench BIN")
     try:
+        for setting in args.setting:
+            parse_setting(setting)
         if args.reference:
             check_checkout(args.reference, args.reference_python)
     except LladaError as err:

@@ -15,13 +15,14 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
 from llada_jax.families import host_loop_conventions
 from llada_jax.model.config import read_config, read_hf_dict
 from llada_jax.model.params import uniform_layers
-from llada_jax.quant.choice import check_activations
+from llada_jax.quant.choice import Kernels, check_activations
 from llada_jax.quant.quantize import Activations
 from llada_jax.system.atomic import atomic_dir, check_output_dir
 from llada_jax.system.errors import LladaError
@@ -30,9 +31,9 @@ from llada_jax.weights.memory_plan import weight_bytes
 from llada_jax.weights.tokenizer import eot_id_from_files
 from llada_jax.weights.weights_io import INDEX_FILE, weight_files
 from lowering.bundle_format import ARCHIVE, FORMAT_VERSION, MANIFEST, TOKENIZER_FILES, VMFB, runs_staged, sha256
-from lowering.bundle_weights import WeightLayout, weight_layout, write_archive
+from lowering.bundle_module import bundle_module
+from lowering.bundle_weights import WeightLayout, weight_layout, with_kernels, write_archive
 from lowering.export import (
-    bundle_module,
     canvas_sizes,
     loop,
     loop_manifest,
@@ -41,6 +42,7 @@ from lowering.export import (
     step,
     step_specs,
 )
+from lowering.kernel_dispatch import kernel_compiler, kernels_manifest, target_objects
 from lowering.matmul_tiles import tunable_matmuls, tuning_spec
 from lowering.run_script import write_run_script
 from lowering.targets import compile_flags, target, target_tiles
@@ -134,7 +136,7 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
                    dtype: str = "float32", copy_weights: bool = True, device_memory_budget: int | None = None,
                    loops: tuple[BakedLoops, ...] = (), batch_sizes: tuple[int, ...] = (1,),
                    activations: Activations = "float", data_tiling: bool = False, progress=None,
-                   force: bool = False) -> Path:
+                   force: bool = False, kernels: Kernels = "own") -> Path:
     """Compile every step for canvases up to `max_len`, windows up to `window` and each of `batch_sizes`
     rows (a batch of prompts runs in steps of these sizes) into a bundle; with a
     device memory budget smaller than the weights, the per-layer pieces that staged execution streams
@@ -142,8 +144,9 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
     decode loops go beside the steps, with a `run.sh` that runs the first one without Python. A quantized
     checkpoint's integers are bound as they are stored (`lowering.bundle_weights`); `activations="int8"`
     runs its int8 per-channel layers as W8A8 matmuls. `data_tiling`: IREE's data tiling on a CPU target with
-    resident weights (faster steps; a re-laid copy of the weights is held beside them). The bundle replaces
-only an earlier bundle, with `force` (`llada_jax.system.atomic`)."""
+    resident weights (faster steps; a re-laid copy of the weights is held beside them). `kernels="own"`: our
+    kernels run the quantized matmuls on a CPU target where a C compiler for it exists (`lowering.kernel_dispatch`).
+    The bundle replaces only an earlier bundle, with `force` (`llada_jax.system.atomic`)."""
     tgt = target(target_name)
     model_dir, out_dir = Path(model_dir).absolute(), Path(out_dir).absolute()
     config = _checked_config(model_dir, max_len, window)
@@ -152,11 +155,13 @@ only an earlier bundle, with `force` (`llada_jax.system.atomic`)."""
                          f"{loop_refusal(config)}")
     check_output_dir(out_dir, COMPILE_COMMAND, (model_dir,), force)  # before minutes of export and compile
     compute, layout = compute_dtype(dtype), weight_layout(model_dir, config)
-    check_activations(activations, layout.quantized)
+    compiler = kernel_compiler(tgt, layout, kernels)
+    check_activations(activations, layout.quantized, "own" if compiler else "compiler")
     batch_sizes = check_batch_sizes(batch_sizes)
     staged = _runs_staged(config, layout, device_memory_budget)
     archive = copy_weights and tgt.driver == "local-task" and not staged  # a CPU device maps it in place
     layout = dataclasses.replace(layout, signed=archive)
+    layout = with_kernels(layout, activations) if compiler else layout
     specs, loops = _functions_to_compile(config, max_len, window, batch_sizes, staged, loops, progress)
     flags, timeout = compile_flags(tgt, data_tiling, staged, bool(loops)), compile_timeout()  # checked before export
     loop_specs = _loop_specs(loops, max_len)
@@ -164,9 +169,11 @@ only an earlier bundle, with `force` (`llada_jax.system.atomic`)."""
     tiles = target_tiles(tgt, data_tiling)
     functions = _functions(specs, loop_specs, config, compute, layout, activations, tgt.layout_rule(data_tiling))
     say(f"exporting {len(specs)} steps{f' and {len(loop_specs)} decode loops' if loop_specs else ''} to StableHLO")
-    module = bundle_module(functions, layout)
-    tuned = tunable_matmuls(module, tiles)
-    with atomic_dir(out_dir, COMPILE_COMMAND, inputs=(model_dir,), force=force) as staging:
+    with atomic_dir(out_dir, COMPILE_COMMAND, inputs=(model_dir,), force=force) as staging, \
+            tempfile.TemporaryDirectory(prefix="llada-kernels-") as objects:
+        linked = target_objects(tgt, compiler, Path(objects)) if layout.kernels else None
+        module = bundle_module(functions, layout, linked)
+        tuned = tunable_matmuls(module, tiles)
         say(f"compiling for {tgt.name} ({tgt.note or tgt.driver})")
         spec = tuning_spec(tuned, tiles) if tuned and tiles else None
         seconds = compile_module(module, flags, staging / VMFB, timeout, spec)
@@ -181,6 +188,7 @@ only an earlier bundle, with `force` (`llada_jax.system.atomic`)."""
             "eot_token_id": config.eot_token_id, "target": tgt.name, "driver": tgt.driver, "flags": list(flags),
             "iree_version": iree_version(), "tuned_matmuls": [list(s) for s in tuned], "compute_dtype": dtype,
             "matmul_tiles": tiles and tiles._asdict(), "activations": activations, "parameters": layout.manifest(),
+            "kernels": kernels_manifest(tgt, compiler, layout),
             "max_len": max_len, "window": window, "batch_sizes": list(batch_sizes),
             "device_memory_budget": device_memory_budget, "staged": staged,
             "compile_seconds": round(seconds, 2), "weights": weights,
@@ -292,7 +300,8 @@ def _place_weights(model_dir: Path, staging: Path, copy: bool, layout: WeightLay
     if not copy:
         return {"files": [str(model_dir / f) for f in files], "copied": False}
     if layout.signed:
-        write_archive([model_dir / name for name in files], staging / ARCHIVE, layout.quantized)
+        signed = {module: scheme for module, scheme in layout.quantized.items() if module not in layout.kernels}
+        write_archive([model_dir / name for name in files], staging / ARCHIVE, signed)
         return {"files": [ARCHIVE], "copied": True}
     for name in files + ([INDEX_FILE] if (model_dir / INDEX_FILE).is_file() else []):
         shutil.copyfile(model_dir / name, staging / name)

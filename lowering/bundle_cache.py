@@ -6,7 +6,9 @@ import hashlib
 import json
 from pathlib import Path
 
+from llada_jax.kernels.build import HEADERS, KERNEL_SOURCES
 from llada_jax.model.config import read_config
+from llada_jax.quant.choice import Kernels
 from llada_jax.quant.quantize import Activations
 from llada_jax.staging.packing import head_layout, layer_layout
 from llada_jax.system.locations import user_cache_dir
@@ -18,8 +20,8 @@ from lowering.matmul_tiles import host_tiles
 def cached_bundle(model_dir, target: str, *, dtype: str = "float32", max_len: int | None = None,
                   window: int | None = None, device_memory_budget: int | None = None, loops: tuple = (),
                   batch_sizes: tuple[int, ...] = (1,), activations: Activations = "float", data_tiling: bool = False,
-                  progress=None) -> Path:
-    """A bundle for this model (by content), target, dtype, activations, data tiling, shapes, staged weight
+                  progress=None, kernels: Kernels = "own") -> Path:
+    """A bundle for this model (by content), target, dtype, activations, kernels, data tiling, shapes, staged weight
     layouts, compiled decode loops, IREE version and this host's matmul tiles; compiled if absent."""
     model_dir = Path(model_dir).absolute()
     config = read_config(model_dir)
@@ -29,7 +31,8 @@ def cached_bundle(model_dir, target: str, *, dtype: str = "float32", max_len: in
     weights = sorted(p for p in model_dir.iterdir() if p.suffix == ".safetensors")
     key = json.dumps({"config": sha256(model_dir / "config.json"),
                       "weights": [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in weights],
-                      "target": target, "dtype": dtype, "activations": activations, "data_tiling": data_tiling,
+                      "target": target, "dtype": dtype, "activations": activations, "kernels": kernels,
+                      "data_tiling": data_tiling,
                       "max_len": max_len, "window": window,
                       "budget": device_memory_budget, "format": FORMAT_VERSION, "iree": iree_version(),
                       "staged_layouts": [layer_layout(config).entries, head_layout(config).entries],
@@ -40,7 +43,7 @@ def cached_bundle(model_dir, target: str, *, dtype: str = "float32", max_len: in
     if not (out / MANIFEST).is_file():
         compile_bundle(model_dir, target, out, max_len=max_len, window=window, dtype=dtype, copy_weights=False,
                        device_memory_budget=device_memory_budget, loops=loops, batch_sizes=batch_sizes,
-                       activations=activations, data_tiling=data_tiling, progress=progress)
+                       activations=activations, data_tiling=data_tiling, progress=progress, kernels=kernels)
     return out
 
 
@@ -51,12 +54,15 @@ EXPORTING_CODE = tuple(f"llada_jax/{name}.py" for name in (
 DECODING_CODE = tuple(f"policies/{name}.py" for name in (
     "decode_loop", "loop_io", "decisions", "cache_policies", "schedule"))
 LOWERING_CODE = tuple(f"lowering/{name}.py" for name in (
-    "export", "bundle", "bundle_weights", "targets", "matmul_tiles", "run_script"))
+    "export", "bundle", "bundle_weights", "targets", "matmul_tiles", "run_script", "kernel_dispatch", "bundle_module"))
+KERNEL_CODE = tuple(f"llada_jax/kernels/{name}" for name in (
+    "xla.py", "activations.py", "schemes.py", "build.py", *(f"c/{source}" for source in (
+        *KERNEL_SOURCES, *HEADERS, "iree_dispatch.c")))) + ("llada_jax/quant/choice.py",)
 
 
 def _exporting_code() -> str:
     root = Path(__file__).resolve().parent.parent
-    files = [root / path for path in (*EXPORTING_CODE, *DECODING_CODE, *LOWERING_CODE)]
+    files = [root / path for path in (*EXPORTING_CODE, *DECODING_CODE, *LOWERING_CODE, *KERNEL_CODE)]
     digest = hashlib.sha256()
     for file in files:
         digest.update(file.read_bytes())

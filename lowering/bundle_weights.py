@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from llada_jax.kernels.schemes import scheme_for
 from llada_jax.model.config import LLaDAConfig
 from llada_jax.model.params import hf_shapes
 from llada_jax.quant.quantize import QuantScheme
@@ -42,6 +43,9 @@ class WeightLayout:
     # Quantized integers as the bundle holds them: False, offset as the checkpoint stores them; True, signed
     # (a bundle's own archive, `write_archive`), so that the step reads them with a bare sign-extend.
     signed: bool = False
+    # Modules our kernels multiply (module -> "w4a8" | "w4a16" | "w8a8"): their `weight_packed` is declared as the
+    # bytes it is stored as, `[O, I * bits / 8]` int8, offset as stored (the kernels read it so), in any file.
+    kernels: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def manifest(self) -> list[dict]:
         return [{"name": p.name, "shape": list(p.shape), "dtype": p.dtype} for p in self.parameters]
@@ -87,6 +91,22 @@ def _quantized_parameters(module: str, shape: tuple[int, ...], scheme: QuantSche
                          f"got {list(scale[1])}")
     return [Parameter(f"{module}.weight_packed", shape, f"int{scheme.bits}"),
             Parameter(f"{module}.weight_scale", scale[1], _float_dtype(f"{module}.weight_scale", scale[0], where))]
+
+
+def with_kernels(layout: WeightLayout, activations: str) -> WeightLayout:
+    """`layout` with every quantized module one of our kernels takes declared for it (`WeightLayout.kernels`)."""
+    kernels, parameters = {}, []
+    for parameter in layout.parameters:
+        module = parameter.name.removesuffix(".weight_packed")
+        scheme = layout.quantized.get(module) if module != parameter.name else None
+        if scheme is not None:
+            rows, columns = parameter.shape
+            kernel = scheme_for(scheme.bits, activations, columns, scheme.group_size or columns)
+            if kernel:
+                kernels[module] = kernel
+                parameter = Parameter(parameter.name, (rows, columns * scheme.bits // 8), "int8")
+        parameters.append(parameter)
+    return dataclasses.replace(layout, parameters=tuple(parameters), kernels=kernels)
 
 
 def write_archive(files: list[Path], out: Path, quantized: dict[str, QuantScheme]) -> None:

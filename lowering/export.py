@@ -1,22 +1,15 @@
 # pyright: reportRedeclaration=false
 # (each step kind defines its own `run`: one name, one signature per branch)
-"""Export the fixed-shape steps with `jax.export` and merge them into one StableHLO module whose
-weights are IREE named parameters (`#flow.parameter.named<"model"::"<HF tensor name>">`), never constants.
-
-Each step, and each compiled decode loop, is exported as a flat function `(weights..., inputs...) ->
-outputs`; a public wrapper named after it loads every weight from its global and calls it. The runtime binds
-scope "model" to the checkpoint's own safetensors file(s), so one weights file serves every target.
-"""
+"""The fixed-shape steps and compiled decode loops a bundle exports, each a flat function `(weights...,
+inputs...) -> outputs` with its signature (`lowering.bundle_module` exports and merges them)."""
 
 from __future__ import annotations
 
-import re
 from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import export
 
 from llada_jax.model.config import LLaDAConfig
 from llada_jax.model.forward import Context
@@ -29,13 +22,11 @@ from llada_jax.model.steps import full_forward, head_rows, read_out, scatter_slo
 from llada_jax.quant.qlinear import QuantizedWeight, offset_values, row_block_for
 from llada_jax.quant.quantize import Activations
 from llada_jax.staging.packing import PackedLayout, head_chunks, head_layout, layer_layout
-from lowering.bundle_format import PARAMETER_SCOPE, StepSpec
+from lowering.bundle_format import StepSpec
 from lowering.bundle_weights import WeightLayout
 from policies.decode_loop import decode_loop
 from policies.loop_io import LoopInputs, LoopOutputs, LoopSpec
 
-MLIR_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int32": "i32", "bool": "i1", "int8": "i8",
-              "int4": "i4"}
 ARGMAX = ReadoutSpec(kind="argmax")
 
 
@@ -205,11 +196,6 @@ def step_function(spec: StepSpec, config: LLaDAConfig, layout: WeightLayout, com
     return run
 
 
-def mlir_type(sds: jax.ShapeDtypeStruct) -> str:
-    dims = "".join(f"{d}x" for d in sds.shape)
-    return f"tensor<{dims}{MLIR_TYPES[str(sds.dtype)]}>"
-
-
 class Function(NamedTuple):
     """One function of a bundle: its name, whether it reads the weights as named parameters, its
     inputs and outputs as [(name, ShapeDtypeStruct)] (weights excluded) and the flat function to export."""
@@ -261,6 +247,11 @@ def params_of(weights, layout: WeightLayout, config: LLaDAConfig, compute_dtype,
             tensors[name] = stored[name].astype(compute_dtype)
             continue
         bits = layout.quantized[module].bits
+        if module in layout.kernels:  # our kernel reads the bytes and scales as stored
+            tensors[name] = QuantizedWeight(stored[module + ".weight_packed"], stored[module + ".weight_scale"],
+                                            activations, hoist_barrier=False, offset=1 << (bits - 1),
+                                            nibbles=bits == 4, kernel=layout.kernels[module])
+            continue
         scale = stored[module + ".weight_scale"].astype(jnp.float32)
         activation = layout.quantized[module].matmul_activations(activations)
         packed = stored[module + ".weight_packed"]
@@ -270,65 +261,8 @@ def params_of(weights, layout: WeightLayout, config: LLaDAConfig, compute_dtype,
     return hf_to_params(tensors, config)
 
 
-def _weight_structs(layout: WeightLayout) -> list[jax.ShapeDtypeStruct]:
+def weight_structs(layout: WeightLayout) -> list[jax.ShapeDtypeStruct]:
     return [_sds(p.shape, jnp.dtype(p.dtype)) for p in layout.parameters]
-
-
-def export_function(function: Function, layout: WeightLayout) -> str:
-    """StableHLO text of one function without debug locations; its entry is `@main`."""
-    from iree.compiler import ir
-
-    named = [_weight_structs(layout)] if function.named_weights else []
-    exported = export.export(jax.jit(function.run, keep_unused=True))(*named, *[sds for _, sds in function.inputs])
-    with ir.Context():  # pyright: ignore[reportAttributeAccessIssue] (native bindings without stubs)
-        module = ir.Module.parse(exported.mlir_module())  # pyright: ignore[reportAttributeAccessIssue]
-        return module.operation.get_asm(enable_debug_info=False)
-
-
-def _body_with_prefix(module_text: str, prefix: str) -> str:
-    """The functions inside an exported module, every symbol renamed `prefix + name` so modules merge."""
-    symbols = re.findall(r"func\.func (?:public |private )?@([\w$.]+)", module_text)
-    text = re.sub(r"@([\w$.]+)", lambda m: f"@{prefix}{m.group(1)}" if m.group(1) in symbols else m.group(0),
-                  module_text)
-    text = text.replace(f"func.func public @{prefix}main", f"func.func private @{prefix}main", 1)
-    lines = text.strip().splitlines()
-    assert lines[0].startswith("module") and lines[-1] == "}", "unexpected exported module layout"
-    return "\n".join(lines[1:-1])
-
-
-def _wrapper(function: Function, layout: WeightLayout, weight_globals: list[str]) -> str:
-    weight_types = [mlir_type(sds) for sds in _weight_structs(layout)]
-    in_types = [mlir_type(sds) for _, sds in function.inputs]
-    out_types = [mlir_type(sds) for _, sds in function.outputs]
-    if not function.named_weights:
-        weight_types = []
-    name = function.name
-    lines = [f"  func.func @{name}({', '.join(f'%a{i}: {t}' for i, t in enumerate(in_types))})"
-             f" -> ({', '.join(out_types)}) {{"]
-    lines += [f"    %w{i} = util.global.load @{g} : {t}" for i, (g, t) in enumerate(zip(weight_globals, weight_types))]
-    call_args = [f"%w{i}" for i in range(len(weight_types))] + [f"%a{i}" for i in range(len(in_types))]
-    call_types = weight_types + in_types
-    lines.append(f"    %r:{len(out_types)} = func.call @{name}__main({', '.join(call_args)}) : "
-                 f"({', '.join(call_types)}) -> ({', '.join(out_types)})")
-    lines.append(f"    return {', '.join(f'%r#{i}' for i in range(len(out_types)))} : {', '.join(out_types)}")
-    lines.append("  }")
-    return "\n".join(lines)
-
-
-def bundle_module(functions: list[Function], layout: WeightLayout) -> str:
-    """One module holding every function, the weights declared once as named parameters (only if a
-    function reads them: a staged bundle's weights never live in device memory as a whole)."""
-    declared = layout.parameters if any(function.named_weights for function in functions) else ()
-    globals_ = [f"weight_{i}" for i in range(len(declared))]
-    parts = ["module @llada_steps {"]
-    for g, parameter, sds in zip(globals_, declared, _weight_structs(layout)):
-        parts.append(f'  util.global private @{g} = #flow.parameter.named<"{PARAMETER_SCOPE}"::"{parameter.name}"> : '
-                     f"{mlir_type(sds)}")
-    for function in functions:
-        parts.append(_body_with_prefix(export_function(function, layout), f"{function.name}__"))
-        parts.append(_wrapper(function, layout, globals_))
-    parts.append("}")
-    return "\n".join(parts)
 
 
 def _describe(items) -> list[dict]:

@@ -4,6 +4,7 @@ Names are validated here, before iree-compile ever sees them (an unknown Vulkan 
 from __future__ import annotations
 
 import dataclasses
+import platform
 
 from llada_jax.model.layout import IREE_CPU_LAYOUT, POSITION_MAJOR, LayoutRule
 from llada_jax.system.errors import LladaError
@@ -17,6 +18,7 @@ class Target:
     flags: tuple[str, ...]
     note: str = ""
     tunes_matmuls: bool = False  # float32 matmul tiles for the host's vectors (`lowering.matmul_tiles`)
+    kernels: KernelBuild | None = None  # how our kernels are built for it (None: a GPU; IREE's code)
 
     def layout_rule(self, data_tiling: bool) -> LayoutRule:
         """Activation layouts (`llada_jax.model.layout`): feature-major at every width for IREE's CPU code generation,
@@ -25,6 +27,22 @@ class Target:
         if self.driver != "local-task" or data_tiling:
             return POSITION_MAJOR
         return IREE_CPU_LAYOUT
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelBuild:
+    """Our kernels' object files for a CPU target (`lowering.kernel_dispatch`): which C compilers can build
+    them (the first found on PATH; None: the host's own), with which flags, for which IREE executable format."""
+    compilers: tuple[str, ...] | None
+    flags: tuple[str, ...]
+    object_format: str
+
+
+HOST_FORMAT = {"x86_64": "embedded-elf-x86_64", "AMD64": "embedded-elf-x86_64", "aarch64": "embedded-elf-arm_64",
+               "arm64": "embedded-elf-arm_64"}.get(platform.machine(), "")
+# The arm64 targets' features (+dotprod, +i8mm), for the kernels: Debian's cross gcc, or clang for aarch64.
+ARM64_KERNELS = KernelBuild(("aarch64-linux-gnu-gcc", "clang --target=aarch64-linux-gnu"),
+                            ("-march=armv8.2-a+dotprod+i8mm",), "embedded-elf-arm_64")
 
 
 def _cpu(*flags: str) -> tuple[str, ...]:
@@ -42,14 +60,16 @@ TARGETS = {
     # Transposes stay where the step puts them: propagated into a matmul, the read step's transpose of its
     # hidden rows made the LM head `W @ h.T`, which IREE ran at 150 against 200 GFLOP/s for `W @ h`.
     "host": Target("host", "local-task", _cpu("--iree-llvmcpu-target-cpu=host",
-                                               "--iree-global-opt-propagate-transposes=false"), tunes_matmuls=True),
+                                               "--iree-global-opt-propagate-transposes=false"), tunes_matmuls=True,
+                   kernels=KernelBuild(None, ("-march=native",), HOST_FORMAT) if HOST_FORMAT else None),
     "vulkan": Target("vulkan", "vulkan", _vulkan("llvmpipe"), "Mesa llvmpipe/lavapipe software Vulkan"),
     "android-arm64": Target("android-arm64", "local-task", _cpu(*ANDROID_ARM64),
-                            "aarch64 Android CPU with dotprod/i8mm"),
+                            "aarch64 Android CPU with dotprod/i8mm", kernels=ARM64_KERNELS),
     "linux-arm64": Target("linux-arm64", "local-task",
                           _cpu("--iree-llvmcpu-target-triple=aarch64-unknown-linux-gnu",
                                "--iree-llvmcpu-target-cpu-features=+dotprod,+i8mm"),
-                          "aarch64 Linux CPU with the Android target's features (runs under qemu-aarch64)"),
+                          "aarch64 Linux CPU with the Android target's features (runs under qemu-aarch64)",
+                          kernels=ARM64_KERNELS),
     "android-adreno": Target("android-adreno", "vulkan", _vulkan("adreno"),
                              "Qualcomm Adreno GPU; compile-only here (wrong results on lavapipe)"),
     "android-mali": Target("android-mali", "vulkan", _vulkan("valhall"),

@@ -45,7 +45,7 @@ LOCAL_IMPORTS = {
     ("llada_jax.backends.iree", "iree.runtime"): "loaded when a bundle is opened, not whenever a backend is selected",
     ("lowering.bundle", "iree.compiler.tools.binaries"): "the compiler, only when a bundle is compiled",
     ("lowering.bundle_weights", "iree.runtime"): "its parameter archive writer, only when a bundle is compiled",
-    ("lowering.export", "iree.compiler"): "the compiler's MLIR bindings, only when a step is exported",
+    ("lowering.bundle_module", "iree.compiler"): "the compiler's MLIR bindings, only when a step is exported",
     ("eval.bench", "matplotlib"): "heavy, only for --plot",
     ("eval.bench", "matplotlib.pyplot"): "after matplotlib.use('Agg')",
     ("eval.trace_plot", "matplotlib"): "heavy, only for `llada trace`",

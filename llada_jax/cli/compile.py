@@ -22,14 +22,12 @@ from lowering.targets import TARGETS
 def cmd_compile(args) -> None:
     if args.mesh:
         raise LladaError("--mesh shards a model over JAX devices; a bundle runs on one device (drop --mesh)")
-    if args.kernels == "own":
-        raise LladaError("IREE bundles do not link our kernels yet; they run IREE's code (drop --kernels own)")
     loops = baked_setting(args, canvas_sizes(args.max_len)) if args.max_len > 0 else ()
     out = compile_bundle(model_dir(args), args.target, args.out, max_len=args.max_len,
                          window=args.window, dtype=args.dtype, copy_weights=not args.link_weights,
                          device_memory_budget=args.device_memory_budget, loops=loops,
                          batch_sizes=args.batch_sizes, activations=args.activations, data_tiling=args.data_tiling,
-                         progress=stage_printer(), force=args.force)
+                         progress=stage_printer(), force=args.force, kernels=args.kernels or "own")
     script = f"; run it without Python: {out / SCRIPT} ID,ID,..." if (out / SCRIPT).is_file() else ""
     print(f"bundle written to {out}{script}")
 

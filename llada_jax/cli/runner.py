@@ -51,9 +51,8 @@ def opened_source(args, loops: Sequence[tuple] = (), batch_sizes: tuple[int, ...
     if getattr(args, "mesh", None) and (args.bundle is not None or args.backend != "jax"):
         raise LladaError("--mesh shards a model over JAX devices; an IREE bundle runs on one device (drop --mesh, "
                          "or use --backend jax)")
-    if getattr(args, "kernels", None) == "own" and (args.bundle is not None or args.backend != "jax"):
-        raise LladaError("IREE bundles do not link our kernels yet; they run IREE's code (drop --kernels own, "
-                         "or use --backend jax)")
+    if getattr(args, "kernels", None) and args.bundle is not None:
+        raise LladaError("a bundle's kernels are fixed when it is compiled (llada compile --kernels); drop --kernels")
     if args.data_tiling and (args.bundle is not None or args.backend == "jax"):
         raise LladaError("--data-tiling is an IREE compile flag: use it with --backend iree-host (or llada compile); "
                          "a given bundle keeps the flags it was compiled with")
@@ -70,6 +69,7 @@ def opened_source(args, loops: Sequence[tuple] = (), batch_sizes: tuple[int, ...
                   for policy, threshold, gen_length, block_length, steps in (setting[:5] for setting in loops))
     bundle_dir = cached_bundle(model_dir(args), target, dtype=args.dtype, loops=baked, batch_sizes=batch_sizes,
                                device_memory_budget=budget, activations=args.activations,
+                               kernels=args.kernels or "own",
                                data_tiling=args.data_tiling,
                                progress=lambda m: print(m, file=sys.stderr))
     return open_bundle(bundle_dir, args.backend)

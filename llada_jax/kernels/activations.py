@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-BLOCK = 32
+from llada_jax.kernels.schemes import BLOCK
+
 # d = max|x| x float32(1 / 127): a product, which every compiler keeps as written (a division by a constant
 # is one some turn into this product and some do not).
 SCALE_PER_MAX = np.float32(1 / 127)

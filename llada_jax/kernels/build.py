@@ -70,17 +70,18 @@ def _key(sources: list[Path], *facts: object) -> str:
 def _build_shared(toolchain: Toolchain, arch: tuple[str, ...], xla_include_dir: Path | None, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".build-", dir=out.parent) as scratch:
-        objects = [_compile([toolchain.cc, *C_FLAGS, *arch], SOURCE_DIR / name, Path(scratch))
+        objects = [compile_object([toolchain.cc, *C_FLAGS, *arch], SOURCE_DIR / name, Path(scratch))
                    for name in KERNEL_SOURCES]
         if xla_include_dir:
-            objects.append(_compile([toolchain.cxx, *CXX_FLAGS, *arch, f"-I{xla_include_dir}"],
+            objects.append(compile_object([toolchain.cxx, *CXX_FLAGS, *arch, f"-I{xla_include_dir}"],
                                     SOURCE_DIR / XLA_SHIM, Path(scratch)))
         linked = Path(scratch) / out.name
         _run([toolchain.cxx, "-shared", "-o", str(linked), *map(str, objects)])
         os.replace(linked, out)  # atomic: a reader sees no library or a whole one
 
 
-def _compile(command: list[str], source: Path, directory: Path) -> Path:
+def compile_object(command: list[str], source: Path, directory: Path) -> Path:
+    """`source` compiled by `command` (a compiler and its flags) into an object file in `directory`."""
     obj = directory / (source.stem + ".o")
     _run([*command, "-I", str(SOURCE_DIR), "-c", str(source), "-o", str(obj)])
     return obj

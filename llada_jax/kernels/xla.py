@@ -18,7 +18,6 @@ from llada_jax.kernels.build import find_toolchain, xla_library
 from llada_jax.system.errors import LladaError
 
 TARGETS = {"llada_int8_matmul": "LladaInt8Matmul", "llada_float_matmul": "LladaFloatMatmul"}
-BLOCK = activations.BLOCK  # the columns and every scale group are whole blocks
 
 
 @functools.cache
@@ -51,20 +50,12 @@ def _note_once(message: str) -> None:
     print(message, file=sys.stderr)
 
 
-def scheme_for(bits: int, activations: str, columns: int, group: int) -> str | None:
-    """Which kernel multiplies a matrix of `bits`-bit weights with `columns` inputs in groups of `group`
-    (None: none does; XLA's code runs it)."""
-    if columns % BLOCK or group % BLOCK or columns % group:
-        return None
-    return {(4, "int8"): "w4a8", (4, "float"): "w4a16", (8, "int8"): "w8a8"}.get((bits, activations))
-
-
 def matmul(x: jax.Array, stored: jax.Array, scale: jax.Array, scheme: str, signed8: bool = False) -> jax.Array:
     """x `[R, I]` @ W.T `[R, O]` float32, W's bytes `stored` `[O, I * bits / 8]` as `c/kernels.h` reads them and
     its scales `[O, G]` (float32 or bfloat16); x prepared for the kernel here (`activations`)."""
     rows, groups = scale.shape
     group = np.int64(x.shape[1] // groups)
-    stored = jax.lax.bitcast_convert_type(stored, jnp.uint8)
+    stored = jax.lax.bitcast_convert_type(stored, jnp.int8)  # bytes: a signless i8 tensor in StableHLO
     out = jax.ShapeDtypeStruct((x.shape[0], rows), jnp.float32)
     nibbles = scheme != "w8a8"
     if scheme == "w4a16":

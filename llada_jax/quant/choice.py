@@ -9,6 +9,7 @@ from typing import Literal, get_args
 import jax
 
 from llada_jax.kernels import xla as own_kernels
+from llada_jax.kernels.schemes import BLOCK
 from llada_jax.quant.quantize import Activations
 from llada_jax.system.errors import LladaError
 
@@ -32,7 +33,7 @@ def check_activations(activations: object, quantized: dict, kernels: Kernels = "
     if not blocks:
         raise LladaError("--activations int8 needs a quantized checkpoint (`llada quantize --bits 4|8`)")
     if kernels == "own":
-        odd = sorted({s.group_size for s in blocks if (s.group_size or own_kernels.BLOCK) % own_kernels.BLOCK})
+        odd = sorted({s.group_size for s in blocks if (s.group_size or BLOCK) % BLOCK})
         if odd:
             raise LladaError(f"--activations int8 with our kernels needs scale groups of a multiple of 32 columns; "
                              f"this checkpoint's layers have groups of {odd[0]} (requantize with --group-size 32)")

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from llada_jax.kernels import xla as own_kernels
+from llada_jax.kernels.schemes import scheme_for
 from llada_jax.quant.choice import ACTIVATIONS, Kernels
 from llada_jax.quant.quantize import Activations, HostQuantized, QuantScheme
 from llada_jax.system.errors import LladaError
@@ -52,8 +53,7 @@ class QuantizedWeight:
     # bytes split by shifts are vectorized). With an offset (8), the checkpoint's own bytes, used in place:
     # the split restores the sign with an xor on the few rows it reads.
     nibbles: bool = dataclasses.field(default=False, metadata={"static": True})
-    # Our own kernel for this matrix (`llada_jax.kernels`: "w4a8", "w4a16", "w8a8"), `values` then the
-    # checkpoint's bytes as stored; "": XLA's code.
+    # Our kernel for this matrix ("w4a8", "w4a16", "w8a8"; `values` the bytes as stored), or "": XLA's code.
     kernel: str = dataclasses.field(default="", metadata={"static": True})
 
     @property
@@ -69,12 +69,11 @@ class QuantizedWeight:
 def to_device(host: HostQuantized, activations: Activations = "float", put=jnp.asarray,
               kernels: Kernels = "compiler") -> QuantizedWeight:
     """The weight on the device for XLA; `put(host_array)` places each part (default: the default device).
-    With `kernels="own"` (loaded: `own_kernels.available()`), matrices one of our kernels takes keep the
-    checkpoint's bytes for it."""
+    With `kernels="own"` (built: `own_kernels.available()`), a matrix one of them takes keeps its stored bytes."""
     if activations not in ACTIVATIONS:
         raise LladaError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
     bits = host.scheme.bits
-    kernel = own_kernels.scheme_for(bits, activations, host.shape[1], host.shape[1] // host.scale.shape[1])
+    kernel = scheme_for(bits, activations, host.shape[1], host.shape[1] // host.scale.shape[1])
     if kernels == "own" and kernel:
         values = host.stored_bytes()[:, :host.shape[1] * bits // 8]
         return QuantizedWeight(put(values), put(host.scale), activations, offset=1 << (bits - 1),

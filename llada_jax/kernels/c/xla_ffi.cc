@@ -17,7 +17,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 using Matrix = ffi::Buffer<ffi::F32, 2>;
-using Bytes = ffi::Buffer<ffi::U8, 2>;
+using Bytes = ffi::Buffer<ffi::S8, 2>;  // the weights' bytes as stored
 using Int8s = ffi::Buffer<ffi::S8, 2>;
 using Int32s = ffi::Buffer<ffi::S32, 2>;
 
@@ -47,8 +47,8 @@ void ParallelRows(ffi::ThreadPool& pool, int64_t rows, const std::function<void(
 }
 
 llk_weights Weights(Bytes& weights, ffi::AnyBuffer& scales, int64_t columns, int64_t group, bool signed8) {
-  return {weights.typed_data(), scales.untyped_data(), weights.dimensions()[0], columns, group,
-          scales.element_type() == ffi::BF16, signed8};
+  return {reinterpret_cast<const uint8_t*>(weights.typed_data()), scales.untyped_data(), weights.dimensions()[0],
+          columns, group, scales.element_type() == ffi::BF16, signed8};
 }
 
 // Shapes as `c/kernels.h` needs them (the Python side builds them so; a mismatch is a bug, not user input).
