@@ -161,7 +161,7 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
     staged = _runs_staged(config, layout, device_memory_budget)
     archive = copy_weights and tgt.driver == "local-task" and not staged  # a CPU device maps it in place
     layout = dataclasses.replace(layout, signed=archive)
-    layout = with_kernels(layout, activations) if compiler else layout
+    layout = with_kernels(layout, activations, config) if compiler else layout
     specs, loops = _functions_to_compile(config, max_len, window, batch_sizes, staged, loops, progress)
     flags, timeout = compile_flags(tgt, data_tiling, staged, bool(loops)), compile_timeout()  # checked before export
     loop_specs = _loop_specs(loops, max_len)

@@ -20,7 +20,7 @@ import numpy as np
 
 from llada_jax.kernels.schemes import scheme_for
 from llada_jax.model.config import LLaDAConfig
-from llada_jax.model.params import hf_shapes
+from llada_jax.model.params import hf_shapes, tensor_role
 from llada_jax.quant.quantize import QuantScheme
 from llada_jax.system.errors import LladaError
 from llada_jax.weights.safetensors_file import SafetensorsFile
@@ -93,13 +93,14 @@ def _quantized_parameters(module: str, shape: tuple[int, ...], scheme: QuantSche
             Parameter(f"{module}.weight_scale", scale[1], _float_dtype(f"{module}.weight_scale", scale[0], where))]
 
 
-def with_kernels(layout: WeightLayout, activations: str) -> WeightLayout:
-    """`layout` with every quantized module one of our kernels takes declared for it (`WeightLayout.kernels`)."""
+def with_kernels(layout: WeightLayout, activations: str, config: LLaDAConfig) -> WeightLayout:
+    """`layout` with every quantized matrix one of our kernels takes declared for it (`WeightLayout.kernels`);
+    the embedding, a table the step reads rows of, keeps its declaration."""
     kernels, parameters = {}, []
     for parameter in layout.parameters:
         module = parameter.name.removesuffix(".weight_packed")
         scheme = layout.quantized.get(module) if module != parameter.name else None
-        if scheme is not None:
+        if scheme is not None and tensor_role(module + ".weight", config) != "wte":
             rows, columns = parameter.shape
             kernel = scheme_for(scheme.bits, activations, columns, scheme.group_size or columns)
             if kernel:

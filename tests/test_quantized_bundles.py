@@ -34,8 +34,11 @@ from tests.test_lowering import assert_close, random_canvas
 pytestmark = pytest.mark.slow  # IREE compiles or child processes: the full tier only
 
 # (label, scheme of the decoder layers, activations): group-wise int4 (the LM head too) with float activations,
-# and per-channel int8 as W8A8. The embedding is int8 per row in both, the W8A8 head too (`EDGE_SCHEME`).
-CASES = [("int4-g16", QuantScheme(4, 16), "float"), ("w8a8", QuantScheme(8), "int8")]
+# and per-channel int8 as W8A8. The embedding is int8 per row in both, the W8A8 head too (`EDGE_SCHEME`). Our
+# kernels run groups of 32 (W4A16, W4A8) and W8A8 on both sides; groups of 16 are IREE's and XLA's own code.
+CASES = [("int4-g16", QuantScheme(4, 16), "float"), ("w8a8", QuantScheme(8), "int8"),
+         ("int4-g32", QuantScheme(4, 32), "float"), ("w4a8", QuantScheme(4, 32), "int8")]
+ACTIVATIONS = {label: activations for label, _, activations in CASES}
 POLICIES = ["vanilla", "prefix-cache", "dual-cache", "dual-cache+speculative:1:0.3",
             "dual-cache+speculative+revision:0.4"]
 
@@ -72,7 +75,7 @@ def test_quantized_bundle_decodes_as_xla(quantized, label, policy, threshold, le
     want = llada_jax.generate(model, prompt, **options)
     got = generate_with_bundle(opened, prompt, **options)
     parted = first_divergence(got.trace, want.trace)
-    if label == "w8a8" and parted is not None:
+    if ACTIVATIONS[label] == "int8" and parted is not None:
         assert_divergence_on_a_boundary(*parted, threshold)
         return
     assert got.output_ids.tolist() == want.output_ids.tolist() and got.nfe == want.nfe
@@ -130,6 +133,27 @@ def test_quantized_full_step_matches_xla(quantized, label):
         assert_close_up_to_int8_flips(got.readout.logp[:, :length], want.readout.logp[:, :length], activations)
         assert_close_up_to_int8_flips(opened.session.read(got.keys)[:, :, :length],
                                       np.asarray(want.keys)[:, :, :length], activations)
+
+
+def test_our_kernels_run_what_they_take_and_the_manifest_says_so(quantized):
+    """Groups of 32 run our kernels (W4A16 and W4A8, and W8A8) in the bundle as in the XLA model: the packed
+    parameters are declared as the bytes they are stored as and kept offset in the archive; groups of 16 run
+    IREE's code."""
+    kinds = {label: quantized[label][2].bundle.manifest["kernels"] for label in ACTIVATIONS}
+    assert kinds["int4-g16"] == {"kind": "compiler"}
+    layers = 2 * 7  # q k v o, ff gate/up/down per layer
+    assert kinds["int4-g32"]["kind"] == "own" and kinds["int4-g32"]["matrices"] == {"w4a16": layers + 1}
+    assert kinds["w4a8"]["matrices"] == {"w4a8": layers + 1}
+    assert kinds["w8a8"]["matrices"] == {"w8a8": layers + 1}  # the int8 head too
+    checkpoint, model, opened = quantized["int4-g32"]
+    q_proj = "model.transformer.blocks.0.q_proj"
+    parameters = {p["name"]: p for p in opened.bundle.manifest["parameters"]}
+    assert parameters[q_proj + ".weight_packed"]["shape"] == [32, 16] and model.kernels == "own"
+    archive = rt.ParameterIndex()
+    archive.load(str(opened.bundle.path / "weights.irpa"))
+    stored = {name: array for file in checkpoint.glob("*.safetensors") for name, array in load_file(file).items()}
+    entry = next(entry for name, entry in archive.items() if name == q_proj + ".weight_packed")
+    assert bytes(entry.file_view) == stored[q_proj + ".weight_packed"].tobytes()
 
 
 def test_quantized_manifest_binds_the_checkpoint_as_stored(quantized):
@@ -231,8 +255,10 @@ def test_what_a_quantized_bundle_cannot_do_is_refused_before_compiling(quantized
     int4 = quantized["int4-g16"][0]
     one_line(lambda: compile_bundle(int4, "host", tmp_path / "a", max_len=8, window=8, device_memory_budget=1000),
              "bundles that stream quantized weights are not supported yet")
+    one_line(lambda: compile_bundle(int4, "host", tmp_path / "b", max_len=8, window=8, activations="int8",
+                                    kernels="compiler"), "--activations int8 on 4-bit or group-wise layers needs our kernels")
     one_line(lambda: compile_bundle(int4, "host", tmp_path / "b", max_len=8, window=8, activations="int8"),
-             "--activations int8 on 4-bit or group-wise layers needs our kernels")
+             "groups of 16 (requantize with --group-size 32)")
     stored = {"m.weight_packed": ("I32", (4, 1)), "m.weight_scale": ("BF16", (4, 1))}
     one_line(lambda: _quantized_parameters("m", (4, 12), QuantScheme(4), stored, tmp_path),
              "fill whole int32 words (a multiple of 8)")
