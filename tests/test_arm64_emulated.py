@@ -13,9 +13,14 @@ import pytest
 from llada_jax.backends.iree import IreeBackend, Session, load_bundle
 from llada_jax.cli import main
 from llada_jax.model.readout import ReadoutSpec, TokenBiases
+from llada_jax.quant.quantize import QuantScheme
 from llada_jax.system.locations import user_cache_dir
+from llada_jax.weights.quantize_checkpoint import quantize_checkpoint
 from lowering.bundle import compile_bundle
+from lowering.bundle_weights import weight_layout
 from lowering.emulation import QEMU, SYSROOT, emulator_available, run_module, runtime_tools_dir
+from lowering.kernel_dispatch import kernel_compiler
+from lowering.targets import target
 from tests.conftest import TINY, require, write_checkpoint
 from tests.test_families import CONFIGS
 
@@ -42,10 +47,23 @@ def test_family_steps_under_qemu_match_host(family, tmp_path, tools):
     assert_steps_match_host(checkpoint, CONFIGS[family], "linux-arm64", tmp_path, tools)
 
 
-def assert_steps_match_host(checkpoint, config, target, tmp_path, tools):
+@pytest.mark.parametrize("bits, activations", [(4, "float"), (4, "int8"), (8, "int8")], ids=["w4a16", "w4a8", "w8a8"])
+def test_our_kernels_in_an_arm64_bundle_under_qemu_give_the_host_outputs(tiny_dir, tmp_path, tools, bits,
+                                                                         activations):
+    """The kernels' arm64 path (sdot), linked into the aarch64 bundle, gives what their x86 path gives in the
+    host bundle."""
+    require(kernel_compiler(target("linux-arm64"), weight_layout(tiny_dir, TINY), "own") is not None,
+            "a C compiler for aarch64 (gcc-aarch64-linux-gnu)")
+    checkpoint = quantize_checkpoint(tiny_dir, tmp_path / "q", QuantScheme(bits, 32 if bits == 4 else None))
+    arm = assert_steps_match_host(checkpoint, TINY, "linux-arm64", tmp_path, tools, activations)
+    assert json.loads((arm / "manifest.json").read_text())["kernels"]["kind"] == "own"
+
+
+def assert_steps_match_host(checkpoint, config, target, tmp_path, tools, activations="float"):
     """The full step and the readout of an aarch64 bundle under qemu equal the host bundle's."""
-    arm = compile_bundle(checkpoint, target, tmp_path / "arm", max_len=16, window=8)
-    host = load_bundle(compile_bundle(checkpoint, "host", tmp_path / "host", max_len=16, window=8))
+    arm = compile_bundle(checkpoint, target, tmp_path / "arm", max_len=16, window=8, activations=activations)
+    host = load_bundle(compile_bundle(checkpoint, "host", tmp_path / "host", max_len=16, window=8,
+                                      activations=activations))
     tokens = np.full((1, 16), config.mask_token_id, np.int32)
     tokens[0, :9] = np.arange(40, 49)
     valid = np.arange(16)[None] < 13
@@ -60,6 +78,7 @@ def assert_steps_match_host(checkpoint, config, target, tmp_path, tools):
     assert x0[:, :13].tolist() == want.readout.x0[:, :13].tolist()
     np.testing.assert_allclose(logp[:, :13], want.readout.logp[:, :13], atol=1e-4)
     np.testing.assert_allclose(keys[:, :, :13], session.read(want.keys)[:, :, :13], atol=1e-4)
+    return arm
 
 
 @pytest.mark.parametrize("target", ["linux-arm64", "android-arm64"])

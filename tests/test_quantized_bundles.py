@@ -256,7 +256,8 @@ def test_what_a_quantized_bundle_cannot_do_is_refused_before_compiling(quantized
     one_line(lambda: compile_bundle(int4, "host", tmp_path / "a", max_len=8, window=8, device_memory_budget=1000),
              "bundles that stream quantized weights are not supported yet")
     one_line(lambda: compile_bundle(int4, "host", tmp_path / "b", max_len=8, window=8, activations="int8",
-                                    kernels="compiler"), "--activations int8 on 4-bit or group-wise layers needs our kernels")
+                                    kernels="compiler"),
+             "--activations int8 on 4-bit or group-wise layers needs our kernels")
     one_line(lambda: compile_bundle(int4, "host", tmp_path / "b", max_len=8, window=8, activations="int8"),
              "groups of 16 (requantize with --group-size 32)")
     stored = {"m.weight_packed": ("I32", (4, 1)), "m.weight_scale": ("BF16", (4, 1))}
