@@ -43,16 +43,22 @@ def kernel_compiler(tgt: Target, layout: WeightLayout, kernels: Kernels) -> list
         raise LladaError(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
     if kernels == "compiler" or not layout.quantized or tgt.kernels is None:
         return None
-    if tgt.kernels.compilers is None:
-        toolchain = find_toolchain()
-        command = [toolchain.cc] if toolchain else None
-    else:
-        command = next((c.split() for c in tgt.kernels.compilers if shutil.which(c.split()[0])), None)
+    command = target_compiler(tgt)
     if command is None:
         wanted = " or ".join(tgt.kernels.compilers or ("cc", "gcc", "clang"))
         print(f"llada: no C compiler for {tgt.name} ({wanted}) to build our kernels; the bundle runs IREE's "
               "code for its quantized matmuls", file=sys.stderr)
     return command
+
+
+def target_compiler(tgt: Target) -> list[str] | None:
+    """The first C compiler on PATH that builds for `tgt` (the host's own for the host), as a command prefix."""
+    if tgt.kernels is None:
+        return None
+    if tgt.kernels.compilers is None:
+        toolchain = find_toolchain()
+        return [toolchain.cc] if toolchain else None
+    return next((c.split() for c in tgt.kernels.compilers if shutil.which(c.split()[0])), None)
 
 
 def target_objects(tgt: Target, compiler: list[str], out_dir: Path) -> dict[str, list[Path]]:

@@ -5,6 +5,7 @@
 #define LLADA_INT8_MATMUL_H
 
 #include "kernels.h"
+#include "row_lanes.h"
 #include "simd.h"
 
 #if defined(LLK_X86) && !defined(__AVX512VL__)
@@ -51,9 +52,13 @@ ALWAYS_INLINE void int8_tile(const llk_weights* w, const llk_int8_activations* a
     for (int j = 0; j < nc; j++) out[(r + j) * w->rows + o + i] = hsum(acc[i][j]);
 }
 
-/* Rows [o_begin, o_end) of every position, in whole tiles, then the rows' and positions' remainders. */
+/* Rows [o_begin, o_end) of every position: in lanes where the ISA has them (`row_lanes.h`), else in whole
+ * tiles; then the rows' and positions' remainders. */
 ALWAYS_INLINE void int8_matmul(const llk_weights* w, const llk_int8_activations* a, float* out,
                                int64_t o_begin, int64_t o_end, const int bits) {
+#if defined(LLK_ROW_LANES)
+  o_begin = lanes_matmul(w, a, out, o_begin, o_end, bits);
+#endif
   int64_t whole_rows = o_begin + (o_end - o_begin) / TILE_ROWS * TILE_ROWS;
   int64_t whole_positions = a->positions / TILE_POSITIONS * TILE_POSITIONS;
   for (int64_t o = o_begin; o < whole_rows; o += TILE_ROWS) {

@@ -31,7 +31,7 @@ void ParallelRows(ffi::ThreadPool& pool, int64_t rows, const std::function<void(
   };
   auto shared = std::make_shared<Shared>();
   int64_t threads = pool.num_threads() > 0 ? pool.num_threads() : 1;
-  shared->chunk = ((rows + 8 * threads - 1) / (8 * threads) + 3) / 4 * 4;  // ~8 chunks a thread, whole tiles
+  shared->chunk = ((rows + 8 * threads - 1) / (8 * threads) + 15) / 16 * 16;  // ~8 chunks a thread, whole lanes
   shared->chunks = (rows + shared->chunk - 1) / shared->chunk;
   shared->work = &work;
   auto run = [shared, rows] {
