@@ -30,11 +30,13 @@ from llada_jax.system.locations import EMBEDDED_DIR
 from llada_jax.weights.quant_config import EDGE_SCHEME
 from llada_jax.weights.quantize_checkpoint import quantize_checkpoint
 
-SCHEMES = {  # name -> (layer scheme, LM head scheme)
-    "int8": (QuantScheme(8), EDGE_SCHEME),
-    "int4-g32": (QuantScheme(4, 32), EDGE_SCHEME),
-    "int4-g128": (QuantScheme(4, 128), EDGE_SCHEME),
-    "int4-g128-head4": (QuantScheme(4, 128), QuantScheme(4, 128)),
+SCHEMES = {  # name -> (layer scheme, LM head scheme, activations)
+    "int8": (QuantScheme(8), EDGE_SCHEME, "float"),
+    "int8-w8a8": (QuantScheme(8), EDGE_SCHEME, "int8"),
+    "int4-g32": (QuantScheme(4, 32), EDGE_SCHEME, "float"),
+    "int4-g32-w4a8": (QuantScheme(4, 32), EDGE_SCHEME, "int8"),
+    "int4-g128": (QuantScheme(4, 128), EDGE_SCHEME, "float"),
+    "int4-g128-head4": (QuantScheme(4, 128), QuantScheme(4, 128), "float"),
 }
 
 
@@ -56,8 +58,8 @@ def compare(reference: np.ndarray, quantized: np.ndarray) -> dict:
             "max_abs_diff_in_std": float(np.abs(quantized - reference).max() / reference.std())}
 
 
-def masked_logits(model_dir: Path, ids: np.ndarray, batch: int) -> np.ndarray:
-    model = llada_jax.load(model_dir, dtype="float32")
+def masked_logits(model_dir: Path, ids: np.ndarray, batch: int, activations: str = "float") -> np.ndarray:
+    model = llada_jax.load(model_dir, dtype="float32", activations=activations)
     masked = ids == model.config.mask_token_id
     parts = [llada_jax.logits(model, ids[i:i + batch])[masked[i:i + batch]] for i in range(0, len(ids), batch)]
     return np.concatenate(parts)
@@ -85,10 +87,10 @@ def report(args) -> None:
     ids = canvases(read_config(args.model), args.canvases, args.length, args.seed)
     reference = masked_logits(args.model, ids, args.batch)
     for name in args.scheme or list(SCHEMES):
-        scheme, head = SCHEMES[name]
+        scheme, head, activations = SCHEMES[name]
         with tempfile.TemporaryDirectory(prefix="quant-agreement-") as scratch:
             out = quantize_checkpoint(args.model, Path(scratch) / name, scheme, head=head)
-            row = compare(reference, masked_logits(out, ids, args.batch))
+            row = compare(reference, masked_logits(out, ids, args.batch, activations))
         print(json.dumps({"scheme": name, **row}), flush=True)
 
 
