@@ -1,79 +1,142 @@
-/* AVX-512 VNNI: 16 weight rows in the 16 lanes of a register. Per 32-column block, each row's 4-byte groups are
- * gathered so that lane k holds row k's; every position's 4 activation bytes are then broadcast to all lanes,
- * and one vpdpbusd does 64 multiply-adds (16 rows x 4). The block's int32 sums land one per lane, so its scales
- * apply as one vector of 16 row scales (times the position's), not per row. Positions go in chunks whose float
- * accumulators stay in L1. Weights stay as stored: no repacked copy. */
+/* Weight rows in the lanes of a register (x86: 16 with AVX-512 VNNI, 8 with AVX2). Per 32-column block, each
+ * row's 4-byte groups are gathered as stored so that lane k holds row k's; each position's 4 activation bytes are
+ * broadcast to all lanes, and one integer dot-product instruction does LANES x 4 multiply-adds. The block's int32
+ * sums land one per lane, so its scales apply as one vector of row scales (times the position's), not per row.
+ * Positions go in chunks whose float accumulators stay in L1. Weights stay as stored: no repacked copy. */
 #ifndef LLADA_ROW_LANES_H
 #define LLADA_ROW_LANES_H
 
 #include "kernels.h"
 #include "simd.h"
 
-#if defined(LLK_DPBUSD) && defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(LLK_X86)
 #define LLK_ROW_LANES 1
-#define LANES 16
 #define POSITION_CHUNK 64
 
-static inline __m512 lane_scales(const llk_weights* w, int64_t row, int64_t group) {
+#if defined(LLK_DPBUSD) && defined(__AVX512F__) && defined(__AVX512BW__)
+#define LANES 16
+typedef __m512i lane_ints;
+typedef __m512 lane_floats;
+
+static inline lane_ints lane_gather(const uint8_t* base, int64_t stride) {
+  __m512i rows = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  return _mm512_i32gather_epi32(_mm512_mullo_epi32(rows, _mm512_set1_epi32((int)stride)), base, 1);
+}
+static inline lane_ints lane_bytes(lane_ints v, char mask) { return _mm512_and_si512(v, _mm512_set1_epi8(mask)); }
+static inline lane_ints lane_high(lane_ints v) { return _mm512_srli_epi16(v, 4); }
+static inline lane_ints lane_xor(lane_ints v, char mask) { return _mm512_xor_si512(v, _mm512_set1_epi8(mask)); }
+static inline lane_floats lane_zero(void) { return _mm512_setzero_ps(); }
+static inline lane_floats lane_load(const float* p) { return _mm512_loadu_ps(p); }
+static inline void lane_store(float* p, lane_floats v) { _mm512_storeu_ps(p, v); }
+
+/* `init` + the block's dot products of 8 weight registers with the position's values (4 bytes each). */
+static inline lane_ints lane_dot(int32_t init, const lane_ints w[8], const int8_t* values, int bits) {
+  (void)bits;
+  __m512i sum = _mm512_set1_epi32(init);
+  for (int j = 0; j < 8; j++) {
+    int32_t four;
+    __builtin_memcpy(&four, values + 4 * j, 4);
+    sum = _mm512_dpbusd_epi32(sum, w[j], _mm512_set1_epi32(four));
+  }
+  return sum;
+}
+
+static inline lane_floats lane_accumulate(lane_floats acc, lane_ints sum, lane_floats scales, float scale) {
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(scales, _mm512_set1_ps(scale)), acc);
+}
+#define LANE_WEIGHTS_UNSIGNED 1 /* vpdpbusd: unsigned weights (offset as stored), signed activations */
+
+#else /* AVX2 */
+#define LANES 8
+typedef __m256i lane_ints;
+typedef __m256 lane_floats;
+
+static inline lane_ints lane_gather(const uint8_t* base, int64_t stride) {
+  __m256i rows = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_i32gather_epi32((const int*)base, _mm256_mullo_epi32(rows, _mm256_set1_epi32((int)stride)), 1);
+}
+static inline lane_ints lane_bytes(lane_ints v, char mask) { return _mm256_and_si256(v, _mm256_set1_epi8(mask)); }
+static inline lane_ints lane_high(lane_ints v) { return _mm256_srli_epi16(v, 4); }
+static inline lane_ints lane_xor(lane_ints v, char mask) { return _mm256_xor_si256(v, _mm256_set1_epi8(mask)); }
+static inline lane_floats lane_zero(void) { return _mm256_setzero_ps(); }
+static inline lane_floats lane_load(const float* p) { return _mm256_loadu_ps(p); }
+static inline void lane_store(float* p, lane_floats v) { _mm256_storeu_ps(p, v); }
+
+/* 4-bit: vpmaddubsw's 16-bit pair sums of all 8 groups stay below 2^15 (8 x 2 x 15 x 127) and add up before one
+ * vpmaddwd. 8-bit (signed weights): |w| x sign(a, w) per group, each widened at once (a pair reaches 2 x 128 x 127). */
+static inline lane_ints lane_dot(int32_t init, const lane_ints w[8], const int8_t* values, int bits) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i pairs = _mm256_setzero_si256(), sum = _mm256_set1_epi32(init);
+  for (int j = 0; j < 8; j++) {
+    int32_t four;
+    __builtin_memcpy(&four, values + 4 * j, 4);
+    __m256i a = _mm256_set1_epi32(four);
+    if (bits == 4)
+      pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[j], a));
+    else
+      sum = _mm256_add_epi32(sum, _mm256_madd_epi16(
+                                      _mm256_maddubs_epi16(_mm256_abs_epi8(w[j]), _mm256_sign_epi8(a, w[j])), ones));
+  }
+  return bits == 4 ? _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, ones)) : sum;
+}
+
+static inline lane_floats lane_accumulate(lane_floats acc, lane_ints sum, lane_floats scales, float scale) {
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(scales, _mm256_set1_ps(scale)), acc);
+}
+#define LANE_WEIGHTS_UNSIGNED 0 /* 8-bit weights signed for the sign trick; nibbles unsigned as stored */
+#endif
+
+static inline lane_floats lane_scales(const llk_weights* w, int64_t row, int64_t group) {
   int64_t groups = w->columns / w->group;
   float scales[LANES];
   for (int k = 0; k < LANES; k++) scales[k] = scale_at(w->scales, (row + k) * groups + group, w->scale_bf16);
-  return _mm512_loadu_ps(scales);
+  return lane_load(scales);
 }
 
-/* The block's weights of rows row..row+15, as 4-byte groups, lane k = row k: 4-bit weights give 8 registers
- * (the low nibbles of byte groups 0-3, the even columns, then the high nibbles, the odd ones), 8-bit ones 8
- * (byte groups 0-7, unsigned: offset 128 as stored, or signed ones flipped). */
-static inline void lane_weights(const llk_weights* w, int64_t row, int64_t block, int bits, __m512i out[8]) {
+/* The block's weights of rows row..row+LANES-1 as 4-byte groups, lane k = row k: 4-bit weights give the low nibbles
+ * of byte groups 0-3 (the even columns), then the high ones (the odd columns); 8-bit ones byte groups 0-7. */
+static inline void lane_weights(const llk_weights* w, int64_t row, int64_t block, int bits, lane_ints out[8]) {
   int64_t stride = w->columns * bits / 8;
-  __m512i offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                       _mm512_set1_epi32((int)stride));
   const uint8_t* base = w->weights + row * stride + block * (LLK_BLOCK * bits / 8);
   if (bits == 4) {
-    const __m512i low4 = _mm512_set1_epi8(0x0F);
     for (int j = 0; j < 4; j++) {
-      __m512i raw = _mm512_i32gather_epi32(offsets, base + 4 * j, 1);
-      out[j] = _mm512_and_si512(raw, low4);
-      out[4 + j] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+      lane_ints raw = lane_gather(base + 4 * j, stride);
+      out[j] = lane_bytes(raw, 0x0F);
+      out[4 + j] = lane_bytes(lane_high(raw), 0x0F);
     }
     return;
   }
-  __m512i flip = _mm512_set1_epi8(w->signed8 ? (char)0x80 : 0);
-  for (int j = 0; j < 8; j++) out[j] = _mm512_xor_si512(_mm512_i32gather_epi32(offsets, base + 4 * j, 1), flip);
+  int flip = w->signed8 == LANE_WEIGHTS_UNSIGNED; /* stored signed but wanted unsigned, or the reverse */
+  for (int j = 0; j < 8; j++) {
+    lane_ints raw = lane_gather(base + 4 * j, stride);
+    out[j] = flip ? lane_xor(raw, (char)0x80) : raw;
+  }
 }
 
-static inline __m512i broadcast4(const int8_t* bytes) {
-  int32_t v;
-  __builtin_memcpy(&v, bytes, 4);
-  return _mm512_set1_epi32(v);
-}
-
-/* Rows [row, row + 16) of positions [p0, p1) (at most POSITION_CHUNK). Register j of the block's weights meets
- * the position's activation bytes 4j..4j+3: the block order (4-bit: even columns, then odd) makes them match. */
+/* Rows [row, row + LANES) of positions [p0, p1) (at most POSITION_CHUNK). Weight register j meets the position's
+ * activation bytes 4j..4j+3: the block order (4-bit: even columns, then odd) makes them match. */
 static inline __attribute__((always_inline)) void lane_chunk(const llk_weights* w, const llk_int8_activations* a,
                                                              float* out, int64_t row, int64_t p0, int64_t p1,
                                                              const int bits) {
-  const int32_t offset = bits == 4 ? 8 : 128;
+  const int32_t offset = bits == 4 ? 8 : (LANE_WEIGHTS_UNSIGNED ? 128 : 0);
   int64_t blocks = w->columns / LLK_BLOCK, per_group = w->group / LLK_BLOCK;
-  __m512 acc[POSITION_CHUNK];
-  for (int64_t p = p0; p < p1; p++) acc[p - p0] = _mm512_setzero_ps();
-  __m512 scales = _mm512_setzero_ps();
+  lane_floats acc[POSITION_CHUNK];
+  for (int64_t p = p0; p < p1; p++) acc[p - p0] = lane_zero();
+  lane_floats scales = lane_zero();
   for (int64_t b = 0; b < blocks; b++) {
-    __m512i wv[8];
+    lane_ints wv[8];
     lane_weights(w, row, b, bits, wv);
     if (b % per_group == 0) scales = lane_scales(w, row, b / per_group);
     for (int64_t p = p0; p < p1; p++) {
-      const int8_t* values = a->values + p * w->columns + b * LLK_BLOCK;
-      __m512i sum = _mm512_set1_epi32(-offset * a->sums[p * blocks + b]);
-      for (int j = 0; j < 8; j++) sum = _mm512_dpbusd_epi32(sum, wv[j], broadcast4(values + 4 * j));
-      __m512 scale = _mm512_mul_ps(scales, _mm512_set1_ps(a->scales[p * blocks + b]));
-      acc[p - p0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc[p - p0]);
+      int64_t at = p * blocks + b;
+      lane_ints sum = lane_dot(-offset * a->sums[at], wv, a->values + p * w->columns + b * LLK_BLOCK, bits);
+      acc[p - p0] = lane_accumulate(acc[p - p0], sum, scales, a->scales[at]);
     }
   }
-  for (int64_t p = p0; p < p1; p++) _mm512_storeu_ps(out + p * w->rows + row, acc[p - p0]);
+  for (int64_t p = p0; p < p1; p++) lane_store(out + p * w->rows + row, acc[p - p0]);
 }
 
-/* Rows [o_begin, o_begin + 16k) in lanes; returns where they end (the rest is left to the caller). */
+/* Rows [o_begin, o_begin + k LANES) in lanes; returns where they end (the rest is left to the caller). */
 static inline __attribute__((always_inline)) int64_t lanes_matmul(const llk_weights* w,
                                                                   const llk_int8_activations* a, float* out,
                                                                   int64_t o_begin, int64_t o_end, const int bits) {
