@@ -32,13 +32,13 @@ static inline void lane_store(float* p, lane_floats v) { _mm512_storeu_ps(p, v);
 /* `init` + the block's dot products of 8 weight registers with the position's values (4 bytes each). */
 static inline lane_ints lane_dot(int32_t init, const lane_ints w[8], const int8_t* values, int bits) {
   (void)bits;
-  __m512i sum = _mm512_set1_epi32(init);
+  __m512i sums[2] = {_mm512_set1_epi32(init), _mm512_setzero_si512()};  /* two chains: half the latency */
   for (int j = 0; j < 8; j++) {
     int32_t four;
     __builtin_memcpy(&four, values + 4 * j, 4);
-    sum = _mm512_dpbusd_epi32(sum, w[j], _mm512_set1_epi32(four));
+    sums[j & 1] = _mm512_dpbusd_epi32(sums[j & 1], w[j], _mm512_set1_epi32(four));
   }
-  return sum;
+  return _mm512_add_epi32(sums[0], sums[1]);
 }
 
 static inline lane_floats lane_accumulate(lane_floats acc, lane_ints sum, lane_floats scales, float scale) {
@@ -123,8 +123,12 @@ static inline __attribute__((always_inline)) void lane_chunk(const llk_weights* 
   lane_floats acc[POSITION_CHUNK];
   for (int64_t p = p0; p < p1; p++) acc[p - p0] = lane_zero();
   lane_floats scales = lane_zero();
+  const int64_t stride = w->columns * bits / 8, ahead = 256; /* bytes of each row fetched ahead of the gathers */
   for (int64_t b = 0; b < blocks; b++) {
     lane_ints wv[8];
+    const uint8_t* next = w->weights + row * stride + b * (LLK_BLOCK * bits / 8) + ahead;
+    if ((b * LLK_BLOCK * bits / 8) % 64 == 0 && b * (LLK_BLOCK * bits / 8) + ahead < stride)
+      for (int k = 0; k < LANES; k++) __builtin_prefetch(next + k * stride);
     lane_weights(w, row, b, bits, wv);
     if (b % per_group == 0) scales = lane_scales(w, row, b / per_group);
     for (int64_t p = p0; p < p1; p++) {
