@@ -247,9 +247,8 @@ def params_of(weights, layout: WeightLayout, config: LLaDAConfig, compute_dtype,
             tensors[name] = stored[name].astype(compute_dtype)
             continue
         bits = layout.quantized[module].bits
-        if module in layout.kernels:  # our kernel reads the bytes (declared i8, unsigned) and scales as stored
-            stored_bytes = jax.lax.bitcast_convert_type(stored[module + ".weight_packed"], jnp.uint8)
-            tensors[name] = QuantizedWeight(stored_bytes, stored[module + ".weight_scale"],
+        if module in layout.kernels:  # our kernel reads the bytes (declared i8) and scales as stored
+            tensors[name] = QuantizedWeight(stored[module + ".weight_packed"], stored[module + ".weight_scale"],
                                             activations, hoist_barrier=False, offset=1 << (bits - 1),
                                             nibbles=bits == 4, kernel=layout.kernels[module])
             continue

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from llada_jax.kernels import xla as own_kernels
 from llada_jax.model.params import init_params
 from llada_jax.model.readout import TokenBiases
 from llada_jax.quant.qlinear import QuantizedWeight
@@ -26,7 +27,7 @@ from policies.cache_policies import Vanilla
 from policies.decode_loop import decode_loop
 from policies.loop_io import LoopInputs, LoopSpec, loop_inputs
 from policies.schedule import Schedule
-from tests.conftest import TINY
+from tests.conftest import TINY, require
 
 # Wide enough that the weights (3.4 M parameters) dwarf the activations of an 8-position step.
 CONFIG = dataclasses.replace(TINY, d_model=256, n_layers=4, n_heads=4, n_kv_heads=4, mlp_hidden_size=768,
@@ -38,6 +39,9 @@ FORMS = {  # name -> (compute dtype, how a [O, I] matrix is stored)
     "int8 per channel": ("float32", (jnp.int8, 1, "float")),
     "int8 W8A8": ("float32", (jnp.int8, 1, "int8")),
     "int4 group 32": ("float32", (jnp.int4, 32, "float")),
+    "int4 group 32, our W4A16 kernel": ("float32", ("w4a16", 32, "float")),
+    "int4 group 32, our W4A8 kernel": ("float32", ("w4a8", 32, "int8")),
+    "int8, our W8A8 kernel": ("float32", ("w8a8", 1, "int8")),
 }
 
 
@@ -59,6 +63,10 @@ def abstract_params(dtype: str, stored) -> dict:
         if "wte" in name:  # the embedding: int8, one scale per row, whatever the layers are
             return QuantizedWeight(jax.ShapeDtypeStruct(leaf.shape, jnp.int8), scales(rows, 1))
         groups = 1 if group == 1 else columns // group
+        if isinstance(kind, str):  # our kernel's: the stored bytes held as int8 (as uint8 XLA copied them all)
+            bits = 8 if kind == "w8a8" else 4
+            return QuantizedWeight(jax.ShapeDtypeStruct((rows, columns * bits // 8), jnp.int8), scales(rows, groups),
+                                   activations, offset=1 << (bits - 1), nibbles=bits == 4, kernel=kind)
         return QuantizedWeight(jax.ShapeDtypeStruct(leaf.shape, kind), scales(rows, groups),
                                activations if "blocks" in name else "float")
 
@@ -80,6 +88,8 @@ def loop_temporaries(params, dtype: str) -> int:
 @pytest.mark.slow
 def test_compiled_loop_temporaries_stay_below_two_float32_matrices(form):
     dtype, stored = FORMS[form]
+    if "our" in form:
+        require(own_kernels.available() is not None, "a C compiler (gcc or clang, with c++)")
     params = abstract_params(dtype, stored)
     temp = loop_temporaries(params, dtype)
     assert temp < 2 * largest_float32_matrix(params), (form, temp, largest_float32_matrix(params))

@@ -55,7 +55,8 @@ def matmul(x: jax.Array, stored: jax.Array, scale: jax.Array, scheme: str, signe
     its scales `[O, G]` (float32 or bfloat16); x prepared for the kernel here (`activations`)."""
     rows, groups = scale.shape
     group = np.int64(x.shape[1] // groups)
-    stored = jax.lax.bitcast_convert_type(stored, jnp.int8)  # bytes: a signless i8 tensor in StableHLO
+    if stored.dtype != jnp.int8:  # bytes: a signless i8 tensor in StableHLO (held so: nothing to hoist)
+        stored = jax.lax.bitcast_convert_type(stored, jnp.int8)
     out = jax.ShapeDtypeStruct((x.shape[0], rows), jnp.float32)
     nibbles = scheme != "w8a8"
     if scheme == "w4a16":
@@ -64,3 +65,11 @@ def matmul(x: jax.Array, stored: jax.Array, scale: jax.Array, scheme: str, signe
     values, block_scales, sums = activations.quantized(x, nibbles)
     return jax.ffi.ffi_call("llada_int8_matmul", out)(values, block_scales, sums, stored, scale,
                                                       bits=np.int64(4 if nibbles else 8), group=group, signed8=signed8)
+
+
+def linear(x: jax.Array, stored: jax.Array, scale: jax.Array, scheme: str, columns: bool = False) -> jax.Array:
+    """x `[..., I]` @ W.T by `matmul`, which takes positions as rows; with `columns`, x is feature-major `[I, R]`
+    and the result W @ x `[O, R]` (`llada_jax.model.layout`)."""
+    positions = x.T if columns else x.reshape(-1, x.shape[-1])
+    out = matmul(positions, stored, scale, scheme)
+    return out.T if columns else out.reshape(*x.shape[:-1], out.shape[-1])

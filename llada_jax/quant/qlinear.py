@@ -74,8 +74,8 @@ def to_device(host: HostQuantized, activations: Activations = "float", put=jnp.a
         raise LladaError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
     bits = host.scheme.bits
     kernel = scheme_for(bits, activations, host.shape[1], host.shape[1] // host.scale.shape[1])
-    if kernels == "own" and kernel:
-        values = host.stored_bytes()[:, :host.shape[1] * bits // 8]
+    if kernels == "own" and kernel:  # the bytes as int8, the type the kernels' calls take: no op on the weights
+        values = host.stored_bytes()[:, :host.shape[1] * bits // 8].view(np.int8)
         return QuantizedWeight(put(values), put(host.scale), activations, offset=1 << (bits - 1),
                                nibbles=bits == 4, kernel=kernel)
     nibbles = host.scheme.bits == 4 and _splits_in_nibbles(host.shape, host.scale.shape)
@@ -240,7 +240,7 @@ def quantized_linear(x: jax.Array, w: QuantizedWeight, columns: bool = False, dt
     dequantized at once before it). IREE bundles, and int4 values (`xla_row_block`), unroll the blocks."""
     dtype = dtype or x.dtype
     if w.kernel:
-        return _own_kernel_linear(x, w, columns).astype(dtype)
+        return own_kernels.linear(x, w.values, w.scale, w.kernel, columns).astype(dtype)
     if w.activations == "int8":
         if columns:
             raise ValueError("W8A8 matmuls run position-major (llada_jax.model.layout.LayoutRule.pick)")
@@ -261,13 +261,6 @@ def quantized_linear(x: jax.Array, w: QuantizedWeight, columns: bool = False, dt
         return jnp.concatenate(blocks, axis)
     shape = (total, x.shape[1]) if columns else (*x.shape[:-1], total)
     return _row_loop(rows, total, block, axis, shape).astype(dtype)
-
-
-def _own_kernel_linear(x: jax.Array, w: QuantizedWeight, columns: bool) -> jax.Array:
-    """x @ dequantized(w).T by our kernel, which takes positions as rows: `[R, I]` -> `[R, O]`."""
-    positions = x.T if columns else x.reshape(-1, x.shape[-1])
-    out = own_kernels.matmul(positions, w.values, w.scale, w.kernel)
-    return out.T if columns else out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def _row_slice(array: jax.Array, start, count: int) -> jax.Array:
@@ -311,6 +304,8 @@ def _block_product(xs: tuple, values: jax.Array, scale: jax.Array, w: QuantizedW
 
 def _signed_parts(values: jax.Array, w: QuantizedWeight) -> tuple[tuple, int]:
     """The arrays of `w`'s values (rows `values`) its matmul multiplies, and the offset still on them."""
+    if w.kernel:  # a kernel's bytes, held as int8 (the embedding's rows read here)
+        values = jax.lax.bitcast_convert_type(values, jnp.uint8)
     if w.nibbles:
         return split_nibbles(values, w.offset), 0
     if w.offset and w.hoist_barrier:  # XLA: offset int8 bytes, the sign restored on these rows only
