@@ -4,6 +4,7 @@ path this host can build (its own flags, AVX2 without VNNI, plain C), then throu
 from __future__ import annotations
 
 import ctypes
+import functools
 import platform
 
 import jax.numpy as jnp
@@ -16,11 +17,16 @@ from hypothesis import strategies as st
 import llada_jax
 from llada_jax.kernels import activations
 from llada_jax.kernels import xla as own_kernels
-from llada_jax.kernels.build import find_toolchain, shared_library
+from llada_jax.kernels.build import Toolchain, find_toolchain, shared_library
+from llada_jax.quant.choice import kernels_in_use
 from llada_jax.quant.qlinear import quantized_linear, to_device
 from llada_jax.quant.quantize import HostQuantized, QuantScheme, quantize_matrix
+from llada_jax.system.errors import LladaError
 from llada_jax.system.host_cpu import cpu_flags
 from llada_jax.weights.quantize_checkpoint import quantize_checkpoint
+from lowering import kernel_dispatch
+from lowering.bundle_weights import WeightLayout
+from lowering.targets import target
 from tests import kernel_statement as statement
 from tests.conftest import require
 
@@ -185,3 +191,28 @@ def test_a_model_with_our_w4a16_kernels_generates_xla_tokens(int4_dir):
     options = dict(gen_length=16, block_length=16, steps=8)
     assert (llada_jax.generate(own, prompt, **options).output_ids.tolist()
             == llada_jax.generate(theirs, prompt, **options).output_ids.tolist())
+
+
+def test_without_a_compiler_the_compilers_code_runs_after_one_line(monkeypatch, capsys, tmp_path):
+    """No C compiler: `llada_jax.load` and `llada compile` say so in one line each and run XLA's / IREE's code."""
+    monkeypatch.setattr(own_kernels, "load", lambda: (_ for _ in ()).throw(LladaError("no C compiler (cc) on PATH")))
+    monkeypatch.setattr(own_kernels, "_note_once", functools.cache(own_kernels._note_once.__wrapped__))
+    assert kernels_in_use("own", {"m.blocks.0.q_proj": QuantScheme(4, 32)}) == "compiler"
+    assert kernels_in_use("own", {"m.blocks.0.q_proj": QuantScheme(4, 32)}) == "compiler"
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no C compiler" in err and "XLA's code" in err
+    monkeypatch.setattr(kernel_dispatch.shutil, "which", lambda name: None)
+    layout = WeightLayout((), {"m.blocks.0.q_proj": QuantScheme(4, 32)})
+    assert kernel_dispatch.kernel_compiler(target("linux-arm64"), layout, "own") is None
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "aarch64-linux-gnu-gcc" in err and "IREE's code" in err
+    assert kernel_dispatch.kernel_compiler(target("vulkan"), layout, "own") is None  # a GPU: IREE's code, no note
+    assert capsys.readouterr().err == ""
+
+
+def test_a_failed_build_is_one_line(monkeypatch, tmp_path):
+    monkeypatch.setenv("LLADA_CACHE", str(tmp_path))
+    with pytest.raises(LladaError) as error:
+        shared_library(Toolchain("false", "false"), ("-march=native",))
+    assert str(error.value).startswith("building the kernels failed (false)") and "\n" not in str(error.value)
+    assert not list(tmp_path.rglob("*.so"))
