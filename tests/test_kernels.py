@@ -18,6 +18,7 @@ import llada_jax
 from llada_jax.kernels import activations
 from llada_jax.kernels import xla as own_kernels
 from llada_jax.kernels.build import Toolchain, find_toolchain, shared_library
+from llada_jax.quant import choice
 from llada_jax.quant.choice import kernels_in_use
 from llada_jax.quant.qlinear import quantized_linear, to_device
 from llada_jax.quant.quantize import HostQuantized, QuantScheme, quantize_matrix
@@ -216,3 +217,16 @@ def test_a_failed_build_is_one_line(monkeypatch, tmp_path):
         shared_library(Toolchain("false", "false"), ("-march=native",))
     assert str(error.value).startswith("building the kernels failed (false)") and "\n" not in str(error.value)
     assert not list(tmp_path.rglob("*.so"))
+
+
+def test_bf16_steps_keep_xla_bf16_matmuls_where_the_cpu_has_them(monkeypatch):
+    """Float activations in bfloat16 steps run XLA's bf16 matmuls on a CPU with bf16 dot products (faster than our
+    float32 W4A16 there); int8 activations and float32 steps run our kernels."""
+    kernels_on_xla()
+    quantized = {"m.blocks.0.q_proj": QuantScheme(4, 32)}
+    monkeypatch.setattr(choice, "cpu_flags", lambda: {"avx2", "avx512_bf16"})
+    assert kernels_in_use("own", quantized, None, "float", "bfloat16") == "compiler"
+    assert kernels_in_use("own", quantized, None, "int8", "bfloat16") == "own"
+    assert kernels_in_use("own", quantized, None, "float", "float32") == "own"
+    monkeypatch.setattr(choice, "cpu_flags", lambda: {"avx2"})
+    assert kernels_in_use("own", quantized, None, "float", "bfloat16") == "own"

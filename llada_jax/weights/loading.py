@@ -89,7 +89,7 @@ def load(path, dtype: str = "float32", device_memory_budget: int | None = None, 
     if check_weights:
         check_finite_weights(model_dir, config)
     quantized = checkpoint_quantization(model_dir, config)
-    kernels = kernels_in_use(kernels, quantized, mesh)
+    kernels = kernels_in_use(kernels, quantized, mesh, activations, dtype)
     check_activations(activations, quantized, kernels)
     model = Model(config, None, tokenizer, dtype, model_dir, device_memory_budget, activations=activations,
                   kernels=kernels, quantized=quantized, mesh=mesh,
