@@ -22,6 +22,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import export
 
 from llada_jax.kernels import xla as own_kernels
 from llada_jax.quant.qlinear import QuantizedWeight, quantized_linear, to_device
@@ -62,7 +63,7 @@ def iree_ms(x: np.ndarray, weight: QuantizedWeight, repeats: int, scratch: Path)
     """The same product exported with `jax.export`, our kernels' calls dispatched as a bundle does, compiled for
     this host and run on `local-task`."""
     import iree.runtime as rt
-    from jax import export
+    from iree.compiler import ir
 
     weight = QuantizedWeight(weight.values, weight.scale, weight.activations, weight.row_block, hoist_barrier=False,
                              offset=weight.offset, nibbles=weight.nibbles, kernel=weight.kernel)
@@ -70,7 +71,10 @@ def iree_ms(x: np.ndarray, weight: QuantizedWeight, repeats: int, scratch: Path)
     run = jax.jit(lambda x, *parts: quantized_linear(x[None], jax.tree.unflatten(tree, parts))[0])
     checks = [export.DisabledSafetyCheck.custom_call(name) for name in own_kernels.TARGETS]
     exported = export.export(run, disabled_checks=checks)(x, *leaves)
-    text, calls = rewrite_custom_calls(exported.mlir_module())
+    with ir.Context():  # pyright: ignore[reportAttributeAccessIssue] (printed as bundles print it: no locations)
+        printed = ir.Module.parse(exported.mlir_module()).operation.get_asm(  # pyright: ignore
+            enable_debug_info=False)
+    text, calls = rewrite_custom_calls(printed)
     if calls:
         host = target("host")
         compiler = target_compiler(host)

@@ -15,12 +15,13 @@ PARAMETER_SCOPE = "model"  # IREE parameter scope the weights are bound under
 MANIFEST = "manifest.json"
 VMFB = "steps.vmfb"
 ARCHIVE = "weights.irpa"  # a CPU bundle's copied weights, as one IREE parameter archive
-FORMAT_VERSION = 8  # 2: staged pieces take one argument per weight tensor; 3: the head is staged in vocabulary
+FORMAT_VERSION = 9  # 2: staged pieces take one argument per weight tensor; 3: the head is staged in vocabulary
 # chunks; 4: quantized parameters, and whether the weights stream recorded as "staged"; 5: full and window
 # steps give hidden rows, `read` steps the readout on the rows a decoder uses; 6: `read` takes those rows'
 # indices (the block's masks), not the first row of a slice; 7: resident CPU bundles copy their weights as
 # one parameter archive, quantized integers signed; 8: decode loops run on the bundle's own driver (their
-# cached decoders' first pass peeled out of the step loop)
+# cached decoders' first pass peeled out of the step loop); 9: quantized matmuls run our kernels, linked into the
+# vmfb, their weights declared and archived as the bytes stored (the manifest's "kernels")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 

@@ -47,6 +47,8 @@ LOCAL_IMPORTS = {
     ("lowering.bundle_weights", "iree.runtime"): "its parameter archive writer, only when a bundle is compiled",
     ("lowering.bundle_module", "iree.compiler"): "the compiler's MLIR bindings, only when a step is exported",
     ("eval.bench", "matplotlib"): "heavy, only for --plot",
+    ("eval.bench_kernels", "iree.runtime"): "the IREE rows only, after the XLA ones",
+    ("eval.bench_kernels", "iree.compiler"): "as iree.runtime",
     ("eval.bench", "matplotlib.pyplot"): "after matplotlib.use('Agg')",
     ("eval.trace_plot", "matplotlib"): "heavy, only for `llada trace`",
     ("eval.trace_plot", "matplotlib.pyplot"): "after matplotlib.use('Agg')",
