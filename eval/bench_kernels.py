@@ -26,13 +26,13 @@ from jax import export
 
 from llada_jax.kernels import xla as own_kernels
 from llada_jax.quant.qlinear import QuantizedWeight, quantized_linear, to_device
-from llada_jax.quant.quantize import HostQuantized, QuantScheme, quantize_matrix
+from llada_jax.quant.quantize import Activations, HostQuantized, QuantScheme, quantize_matrix
 from llada_jax.system.host_cpu import describe, usable_threads
 from lowering.bundle import compile_module
 from lowering.kernel_dispatch import executable, rewrite_custom_calls, target_compiler, target_objects
 from lowering.targets import target
 
-CASES = {  # name -> (scheme, activations)
+CASES: dict[str, tuple[QuantScheme, Activations]] = {  # name -> (scheme, activations)
     "w4a8": (QuantScheme(4, 32), "int8"),
     "w4a16": (QuantScheme(4, 32), "float"),
     "w8a8": (QuantScheme(8), "int8"),

@@ -154,14 +154,11 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
         raise LladaError(f"{config.family} bundles carry steps only so far (compile with --no-loop): "
                          f"{loop_refusal(config)}")
     check_output_dir(out_dir, COMPILE_COMMAND, (model_dir,), force)  # before minutes of export and compile
-    compute, layout = compute_dtype(dtype), weight_layout(model_dir, config)
-    compiler = kernel_compiler(tgt, layout, kernels)
-    check_activations(activations, layout.quantized, "own" if compiler else "compiler")
+    compute, (compiler, layout) = compute_dtype(dtype), _kernels(tgt, model_dir, config, kernels, activations)
     batch_sizes = check_batch_sizes(batch_sizes)
     staged = _runs_staged(config, layout, device_memory_budget)
     archive = copy_weights and tgt.driver == "local-task" and not staged  # a CPU device maps it in place
     layout = dataclasses.replace(layout, signed=archive)
-    layout = with_kernels(layout, activations, config) if compiler else layout
     specs, loops = _functions_to_compile(config, max_len, window, batch_sizes, staged, loops, progress)
     flags, timeout = compile_flags(tgt, data_tiling, staged, bool(loops)), compile_timeout()  # checked before export
     loop_specs = _loop_specs(loops, max_len)
@@ -171,8 +168,7 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
     say(f"exporting {len(specs)} steps{f' and {len(loop_specs)} decode loops' if loop_specs else ''} to StableHLO")
     with atomic_dir(out_dir, COMPILE_COMMAND, inputs=(model_dir,), force=force) as staging, \
             tempfile.TemporaryDirectory(prefix="llada-kernels-") as objects:
-        linked = target_objects(tgt, compiler, Path(objects)) if layout.kernels else None
-        module = bundle_module(functions, layout, linked)
+        module = bundle_module(functions, layout, target_objects(tgt, compiler, Path(objects)) if compiler else None)
         tuned = tunable_matmuls(module, tiles)
         say(f"compiling for {tgt.name} ({tgt.note or tgt.driver})")
         spec = tuning_spec(tuned, tiles) if tuned and tiles else None
@@ -180,9 +176,7 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
         weights = _place_weights(model_dir, staging, copy_weights, layout)
         if loops:
             write_run_script(staging, loops[0], config, tgt.driver, weights)
-        for name in TOKENIZER_FILES:
-            if (model_dir / name).is_file():
-                shutil.copyfile(model_dir / name, staging / name)
+        _copy_tokenizer(model_dir, staging)
         manifest = {
             "format": FORMAT_VERSION, "model_config": dict(config.to_hf_dict(), **_quantization(model_dir)),
             "eot_token_id": config.eot_token_id, "target": tgt.name, "driver": tgt.driver, "flags": list(flags),
@@ -198,6 +192,21 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
         }
         _write_manifest(staging, manifest)
     return out_dir
+
+
+def _kernels(tgt, model_dir: Path, config, kernels: Kernels, activations: Activations) -> tuple:
+    """(the C compiler command building our kernels for `tgt`, or None; the weight layout, with the matrices they
+    multiply declared for them), after checking the activations against what will run them."""
+    layout = weight_layout(model_dir, config)
+    compiler = kernel_compiler(tgt, layout, kernels)
+    check_activations(activations, layout.quantized, "own" if compiler else "compiler")
+    return compiler, with_kernels(layout, activations, config) if compiler else layout
+
+
+def _copy_tokenizer(model_dir: Path, staging: Path) -> None:
+    for name in TOKENIZER_FILES:
+        if (model_dir / name).is_file():
+            shutil.copyfile(model_dir / name, staging / name)
 
 
 def _loop_specs(loops, max_len: int) -> list:

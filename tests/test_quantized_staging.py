@@ -73,7 +73,7 @@ def test_quantized_stages_stream_fewer_bytes(models, tiny_dir):
         scales = sum(shape[0] * scheme.groups(shape[1]) for name, shape, _ in layer_layout(TINY).entries
                      if len(shape) == 2)
         assert matrices * scheme.bits // 8 + 4 * scales <= layer < 0.45 * float_layer
-        assert stages.quantization[0] and all(bits == scheme.bits for _, bits, _ in stages.quantization[0])
+        assert stages.quantization[0] and all(bits == scheme.bits for _, bits, *_ in stages.quantization[0])
 
 
 def stored_integers(weight) -> np.ndarray:

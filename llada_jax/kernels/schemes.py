@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
+Kernels = Literal["own", "compiler"]  # our kernels where they apply, or XLA's / IREE's code
+KERNELS: tuple[str, ...] = get_args(Kernels)
 BLOCK = 32  # the kernels' activation block: the columns and every scale group are whole blocks
 SCHEMES = {(4, "int8"): "w4a8", (4, "float"): "w4a16", (8, "int8"): "w8a8"}
 

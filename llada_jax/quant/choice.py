@@ -4,19 +4,17 @@ against the checkpoint before any weight is read."""
 from __future__ import annotations
 
 import re
-from typing import Literal, get_args
+from typing import get_args
 
 import jax
 
 from llada_jax.kernels import xla as own_kernels
-from llada_jax.kernels.schemes import BLOCK
+from llada_jax.kernels.schemes import BLOCK, KERNELS, Kernels
 from llada_jax.quant.quantize import Activations
 from llada_jax.system.errors import LladaError
 from llada_jax.system.host_cpu import cpu_flags
 
 ACTIVATIONS: tuple[str, ...] = get_args(Activations)
-Kernels = Literal["own", "compiler"]  # our kernels where they apply (`llada_jax.kernels`), or XLA's / IREE's code
-KERNELS: tuple[str, ...] = get_args(Kernels)
 
 DECODER_LAYER = re.compile(r"\.(blocks|layers)\.\d+\.")  # a decoder layer's module, in any family's names
 

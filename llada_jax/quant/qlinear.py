@@ -164,10 +164,14 @@ def offset_values(packed: jax.Array, bits: int, activations: Activations) -> tup
 UNSIGNED = {4: jnp.uint4, 8: jnp.uint8}
 
 
-def from_packed_bytes(packed: jax.Array, scale: jax.Array, bits: int, activations: Activations) -> QuantizedWeight:
-    """A QuantizedWeight on XLA from a matrix's compressed-tensors bytes `[O, I * bits / 8]` uint8 (values
-    offset by 2**(bits-1); two 4-bit values per byte, low nibble first) and its float32 scales."""
+def from_packed_bytes(packed: jax.Array, scale: jax.Array, bits: int, activations: Activations,
+                      kernel: str = "") -> QuantizedWeight:
+    """A QuantizedWeight on XLA from a matrix's compressed-tensors bytes `[O, I * bits / 8]` uint8 (values offset
+    by 2**(bits-1); two 4-bit values per byte, low nibble first; `kernel`: ours takes them) and float32 scales."""
     shape = (packed.shape[0], packed.shape[1] * 8 // bits)
+    if kernel:
+        return QuantizedWeight(jax.lax.bitcast_convert_type(packed, jnp.int8), scale, activations,
+                               offset=1 << (bits - 1), nibbles=bits == 4, kernel=kernel)
     if bits == 4 and _splits_in_nibbles(shape, scale.shape):
         return QuantizedWeight(packed, scale, activations, xla_row_block(shape, jnp.uint8), offset=8, nibbles=True)
     if bits == 8:
@@ -178,13 +182,13 @@ def from_packed_bytes(packed: jax.Array, scale: jax.Array, bits: int, activation
 
 
 def unpack_stage(weights: dict, quantization) -> dict:
-    """A staged stage's tensors with each quantized matrix `(name, bits, activations)` of `quantization`
+    """A staged stage's tensors with each quantized matrix `(name, bits, activations, kernel)` of `quantization`
     rebuilt from its `<name>.values` / `<name>.scale` parts (see `llada_jax.staging.packing.ByteLayout`)."""
     if not quantization:
         return weights
     out = {name: w for name, w in weights.items() if not name.endswith((".values", ".scale"))}
-    for name, bits, activations in quantization:
-        out[name] = from_packed_bytes(weights[f"{name}.values"], weights[f"{name}.scale"], bits, activations)
+    for name, bits, activations, kernel in quantization:
+        out[name] = from_packed_bytes(weights[f"{name}.values"], weights[f"{name}.scale"], bits, activations, kernel)
     return out
 
 

@@ -20,13 +20,14 @@ from typing import Callable, Protocol
 import numpy as np
 from numpy.typing import DTypeLike
 
+from llada_jax.kernels.schemes import Kernels, scheme_for
 from llada_jax.model.arrays import Array
 from llada_jax.model.config import LLaDAConfig
 from llada_jax.model.kv_state import HIDDEN, KVState, visible_bias
 from llada_jax.model.params import stage_key, tensor_places
 from llada_jax.model.readout import HeadChunkReadout, Reads, StepOutput, combine_head_chunks, read_columns
 from llada_jax.model.shapes import kv_shape
-from llada_jax.quant.quantize import Activations, HostQuantized, dequantize
+from llada_jax.quant.quantize import Activations, HostQuantized, QuantScheme, dequantize
 from llada_jax.staging.packing import (
     PackedLayout,
     head_chunk_tensors,
@@ -37,8 +38,9 @@ from llada_jax.staging.packing import (
 )
 from llada_jax.system.errors import LladaError
 
-# A stage's quantized matrices, as the jitted pieces take them (static): (name, bits, activations) each.
-Quantization = tuple[tuple[str, int, str], ...]
+# A stage's quantized matrices, as the jitted pieces take them (static): (name, bits, activations, our kernel
+# or "") each.
+Quantization = tuple[tuple[str, int, str, str], ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +69,8 @@ class StagedWeights:
         return rows.reshape(*ids.shape, rows.shape[-1]).astype(self.dtype)
 
 
-def pack_weights(tensors, config: LLaDAConfig, dtype, activations: Activations = "float") -> StagedWeights:
+def pack_weights(tensors, config: LLaDAConfig, dtype, activations: Activations = "float",
+                 kernels: Kernels = "compiler") -> StagedWeights:
     """Pack every stage from (HF name, host array or HostQuantized) pairs read one at a time; a stage is
     packed as soon as its last tensor arrives, so at most a few stages are ever held unpacked."""
     n = config.n_layers
@@ -84,9 +87,9 @@ def pack_weights(tensors, config: LLaDAConfig, dtype, activations: Activations =
         stage, short = stage_of[name]
         pending.setdefault(stage, {})[short] = array
         if stage < n and len(pending[stage]) == len(layer_layout(config, stage).entries):
-            packed[stage] = _pack_stage(pending.pop(stage), layer_layout(config, stage), dtype, activations)
+            packed[stage] = _pack_stage(pending.pop(stage), layer_layout(config, stage), dtype, activations, kernels)
     head = pending.pop(n)
-    chunks = [_pack_stage(chunk, head_layout(config), dtype, activations)
+    chunks = [_pack_stage(chunk, head_layout(config), dtype, activations, kernels)
               for chunk in head_chunk_tensors(head["ln_f"], head["lm_head"], config)]
     stages = [packed[i] for i in range(n)] + chunks
     assert embedding is not None, "the checkpoint's names were checked at load: it has an embedding"
@@ -94,7 +97,8 @@ def pack_weights(tensors, config: LLaDAConfig, dtype, activations: Activations =
                          tuple(s[1] for s in stages), tuple(s[2] for s in stages))
 
 
-def _pack_stage(tensors: dict, layout: PackedLayout, dtype, activations: Activations) -> tuple:
+def _pack_stage(tensors: dict, layout: PackedLayout, dtype, activations: Activations,
+                kernels: Kernels = "compiler") -> tuple:
     """(packed buffer, its layout, its Quantization) of one stage; quantized matrices keep their integers."""
     schemes = {name: t.scheme for name, t in tensors.items() if isinstance(t, HostQuantized)}
     if not schemes:
@@ -108,8 +112,14 @@ def _pack_stage(tensors: dict, layout: PackedLayout, dtype, activations: Activat
             parts[f"{name}.values"], parts[f"{name}.scale"] = words.view(np.uint8), tensor.scale
         else:
             parts[name] = tensor
-    modes = tuple((name, scheme.bits, scheme.matmul_activations(activations)) for name, scheme in schemes.items())
-    return quantized.pack(parts), quantized, modes
+    return quantized.pack(parts), quantized, tuple(_mode(name, scheme, shapes[name], activations, kernels)
+                                                  for name, scheme in schemes.items())
+
+
+def _mode(name: str, scheme: QuantScheme, shape: tuple, activations: Activations, kernels: Kernels) -> tuple:
+    """(name, bits, activations, kernel) of one staged matrix: our kernel where one takes it (as resident)."""
+    kernel = scheme_for(scheme.bits, activations, shape[1], scheme.group_size or shape[1]) if kernels == "own" else None
+    return name, scheme.bits, activations if kernel else scheme.matmul_activations(activations), kernel or ""
 
 
 def kv_bytes(config: LLaDAConfig, batch: int, slots: int, itemsize: int) -> int:

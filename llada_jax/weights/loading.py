@@ -106,8 +106,8 @@ def load(path, dtype: str = "float32", device_memory_budget: int | None = None, 
     bar = functools.partial(tqdm, total=len(hf_shapes(config)), desc=f"loading {model_dir.name}", unit="tensor",
                             file=sys.stderr, leave=False, disable=model.weight_bytes < LOAD_BAR_BYTES)
     if staged:
-        model = dataclasses.replace(model, staged=pack_weights(bar(iter_tensors(model_dir, config)),
-                                                               config, np.dtype(model.jnp_dtype), activations))
+        model = dataclasses.replace(model, staged=pack_weights(bar(iter_tensors(model_dir, config)), config,
+                                                               np.dtype(model.jnp_dtype), activations, kernels))
     else:
         model = dataclasses.replace(model, params=load_params(model_dir, config, dtype, activations, mesh, wrap=bar,
                                                                   kernels=kernels))
