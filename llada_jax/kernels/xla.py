@@ -21,14 +21,13 @@ TARGETS = {"llada_int8_matmul": "LladaInt8Matmul", "llada_float_matmul": "LladaF
 
 
 @functools.cache
-def load(library: Path | None = None) -> str:
+def load() -> str:
     """Builds (first time on this machine) and registers the kernels with XLA; the ISA path they use.
     Raises LladaError without a C compiler or when the build fails."""
-    if library is None:
-        toolchain = find_toolchain()
-        if toolchain is None:
-            raise LladaError("no C compiler (cc/gcc/clang and c++) on PATH to build the kernels")
-        library = xla_library(toolchain, Path(jax.ffi.include_dir()))
+    toolchain = find_toolchain()
+    if toolchain is None:
+        raise LladaError("no C compiler (cc/gcc/clang and c++) on PATH to build the kernels")
+    library = xla_library(toolchain, Path(jax.ffi.include_dir()))
     handle = ctypes.CDLL(str(library))
     for target, symbol in TARGETS.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(handle, symbol)), platform="cpu")

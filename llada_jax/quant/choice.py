@@ -46,7 +46,7 @@ def kernels_in_use(kernels: Kernels, quantized: dict, mesh=None, activations: Ac
     """"own" where our kernels can run this model's matmuls (a quantized checkpoint, one CPU device, the
     kernels built on this machine), else "compiler" (after a one-line note when the build is what failed).
     Float activations in bfloat16 steps on a CPU with bf16 dot products (avx512_bf16, amx_bf16) stay XLA's: its
-    bf16 matmuls beat our float32 W4A16 there (LLaDA-8B int4, 32 positions: 1.14 against 2.36 s on Zen 5)."""
+    bf16 matmuls beat our float32 W4A16 there (eval/RESULTS.md, "Our kernels against llama.cpp")."""
     if kernels not in KERNELS:
         raise LladaError(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
     if kernels == "compiler" or not quantized or mesh is not None or jax.default_backend() != "cpu":

@@ -1,6 +1,7 @@
 /* W4A16: 4-bit group-wise weights x float activations, each weight dequantized in registers to exactly
  * its float32 value (v - 8) x scale; float32 products and sums. The accuracy reference for W4A8. */
 #include "kernels.h"
+#include "row_lanes.h"
 #include "simd.h"
 
 #if defined(LLK_X86) && !defined(__AVX512VL__)
@@ -39,31 +40,26 @@ ALWAYS_INLINE void float_tile(const llk_weights* w, const float* x, float* out, 
     for (int j = 0; j < nc; j++) out[(r + j) * w->rows + o + i] = hsum(acc[i][j]);
 }
 
-#if defined(__AVX512F__)
-/* 16 weight rows in the lanes of a register (as `row_lanes.h`): per block each row's 4-byte groups are gathered,
+#if defined(LLK_ROW_LANES) && LANES == 16
+/* 16 weight rows in the lanes of a register (`row_lanes.h`): per block each row's 4-byte groups are gathered,
  * and 8 columns at a time become 16-row float vectors, each multiplied by one broadcast activation for every
  * position of a chunk of 16, whose accumulators stay in registers. */
-#define LANES 16
 #define CHUNK 16
 
 ALWAYS_INLINE void float_lanes(const llk_weights* w, const float* x, float* out, int64_t row, int64_t p0,
                                const int nc) {
-  int64_t columns = w->columns, groups = w->columns / w->group, stride = columns / 2;
-  __m512i offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                       _mm512_set1_epi32((int)stride));
+  int64_t columns = w->columns, stride = columns / 2;
   const __m512i low4 = _mm512_set1_epi32(15);
   __m512 acc[CHUNK];
   for (int p = 0; p < nc; p++) acc[p] = _mm512_setzero_ps();
   for (int64_t b = 0; b < columns / LLK_BLOCK; b++) {
-    float scales[LANES];
-    for (int k = 0; k < LANES; k++)
-      scales[k] = scale_at(w->scales, (row + k) * groups + b * LLK_BLOCK / w->group, w->scale_bf16);
-    __m512 scale = _mm512_loadu_ps(scales), minus8scale = _mm512_mul_ps(scale, _mm512_set1_ps(-8.0f));
+    __m512 scale = lane_scales(w, row, b * LLK_BLOCK / w->group);
+    __m512 minus8scale = _mm512_mul_ps(scale, _mm512_set1_ps(-8.0f));
     const uint8_t* base = w->weights + row * stride + b * (LLK_BLOCK / 2);
     for (int q = 0; q < 4; q++) { /* block-order columns 8q..8q+7: low nibbles of bytes 0-15, then high */
       __m512 wf[8];
       for (int half = 0; half < 2; half++) {
-        __m512i raw = _mm512_i32gather_epi32(offsets, base + 8 * (q & 1) + 4 * half, 1);
+        __m512i raw = lane_gather(base + 8 * (q & 1) + 4 * half, stride);
         for (int t = 0; t < 4; t++) {
           __m512i v = _mm512_and_si512(_mm512_srli_epi32(raw, 8 * t + (q >= 2 ? 4 : 0)), low4);
           wf[4 * half + t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), scale, minus8scale);
@@ -91,7 +87,7 @@ static int64_t lanes_w4a16(const llk_weights* w, const float* x, int64_t positio
 
 void llk_w4a16(const llk_weights* w, const float* ordered, int64_t positions, float* out, int64_t o_begin,
                int64_t o_end) {
-#if defined(__AVX512F__)
+#if defined(LLK_ROW_LANES) && LANES == 16
   o_begin = lanes_w4a16(w, ordered, positions, out, o_begin, o_end);
 #endif
   int64_t whole_rows = o_begin + (o_end - o_begin) / TILE_ROWS * TILE_ROWS;
