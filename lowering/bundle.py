@@ -21,16 +21,14 @@ from pathlib import Path
 
 from llada_jax.families import host_loop_conventions
 from llada_jax.model.config import read_config, read_hf_dict
-from llada_jax.model.params import uniform_layers
 from llada_jax.quant.choice import Kernels, check_activations
 from llada_jax.quant.quantize import Activations
 from llada_jax.system.atomic import atomic_dir, check_output_dir
 from llada_jax.system.errors import LladaError
 from llada_jax.weights.checkpoint import compute_dtype
-from llada_jax.weights.memory_plan import weight_bytes
 from llada_jax.weights.tokenizer import eot_id_from_files
 from llada_jax.weights.weights_io import INDEX_FILE, weight_files
-from lowering.bundle_format import ARCHIVE, FORMAT_VERSION, MANIFEST, TOKENIZER_FILES, VMFB, runs_staged, sha256
+from lowering.bundle_format import ARCHIVE, FORMAT_VERSION, MANIFEST, TOKENIZER_FILES, VMFB, sha256
 from lowering.bundle_module import bundle_module
 from lowering.bundle_weights import WeightLayout, weight_layout, with_kernels, write_archive
 from lowering.export import (
@@ -38,13 +36,13 @@ from lowering.export import (
     loop,
     loop_manifest,
     signature_manifest,
-    staged_specs,
     step,
     step_specs,
 )
 from lowering.kernel_dispatch import kernel_compiler, kernels_manifest, target_objects
 from lowering.matmul_tiles import tunable_matmuls, tuning_spec
 from lowering.run_script import write_run_script
+from lowering.stage_ring import byte_size, resident_bytes, ring_plan
 from lowering.targets import compile_flags, target, target_tiles
 from policies.loop_io import BakedLoops
 
@@ -156,11 +154,11 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
     check_output_dir(out_dir, COMPILE_COMMAND, (model_dir,), force)  # before minutes of export and compile
     compute, (compiler, layout) = compute_dtype(dtype), _kernels(tgt, model_dir, config, kernels, activations)
     batch_sizes = check_batch_sizes(batch_sizes)
-    staged = _runs_staged(config, layout, device_memory_budget)
-    archive = copy_weights and tgt.driver == "local-task" and not staged  # a CPU device maps it in place
+    archive = copy_weights and tgt.driver == "local-task"  # a CPU device maps it in place
     layout = dataclasses.replace(layout, signed=archive)
-    specs, loops = _functions_to_compile(config, max_len, window, batch_sizes, staged, loops, progress)
-    flags, timeout = compile_flags(tgt, data_tiling, staged, bool(loops)), compile_timeout()  # checked before export
+    layout = dataclasses.replace(layout, streamed=_streams(config, layout, device_memory_budget))
+    specs = step_specs(max_len, window, batch_sizes)
+    flags, timeout = compile_flags(tgt, data_tiling, layout.streamed, bool(loops)), compile_timeout()  # before export
     loop_specs = _loop_specs(loops, max_len)
     say = progress or (lambda message: None)
     tiles = target_tiles(tgt, data_tiling)
@@ -168,7 +166,8 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
     say(f"exporting {len(specs)} steps{f' and {len(loop_specs)} decode loops' if loop_specs else ''} to StableHLO")
     with atomic_dir(out_dir, COMPILE_COMMAND, inputs=(model_dir,), force=force) as staging, \
             tempfile.TemporaryDirectory(prefix="llada-kernels-") as objects:
-        module = bundle_module(functions, layout, target_objects(tgt, compiler, Path(objects)) if compiler else None)
+        module = bundle_module(functions, layout, config,
+                               target_objects(tgt, compiler, Path(objects)) if compiler else None)
         tuned = tunable_matmuls(module, tiles)
         say(f"compiling for {tgt.name} ({tgt.note or tgt.driver})")
         spec = tuning_spec(tuned, tiles) if tuned and tiles else None
@@ -184,7 +183,7 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
             "matmul_tiles": tiles and tiles._asdict(), "activations": activations, "parameters": layout.manifest(),
             "kernels": kernels_manifest(tgt, compiler, layout),
             "max_len": max_len, "window": window, "batch_sizes": list(batch_sizes),
-            "device_memory_budget": device_memory_budget, "staged": staged,
+            "device_memory_budget": device_memory_budget, "staged": False, "streamed": _streamed(layout, config),
             "compile_seconds": round(seconds, 2), "weights": weights,
             "steps": [signature_manifest(spec, config, compute) for spec in specs],
             "loops": [loop_manifest(spec, function) for spec, function in zip(loop_specs, functions[len(specs):])],
@@ -267,36 +266,29 @@ def _quantization(model_dir: Path) -> dict:
     return {"quantization_config": hf["quantization_config"]} if "quantization_config" in hf else {}
 
 
-def _runs_staged(config, layout: WeightLayout, budget: int | None) -> bool:
-    """Whether the weights, as the bundle holds them on the device, exceed the budget (then they stream)."""
+def _streams(config, layout: WeightLayout, budget: int | None) -> bool:
+    """Whether the weights, as the bundle stores them, exceed the budget: then the program streams its layers and
+    head through a ring of two stage-sized buffers (`lowering.stage_ring`), which must fit beside the rest."""
     if budget is None:
         return False
     if budget <= 0:
         raise LladaError(f"device memory budget must be a positive number of bytes, got {budget}")
-    if not layout.quantized:
-        staged = runs_staged(budget, config)
-        if staged and not uniform_layers(config):
-            raise LladaError(f"{config.family} bundles cannot stream their weights yet: its dense first layers "
-                             "and MoE layers need two staged layer pieces (staging runs on XLA: "
-                             "llada generate --device-memory-budget)")
-        return staged
-    if budget < weight_bytes(config, 4, layout.quantized):
-        raise LladaError(f"a quantized model needs {weight_bytes(config, 4, layout.quantized):,} bytes of device "
-                         f"memory; bundles that stream quantized weights are not supported yet (raise the budget)")
-    return False
+    if budget >= sum(byte_size(p) for p in layout.parameters):
+        return False
+    needed = resident_bytes(layout, config) + ring_plan(layout, config).ring_bytes
+    if budget < needed:
+        raise LladaError(f"a device memory budget of {budget:,} bytes is too small for this model: streaming its "
+                         f"weights needs {needed:,} (the embedding and two stages: a layer's or the LM head's)")
+    return True
 
 
-def _functions_to_compile(config, max_len: int, window: int, batch_sizes: tuple[int, ...], staged: bool,
-                          loops: tuple, progress) -> tuple[list, tuple]:
-    """The steps of every shape (per-layer pieces in place of the resident steps when the weights exceed
-    the device memory budget: they would not fit), and the decode loops unless the weights stream."""
-    specs = step_specs(max_len, window, batch_sizes)
-    if not staged:
-        return specs, loops
-    if loops:
-        (progress or print)("the weights are streamed per layer: the bundle runs the host loop only "
-                            "(no compiled decode loop, no run.sh)")
-    return staged_specs(specs) + [spec for spec in specs if spec.kind == "commit"], ()
+def _streamed(layout: WeightLayout, config) -> dict | None:
+    """What the manifest says of streamed weights: the ring's size and each stage's bytes."""
+    if not layout.streamed:
+        return None
+    plan = ring_plan(layout, config)
+    return {"ring_bytes": plan.ring_bytes, "resident_bytes": resident_bytes(layout, config),
+            "stage_bytes": [sum(piece.length for piece in stage) for stage in plan.stages]}
 
 
 def _place_weights(model_dir: Path, staging: Path, copy: bool, layout: WeightLayout) -> dict:

@@ -46,6 +46,9 @@ class WeightLayout:
     # Modules our kernels multiply (module -> "w4a8" | "w4a16" | "w8a8"): their `weight_packed` is declared as the
     # bytes it is stored as, `[O, I * bits / 8]` int8, offset as stored (the kernels read it so), in any file.
     kernels: dict[str, str] = dataclasses.field(default_factory=dict)
+    # The layers' and the LM head's tensors are read by the program stage by stage under a device memory budget
+    # (`lowering.stage_ring`), not held resident.
+    streamed: bool = False
 
     def manifest(self) -> list[dict]:
         return [{"name": p.name, "shape": list(p.shape), "dtype": p.dtype} for p in self.parameters]

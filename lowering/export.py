@@ -24,6 +24,7 @@ from llada_jax.quant.quantize import Activations
 from llada_jax.staging.packing import PackedLayout, head_chunks, head_layout, layer_layout
 from lowering.bundle_format import StepSpec
 from lowering.bundle_weights import WeightLayout
+from lowering.bundle_params import params_of
 from policies.decode_loop import decode_loop
 from policies.loop_io import LoopInputs, LoopOutputs, LoopSpec
 
@@ -233,32 +234,6 @@ def loop(spec: LoopSpec, config: LLaDAConfig, compute_dtype, layout: WeightLayou
                                  layout_rule=layout_rule))
 
     return Function(spec.name, True, signature(LoopInputs._fields), signature(LoopOutputs._fields), run)
-
-
-def params_of(weights, layout: WeightLayout, config: LLaDAConfig, compute_dtype, activations: Activations) -> dict:
-    """The params pytree from the named parameters as stored (`lowering.bundle_weights`): float tensors
-    cast to the compute dtype, each quantized module a `QuantizedWeight` (offset values signed again; no
-    hoisting barrier, which iree-compile could not schedule at LLaDA-8B's size)."""
-    stored = {p.name: w for p, w in zip(layout.parameters, weights)}
-    tensors = {}
-    for name in hf_shapes(config):
-        module = name[: -len(".weight")]
-        if module not in layout.quantized:
-            tensors[name] = stored[name].astype(compute_dtype)
-            continue
-        bits = layout.quantized[module].bits
-        if module in layout.kernels:  # our kernel reads the bytes (declared i8) and scales as stored
-            tensors[name] = QuantizedWeight(stored[module + ".weight_packed"], stored[module + ".weight_scale"],
-                                            activations, hoist_barrier=False, offset=1 << (bits - 1),
-                                            nibbles=bits == 4, kernel=layout.kernels[module])
-            continue
-        scale = stored[module + ".weight_scale"].astype(jnp.float32)
-        activation = layout.quantized[module].matmul_activations(activations)
-        packed = stored[module + ".weight_packed"]
-        values, offset = (packed, 0) if layout.signed else offset_values(packed, bits, activation)
-        tensors[name] = QuantizedWeight(values, scale, activation, row_block_for(values.shape), hoist_barrier=False,
-                                        offset=offset)
-    return hf_to_params(tensors, config)
 
 
 def weight_structs(layout: WeightLayout) -> list[jax.ShapeDtypeStruct]:

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from llada_jax.model.config import LLaDAConfig
 from llada_jax.model.layout import XLA_LAYOUT, Features, LayoutRule, rms_norm, swiglu
 from llada_jax.model.moe import sparse_mlp
+from llada_jax.model.staged import fetch
 from llada_jax.quant.qlinear import QuantizedWeight, quantized_linear, quantized_rows, stored_matmul
 
 
@@ -133,6 +134,7 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, token_bias: j
     key_bias = token_bias if context is None else jnp.concatenate([context.bias, token_bias], axis=1)
     new_keys, new_values = [], []
     for layer, block in enumerate(params["blocks"]):
+        block, x = fetch(block, x)  # a streamed layer is read in here (`llada_jax.model.staged`)
         cached = None if context is None else (context.keys[layer], context.values[layer])
         x, k, v = decoder_layer(block, x, rotary, cached, key_bias, config, layout_rule=layout_rule)
         new_keys.append(k)
@@ -169,7 +171,7 @@ def head_logits(params: dict, hidden: jax.Array, layout_rule: LayoutRule = XLA_L
     (axis 0) where a feature-major head leaves them for the readout (`Features.logits`). Float heads run in the
     layout `layout_rule` picks for this many rows (`llada_jax.model.layout`; on XLA the bench-size head on 32 rows
     took 13.0 ms against 16.9 position-major), except bf16 heads on XLA, which run position-major."""
-    head = params["lm_head"]
+    head, hidden = fetch(params["lm_head"], hidden)
     if isinstance(head, QuantizedWeight):
         return quantized_linear(hidden, head, dtype=jnp.float32), 2
     b, w, _ = hidden.shape

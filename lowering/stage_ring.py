@@ -1,0 +1,197 @@
+"""Weights streamed by the IREE program itself: a bundle whose weights exceed its device memory budget reads
+each stage (a decoder layer's tensors, or the LM head's) from the weights file into a ring of two device buffers
+while the stage before it computes, so `iree-run-module` (and `run.sh`) runs it with no host code of ours.
+
+The steps are exported with a `llada_stage` custom call where each stage is needed (`llada_jax.model.staged`);
+`rewrite_stage_calls` replaces each call with a call to a function that:
+1. signals a fence when the activations entering the stage are computed (`hal.tensor.barrier`): every use of
+   the stage before, and so of the slot it occupies, is then over;
+2. takes the stage from the slot the last call prefetched into, or (a miss: the calls came in another order)
+   reads it into the free slot with `io_parameters.gather`;
+3. prefetches the next stage (layers in order, then the head, then layer 0) into the other slot, waiting for
+   that fence, and records it in the ring's globals;
+4. hands the stage's tensors to the step as `hal.tensor.import`s of the slot, waiting for its read.
+The weights file is the one the bundle binds to scope "model"; nothing is read at load but the resident tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+from llada_jax.model.params import tensor_places
+from llada_jax.model.staged import TARGET
+from lowering.bundle_format import PARAMETER_SCOPE
+from lowering.bundle_weights import Parameter, WeightLayout
+
+ALIGNMENT = 256  # bytes between a slot's tensors
+ITEM_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "int8": 1.0, "int4": 0.5}
+CALL = re.compile(
+    rf"^(?P<indent>\s*)(?P<result>%[\w#]+):(?P<count>\d+) = stablehlo\.custom_call @{TARGET}"
+    r"\((?P<operands>[^)]*)\) \{(?P<attributes>.*)\} : \((?P<types>[^)]*)\) -> \((?P<result_types>[^)]*)\)$",
+    re.MULTILINE)
+STAGE_INDEX = re.compile(r"stage = (\d+) : i64")
+
+
+@dataclasses.dataclass(frozen=True)
+class Slice:
+    key: str      # the parameter's name in the weights file
+    offset: int   # bytes into the slot
+    length: int   # bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class RingPlan:
+    stages: tuple[tuple[Slice, ...], ...]  # per stage: its tensors, in the order the step takes them
+
+    @property
+    def slot_bytes(self) -> int:
+        return max(s[-1].offset + s[-1].length for s in self.stages)
+
+    @property
+    def ring_bytes(self) -> int:
+        return 2 * self.slot_bytes
+
+
+def stage_of(parameter: Parameter, config) -> int | None:
+    """The stage a parameter streams with (a layer's index, n_layers for the LM head), None if resident."""
+    places = tensor_places(config)
+    name = parameter.name if parameter.name in places else parameter.name.rsplit(".", 1)[0] + ".weight"
+    place = places[name]
+    if place[0] == "blocks":
+        return place[1]
+    return config.n_layers if place[0] == "lm_head" else None
+
+
+def byte_size(parameter: Parameter) -> int:
+    return int(math.prod(parameter.shape) * ITEM_BYTES[parameter.dtype])
+
+
+def ring_plan(layout: WeightLayout, config) -> RingPlan:
+    """Each stage's parameters laid out in a slot, in the layout's order (the order the steps take them)."""
+    stages: list[list[Slice]] = [[] for _ in range(config.n_layers + 1)]
+    for parameter in layout.parameters:
+        stage = stage_of(parameter, config)
+        if stage is not None:
+            slices = stages[stage]
+            offset = -(-(slices[-1].offset + slices[-1].length) // ALIGNMENT) * ALIGNMENT if slices else 0
+            slices.append(Slice(parameter.name, offset, byte_size(parameter)))
+    return RingPlan(tuple(tuple(s) for s in stages))
+
+
+def resident_bytes(layout: WeightLayout, config) -> int:
+    """Bytes of the weights that stay resident (the embedding and the final norm)."""
+    return sum(byte_size(p) for p in layout.parameters if stage_of(p, config) is None)
+
+
+def rewrite_stage_calls(module_text: str, plan: RingPlan, prefix: str) -> tuple[str, list[str]]:
+    """`module_text` with each `llada_stage` call replaced by a call to its fetch function (named `prefix` +
+    `fetch_<n>`); those functions."""
+    functions: list[str] = []
+
+    def replace(match: re.Match) -> str:
+        stage = int(STAGE_INDEX.search(match["attributes"])[1])  # type: ignore[index]
+        name = f"{prefix}fetch_{len(functions)}"
+        types = [t.strip() for t in match["types"].split(",")]
+        functions.append(_fetch_function(name, stage, types, plan))
+        x = match["operands"].split(",")[0].strip()
+        return (f"{match['indent']}{match['result']}:{match['count']} = util.call @{name}({x}) : ({types[0]}) -> "
+                f"({match['result_types']})")
+
+    return CALL.sub(replace, module_text), functions
+
+
+def ring_parts(plan: RingPlan) -> list[str]:
+    """The ring's globals, their initializer (two slots allocated, no stage pending) and each stage's read."""
+    lines = ["  util.global private @__ring_slot0 : !hal.buffer", "  util.global private @__ring_slot1 : !hal.buffer",
+             "  util.global private mutable @__ring_current : index",
+             "  util.global private mutable @__ring_pending : index",
+             "  util.global private mutable @__ring_ready : !hal.fence",
+             "  util.initializer {", *_indent(_device(), 4),
+             f"    %size = arith.constant {plan.slot_bytes} : index",
+             "    %allocator = hal.device.allocator<%device : !hal.device> : !hal.allocator",
+             '    %usage = hal.buffer_usage<"TransferSource|TransferTarget|Transfer|DispatchStorageRead|'
+             'DispatchStorageWrite|DispatchStorage"> : i32',
+             '    %memory = hal.memory_type<"DeviceVisible|DeviceLocal"> : i32']
+    for slot in (0, 1):
+        lines += [f"    %slot{slot} = hal.allocator.allocate<%allocator : !hal.allocator> affinity(%affinity) "
+                  "type(%memory) usage(%usage) : !hal.buffer{%size}",
+                  f"    util.global.store %slot{slot}, @__ring_slot{slot} : !hal.buffer"]
+    lines += ["    %none = arith.constant -1 : index", "    %c0 = arith.constant 0 : index",
+              '    %ready = hal.fence.create device(%device : !hal.device) flags("None") : !hal.fence',
+              "    hal.fence.signal<%ready : !hal.fence>",
+              "    util.global.store %c0, @__ring_current : index",
+              "    util.global.store %none, @__ring_pending : index",
+              "    util.global.store %ready, @__ring_ready : !hal.fence", "    util.return", "  }"]
+    for index, slices in enumerate(plan.stages):
+        lines += _gather_function(index, slices)
+    return lines
+
+
+def _device() -> list[str]:
+    return ["%c0_device = arith.constant 0 : index", "%device = hal.devices.get %c0_device : !hal.device",
+            "%affinity = arith.constant -1 : i64"]
+
+
+def _indent(lines: list[str], spaces: int) -> list[str]:
+    return [" " * spaces + line for line in lines]
+
+
+def _gather_function(index: int, slices: tuple[Slice, ...]) -> list[str]:
+    """`@__ring_read_<index>(slot, wait) -> fence`: the stage's tensors read into `slot` after `wait`."""
+    body = [*_device(), '%signal = hal.fence.create device(%device : !hal.device) flags("None") : !hal.fence',
+            "%zero = arith.constant 0 : i64",
+            f'%scope = util.buffer.constant : !util.buffer = "{PARAMETER_SCOPE}"']
+    reads = []
+    for i, piece in enumerate(slices):
+        body += [f'%key{i} = util.buffer.constant : !util.buffer = "{piece.key}"',
+                 f"%offset{i} = arith.constant {piece.offset} : index",
+                 f"%length{i} = arith.constant {piece.length} : index"]
+        reads.append(f"  %scope::%key{i}[%zero] -> %slot[%offset{i} for %length{i}] : !hal.buffer")
+    body += ["io_parameters.gather<%device : !hal.device> affinity(%affinity) wait(%wait) signal(%signal) {",
+             ",\n".join(reads), "}", "util.return %signal : !hal.fence"]
+    return [f"  util.func private @__ring_read_{index}(%slot: !hal.buffer, %wait: !hal.fence) -> !hal.fence {{",
+            *_indent(body, 4), "  }"]
+
+
+def _fetch_function(name: str, stage: int, types: list[str], plan: RingPlan) -> str:
+    """One call site's fetch: the barrier on the activations, the slot's stage (read on a miss), the next stage
+    prefetched into the other slot, the tensors imported (see the module's docstring)."""
+    following = (stage + 1) % len(plan.stages)
+    slices = plan.stages[stage]
+    body = [*_device(), "%c0 = arith.constant 0 : index", "%c1 = arith.constant 1 : index",
+            f"%stage = arith.constant {stage} : index", f"%following = arith.constant {following} : index",
+            '%done = hal.fence.create device(%device : !hal.device) flags("None") : !hal.fence',
+            f"%x_done = hal.tensor.barrier join(%x : {types[0]}) => %done : !hal.fence",
+            "%current = util.global.load @__ring_current : index",
+            "%pending = util.global.load @__ring_pending : index",
+            "%pending_ready = util.global.load @__ring_ready : !hal.fence",
+            "%slot0 = util.global.load @__ring_slot0 : !hal.buffer",
+            "%slot1 = util.global.load @__ring_slot1 : !hal.buffer",
+            "%in_slot0 = arith.cmpi eq, %current, %c0 : index",
+            "%previous = arith.select %in_slot0, %slot0, %slot1 : !hal.buffer",  # the stage before: free after %done
+            "%slot = arith.select %in_slot0, %slot1, %slot0 : !hal.buffer",      # this stage's
+            "%next_current = arith.subi %c1, %current : index",
+            "%hit = arith.cmpi eq, %pending, %stage : index",
+            "%ready = scf.if %hit -> !hal.fence {", "  scf.yield %pending_ready : !hal.fence", "} else {",
+            # the slot may still be filling with another stage: after that read, and after the stage before
+            '  %both = hal.fence.join at([%done, %pending_ready]) flags("None") -> !hal.fence',
+            f"  %read = util.call @__ring_read_{stage}(%slot, %both) : (!hal.buffer, !hal.fence) -> !hal.fence",
+            "  scf.yield %read : !hal.fence", "}",
+            f"%prefetched = util.call @__ring_read_{following}(%previous, %done) : (!hal.buffer, !hal.fence) -> "
+            "!hal.fence",
+            "util.global.store %next_current, @__ring_current : index",
+            "util.global.store %following, @__ring_pending : index",
+            "util.global.store %prefetched, @__ring_ready : !hal.fence"]
+    results = ["%x_done"]
+    for i, (piece, tensor_type) in enumerate(zip(slices, types[1:])):
+        body += [f"%o{i} = arith.constant {piece.offset} : index", f"%l{i} = arith.constant {piece.length} : index",
+                 f"%part{i} = hal.buffer.subspan<%slot : !hal.buffer>[%o{i}, %l{i}] : !hal.buffer",
+                 f"%w{i} = hal.tensor.import wait(%ready) => %part{i} : !hal.buffer -> {tensor_type}"]
+        results.append(f"%w{i}")
+    if len(slices) != len(types) - 1:
+        raise ValueError(f"stage {stage} takes {len(types) - 1} tensors; the ring plan has {len(slices)}")
+    body.append(f"util.return {', '.join(results)} : {', '.join(types)}")
+    return "\n".join([f"  util.func private @{name}(%x: {types[0]}) -> ({', '.join(types)}) {{",
+                      *_indent(body, 4), "  }"])
