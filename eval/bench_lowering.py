@@ -83,7 +83,7 @@ def generation_rows(model, bundle, session, prompts: list[np.ndarray], repeats: 
 
         def iree():
             for prompt in prompts:
-                generate_with_bundle(OpenBundle(bundle, session, None), prompt, **options)
+                generate_with_bundle(OpenBundle(bundle, session), prompt, **options)
 
         rows.append({"step": f"generate {policy} x{len(prompts)}", "xla_ms": 1e3 * median_seconds(xla, repeats),
                      "iree_ms": 1e3 * median_seconds(iree, repeats)})

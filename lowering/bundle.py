@@ -183,7 +183,7 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
             "matmul_tiles": tiles and tiles._asdict(), "activations": activations, "parameters": layout.manifest(),
             "kernels": kernels_manifest(tgt, compiler, layout),
             "max_len": max_len, "window": window, "batch_sizes": list(batch_sizes),
-            "device_memory_budget": device_memory_budget, "staged": False, "streamed": _streamed(layout, config),
+            "device_memory_budget": device_memory_budget, "streamed": _streamed(layout, config),
             "compile_seconds": round(seconds, 2), "weights": weights,
             "steps": [signature_manifest(spec, config, compute) for spec in specs],
             "loops": [loop_manifest(spec, function) for spec, function in zip(loop_specs, functions[len(specs):])],
@@ -295,8 +295,7 @@ def _place_weights(model_dir: Path, staging: Path, copy: bool, layout: WeightLay
     """Record absolute paths to the model's safetensors files, or copy them into the bundle: for a layout of
     signed integers (a CPU device reading resident named parameters) as one IREE parameter archive, whose
     aligned entries the device maps in place (safetensors entries are not aligned for that: the device copies
-    every weight at load); else as they are (a GPU uploads them anyway; staged pieces and the host side path
-    read them)."""
+    every weight at load); else as they are (a GPU uploads them anyway; the host side path reads them)."""
     files = sorted(set(weight_files(model_dir).values()))
     if not copy:
         return {"files": [str(model_dir / f) for f in files], "copied": False}

@@ -10,7 +10,6 @@ from llada_jax.kernels.build import HEADERS, KERNEL_SOURCES
 from llada_jax.model.config import read_config
 from llada_jax.quant.choice import Kernels
 from llada_jax.quant.quantize import Activations
-from llada_jax.staging.packing import head_layout, layer_layout
 from llada_jax.system.locations import user_cache_dir
 from lowering.bundle import check_batch_sizes, compile_bundle, iree_version, loop_refusal
 from lowering.bundle_format import FORMAT_VERSION, MANIFEST, sha256
@@ -21,8 +20,8 @@ def cached_bundle(model_dir, target: str, *, dtype: str = "float32", max_len: in
                   window: int | None = None, device_memory_budget: int | None = None, loops: tuple = (),
                   batch_sizes: tuple[int, ...] = (1,), activations: Activations = "float", data_tiling: bool = False,
                   progress=None, kernels: Kernels = "own") -> Path:
-    """A bundle for this model (by content), target, dtype, activations, kernels, data tiling, shapes, staged weight
-    layouts, compiled decode loops, IREE version and this host's matmul tiles; compiled if absent."""
+    """A bundle for this model (by content), target, dtype, activations, kernels, data tiling, shapes, budget,
+    compiled decode loops, IREE version and this host's matmul tiles; compiled if absent."""
     model_dir = Path(model_dir).absolute()
     config = read_config(model_dir)
     loops = () if loop_refusal(config) else loops  # see `bundle.compile_bundle`
@@ -35,7 +34,6 @@ def cached_bundle(model_dir, target: str, *, dtype: str = "float32", max_len: in
                       "data_tiling": data_tiling,
                       "max_len": max_len, "window": window,
                       "budget": device_memory_budget, "format": FORMAT_VERSION, "iree": iree_version(),
-                      "staged_layouts": [layer_layout(config).entries, head_layout(config).entries],
                       "loops": sorted({spec.name for baked in loops for spec in baked.specs}),
                       "batch_sizes": check_batch_sizes(batch_sizes),
                       "code": _exporting_code(), "host_tiles": host_tiles()}, sort_keys=True)
@@ -49,12 +47,13 @@ def cached_bundle(model_dir, target: str, *, dtype: str = "float32", max_len: in
 
 # The source files that decide what a bundle computes: a change to any of them compiles a new bundle.
 EXPORTING_CODE = tuple(f"llada_jax/{name}.py" for name in (
-    "model/forward", "model/moe", "model/layout", "model/steps", "model/layered", "quant/qlinear", "model/params",
-    "staging/packing", "model/shapes", "model/kv_state", "model/readout"))
+    "model/forward", "model/moe", "model/layout", "model/steps", "model/staged", "quant/qlinear", "model/params",
+    "model/shapes", "model/kv_state", "model/readout"))
 DECODING_CODE = tuple(f"policies/{name}.py" for name in (
     "decode_loop", "loop_io", "decisions", "cache_policies", "schedule"))
 LOWERING_CODE = tuple(f"lowering/{name}.py" for name in (
-    "export", "bundle", "bundle_weights", "targets", "matmul_tiles", "run_script", "kernel_dispatch", "bundle_module"))
+    "export", "bundle", "bundle_weights", "targets", "matmul_tiles", "run_script", "kernel_dispatch", "bundle_module",
+    "bundle_params", "stage_ring"))
 KERNEL_CODE = tuple(f"llada_jax/kernels/{name}" for name in (
     "xla.py", "activations.py", "schemes.py", "build.py", *(f"c/{source}" for source in (
         *KERNEL_SOURCES, *HEADERS, "iree_dispatch.c")))) + ("llada_jax/quant/choice.py",)

@@ -4,35 +4,33 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import math
 from pathlib import Path
 from typing import Literal
 
-from llada_jax.model.params import hf_shapes
 from llada_jax.system.errors import LladaError
 
 PARAMETER_SCOPE = "model"  # IREE parameter scope the weights are bound under
 MANIFEST = "manifest.json"
 VMFB = "steps.vmfb"
 ARCHIVE = "weights.irpa"  # a CPU bundle's copied weights, as one IREE parameter archive
-FORMAT_VERSION = 9  # 2: staged pieces take one argument per weight tensor; 3: the head is staged in vocabulary
+FORMAT_VERSION = 10  # 2: staged pieces take one argument per weight tensor; 3: the head is staged in vocabulary
 # chunks; 4: quantized parameters, and whether the weights stream recorded as "staged"; 5: full and window
 # steps give hidden rows, `read` steps the readout on the rows a decoder uses; 6: `read` takes those rows'
 # indices (the block's masks), not the first row of a slice; 7: resident CPU bundles copy their weights as
 # one parameter archive, quantized integers signed; 8: decode loops run on the bundle's own driver (their
 # cached decoders' first pass peeled out of the step loop); 9: quantized matmuls run our kernels, linked into the
-# vmfb, their weights declared and archived as the bytes stored (the manifest's "kernels")
+# vmfb, their weights declared and archived as the bytes stored (the manifest's "kernels"); 10: under a budget the
+# program streams its layers and head itself (the manifest's "streamed"), no per-layer pieces
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
-StepKind = Literal["full", "window", "read", "commit", "layer_full", "layer_window", "head", "stack"]
+StepKind = Literal["full", "window", "read", "commit"]
 
 
 @dataclasses.dataclass(frozen=True)
 class StepSpec:
     """One compiled function: `full` (canvas S) and `window` (W positions against S slots), each giving the
-    hidden rows and K/V; `read` (the LM head and readout on W of S hidden rows); `commit`; or the staged
-    pieces `layer_full`, `layer_window`, `head` (W positions) and `stack` (per-layer K/V)."""
+    hidden rows and K/V; `read` (the LM head and readout on W of S hidden rows); or `commit`."""
 
     kind: StepKind
     batch: int
@@ -41,20 +39,8 @@ class StepSpec:
 
     @property
     def name(self) -> str:
-        if self.kind in ("head", "stack"):
-            return f"{self.kind}_b{self.batch}_w{self.width}"
         base = f"{self.kind}_b{self.batch}_s{self.slots}"
-        return base if self.kind in ("full", "layer_full") else f"{base}_w{self.width}"
-
-
-def float32_weight_bytes(config) -> int:
-    """Device bytes of all weights as the bundle computes with them (float32)."""
-    return sum(int(math.prod(shape)) for shape in hf_shapes(config).values()) * 4
-
-
-def runs_staged(budget: int | None, config) -> bool:
-    """A bundle whose weights exceed its device memory budget streams them (and holds no resident steps)."""
-    return budget is not None and budget < float32_weight_bytes(config)
+        return base if self.kind == "full" else f"{base}_w{self.width}"
 
 
 def sha256(path: Path) -> str:

@@ -13,18 +13,14 @@ import numpy as np
 
 from llada_jax.model.config import LLaDAConfig
 from llada_jax.model.forward import Context
-from llada_jax.model.layered import head_chunk_step, layer_step
 from llada_jax.model.layout import LayoutRule
-from llada_jax.model.params import hf_shapes, hf_to_params
-from llada_jax.model.readout import HeadChunkReadout, ReadoutSpec
+from llada_jax.model.readout import ReadoutSpec
 from llada_jax.model.shapes import kv_shape, widths_within
 from llada_jax.model.steps import full_forward, head_rows, read_out, scatter_slots, window_forward
-from llada_jax.quant.qlinear import QuantizedWeight, offset_values, row_block_for
 from llada_jax.quant.quantize import Activations
-from llada_jax.staging.packing import PackedLayout, head_chunks, head_layout, layer_layout
 from lowering.bundle_format import StepSpec
-from lowering.bundle_weights import WeightLayout
 from lowering.bundle_params import params_of
+from lowering.bundle_weights import WeightLayout
 from policies.decode_loop import decode_loop
 from policies.loop_io import LoopInputs, LoopOutputs, LoopSpec
 
@@ -32,20 +28,6 @@ ARGMAX = ReadoutSpec(kind="argmax")
 
 
 NAMED_WEIGHTS = ("full", "window", "read")  # kinds that read the weights as named parameters
-STAGED = ("layer_full", "layer_window", "head", "stack")  # kinds that take their weights as arguments
-
-
-def staged_specs(specs: list[StepSpec]) -> list[StepSpec]:
-    """The per-layer pieces matching every full/window step in `specs`."""
-    out = []
-    for spec in specs:
-        if spec.kind == "full":
-            out += [StepSpec("layer_full", spec.batch, spec.slots), StepSpec("head", spec.batch, 0, spec.slots),
-                    StepSpec("stack", spec.batch, 0, spec.slots)]
-        elif spec.kind == "window":
-            out += [StepSpec("layer_window", spec.batch, spec.slots, spec.width),
-                    StepSpec("head", spec.batch, 0, spec.width), StepSpec("stack", spec.batch, 0, spec.width)]
-    return list(dict.fromkeys(out))
 
 
 def canvas_sizes(max_len: int) -> list[int]:
@@ -84,8 +66,6 @@ def io_signature(spec: StepSpec, config: LLaDAConfig, compute_dtype) -> tuple[li
     e = config.embedding_size
     extras = [("cfg_scale", _sds((), jnp.float32)), ("logit_bias", _sds((e,), jnp.float32)),
               ("confidence_bias", _sds((e,), jnp.float32))]
-    if spec.kind in STAGED:
-        return _staged_signature(spec, config, compute_dtype, extras)
     if spec.kind == "read":  # the head on `w` of a step's `s` hidden rows, those at `head_rows`
         inputs = [("hidden", _sds((b, s, config.d_model), compute_dtype)), ("head_rows", _sds((w,), jnp.int32)),
                   *extras]
@@ -110,72 +90,11 @@ def io_signature(spec: StepSpec, config: LLaDAConfig, compute_dtype) -> tuple[li
     return inputs, outputs
 
 
-def _staged_signature(spec: StepSpec, config: LLaDAConfig, compute_dtype, extras) -> tuple[list, list]:
-    b, s, w, d = spec.batch, spec.slots, spec.width, config.d_model
-    kv = kv_shape(config, b, w or s)[1:]  # one layer's
-    if spec.kind == "stack":
-        layers = [(f"keys_{i}", _sds(kv, compute_dtype)) for i in range(config.n_layers)]
-        return layers, [("stacked", _sds((config.n_layers, *kv), compute_dtype))]
-    if spec.kind == "head":  # one vocabulary chunk: its slices of the token biases, a partial readout
-        rows = head_chunks(config)[1]
-        inputs = [*_stage_tensors(head_layout(config), compute_dtype), ("x", _sds((b, w, d), compute_dtype)),
-                  extras[0], ("logit_bias", _sds((rows,), jnp.float32)),
-                  ("confidence_bias", _sds((rows,), jnp.float32))]
-        outputs = [(name, _sds((b, w), jnp.int32 if name == "x0" else jnp.float32))
-                   for name in HeadChunkReadout._fields]
-        return inputs, outputs
-    width = w or s
-    inputs = [*_stage_tensors(layer_layout(config), compute_dtype), ("x", _sds((b, width, d), compute_dtype)),
-              ("positions", _sds((b, width), jnp.int32))]
-    if spec.kind == "layer_full":
-        inputs.append(("key_bias", _sds((b, s), jnp.float32)))
-    else:
-        cache = kv_shape(config, b, s)
-        inputs += [("key_bias", _sds((b, s + w), jnp.float32)), ("keys", _sds(cache, compute_dtype)),
-                   ("values", _sds(cache, compute_dtype)), ("layer", _sds((), jnp.int32))]
-    outputs = [("x", _sds((b, width, d), compute_dtype)), ("new_keys", _sds(kv, compute_dtype)),
-               ("new_values", _sds(kv, compute_dtype))]
-    return inputs, outputs
-
-
-def _stage_tensors(layout: PackedLayout, compute_dtype) -> list:
-    """A staged piece's weights: one argument per tensor of its packed stage, in layout order (each is
-    a view into a staging slot; slicing one packed argument in-graph made IREE copy it every call)."""
-    return [(name, _sds(shape, compute_dtype)) for name, shape, _ in layout.entries]
-
-
-def _staged_function(spec: StepSpec, config: LLaDAConfig, layout_rule: LayoutRule):
-    if spec.kind == "stack":
-        return lambda *per_layer: jnp.stack(per_layer)
-    names = [name for name, _, _ in (head_layout(config) if spec.kind == "head" else layer_layout(config)).entries]
-    if spec.kind == "head":
-        def run(*args):
-            weights, (x, cfg_scale, logit_bias, confidence_bias) = dict(zip(names, args)), args[len(names):]
-            out = head_chunk_step(weights, x, cfg_scale, logit_bias, confidence_bias, config=config,
-                                  readout_spec=ARGMAX, layout_rule=layout_rule)
-            return tuple(out)
-    elif spec.kind == "layer_full":
-        def run(*args):
-            weights, (x, positions, key_bias) = dict(zip(names, args)), args[len(names):]
-            return layer_step(weights, x, positions, key_bias, None, None, config=config, layout_rule=layout_rule)
-    else:
-        def run(*args):
-            weights, (x, positions, key_bias, keys, values, layer) = dict(zip(names, args)), args[len(names):]
-            cached_k = jax.lax.dynamic_index_in_dim(keys, layer, axis=0, keepdims=False)
-            cached_v = jax.lax.dynamic_index_in_dim(values, layer, axis=0, keepdims=False)
-            return layer_step(weights, x, positions, key_bias, cached_k, cached_v, config=config,
-                              layout_rule=layout_rule)
-    return run
-
-
 def step_function(spec: StepSpec, config: LLaDAConfig, layout: WeightLayout, compute_dtype, activations: Activations,
                   layout_rule: LayoutRule):
     """The flat function to export: weights (as stored, see `params_of`), then inputs. `commit` only
-    scatters K/V and takes no weights; staged pieces take theirs as inputs, tensor by tensor. `layout_rule`:
+    scatters K/V and takes no weights. `layout_rule`:
     the target's activation layouts (`lowering.targets`)."""
-    if spec.kind in STAGED:
-        return _staged_function(spec, config, layout_rule)
-
     def params_from(weights):
         return params_of(weights, layout, config, compute_dtype, activations)
 

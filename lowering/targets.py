@@ -78,8 +78,8 @@ TARGETS = {
 
 
 # IREE's data tiling: matmul operands re-laid into the tiles its CPU kernels read. Resident weights are re-laid
-# once (a second copy of them stays in device memory); weights passed as arguments, as staged pieces take
-# them, would be re-laid on every call (the toolchain notes).
+# once (a second copy of them stays in device memory); weights a program streams in (`lowering.stage_ring`), like
+# weights passed as arguments, would be re-laid on every call (the toolchain notes).
 DATA_TILING = ("--iree-opt-data-tiling",)
 # A decode loop's command buffers record direct bindings: with IREE 3.13's indirect ones, a loop body's
 # dispatch referenced a binding slot beyond its command buffer's declared capacity ("indirect buffer reference
@@ -87,16 +87,16 @@ DATA_TILING = ("--iree-opt-data-tiling",)
 DIRECT_BINDINGS = ("--iree-hal-indirect-command-buffers=false",)
 
 
-def compile_flags(tgt: Target, data_tiling: bool, staged: bool, loops: bool) -> tuple[str, ...]:
+def compile_flags(tgt: Target, data_tiling: bool, streamed: bool, loops: bool) -> tuple[str, ...]:
     """The target's flags, with data tiling when asked for and possible (`loops`: the module holds decode loops)."""
     flags = tgt.flags + (DIRECT_BINDINGS if loops else ())
     if not data_tiling:
         return flags
     if "--iree-hal-local-target-device-backends=llvm-cpu" not in tgt.flags:
         raise LladaError(f"--data-tiling is for CPU targets; {tgt.name} is not one")
-    if staged:
-        raise LladaError("--data-tiling needs resident weights: with a device memory budget the staged pieces "
-                         "take weights as arguments and would re-lay them on every call (drop one of the two)")
+    if streamed:
+        raise LladaError("--data-tiling needs resident weights: with a device memory budget the program streams "
+                         "them in and would re-lay them on every call (drop one of the two)")
     return flags + DATA_TILING
 
 

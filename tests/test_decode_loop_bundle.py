@@ -17,7 +17,6 @@ from hypothesis import strategies as st
 from llada_jax.backends.select import open_bundle
 from llada_jax.bundle_runner import generate_with_bundle
 from llada_jax.cli import main
-from lowering import bundle as bundle_mod
 from lowering.bundle import compile_bundle
 from lowering.export import canvas_sizes
 from policies.compiled_loop import baked_loops
@@ -107,10 +106,3 @@ def test_vulkan_bundle_runs_its_loop_through_run_script(tiny_dir, tmp_path, caps
     proc = run_script(path, ids, str(host_iree_run_module()))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[-1] == ",".join(map(str, host_ids(capsys, tiny_dir, ids, policy, steps)))
-
-
-def test_staged_bundles_keep_the_host_loop():
-    loops = (baked_loops("dual-cache", None, GEN, BLOCK, 8, canvas_sizes(MAX_LEN)),)
-    said = []
-    specs, kept = bundle_mod._functions_to_compile(TINY, MAX_LEN, 16, (1,), 1000, loops, said.append)
-    assert kept == () and "host loop only" in said[0] and all(spec.kind != "full" for spec in specs)

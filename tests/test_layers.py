@@ -57,7 +57,7 @@ LOCAL_IMPORTS = {
 }
 # The bundle runtime runs on a phone: numpy + iree.runtime. Nothing these import at module level, directly or
 # through project modules, may be one of JAX_STACK.
-JAX_FREE = ("llada_jax.backends.iree", "llada_jax.backends.iree_staged", "llada_jax.backends.select",
+JAX_FREE = ("llada_jax.backends.iree", "llada_jax.backends.select",
             "llada_jax.bundle_runner")
 JAX_STACK = ("jax", "jaxlib", "optax", "orbax", "iree.compiler")
 MAX_FILE_LINES, MAX_FUNCTION_LINES = 350, 60

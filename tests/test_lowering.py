@@ -134,7 +134,7 @@ def test_decoders_give_identical_tokens_through_iree_and_jax(tiny_model, host_se
         prompt = np.random.default_rng(seed).integers(0, TINY.mask_token_id, 5 + seed)
         options = dict(gen_length=16, block_length=8, steps=8, policy=policy, threshold=threshold)
         want = llada_jax.generate(tiny_model, prompt, **options)
-        got = generate_with_bundle(OpenBundle(bundle, session, None), prompt, **options)
+        got = generate_with_bundle(OpenBundle(bundle, session), prompt, **options)
         assert got.output_ids.tolist() == want.output_ids.tolist() and got.nfe == want.nfe
         assert [r.revisions for r in got.trace] == [r.revisions for r in want.trace]
 
@@ -142,7 +142,7 @@ def test_decoders_give_identical_tokens_through_iree_and_jax(tiny_model, host_se
 def test_revision_side_path_runs_inline_on_the_host_cpu(host_session):
     """Where the dense path runs on the host's own cores, XLA beside it would only take turns with it."""
     bundle, session = host_session
-    got = generate_with_bundle(OpenBundle(bundle, session, None), np.arange(3, 9), gen_length=16, block_length=8,
+    got = generate_with_bundle(OpenBundle(bundle, session), np.arange(3, 9), gen_length=16, block_length=8,
                                steps=8, policy="dual-cache+revision:0.4")
     assert got.stats["probes"] > 0 and got.stats["side_concurrent"] is False
 
@@ -150,7 +150,7 @@ def test_revision_side_path_runs_inline_on_the_host_cpu(host_session):
 def test_bundle_canvas_limit_is_a_clear_error(host_session):
     bundle, session = host_session
     with pytest.raises(LladaError, match="compiled with --max-len 32"):
-        generate_with_bundle(OpenBundle(bundle, session, None), np.arange(20), gen_length=16, block_length=8, steps=8)
+        generate_with_bundle(OpenBundle(bundle, session), np.arange(20), gen_length=16, block_length=8, steps=8)
 
 
 VULKAN_CHILD = """
@@ -164,7 +164,7 @@ from llada_jax.backends.iree import IreeBackend, Session, load_bundle
 path, policies, tokens, valid = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), json.loads(sys.argv[4])
 bundle = load_bundle(path, "vulkan")
 session = Session(bundle.path, bundle.manifest, "vulkan")
-results = {policy: generate_with_bundle(OpenBundle(bundle, session, None), np.arange(3, 9), gen_length=8,
+results = {policy: generate_with_bundle(OpenBundle(bundle, session), np.arange(3, 9), gen_length=8,
                                         block_length=4, steps=4, policy=policy) for policy in policies}
 readout = IreeBackend(bundle, session, ReadoutSpec(), TokenBiases.build(bundle.config.embedding_size)).full(
     np.array(tokens), np.array(valid)).readout
@@ -250,7 +250,7 @@ def test_bundle_runtime_imports_neither_jax_nor_the_compiler(host_bundle):
 def test_iree_backend_refuses_sampling_it_cannot_run(host_session):
     bundle, session = host_session
     with pytest.raises(LladaError, match="use temperature 0, cfg-scale 0"):
-        generate_with_bundle(OpenBundle(bundle, session, None), np.arange(3, 6), gen_length=8, block_length=8, steps=8,
+        generate_with_bundle(OpenBundle(bundle, session), np.arange(3, 6), gen_length=8, block_length=8, steps=8,
                              temperature=0.5)
 
 
@@ -266,7 +266,7 @@ def test_embedded_model_decoders_identical_through_iree_and_jax(tmp_path):
         for policy, threshold in (("vanilla", None), ("dual-cache", 0.9), ("dual-cache+speculative+revision", 0.7)):
             options = dict(gen_length=32, block_length=8, steps=32, policy=policy, threshold=threshold)
             want = llada_jax.generate(model, ids, **options)
-            got = generate_with_bundle(OpenBundle(bundle, session, None), ids, **options)
+            got = generate_with_bundle(OpenBundle(bundle, session), ids, **options)
             assert got.output_ids.tolist() == want.output_ids.tolist(), (example.prompt, policy)
 
 
@@ -287,7 +287,7 @@ def test_data_tiled_bundle_decodes_as_jax(tiny_model, tiled_session, policy, thr
     assert "--iree-opt-data-tiling" in bundle.manifest["flags"]
     prompt = np.random.default_rng(seed).integers(0, TINY.mask_token_id, prompt_len)
     options = dict(gen_length=8, block_length=4, steps=8, policy=policy, threshold=threshold)
-    got = generate_with_bundle(OpenBundle(bundle, session, None), prompt, **options)
+    got = generate_with_bundle(OpenBundle(bundle, session), prompt, **options)
     assert got.output_ids.tolist() == llada_jax.generate(tiny_model, prompt, **options).output_ids.tolist()
 
 

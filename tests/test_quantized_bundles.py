@@ -59,7 +59,7 @@ def quantized(source, tmp_path_factory) -> dict:
         path = compile_bundle(checkpoint, "host", root / f"{label}-bundle", max_len=32, window=32,
                               activations=activations)
         bundle = load_bundle(path, "host")
-        opened = OpenBundle(bundle, Session(bundle.path, bundle.manifest, "local-task"), None)
+        opened = OpenBundle(bundle, Session(bundle.path, bundle.manifest, "local-task"))
         out[label] = (checkpoint, llada_jax.load(checkpoint, activations=activations), opened)
     return out
 
@@ -236,7 +236,7 @@ def test_a_bundle_linking_the_checkpoint_decodes_as_xla(quantized, tmp_path, lab
 
 def assert_decodes_as_xla(bundle, model) -> None:
     """Two prompts and decoders through the bundle give the XLA model's tokens."""
-    opened = OpenBundle(bundle, Session(bundle.path, bundle.manifest, "local-task"), None)
+    opened = OpenBundle(bundle, Session(bundle.path, bundle.manifest, "local-task"))
     for seed, policy in enumerate(["vanilla", "dual-cache+speculative:1:0.3"]):
         prompt = np.random.default_rng(seed).integers(0, TINY.mask_token_id, 6 + seed)
         options = dict(gen_length=16, block_length=8, steps=8, policy=policy)
@@ -254,7 +254,7 @@ def test_what_a_quantized_bundle_cannot_do_is_refused_before_compiling(quantized
     monkeypatch.setattr(bundle_mod, "compile_module", lambda *a: pytest.fail("iree-compile was called"))
     int4 = quantized["int4-g16"][0]
     one_line(lambda: compile_bundle(int4, "host", tmp_path / "a", max_len=8, window=8, device_memory_budget=1000),
-             "bundles that stream quantized weights are not supported yet")
+             "is too small for this model: streaming its weights needs")
     one_line(lambda: compile_bundle(int4, "host", tmp_path / "b", max_len=8, window=8, activations="int8",
                                     kernels="compiler"),
              "--activations int8 on 4-bit or group-wise layers needs our kernels")

@@ -176,7 +176,7 @@ class IreeBackend(Backend):
     def batch_sizes(self) -> tuple[int, ...]:
         """The batch sizes `llada compile --batch-sizes` compiled steps for."""
         return tuple(sorted({step["batch"] for step in self.bundle.manifest["steps"]
-                             if step["kind"] in ("full", "layer_full")}))
+                             if step["kind"] == "full"}))
 
     def join_rows(self, arrays: list, axis: int):
         return np.concatenate([self._host(array) for array in arrays], axis=axis)

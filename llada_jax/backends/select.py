@@ -1,6 +1,7 @@
 """What runs a generation: the one place a backend is chosen, for the Python API, the bundle runner and the
 CLI. A source of weights is a loaded model (XLA: device-resident params, or host-packed stages when the
-weights exceed its device memory budget) or an open bundle (IREE: resident steps, or staged pieces).
+weights exceed its device memory budget) or an open bundle (IREE: its program streams weights under a budget
+itself, `lowering.stage_ring`).
 
 No JAX at import: a bundle runs without it. The XLA parts are imported when a model is run.
 """
@@ -11,8 +12,7 @@ import dataclasses
 from pathlib import Path
 
 from llada_jax.backends.iree import Bundle, IreeBackend, Session, load_bundle
-from llada_jax.backends.iree_staged import IreeStagedBackend, staged_weights
-from llada_jax.staging.swap import StagedWeights, StagingStats, kv_bytes, ring_buffers
+from llada_jax.staging.swap import StagingStats, kv_bytes, ring_buffers
 from llada_jax.system.errors import LladaError
 from policies.backend import Backend, BackendRequest, SideBackend
 
@@ -21,11 +21,10 @@ DRIVERS = {"iree-host": "local-task", "iree-vulkan": "vulkan"}
 
 @dataclasses.dataclass(frozen=True)
 class OpenBundle:
-    """A bundle loaded on its device, with its weights packed per stage when it streams them."""
+    """A bundle loaded on its device."""
 
     bundle: Bundle
     session: Session
-    staged: StagedWeights | None
 
     @property
     def config(self):
@@ -40,8 +39,7 @@ def open_bundle(path, backend: str = "iree-host") -> OpenBundle:
         raise LladaError(f"bundle {path} targets {bundle.manifest['target']} ({bundle.manifest['driver']}), "
                          f"which --backend {backend} cannot run")
     session = Session(bundle.path, bundle.manifest, bundle.manifest["driver"])
-    staged = staged_weights(bundle) if bundle.manifest["staged"] else None
-    return OpenBundle(bundle, session, staged)
+    return OpenBundle(bundle, session)
 
 
 def select_backend(source, request: BackendRequest) -> Backend:
@@ -53,13 +51,8 @@ def select_backend(source, request: BackendRequest) -> Backend:
 
 
 def _iree_backend(opened: OpenBundle, request: BackendRequest) -> Backend:
-    side = _host_side_path(opened)
-    if opened.staged is None:
-        return IreeBackend(opened.bundle, opened.session, request.readout_spec, request.biases, request.cfg_scale,
-                           side)
-    budget = opened.bundle.manifest["device_memory_budget"]
-    return IreeStagedBackend(opened.bundle, opened.session, opened.staged, budget, request.readout_spec,
-                             request.biases, request.cfg_scale, request.rows, request.slots, side)
+    return IreeBackend(opened.bundle, opened.session, request.readout_spec, request.biases, request.cfg_scale,
+                       _host_side_path(opened))
 
 
 def _host_side_path(opened: OpenBundle):

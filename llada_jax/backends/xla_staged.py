@@ -53,8 +53,7 @@ class StagedJaxBackend(DeviceRows, Backend):
 
     def _upload(self, buffer: int, stage: int) -> dict:
         """One stage to the device, tensor by tensor from its packed host buffer. XLA owns the device
-        buffers: on a CPU device `device_put` aliases the aligned host views (nothing is copied), so
-        the real buffer copies are the IREE runtime's (`llada_jax.backends.iree_staged`)."""
+        buffers: on a CPU device `device_put` aliases the aligned host views (nothing is copied)."""
         layout = self.weights.layouts[stage]
         return {name: jax.device_put(view) for name, view in layout.views(self.weights.stages[stage]).items()}
 

@@ -59,11 +59,6 @@ def layer_stage_shapes(config: LLaDAConfig, layer: int = 0) -> dict[str, tuple[i
             if place[0] == "blocks" and place[1] == layer}
 
 
-def uniform_layers(config: LLaDAConfig) -> bool:
-    """Whether every decoder layer holds the same tensors (one compiled layer piece serves them all)."""
-    return not (config.n_experts and 0 < config.dense_layers < config.n_layers)
-
-
 def block_from_stage(tensors: dict) -> dict:
     """A layer's stage tensors as a params block: each MoE matrix's `key.expert` entries regrouped into a
     list in expert order (the inverse of `stage_key`)."""

@@ -1,0 +1,159 @@
+"""Streamed bundles (`lowering.stage_ring`): under a device memory budget below the weights, the IREE program
+reads each layer and the LM head into a ring of two device buffers itself. Streamed generation equals resident
+generation (the Python runtime and `run.sh`, float and quantized, host and arm64 under qemu), the streamed
+weights are never declared resident, and a budget the ring cannot fit is refused before compiling."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import lowering.bundle as bundle_mod
+from llada_jax.quant.quantize import QuantScheme
+from llada_jax.system.errors import LladaError
+from llada_jax.weights.quantize_checkpoint import quantize_checkpoint
+from lowering.bundle import compile_bundle
+from lowering.bundle_weights import weight_layout
+from lowering.stage_ring import ALIGNMENT, byte_size, resident_bytes, ring_plan, stage_of
+from tests.conftest import TINY, write_checkpoint
+
+# Twelve layers and a small vocabulary: a stage is a small part of the weights, so 50% and 25% budgets stream.
+DEEP = dataclasses.replace(TINY, n_layers=12, vocab_size=128, embedding_size=128, mask_token_id=120,
+                           eos_token_id=121, eot_token_id=122)
+POLICIES = ["vanilla", "prefix-cache", "dual-cache", "dual-cache+speculative:1:0.3+revision:0.5"]
+SETTING = dict(gen_length=16, block_length=8, steps=16)
+
+
+@pytest.fixture(scope="module")
+def deep_dir(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("deep") / "model", DEEP, std=0.3)
+
+
+def weight_bytes(model_dir) -> int:
+    return sum(byte_size(p) for p in weight_layout(model_dir, DEEP).parameters)
+
+
+def test_ring_plan_holds_each_stage_in_one_slot(deep_dir):
+    layout = weight_layout(deep_dir, DEEP)
+    plan = ring_plan(layout, DEEP)
+    assert len(plan.stages) == DEEP.n_layers + 1
+    staged = {piece.key: index for index, stage in enumerate(plan.stages) for piece in stage}
+    for parameter in layout.parameters:
+        stage = stage_of(parameter, DEEP)
+        assert staged.get(parameter.name) == stage  # layer i's tensors in stage i, the head last, the rest resident
+        if stage is None:
+            assert parameter.name.startswith(("model.transformer.wte", "model.transformer.ln_f"))
+    for stage in plan.stages:
+        ends = [piece.offset + piece.length for piece in stage]
+        assert all(piece.offset % ALIGNMENT == 0 for piece in stage)
+        assert all(end <= following.offset for end, following in zip(ends, stage[1:]))  # no overlap
+        assert max(ends) <= plan.slot_bytes
+    assert resident_bytes(layout, DEEP) + sum(piece.length for s in plan.stages for piece in s) == weight_bytes(
+        deep_dir)
+
+
+def test_a_budget_the_ring_cannot_fit_is_refused_with_the_minimum(deep_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(bundle_mod, "compile_module", lambda *a: pytest.fail("iree-compile was called"))
+    with pytest.raises(LladaError, match=r"too small for this model: streaming its weights needs [\d,]+ ") as err:
+        compile_bundle(deep_dir, "host", tmp_path / "b", max_len=16, window=8, device_memory_budget=1000)
+    assert "\n" not in str(err.value) and not (tmp_path / "b").exists()
+    with pytest.raises(LladaError, match="--data-tiling needs resident weights"):
+        compile_bundle(deep_dir, "host", tmp_path / "b", max_len=16, window=8, data_tiling=True,
+                       device_memory_budget=weight_bytes(deep_dir) // 2)
+
+
+def test_streamed_weights_are_not_declared_resident(deep_dir, monkeypatch, tmp_path):
+    """Under the budget the module declares only the embedding and the final norm as parameters, each stage read
+    by name; a budget that holds every weight keeps them all resident."""
+    modules = []
+    monkeypatch.setattr(bundle_mod, "compile_module", lambda module, *a: modules.append(module) or 0.0)
+    monkeypatch.setattr(bundle_mod, "_write_manifest", lambda *a: None)
+    for name, budget in (("a", weight_bytes(deep_dir) // 4), ("b", weight_bytes(deep_dir))):
+        compile_bundle(deep_dir, "host", tmp_path / name, max_len=16, window=8, device_memory_budget=budget)
+    declared = [line for line in modules[0].splitlines() if "#flow.parameter.named" in line]
+    assert len(declared) == 2 and all("wte" in line or "ln_f" in line for line in declared)
+    assert "io_parameters.gather" in modules[0] and "stablehlo.custom_call @llada_stage" not in modules[0]
+    assert "io_parameters" not in modules[1] and modules[1].count("#flow.parameter.named") == len(
+        weight_layout(deep_dir, DEEP).parameters)
+
+
+@pytest.fixture(scope="module")
+def streamed_pair(deep_dir, tmp_path_factory):
+    """The same steps and compiled loop, resident and streamed at a quarter of the weights."""
+    from llada_jax.cli import main
+
+    out = tmp_path_factory.mktemp("pair")
+    for name, budget in (("resident", None), ("streamed", weight_bytes(deep_dir) // 4)):
+        extra = ["--device-memory-budget", str(budget)] if budget else []
+        assert main(["compile", "--model", str(deep_dir), "--target", "host", "--out", str(out / name),
+                     "--max-len", "32", "--window", "16", *sum(([f"--{k.replace('_', '-')}", str(v)]
+                                                                 for k, v in SETTING.items()), []), *extra]) == 0
+    return out / "resident", out / "streamed"
+
+
+@pytest.mark.slow
+@settings(max_examples=8, deadline=None)
+@given(policy=st.sampled_from(POLICIES), seed=st.integers(0, 1000), length=st.integers(1, 14))
+def test_streamed_bundle_generates_the_resident_tokens(streamed_pair, policy, seed, length):
+    from llada_jax.bundle_runner import bundle_runner
+
+    resident, streamed = streamed_pair
+    assert json.loads((streamed / "manifest.json").read_text())["streamed"]["ring_bytes"] > 0
+    assert json.loads((resident / "manifest.json").read_text())["streamed"] is None
+    prompt = np.random.default_rng(seed).integers(0, DEEP.mask_token_id, length)
+    want = bundle_runner(resident)[2](prompt, policy=policy, **SETTING).output_ids.tolist()
+    assert bundle_runner(streamed)[2](prompt, policy=policy, **SETTING).output_ids.tolist() == want
+
+
+def run_script(bundle, ids: str, command: str | None = None) -> str:
+    """The ids `run.sh` prints, run by `command` (the host's own iree-run-module by default)."""
+    from tests.test_decode_loop_bundle import host_iree_run_module
+
+    env = dict(os.environ, IREE_RUN_MODULE=command or str(host_iree_run_module()))
+    proc = subprocess.run([str(bundle / "run.sh"), ids], capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.splitlines()[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bits, activations, fraction", [(None, "float", 0.5), (None, "float", 0.25),
+                                                         (8, "int8", 0.25), (4, "float", 0.5), (4, "int8", 0.25)],
+                         ids=["float-50%", "float-25%", "w8a8-25%", "w4a16-50%", "w4a8-25%"])
+def test_run_script_streams_what_the_resident_bundle_generates(deep_dir, tmp_path, bits, activations, fraction):
+    """No Python: `run.sh` of a streamed bundle prints the resident bundle's ids, float and quantized."""
+    from llada_jax.cli import main
+
+    model = deep_dir if bits is None else quantize_checkpoint(
+        deep_dir, tmp_path / "q", QuantScheme(bits, 32 if bits == 4 else None))
+    ids = {}
+    for name, budget in (("resident", None), ("streamed", int(fraction * weight_bytes(model)))):
+        extra = ["--device-memory-budget", str(budget)] if budget else []
+        assert main(["compile", "--model", str(model), "--target", "host", "--out", str(tmp_path / name),
+                     "--max-len", "32", "--window", "16", "--activations", activations, "--gen-length", "16",
+                     "--block-length", "8", "--steps", "16", *extra]) == 0
+        ids[name] = [run_script(tmp_path / name, prompt) for prompt in ("1,2,3", "9,8,7,6,5,4,3,2,1,0,11")]
+    assert json.loads((tmp_path / "streamed" / "manifest.json").read_text())["streamed"] is not None
+    assert ids["streamed"] == ids["resident"]
+
+
+@pytest.mark.slow
+def test_streamed_arm64_run_script_under_qemu_prints_the_host_ids(deep_dir, streamed_pair, tmp_path):
+    from llada_jax.cli import main
+    from llada_jax.system.locations import user_cache_dir
+    from lowering.emulation import QEMU, SYSROOT, emulator_available, runtime_tools_dir
+    from tests.conftest import require
+
+    require(emulator_available(), "user-mode qemu with arm64 libraries")
+    tools = runtime_tools_dir(user_cache_dir("tools"))
+    assert main(["compile", "--model", str(deep_dir), "--target", "linux-arm64", "--out", str(tmp_path / "arm"),
+                 "--max-len", "32", "--window", "16", "--gen-length", "16", "--block-length", "8", "--steps", "16",
+                 "--device-memory-budget", str(weight_bytes(deep_dir) // 4)]) == 0
+    command = f"{QEMU} -L {SYSROOT} {tools / 'iree-run-module'}"
+    assert run_script(tmp_path / "arm", "1,2,3", command) == run_script(streamed_pair[0], "1,2,3")
