@@ -155,8 +155,7 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
     compute, (compiler, layout) = compute_dtype(dtype), _kernels(tgt, model_dir, config, kernels, activations)
     batch_sizes = check_batch_sizes(batch_sizes)
     archive = copy_weights and tgt.driver == "local-task"  # a CPU device maps it in place
-    layout = dataclasses.replace(layout, signed=archive)
-    layout = dataclasses.replace(layout, streamed=_streams(config, layout, device_memory_budget))
+    layout = dataclasses.replace(layout, signed=archive, streamed=_streams(config, layout, device_memory_budget))
     specs = step_specs(max_len, window, batch_sizes)
     flags, timeout = compile_flags(tgt, data_tiling, layout.streamed, bool(loops)), compile_timeout()  # before export
     loop_specs = _loop_specs(loops, max_len)
