@@ -269,7 +269,8 @@ def test_quantized_llada2_runs_as_its_dequantized_twin(checkpoint, bits, tmp_pat
 
 @pytest.mark.slow
 def test_iree_host_bundle_gives_the_xla_tokens(model, checkpoint, tmp_path, capsys):
-    """Block steps through an IREE host bundle (no compiled loop: a one-line refusal without --no-loop)."""
+    """Block steps through an IREE host bundle, resident and streamed (no compiled loop: a one-line refusal
+    without --no-loop)."""
     from llada_jax.bundle_runner import bundle_runner
     from llada_jax.cli import main
     from lowering.bundle import compile_bundle
@@ -277,13 +278,17 @@ def test_iree_host_bundle_gives_the_xla_tokens(model, checkpoint, tmp_path, caps
     assert main(["compile", "--model", str(checkpoint), "--target", "host", "--out", str(tmp_path / "looped"),
                  "--max-len", "32", "--gen-length", "12", "--block-length", "4"]) == 1
     assert "block diffusion (LLaDA2) runs on the host loop" in capsys.readouterr().err
-    bundle = compile_bundle(checkpoint, "host", tmp_path / "bundle", max_len=32, window=32)
-    _, _, generate_bundled = bundle_runner(bundle)
-    for editing in (None, 0.3):
-        options = dict(gen_length=12, block_length=8, steps=4, threshold=0.3, editing_threshold=editing,
-                       policy="dual-cache", loop="host")
-        assert (generate_bundled(np.arange(1, 7), **options).output_ids.tolist()
-                == llada_jax.generate(model, np.arange(1, 7), **options).output_ids.tolist())
+    # Resident, and streamed by the program through a budget below the weights: the dense first layer and the MoE
+    # layers are stages of two sizes in one ring (`lowering.stage_ring`).
+    for name, budget in (("resident", None), ("streamed", model.weight_bytes - 1)):
+        bundle = compile_bundle(checkpoint, "host", tmp_path / name, max_len=32, window=32,
+                                device_memory_budget=budget)
+        _, _, generate_bundled = bundle_runner(bundle)
+        for editing in (None, 0.3):
+            options = dict(gen_length=12, block_length=8, steps=4, threshold=0.3, editing_threshold=editing,
+                           policy="dual-cache", loop="host")
+            assert (generate_bundled(np.arange(1, 7), **options).output_ids.tolist()
+                    == llada_jax.generate(model, np.arange(1, 7), **options).output_ids.tolist())
 
 
 def test_a_batch_decodes_each_prompt_as_alone(model):
