@@ -158,7 +158,7 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
     layout = dataclasses.replace(layout, signed=archive, streamed=_streams(config, layout, device_memory_budget))
     specs = step_specs(max_len, window, batch_sizes)
     flags, timeout = compile_flags(tgt, data_tiling, layout.streamed, bool(loops)), compile_timeout()  # before export
-    loop_specs = _loop_specs(loops, max_len)
+    loop_specs = _loop_specs(loops, max_len, layout.streamed)
     say = progress or (lambda message: None)
     tiles = target_tiles(tgt, data_tiling)
     functions = _functions(specs, loop_specs, config, compute, layout, activations, tgt.layout_rule(data_tiling))
@@ -207,11 +207,14 @@ def _copy_tokenizer(model_dir: Path, staging: Path) -> None:
             shutil.copyfile(model_dir / name, staging / name)
 
 
-def _loop_specs(loops, max_len: int) -> list:
+def _loop_specs(loops, max_len: int, streamed: bool) -> list:
     """The distinct decode loops of `loops` (thresholds are inputs, not shapes), each on a canvas of the bundle."""
     specs = list(dict.fromkeys(spec for baked in loops for spec in baked.specs))
     if any(spec.slots not in canvas_sizes(max_len) for spec in specs):
         raise LladaError(f"a decode loop's canvas is not one of this bundle's sizes {canvas_sizes(max_len)}")
+    if streamed and not all(spec.caches for spec in specs):
+        raise LladaError("IREE 3.13 fails to compile a vanilla decode loop that streams its weights ('failed to solve "
+                         "for timepoint coverage'): use --policy prefix-cache or dual-cache, or --no-loop")
     return specs
 
 

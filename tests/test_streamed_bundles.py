@@ -21,7 +21,9 @@ from llada_jax.system.errors import LladaError
 from llada_jax.weights.quantize_checkpoint import quantize_checkpoint
 from lowering.bundle import compile_bundle
 from lowering.bundle_weights import weight_layout
+from lowering.export import canvas_sizes
 from lowering.stage_ring import ALIGNMENT, byte_size, resident_bytes, ring_plan, stage_of
+from policies.compiled_loop import baked_loops
 from tests.conftest import TINY, write_checkpoint
 
 # Twelve layers and a small vocabulary: a stage is a small part of the weights, so 50% and 25% budgets stream.
@@ -66,6 +68,10 @@ def test_a_budget_the_ring_cannot_fit_is_refused_with_the_minimum(deep_dir, tmp_
     assert "\n" not in str(err.value) and not (tmp_path / "b").exists()
     with pytest.raises(LladaError, match="--data-tiling needs resident weights"):
         compile_bundle(deep_dir, "host", tmp_path / "b", max_len=16, window=8, data_tiling=True,
+                       device_memory_budget=weight_bytes(deep_dir) // 2)
+    vanilla = (baked_loops("vanilla", None, 8, 8, 8, canvas_sizes(16)),)
+    with pytest.raises(LladaError, match="fails to compile a vanilla decode loop that streams its weights"):
+        compile_bundle(deep_dir, "host", tmp_path / "b", max_len=16, window=8, loops=vanilla,
                        device_memory_budget=weight_bytes(deep_dir) // 2)
 
 
