@@ -26,6 +26,10 @@ from lowering.bundle_format import PARAMETER_SCOPE
 from lowering.bundle_weights import Parameter, WeightLayout
 
 ALIGNMENT = 256  # bytes between a slot's tensors
+# Tensors a pass may import from the ring: LLaDA-8B int4 (514 per pass) gave wrong tokens (all 0) where 16 of its
+# layers (258) and a 32-layer float model (289) gave the resident tokens; likely a binding limit of 512 per
+# command buffer (unconfirmed). Above this, streaming is refused rather than risked.
+MAX_TENSORS_PER_PASS = 300
 ITEM_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "int8": 1.0, "int4": 0.5}
 CALL = re.compile(
     rf"^(?P<indent>\s*)(?P<result>%[\w#]+):(?P<count>\d+) = stablehlo\.custom_call @{TARGET}"
@@ -52,6 +56,10 @@ class RingPlan:
     @property
     def ring_bytes(self) -> int:
         return 2 * self.slot_bytes
+
+    @property
+    def tensors_per_pass(self) -> int:
+        return sum(len(stage) for stage in self.stages)
 
 
 def stage_of(parameter: Parameter, config) -> int | None:

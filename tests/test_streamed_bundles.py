@@ -69,6 +69,9 @@ def test_a_budget_the_ring_cannot_fit_is_refused_with_the_minimum(deep_dir, tmp_
     with pytest.raises(LladaError, match="--data-tiling needs resident weights"):
         compile_bundle(deep_dir, "host", tmp_path / "b", max_len=16, window=8, data_tiling=True,
                        device_memory_budget=weight_bytes(deep_dir) // 2)
+    many = write_checkpoint(tmp_path / "many", dataclasses.replace(DEEP, n_layers=40), std=0.3)
+    with pytest.raises(LladaError, match="this model streams 361 tensors per pass; bundles stream at most 300"):
+        compile_bundle(many, "host", tmp_path / "b", max_len=16, window=8, device_memory_budget=200_000)
     vanilla = (baked_loops("vanilla", None, 8, 8, 8, canvas_sizes(16)),)
     with pytest.raises(LladaError, match="fails to compile a vanilla decode loop that streams its weights"):
         compile_bundle(deep_dir, "host", tmp_path / "b", max_len=16, window=8, loops=vanilla,
