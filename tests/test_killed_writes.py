@@ -108,7 +108,9 @@ def cli(*argv: str) -> list[str]:
 def kill_once_writing(argv: list[str], target: Path, signum: int, delay: float) -> subprocess.CompletedProcess:
     """Run `argv`, send `signum` `delay` seconds after its scratch copy of `target` appears (or on exit)."""
     known = set(scratch_of(target))
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # SIGINT as a terminal delivers it, even when the tests run as a background job (whose shell ignores SIGINT)
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 300
     while proc.poll() is None and not set(scratch_of(target)) - known and time.monotonic() < deadline:
         time.sleep(0.002)

@@ -10,7 +10,7 @@ buffers, ordered after the activations (so after every use of the stage before i
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -25,7 +25,7 @@ class Stage:
 
     index: int                      # 0 .. n_layers - 1 for the layers, n_layers for the LM head
     stored: tuple                   # the stage's tensors as the weights file stores them
-    build: Callable[[tuple], object]  # stored tensors -> the layer's block dict, or the head, as params holds it
+    build: Callable[[tuple], Any]   # stored tensors -> the layer's block dict, or the head, as params holds it
 
     def tree_flatten(self):
         return self.stored, (self.index, self.build)
@@ -35,7 +35,7 @@ class Stage:
         return cls(aux[0], tuple(stored), aux[1])
 
 
-def fetch(part, x: jax.Array):
+def fetch(part: Any, x: jax.Array) -> tuple[Any, jax.Array]:
     """(part, x): a `Stage` read in after `x` and built; anything else, as it is."""
     if not isinstance(part, Stage):
         return part, x
