@@ -42,7 +42,7 @@ from lowering.export import (
 from lowering.kernel_dispatch import kernel_compiler, kernels_manifest, target_objects
 from lowering.matmul_tiles import tunable_matmuls, tuning_spec
 from lowering.run_script import write_run_script
-from lowering.stage_ring import MAX_TENSORS_PER_PASS, byte_size, resident_bytes, ring_plan
+from lowering.stage_ring import SLOTS, byte_size, resident_bytes, ring_plan
 from lowering.targets import compile_flags, target, target_tiles
 from policies.loop_io import BakedLoops
 
@@ -270,21 +270,17 @@ def _quantization(model_dir: Path) -> dict:
 
 def _streams(config, layout: WeightLayout, budget: int | None) -> bool:
     """Whether the weights, as the bundle stores them, exceed the budget: then the program streams its layers and
-    head through a ring of two stage-sized buffers (`lowering.stage_ring`), which must fit beside the rest."""
+    head through a ring of stage-sized buffers (`lowering.stage_ring`), which must fit beside the rest."""
     if budget is None:
         return False
     if budget <= 0:
         raise LladaError(f"device memory budget must be a positive number of bytes, got {budget}")
     if budget >= sum(byte_size(p) for p in layout.parameters):
         return False
-    plan = ring_plan(layout, config)
-    if plan.tensors_per_pass > MAX_TENSORS_PER_PASS:
-        raise LladaError(f"this model streams {plan.tensors_per_pass} tensors per pass; bundles stream at most "
-                         f"{MAX_TENSORS_PER_PASS} so far (IREE 3.13 gave wrong tokens at 514: docs/iree-limits.md)")
-    needed = resident_bytes(layout, config) + plan.ring_bytes
+    needed = resident_bytes(layout, config) + ring_plan(layout, config).ring_bytes
     if budget < needed:
         raise LladaError(f"a device memory budget of {budget:,} bytes is too small for this model: streaming its "
-                         f"weights needs {needed:,} (the embedding and two stages: a layer's or the LM head's)")
+                         f"weights needs {needed:,} (the embedding and {SLOTS} stages: a layer's or the LM head's)")
     return True
 
 

@@ -1,16 +1,15 @@
 """Weights streamed by the IREE program itself: a bundle whose weights exceed its device memory budget reads
 each stage (a decoder layer's tensors, or the LM head's) from the weights file into a ring of two device buffers
-while the stage before it computes, so `iree-run-module` (and `run.sh`) runs it with no host code of ours.
+when it is needed, so `iree-run-module` (and `run.sh`) runs it with no host code of ours.
 
 The steps are exported with a `llada_stage` custom call where each stage is needed (`llada_jax.model.staged`);
 `rewrite_stage_calls` replaces each call with a call to a function that:
-1. signals a fence when the activations entering the stage are computed (`hal.tensor.barrier`): every use of
-   the stage before, and so of the slot it occupies, is then over;
-2. takes the stage from the slot the last call prefetched into, or (a miss: the calls came in another order)
-   reads it into the free slot with `io_parameters.gather`;
-3. prefetches the next stage (layers in order, then the head, then layer 0) into the other slot, waiting for
-   that fence, and records it in the ring's globals;
-4. hands the stage's tensors to the step as `hal.tensor.import`s of the slot, waiting for its read.
+1. signals a fence when the activations entering the stage are computed (`hal.tensor.barrier`);
+2. reads the stage with `io_parameters.gather` into the slot the stage before did not use (that of the stage two
+   before), after that fence and the previous read;
+3. hands the stage's tensors to the step as `hal.tensor.import`s of the slot, waiting for its read.
+Reading the next stage while one computes (into the slot of the stage before, after its activations were ready)
+gave wrong tokens on models of 33 to 61 stages, a host wait included; so does not overlap yet (docs/staging.md).
 The weights file is the one the bundle binds to scope "model"; nothing is read at load but the resident tensors.
 """
 
@@ -26,10 +25,7 @@ from lowering.bundle_format import PARAMETER_SCOPE
 from lowering.bundle_weights import Parameter, WeightLayout
 
 ALIGNMENT = 256  # bytes between a slot's tensors
-# Tensors a pass may import from the ring: LLaDA-8B int4 (514 per pass) gave wrong tokens (all 0) where 16 of its
-# layers (258) and a 32-layer float model (289) gave the resident tokens; likely a binding limit of 512 per
-# command buffer (unconfirmed). Above this, streaming is refused rather than risked.
-MAX_TENSORS_PER_PASS = 300
+SLOTS = 2
 ITEM_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "int8": 1.0, "int4": 0.5}
 CALL = re.compile(
     rf"^(?P<indent>\s*)(?P<result>%[\w#]+):(?P<count>\d+) = stablehlo\.custom_call @{TARGET}"
@@ -55,11 +51,7 @@ class RingPlan:
 
     @property
     def ring_bytes(self) -> int:
-        return 2 * self.slot_bytes
-
-    @property
-    def tensors_per_pass(self) -> int:
-        return sum(len(stage) for stage in self.stages)
+        return SLOTS * self.slot_bytes
 
 
 def stage_of(parameter: Parameter, config) -> int | None:
@@ -111,10 +103,9 @@ def rewrite_stage_calls(module_text: str, plan: RingPlan, prefix: str) -> tuple[
 
 
 def ring_parts(plan: RingPlan) -> list[str]:
-    """The ring's globals, their initializer (two slots allocated, no stage pending) and each stage's read."""
-    lines = ["  util.global private @__ring_slot0 : !hal.buffer", "  util.global private @__ring_slot1 : !hal.buffer",
+    """The ring's globals, their initializer (the slots allocated, no stage pending) and each stage's read."""
+    lines = [*(f"  util.global private @__ring_slot{slot} : !hal.buffer" for slot in range(SLOTS)),
              "  util.global private mutable @__ring_current : index",
-             "  util.global private mutable @__ring_pending : index",
              "  util.global private mutable @__ring_ready : !hal.fence",
              "  util.initializer {", *_indent(_device(), 4),
              f"    %size = arith.constant {plan.slot_bytes} : index",
@@ -122,15 +113,14 @@ def ring_parts(plan: RingPlan) -> list[str]:
              '    %usage = hal.buffer_usage<"TransferSource|TransferTarget|Transfer|DispatchStorageRead|'
              'DispatchStorageWrite|DispatchStorage"> : i32',
              '    %memory = hal.memory_type<"DeviceVisible|DeviceLocal"> : i32']
-    for slot in (0, 1):
+    for slot in range(SLOTS):
         lines += [f"    %slot{slot} = hal.allocator.allocate<%allocator : !hal.allocator> affinity(%affinity) "
                   "type(%memory) usage(%usage) : !hal.buffer{%size}",
                   f"    util.global.store %slot{slot}, @__ring_slot{slot} : !hal.buffer"]
-    lines += ["    %none = arith.constant -1 : index", "    %c0 = arith.constant 0 : index",
+    lines += ["    %c0 = arith.constant 0 : index",
               '    %ready = hal.fence.create device(%device : !hal.device) flags("None") : !hal.fence',
               "    hal.fence.signal<%ready : !hal.fence>",
               "    util.global.store %c0, @__ring_current : index",
-              "    util.global.store %none, @__ring_pending : index",
               "    util.global.store %ready, @__ring_ready : !hal.fence", "    util.return", "  }"]
     for index, slices in enumerate(plan.stages):
         lines += _gather_function(index, slices)
@@ -164,42 +154,31 @@ def _gather_function(index: int, slices: tuple[Slice, ...]) -> list[str]:
 
 
 def _fetch_function(name: str, stage: int, types: list[str], plan: RingPlan) -> str:
-    """One call site's fetch: the barrier on the activations, the slot's stage (read on a miss), the next stage
-    prefetched into the other slot, the tensors imported (see the module's docstring)."""
-    following = (stage + 1) % len(plan.stages)
+    """One call site's fetch: the barrier on the activations, the stage read into the slot of the stage two before
+    after it, the tensors imported (see the module's docstring)."""
     slices = plan.stages[stage]
+    if len(slices) != len(types) - 1:
+        raise ValueError(f"stage {stage} takes {len(types) - 1} tensors; the ring plan has {len(slices)}")
     body = [*_device(), "%c0 = arith.constant 0 : index", "%c1 = arith.constant 1 : index",
-            f"%stage = arith.constant {stage} : index", f"%following = arith.constant {following} : index",
             '%done = hal.fence.create device(%device : !hal.device) flags("None") : !hal.fence',
             f"%x_done = hal.tensor.barrier join(%x : {types[0]}) => %done : !hal.fence",
-            "%current = util.global.load @__ring_current : index",
-            "%pending = util.global.load @__ring_pending : index",
-            "%pending_ready = util.global.load @__ring_ready : !hal.fence",
+            "%current = util.global.load @__ring_current : index",  # the stage before's slot
+            "%last_read = util.global.load @__ring_ready : !hal.fence",
             "%slot0 = util.global.load @__ring_slot0 : !hal.buffer",
             "%slot1 = util.global.load @__ring_slot1 : !hal.buffer",
             "%in_slot0 = arith.cmpi eq, %current, %c0 : index",
-            "%previous = arith.select %in_slot0, %slot0, %slot1 : !hal.buffer",  # the stage before: free after %done
-            "%slot = arith.select %in_slot0, %slot1, %slot0 : !hal.buffer",      # this stage's
+            "%slot = arith.select %in_slot0, %slot1, %slot0 : !hal.buffer",
             "%next_current = arith.subi %c1, %current : index",
-            "%hit = arith.cmpi eq, %pending, %stage : index",
-            "%ready = scf.if %hit -> !hal.fence {", "  scf.yield %pending_ready : !hal.fence", "} else {",
-            # the slot may still be filling with another stage: after that read, and after the stage before
-            '  %both = hal.fence.join at([%done, %pending_ready]) flags("None") -> !hal.fence',
-            f"  %read = util.call @__ring_read_{stage}(%slot, %both) : (!hal.buffer, !hal.fence) -> !hal.fence",
-            "  scf.yield %read : !hal.fence", "}",
-            f"%prefetched = util.call @__ring_read_{following}(%previous, %done) : (!hal.buffer, !hal.fence) -> "
-            "!hal.fence",
+            '%after = hal.fence.join at([%done, %last_read]) flags("None") -> !hal.fence',
+            f"%ready = util.call @__ring_read_{stage}(%slot, %after) : (!hal.buffer, !hal.fence) -> !hal.fence",
             "util.global.store %next_current, @__ring_current : index",
-            "util.global.store %following, @__ring_pending : index",
-            "util.global.store %prefetched, @__ring_ready : !hal.fence"]
+            "util.global.store %ready, @__ring_ready : !hal.fence"]
     results = ["%x_done"]
     for i, (piece, tensor_type) in enumerate(zip(slices, types[1:])):
         body += [f"%o{i} = arith.constant {piece.offset} : index", f"%l{i} = arith.constant {piece.length} : index",
                  f"%part{i} = hal.buffer.subspan<%slot : !hal.buffer>[%o{i}, %l{i}] : !hal.buffer",
                  f"%w{i} = hal.tensor.import wait(%ready) => %part{i} : !hal.buffer -> {tensor_type}"]
         results.append(f"%w{i}")
-    if len(slices) != len(types) - 1:
-        raise ValueError(f"stage {stage} takes {len(types) - 1} tensors; the ring plan has {len(slices)}")
     body.append(f"util.return {', '.join(results)} : {', '.join(types)}")
     return "\n".join([f"  util.func private @{name}(%x: {types[0]}) -> ({', '.join(types)}) {{",
                       *_indent(body, 4), "  }"])
