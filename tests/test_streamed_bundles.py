@@ -152,7 +152,10 @@ def test_run_script_streams_what_the_resident_bundle_generates(deep_dir, tmp_pat
 
 
 @pytest.mark.slow
-def test_streamed_arm64_run_script_under_qemu_prints_the_host_ids(deep_dir, streamed_pair, tmp_path):
+@pytest.mark.parametrize("bits", [None, 4], ids=["float", "w4a8"])
+def test_streamed_arm64_run_script_under_qemu_prints_the_host_ids(deep_dir, tmp_path, bits):
+    """The aarch64 bundle streamed at a quarter of its weights prints what the resident host bundle prints (W4A8:
+    our arm64 kernels on the streamed bytes)."""
     from llada_jax.cli import main
     from llada_jax.system.locations import user_cache_dir
     from lowering.emulation import QEMU, SYSROOT, emulator_available, runtime_tools_dir
@@ -160,11 +163,15 @@ def test_streamed_arm64_run_script_under_qemu_prints_the_host_ids(deep_dir, stre
 
     require(emulator_available(), "user-mode qemu with arm64 libraries")
     tools = runtime_tools_dir(user_cache_dir("tools"))
-    assert main(["compile", "--model", str(deep_dir), "--target", "linux-arm64", "--out", str(tmp_path / "arm"),
-                 "--max-len", "32", "--window", "16", "--gen-length", "16", "--block-length", "8", "--steps", "16",
-                 "--device-memory-budget", str(weight_bytes(deep_dir) // 4)]) == 0
+    model = deep_dir if bits is None else quantize_checkpoint(deep_dir, tmp_path / "q", QuantScheme(bits, 32))
+    activations = "float" if bits is None else "int8"
+    for target, name, budget in (("linux-arm64", "arm", weight_bytes(model) // 4), ("host", "host", None)):
+        extra = ["--device-memory-budget", str(budget)] if budget else []
+        assert main(["compile", "--model", str(model), "--target", target, "--out", str(tmp_path / name),
+                     "--max-len", "32", "--window", "16", "--gen-length", "16", "--block-length", "8", "--steps",
+                     "16", "--activations", activations, *extra]) == 0
     command = f"{QEMU} -L {SYSROOT} {tools / 'iree-run-module'}"
-    assert run_script(tmp_path / "arm", "1,2,3", command) == run_script(streamed_pair[0], "1,2,3")
+    assert run_script(tmp_path / "arm", "1,2,3", command) == run_script(tmp_path / "host", "1,2,3")
 
 
 @pytest.mark.slow
