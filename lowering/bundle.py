@@ -137,8 +137,8 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
                    force: bool = False, kernels: Kernels = "own") -> Path:
     """Compile every step for canvases up to `max_len`, windows up to `window` and each of `batch_sizes`
     rows (a batch of prompts runs in steps of these sizes) into a bundle; with a
-    device memory budget smaller than the weights, the per-layer pieces that staged execution streams
-    weights through take the place of the resident steps. `loops`: decoding settings whose compiled
+    device memory budget smaller than the weights, the program streams its layers and LM head
+    (`lowering.stage_ring`). `loops`: decoding settings whose compiled
     decode loops go beside the steps, with a `run.sh` that runs the first one without Python. A quantized
     checkpoint's integers are bound as they are stored (`lowering.bundle_weights`); `activations="int8"`
     runs its int8 per-channel layers as W8A8 matmuls. `data_tiling`: IREE's data tiling on a CPU target with

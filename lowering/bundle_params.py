@@ -13,7 +13,7 @@ from llada_jax.model.staged import Stage
 from llada_jax.quant.qlinear import QuantizedWeight, offset_values, row_block_for
 from llada_jax.quant.quantize import Activations
 from lowering.bundle_weights import WeightLayout
-from lowering.stage_ring import stage_of
+from lowering.stage_ring import ring_plan, stage_of
 
 
 def params_of(weights, layout: WeightLayout, config: LLaDAConfig, compute_dtype, activations: Activations) -> dict:
@@ -21,11 +21,9 @@ def params_of(weights, layout: WeightLayout, config: LLaDAConfig, compute_dtype,
     stored = {p.name: w for p, w in zip(layout.parameters, weights)}
     if not layout.streamed:
         return hf_to_params(converted(stored, layout, config, compute_dtype, activations), config)
-    stages: dict[int, list[str]] = {}
-    for parameter in layout.parameters:
-        stage = stage_of(parameter, config)
-        stages.setdefault(-1 if stage is None else stage, []).append(parameter.name)
-    resident = converted({n: stored[n] for n in stages[-1]}, layout, config, compute_dtype, activations)
+    stages = [[piece.key for piece in stage] for stage in ring_plan(layout, config).stages]  # the slots' order
+    resident = converted({p.name: stored[p.name] for p in layout.parameters if stage_of(p, config) is None},
+                         layout, config, compute_dtype, activations)
     places = tensor_places(config)
 
     def staged(index: int) -> Stage:

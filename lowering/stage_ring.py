@@ -8,8 +8,8 @@ The steps are exported with a `llada_stage` custom call where each stage is need
 2. reads the stage with `io_parameters.gather` into the slot the stage before did not use (that of the stage two
    before), after that fence and the previous read;
 3. hands the stage's tensors to the step as `hal.tensor.import`s of the slot, waiting for its read.
-Reading the next stage while one computes (into the slot of the stage before, after its activations were ready)
-gave wrong tokens on models of 33 to 61 stages, a host wait included; so does not overlap yet (docs/staging.md).
+Reads do not overlap compute yet: prefetching the next stage while one computed gave wrong tokens
+(docs/iree-limits.md).
 The weights file is the one the bundle binds to scope "model"; nothing is read at load but the resident tensors.
 """
 

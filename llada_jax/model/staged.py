@@ -3,8 +3,8 @@
 A stage is one decoder layer's stored tensors, or the LM head's. In the params pytree such a layer or head is a
 `Stage` rather than arrays; the forward calls `fetch` where it needs it, with the activations that enter it.
 `fetch` emits one custom call, `llada_stage`, on those activations and the stage's stored tensors, returning
-both: the bundle builder replaces it with reads of the stage from the weights file into a ring of device
-buffers, ordered after the activations (so after every use of the stage before it). XLA never runs it.
+both: the bundle builder replaces it with a read of the stage from the weights file into a ring of device
+buffers, ordered after those activations. XLA never runs it.
 """
 
 from __future__ import annotations
