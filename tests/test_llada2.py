@@ -153,6 +153,43 @@ def test_the_block_cache_gives_the_uncached_tokens(model, prompt, block, gen, ed
     assert cached.stats["cache_passes"] <= uncached.stats["cache_passes"]
 
 
+@pytest.fixture(scope="module")
+def layered_model(checkpoint):
+    """The tiny model loaded as if its expert loops were too many for one step program."""
+    from llada_jax.weights import loading
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loading, "WHOLE_STEP_EXPERT_LOOPS", 0)
+        return llada_jax.load(checkpoint)
+
+
+def test_only_models_with_too_many_expert_loops_run_layer_by_layer(model, layered_model):
+    from pathlib import Path
+
+    from llada_jax.weights.loading import layered_execution
+
+    data = Path(__file__).parents[1] / "eval" / "data"
+    assert layered_execution(read_config(data / "llada2-mini"))  # 19 sparse layers x 256 experts
+    assert not layered_execution(read_config(data / "llada-moe-7b-a1b-instruct"))  # 16 x 64
+    assert model.params is not None and not model.layered
+    assert layered_model.layered and layered_model.params is None and layered_model.staged is not None
+
+
+@settings(max_examples=15)
+@given(prompt=PROMPTS, block=st.sampled_from([4, 8]), gen=st.integers(1, 12), editing=st.sampled_from([None, 0.3]),
+       policy=st.sampled_from(["dual-cache", "vanilla"]))
+def test_layer_by_layer_gives_the_whole_step_tokens(model, layered_model, prompt, block, gen, editing, policy):
+    """One compiled piece per layer shape, every stage resident (nothing streamed): the whole step's tokens and
+    confidences."""
+    options = dict(gen_length=gen, block_length=block, steps=block, threshold=0.3, editing_threshold=editing,
+                   policy=policy)
+    layered = llada_jax.generate(layered_model, np.array(prompt), **options)
+    whole = llada_jax.generate(model, np.array(prompt), **options)
+    assert layered.output_ids.tolist() == whole.output_ids.tolist()
+    confidences = [[c for record in result.trace for c in record.confidence] for result in (layered, whole)]
+    assert confidences[0] == pytest.approx(confidences[1], abs=1e-5)
+
+
 @pytest.mark.parametrize("options, named", [
     ({"policy": "dual-cache+speculative"}, "not implemented for block-diffusion"),
     ({"num_to_transfer": 0}, "loops forever"),

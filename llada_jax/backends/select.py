@@ -87,7 +87,7 @@ def _xla_backend(model, request: BackendRequest) -> Backend:
 
     readout_spec, biases, cfg_scale = request.readout_spec, request.biases, request.cfg_scale
     kv = kv_bytes(model.config, request.rows, request.slots, model.itemsize)
-    if model.staged is not None:
+    if model.staged is not None and not model.layered:
         buffers = ring_buffers(model.device_memory_budget, model.staged, kv)
         return xla_staged.StagedJaxBackend(model.staged, model.config, readout_spec, biases, cfg_scale, buffers,
                                            StagingStats(), model.jnp_dtype)
@@ -95,5 +95,8 @@ def _xla_backend(model, request: BackendRequest) -> Backend:
         raise LladaError(f"resident weights ({model.weight_bytes} bytes) plus the KV state ({kv} bytes) exceed "
                          f"the device memory budget {model.device_memory_budget}; load with a smaller budget "
                          "to stage the weights, or shorten the canvas")
+    if model.layered:  # every stage pinned: held resident, never streamed
+        return xla_staged.StagedJaxBackend(model.staged, model.config, readout_spec, biases, cfg_scale,
+                                           len(model.staged.stages), StagingStats(), model.jnp_dtype)
     return xla.JaxBackend(model.params, model.config, readout_spec, biases, cfg_scale, model.jnp_dtype, model.mesh)
 

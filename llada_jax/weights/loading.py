@@ -1,6 +1,7 @@
 """A model loaded from an HF LLaDA directory: config, tokenizer, and its weights either device-resident
 (the params pytree) or, when they exceed the device memory budget, packed per stage on the host for
-staged execution."""
+staged execution. A sparse model with more expert loops than XLA can compile in one step program is
+packed per stage too and runs layer by layer with every stage resident (`layered_execution`)."""
 
 from __future__ import annotations
 
@@ -35,12 +36,16 @@ from llada_jax.weights.weights_io import (
 )
 
 LOAD_BAR_BYTES = 1 << 30  # a load that takes seconds or more shows a progress bar
+# XLA's CPU compile of one whole step took 100-180 s at LLaDA-MoE's 16 x 64 expert loops and passed 20 GB at
+# LLaDA2.0-mini's 19 x 256 (eval/RESULTS.md, LLaDA2); one layer's piece compiles in seconds.
+WHOLE_STEP_EXPERT_LOOPS = 2048
 
 
 @dataclasses.dataclass(frozen=True)
 class Model:
     """A loaded model: device-resident `params`, or, when its weights exceed the device memory budget,
-    `staged` host-packed stages streamed through device memory at every step (params is then None)."""
+    `staged` host-packed stages streamed through device memory at every step (params is then None).
+    `layered`: the stages are all held resident and run one compiled layer piece at a time."""
 
     config: LLaDAConfig
     params: dict | None
@@ -54,6 +59,7 @@ class Model:
     quantized: dict = dataclasses.field(default_factory=dict)  # module -> QuantScheme of the checkpoint
     mesh: Mesh | None = None  # the params are sharded over it (`llada_jax.model.mesh`); None: one device
     scale_itemsize: int = 4  # bytes per quantization scale as held: as stored when resident, float32 when staged
+    layered: bool = False
 
     @property
     def jnp_dtype(self):
@@ -95,8 +101,9 @@ def load(path, dtype: str = "float32", device_memory_budget: int | None = None, 
                   kernels=kernels, quantized=quantized, mesh=mesh,
                   scale_itemsize=stored_scale_itemsize(model_dir, quantized))
     staged = device_memory_budget is not None and model.weight_bytes > device_memory_budget
-    if staged:  # stages pack the scales as float32
-        model = dataclasses.replace(model, scale_itemsize=4)
+    layered = not staged and mesh is None and layered_execution(config)
+    if staged or layered:  # stages pack the scales as float32
+        model = dataclasses.replace(model, scale_itemsize=4, layered=layered)
     if mesh is not None:
         check_fits_model_axis(config, mesh)
         if staged:
@@ -105,7 +112,7 @@ def load(path, dtype: str = "float32", device_memory_budget: int | None = None, 
     check_memory(model, staged)
     bar = functools.partial(tqdm, total=len(hf_shapes(config)), desc=f"loading {model_dir.name}", unit="tensor",
                             file=sys.stderr, leave=False, disable=model.weight_bytes < LOAD_BAR_BYTES)
-    if staged:
+    if staged or layered:
         model = dataclasses.replace(model, staged=pack_weights(bar(iter_tensors(model_dir, config)), config,
                                                                np.dtype(model.jnp_dtype), activations, kernels))
     else:
@@ -113,6 +120,13 @@ def load(path, dtype: str = "float32", device_memory_budget: int | None = None, 
                                                                   kernels=kernels))
     release_freed_memory()
     return model
+
+
+def layered_execution(config: LLaDAConfig) -> bool:
+    """Whether XLA runs this model layer by layer: a step program holding every sparse layer's expert loops
+    would not compile in reasonable time and memory, so one piece per layer shape is compiled instead
+    (`llada_jax.model.layered`), its weights resident all the same."""
+    return config.n_experts * (config.n_layers - config.dense_layers) > WHOLE_STEP_EXPERT_LOOPS
 
 
 def check_memory(model: Model, staged: bool) -> None:
