@@ -36,8 +36,11 @@ class BackendCall:
 
     method: Literal["full", "window", "commit"]
     args: tuple
+    blocks: np.ndarray | None = None  # a window of several diffusion blocks: each position's block `[B, W]`
 
     def run(self, backend: "Backend"):
+        if self.blocks is not None:
+            return backend.window(*self.args, blocks=self.blocks)
         return getattr(backend, self.method)(*self.args)
 
 
@@ -60,8 +63,9 @@ class Backend(Protocol):
         ...
 
     def window(self, state: KVState, visible: np.ndarray, window_ids: np.ndarray, window_pos: np.ndarray,
-               window_valid: np.ndarray, reads: Reads | None = None) -> StepOutput:
-        """W positions `[B, W]` against the cached slots `visible` `[B, S]` and each other."""
+               window_valid: np.ndarray, reads: Reads | None = None, blocks: np.ndarray | None = None) -> StepOutput:
+        """W positions `[B, W]` against the cached slots `visible` `[B, S]` and each other; with `blocks` `[B, W]`
+        (each position's diffusion block: `block_windows`), a position sees no window position of a later block."""
         ...
 
     def commit(self, state: KVState, positions: np.ndarray, write: np.ndarray, out: StepOutput,
@@ -73,6 +77,10 @@ class Backend(Protocol):
     def empty_state(self, batch: int, slots: int) -> KVState:
         """A KV state of `slots` positions holding nothing, on this backend's device."""
         ...
+
+    def block_windows(self) -> bool:
+        """Whether `window` takes `blocks` (block-causal attention inside one window)."""
+        return False
 
     def side_backend(self) -> SideBackend | None:
         """Where revision's side path should run concurrently; None: inline on this backend."""

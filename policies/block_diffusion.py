@@ -52,6 +52,8 @@ class BlockSettings:
     editing_threshold: float | None = None  # set: LLaDA2.1's decoder
     max_post_steps: int = 16
     num_to_transfer: int = 1
+    lookahead: int = 0                  # following blocks drafted in each step's window (+speculative)
+    draft_threshold: float = 0.9        # a draft is committed at this confidence or above
 
     def __post_init__(self):
         for name in ("gen_length", "block_length", "steps", "minimal_topk", "num_to_transfer"):
@@ -105,15 +107,20 @@ def mask_commits(confidence: np.ndarray, active: np.ndarray, threshold: float | 
     return chosen
 
 
-def block_call(kv, tokens: np.ndarray, lo: int, width: int, length: int | None = None, reads=None) -> BackendCall:
-    """The window step of the block at [lo, lo + width) of `tokens` `[B, S]` against the cached blocks before
-    it (the slots before `lo`); positions at or past `length` are padding."""
+def block_call(kv, tokens: np.ndarray, lo: int, width: int, length: int | None = None, reads=None,
+               block_length: int | None = None) -> BackendCall:
+    """The window step of [lo, lo + width) of `tokens` `[B, S]` against the cached blocks before `lo`;
+    positions at or past `length` are padding. With `block_length` below `width`, the window holds several
+    blocks, each seeing itself and the ones before it (block-causal)."""
     rows, slots = tokens.shape
     columns = np.arange(lo, lo + width)
     visible = np.broadcast_to(np.arange(slots) < lo, tokens.shape)
     positions = np.broadcast_to(columns, (rows, width))
     valid = np.broadcast_to(columns < (slots if length is None else length), positions.shape)
-    return BackendCall("window", (kv, visible, tokens[:, columns], positions, valid, reads))
+    blocks = None
+    if block_length is not None and block_length < width:
+        blocks = np.broadcast_to(np.arange(width, dtype=np.int32) // block_length, positions.shape)
+    return BackendCall("window", (kv, visible, tokens[:, columns], positions, valid, reads), blocks)
 
 
 def commit_block(kv, tokens: np.ndarray, lo: int, width: int, out, nfe: int, length: int | None = None) -> BackendCall:
@@ -147,24 +154,38 @@ class BlockRun:
         self.cache_passes += 1
 
     def predict(self, lo: int):
-        """One denoising pass over the block at `lo`: (x0, confidence) per position (a generator)."""
+        """One denoising pass over the block at `lo` and the following blocks it drafts: (x0, confidence) per
+        position of the window (a generator)."""
         if not self.settings.cached:  # the uncached twin: every earlier block recomputed first
             self.kv = self.fresh_state()
             for earlier in range(0, lo, self.settings.block_length):
                 yield from self.cache_block(earlier)
-        width = self.settings.block_length
-        out = yield block_call(self.kv, self.canvas.tokens, lo, width)
+        block_length = self.settings.block_length
+        drafted = min(self.settings.lookahead, (self.canvas.length - lo) // block_length - 1)
+        width = block_length * (1 + drafted)
+        out = yield block_call(self.kv, self.canvas.tokens, lo, width, block_length=block_length)
         check_finite(out.readout, np.arange(lo, lo + width), np.ones(width, bool), len(self.trace))
         x0, confidence, _ = self.sampler.choose(out.readout, self.rng)
         return x0, confidence
 
+    def commit(self, lo: int, committed: np.ndarray, x0: np.ndarray, confidence: np.ndarray) -> np.ndarray:
+        """Write the block's `committed` positions, and the drafts: the masked positions of the following blocks
+        in the window predicted at `draft_threshold` or above. Returns every position written, `[window]`."""
+        tokens, width = self.canvas.tokens, self.settings.block_length
+        ahead = tokens[0, lo + width: lo + len(x0)] == self.canvas.mask_id
+        drafts = ahead & (confidence[width:] >= self.settings.draft_threshold)
+        written = np.concatenate([committed, drafts])
+        tokens[:, lo + np.flatnonzero(written)] = x0[written]
+        return written
+
     def record(self, block: int, lo: int, committed: np.ndarray, x0, confidence, revisions=()) -> None:
         positions = lo + np.flatnonzero(committed)
+        width = len(committed)
         self.trace.append(StepRecord(
-            nfe=len(self.trace), block=block, kind="window", width=self.settings.block_length,
-            shape_width=self.settings.block_length, useful=self.settings.block_length,
+            nfe=len(self.trace), block=block, kind="window", width=width, shape_width=width, useful=width,
             positions=tuple(int(p) for p in positions), tokens=tuple(int(t) for t in x0[committed]),
-            confidence=tuple(float(c) for c in confidence[committed]), revisions=tuple(revisions)))
+            confidence=tuple(float(c) for c in confidence[committed]),
+            drafts=int(committed[self.settings.block_length:].sum()), revisions=tuple(revisions)))
 
 
 def decode_blocks(backend, prompt_ids: np.ndarray, settings: BlockSettings, sampler: Sampler, *, mask_id: int,
@@ -205,9 +226,9 @@ def schedule_block(run: BlockRun, block: int, lo: int, on_step):
         if not active.any():
             return
         x0, confidence = yield from run.predict(lo)
-        committed = mask_commits(confidence, active, run.settings.threshold, int(share))
-        tokens[:, lo + np.flatnonzero(committed)] = x0[committed]
-        run.record(block, lo, committed, x0, confidence)
+        width = run.settings.block_length
+        committed = mask_commits(confidence[:width], active, run.settings.threshold, int(share))
+        run.record(block, lo, run.commit(lo, committed, x0, confidence), x0, confidence)
         if on_step is not None:
             on_step(run.canvas, run.trace[-1])
 
@@ -232,12 +253,12 @@ def edit_block(run: BlockRun, block: int, lo: int, on_step):
                 break
             seen.add(state)
         x0, confidence = yield from run.predict(lo)
-        committed = (mask_commits(confidence, active, settings.threshold, settings.num_to_transfer)
+        width = settings.block_length
+        committed = (mask_commits(confidence[:width], active, settings.threshold, settings.num_to_transfer)
                      if active.any() else np.zeros_like(active))
-        edited = ~active & answer & (confidence > settings.editing_threshold) & (x0 != old)
-        changed = committed | edited
-        tokens[:, lo + np.flatnonzero(changed)] = x0[changed]
-        run.record(block, lo, committed, x0, confidence,
+        edited = ~active & answer & (confidence[:width] > settings.editing_threshold) & (x0[:width] != old)
+        tokens[:, lo + np.flatnonzero(edited)] = x0[:width][edited]
+        run.record(block, lo, run.commit(lo, committed, x0, confidence), x0, confidence,
                    [(lo + int(i), int(old[i]), int(x0[i])) for i in np.flatnonzero(edited)])
         if on_step is not None:
             on_step(run.canvas, run.trace[-1])

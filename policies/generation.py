@@ -24,6 +24,7 @@ from policies.options import BLOCK_OPTIONS, GenerationOptions
 from policies.registry import make_policy, parse_policy
 from policies.sampling import Sampler
 from policies.schedule import Schedule, make_rule
+from policies.speculative import Speculative
 
 LOOPS = ("auto", "host", "compiled")
 
@@ -81,6 +82,7 @@ class Prepared:
     threshold: float | None
     draft_threshold: float
     revisable: bool               # committed tokens may still change (revision): settled only at the end
+    block_windows: bool = False   # windows of several diffusion blocks (block speculation: `Backend.block_windows`)
 
     @property
     def rows_per_prompt(self) -> int:
@@ -166,9 +168,11 @@ def prepare_blocks(config: LLaDAConfig, prompts: list[np.ndarray], batched: bool
     """A block-causal family's generation (`policies.block_diffusion`): the exact block cache, or `vanilla`, its
     uncached twin; LLaDA2.1's editing decoder when `editing_threshold` is set."""
     base, modifiers = parse_policy(options.policy)
-    if modifiers:
-        raise LladaError(f"+{' +'.join(modifiers)} is not implemented for block-diffusion models yet; "
-                         "use vanilla (uncached) or dual-cache (the exact block cache)")
+    if "revision" in modifiers:
+        raise LladaError("+revision is LLaDA's; block-diffusion models revise their own block with "
+                         "--editing-threshold (LLaDA2.1's editing decoder)")
+    speculative = make_policy(options.policy) if modifiers else Speculative(lookahead=0)
+    assert isinstance(speculative, Speculative), "speculative is the only modifier left"
     unsupported = {"cfg_scale": options.cfg_scale != 0.0, "remasking": options.remasking != "low_confidence",
                    "schedule": options.schedule != "llada", "top_k": bool(options.top_k),
                    "top_p": options.top_p not in (None, 1.0), "first_token": bool(options.first_token),
@@ -180,7 +184,8 @@ def prepare_blocks(config: LLaDAConfig, prompts: list[np.ndarray], batched: bool
         gen_length=int(options.gen_length), block_length=int(options.block_length), steps=int(options.steps),
         threshold=options.threshold, cached=base != "vanilla", minimal_topk=options.minimal_topk,
         editing_threshold=options.editing_threshold, max_post_steps=options.max_post_steps,
-        num_to_transfer=options.num_to_transfer)
+        num_to_transfer=options.num_to_transfer, lookahead=speculative.lookahead,
+        draft_threshold=speculative.draft_threshold)
     total = check_fits(config, prompts, settings.gen_length, batched, options.limit, settings.block_length)
     sampler = Sampler(float(options.temperature))
     decode_row = functools.partial(decode_blocks, settings=settings, sampler=sampler, mask_id=config.mask_token_id,
@@ -188,7 +193,8 @@ def prepare_blocks(config: LLaDAConfig, prompts: list[np.ndarray], batched: bool
     return Prepared(prompts=prompts, batched=batched, readout_spec=ReadoutSpec(kind=sampler.readout_kind),
                     biases=TokenBiases.build(config.embedding_size), cfg_scale=0.0,
                     slots=bucket(total, config.max_sequence_length), decode_row=decode_row, loop_spec=None,
-                    threshold=options.threshold, draft_threshold=1.0, revisable=settings.editing_threshold is not None)
+                    threshold=options.threshold, draft_threshold=1.0, revisable=settings.editing_threshold is not None,
+                    block_windows=settings.lookahead > 0)
 
 
 def run_generation(make_backend: Callable, config: LLaDAConfig, prompt_ids, *, on_step: Callable | None = None,
@@ -207,6 +213,9 @@ def run_generation(make_backend: Callable, config: LLaDAConfig, prompt_ids, *, o
     prompts = prepared.prompts
     spec = _check_loop(loop, prepared.loop_spec, on_step, len(prompts) > 1)
     backend = make_backend(prepared.backend_request())
+    if prepared.block_windows and not backend.block_windows():
+        raise LladaError("+speculative on block-diffusion models drafts the next blocks under block-causal "
+                         "attention, which a bundle's window steps cannot mask; run it on XLA (--model)")
     if len(prompts) > 1:
         return [_with_staging(result, backend)
                 for result in decode_batch(backend, prompts, prepared.decode_row, on_step)]

@@ -189,8 +189,13 @@ def _stacked_call(backend, chunk: list[BackendCall], reads: Reads | None) -> Ste
                              backend.join_rows([s.values for s in states], axis=1),
                              np.concatenate([s.slot_token for s in states]),
                              np.concatenate([s.slot_nfe for s in states]))
+    blocks = None
+    if any(call.blocks is not None for call in chunk):  # a call without blocks is one block: all zeros
+        blocks = np.concatenate([np.zeros(np.shape(call.args[2]), np.int32) if call.blocks is None else call.blocks
+                                 for call in chunk])
     return backend.window(state, *(np.concatenate([np.asarray(a) for a in arrays])
-                                   for arrays in (visible, window_ids, window_pos, window_valid)), reads)
+                                   for arrays in (visible, window_ids, window_pos, window_valid)), reads,
+                          blocks=blocks)
 
 
 def _split(backend, out: StepOutput, parts: int) -> list[StepOutput]:

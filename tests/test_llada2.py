@@ -153,6 +153,36 @@ def test_the_block_cache_gives_the_uncached_tokens(model, prompt, block, gen, ed
     assert cached.stats["cache_passes"] <= uncached.stats["cache_passes"]
 
 
+@settings(max_examples=25)
+@given(prompt=PROMPTS, block=st.sampled_from([2, 4, 8]), gen=st.integers(1, 16), lookahead=st.integers(1, 3),
+       draft=st.sampled_from([0.05, 0.3, 0.9]), editing=st.sampled_from([None, 0.3]),
+       base=st.sampled_from(["dual-cache", "vanilla"]))
+def test_speculative_drafts_see_what_the_block_causal_mask_lets_them_see(model, prompt, block, gen, lookahead, draft,
+                                                                         editing, base):
+    """Each step's commits, the current block's and the drafts of the following blocks alike, are the block-causal
+    model's prediction over the canvas as it stood before the step (`llada_jax.logits` with the block length):
+    a draft sees its own block and the earlier ones, and no block sees a later one's drafts."""
+    canvases = []
+    options = dict(gen_length=gen, block_length=block, steps=block, threshold=0.3, editing_threshold=editing,
+                   policy=f"{base}+speculative:{lookahead}:{draft}")
+    result = llada_jax.generate(model, np.array(prompt), on_step=lambda canvas, _: canvases.append(
+        canvas.tokens[0, : canvas.length].copy()), **options)
+    start = np.full(len(canvases[0]), CONFIG.mask_token_id)
+    start[: len(prompt)] = prompt
+    before = [start] + canvases[:-1]
+    logits = llada_jax.logits(model, np.stack(before), block_length=block).astype(np.float64)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    for step, record in enumerate(result.trace):
+        positions = list(record.positions)
+        assert list(record.tokens) == probs[step, positions].argmax(-1).tolist()
+        assert list(record.confidence) == pytest.approx(probs[step, positions].max(-1), abs=1e-4)
+        assert all(positions[i] // block > record.block for i in range(len(positions) - record.drafts, len(positions)))
+    exact = llada_jax.generate(model, np.array(prompt), **{**options, "policy": f"{base}+speculative:0"})
+    plain = llada_jax.generate(model, np.array(prompt), **{**options, "policy": base})
+    assert exact.output_ids.tolist() == plain.output_ids.tolist() and exact.nfe == plain.nfe
+
+
 @pytest.fixture(scope="module")
 def layered_model(checkpoint):
     """The tiny model loaded as if its expert loops were too many for one step program."""
@@ -191,7 +221,8 @@ def test_layer_by_layer_gives_the_whole_step_tokens(model, layered_model, prompt
 
 
 @pytest.mark.parametrize("options, named", [
-    ({"policy": "dual-cache+speculative"}, "not implemented for block-diffusion"),
+    ({"policy": "dual-cache+revision"}, "LLaDA2.1's editing decoder"),
+    ({"policy": "dual-cache+speculative:1:0"}, "draft threshold must be in"),
     ({"num_to_transfer": 0}, "loops forever"),
     ({"gen_length": 120}, "rounded up to whole blocks"),
     ({"gen_length": 2, "minimal_topk": 3}, "leaves no step"),
@@ -259,8 +290,8 @@ def test_llada_generate_takes_the_family_defaults(chat_model, capsys):
                                   policy="dual-cache", threshold=0.95)
     assert row["output_ids"] == expected.output_ids.tolist() and row["nfe"] == expected.nfe
     assert main(["generate", "--model", str(chat_model.path), "--prompt-ids", "1,2,3", "--policy",
-                 "dual-cache+speculative"]) == 1
-    assert "not implemented for block-diffusion" in capsys.readouterr().err
+                 "dual-cache+revision"]) == 1
+    assert "--editing-threshold" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -146,7 +146,10 @@ class IreeBackend(Backend):
         return self._output(out, batch, slots, reads)
 
     def window(self, state: kv_state.KVState, visible, window_ids, window_pos, window_valid,
-               reads: Reads | None = None) -> StepOutput:
+               reads: Reads | None = None, blocks=None) -> StepOutput:
+        if blocks is not None:  # run_generation refuses this before any step (`block_windows`)
+            raise LladaError("a bundle's window steps attend bidirectionally: windows of several diffusion blocks "
+                             "run on XLA")
         batch, width = window_ids.shape
         out = self._call(StepSpec("window", batch, state.slots, width).name, state.keys, state.values,
                          kv_state.visible_bias(state, visible), np.asarray(window_ids, np.int32),

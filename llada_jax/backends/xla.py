@@ -71,14 +71,19 @@ class JaxBackend(DeviceRows, Backend):
         return StepOutput(_read_back(out, reads), keys, values)
 
     def window(self, state: kv_state.KVState, visible: np.ndarray, window_ids: np.ndarray,
-               window_pos: np.ndarray, window_valid: np.ndarray, reads: Reads | None = None) -> StepOutput:
+               window_pos: np.ndarray, window_valid: np.ndarray, reads: Reads | None = None,
+               blocks: np.ndarray | None = None) -> StepOutput:
         bias = self._rows(kv_state.visible_bias(state, visible))
         context = Context(self._kv(state.keys), self._kv(state.values), bias)
         out, keys, values = window_step(
             self.params, context, self._rows(np.asarray(window_ids, np.int32)),
             self._rows(np.asarray(window_pos, np.int32)), self._rows(window_valid), *self._common,
-            _head(reads, np.shape(window_ids)[1]), config=self.config, readout_spec=self.readout_spec)
+            _head(reads, np.shape(window_ids)[1]), None if blocks is None else self._rows(np.asarray(blocks, np.int32)),
+            config=self.config, readout_spec=self.readout_spec)
         return StepOutput(_read_back(out, reads), keys, values)
+
+    def block_windows(self) -> bool:
+        return True
 
     def commit(self, state: kv_state.KVState, positions: np.ndarray, write: np.ndarray, out: StepOutput,
                tokens: np.ndarray, nfe: int) -> kv_state.KVState:

@@ -81,9 +81,12 @@ class StagedJaxBackend(DeviceRows, Backend):
         return staged_full(self, self._ring, self.weights, self.config, tokens, valid, reads)
 
     def window(self, state: kv_state.KVState, visible, window_ids, window_pos, window_valid,
-               reads: Reads | None = None) -> StepOutput:
+               reads: Reads | None = None, blocks=None) -> StepOutput:
         return staged_window(self, self._ring, self.weights, self.config, state, visible, window_ids, window_pos,
-                             window_valid, reads)
+                             window_valid, reads, blocks)
+
+    def block_windows(self) -> bool:
+        return True
 
     def commit(self, state, positions, write, out: StepOutput, tokens, nfe: int):
         return commit_on_device(state, positions, write, out, tokens, nfe)

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from llada_jax.model.config import LLaDAConfig
+from llada_jax.model.kv_state import with_context_bias
 from llada_jax.model.layout import XLA_LAYOUT, Features, LayoutRule, rms_norm, swiglu
 from llada_jax.model.moe import sparse_mlp
 from llada_jax.model.staged import fetch
@@ -60,7 +61,8 @@ def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def attention(q: jax.Array, keys: jax.Array, values: jax.Array, key_bias: jax.Array) -> jax.Array:
-    """Bidirectional attention of q `[B, W, H, hd]` over keys/values `[B, T, K, hd]`; bias `[B, T]`.
+    """Bidirectional attention of q `[B, W, H, hd]` over keys/values `[B, T, K, hd]`; bias `[B, T]`, or per
+    query `[B, W, T]` (a window of several diffusion blocks: `window_bias`).
 
     Computed head-major: each kv-head's G query heads stacked as G*W rows against its keys `[T, hd]`, so
     both products are plain batched matmuls over (B, K) (XLA's CPU backend ran the position-major einsums
@@ -71,7 +73,8 @@ def attention(q: jax.Array, keys: jax.Array, values: jax.Array, key_bias: jax.Ar
     rows = q.reshape(b, w, kv_heads, group, hd).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, group * w, hd)
     keys, values = keys.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3)
     scores = jnp.einsum("bkqd,bktd->bkqt", rows, keys, preferred_element_type=jnp.float32)
-    scores = scores / jnp.sqrt(jnp.float32(hd)) + key_bias[:, None, None, :]
+    bias = key_bias[:, None, None, :] if key_bias.ndim == 2 else jnp.tile(key_bias, (1, group, 1))[:, None]
+    scores = scores / jnp.sqrt(jnp.float32(hd)) + bias
     # The softmax spelled out, scaled by the sum's reciprocal: IREE turns `jax.nn.softmax` into its softmax op,
     # which ran the bench-size full step's 12 softmaxes in 10.1 ms against 5.6 for these two reductions
     # (the step 219 -> 216 ms, every one of 5 alternating runs faster); XLA's steps did not move.
@@ -126,12 +129,12 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, token_bias: j
             context: Context | None, config: LLaDAConfig, layout_rule: LayoutRule = XLA_LAYOUT) -> ForwardOut:
     """Run W positions `tokens`/`positions` `[B, W]`, attending to `context` (if any) and to themselves.
 
-    `token_bias` `[B, W]` hides padded positions as keys. The result's K/V are proposals: the caller
-    decides whether to commit them into a KV state.
+    `token_bias` `[B, W]` hides padded positions as keys (`[B, W, W]`: per query). The result's K/V are
+    proposals: the caller decides whether to commit them into a KV state.
     """
     x = embed(params["wte"], tokens, params["ln_f"].dtype)
     rotary = rotary_tables(positions, config.rotary_width, config.rope_theta)
-    key_bias = token_bias if context is None else jnp.concatenate([context.bias, token_bias], axis=1)
+    key_bias = token_bias if context is None else with_context_bias(context.bias, token_bias, jnp)
     new_keys, new_values = [], []
     for layer, block in enumerate(params["blocks"]):
         block, x = fetch(block, x)  # a streamed layer is read in here (`llada_jax.model.staged`)

@@ -71,3 +71,21 @@ def visible_bias(state: KVState, visible: np.ndarray) -> np.ndarray:
 def stale_slots(state: KVState, canvas: np.ndarray) -> np.ndarray:
     """Filled slots whose K/V was computed from a different token than the canvas now holds."""
     return state.filled & (state.slot_token != np.asarray(canvas))
+
+
+def window_key_bias(window_valid, window_blocks=None, xp=np):
+    """The window's keys' attention bias: invalid positions hidden, `[B, W]`; with `window_blocks` `[B, W]` (each
+    position's diffusion block), per query `[B, W, W]`, a later block's keys hidden from an earlier block's
+    queries too (block-causal attention). `xp`: numpy, or jax.numpy inside a step."""
+    bias = xp.where(window_valid, 0.0, HIDDEN).astype(xp.float32)
+    if window_blocks is None:
+        return bias
+    later = window_blocks[:, None, :] > window_blocks[:, :, None]
+    return xp.where(later, HIDDEN, bias[:, None, :]).astype(xp.float32)
+
+
+def with_context_bias(context_bias, token_bias, xp=np):
+    """Every key's bias, the cached slots' `[B, S]` first: `[B, S + W]`, or per query `[B, W, S + W]`."""
+    if token_bias.ndim == 3:
+        context_bias = xp.broadcast_to(context_bias[:, None, :], token_bias.shape[:2] + context_bias.shape[1:])
+    return xp.concatenate([context_bias, token_bias], axis=-1)

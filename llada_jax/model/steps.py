@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from llada_jax.model.config import LLaDAConfig
 from llada_jax.model.forward import Context, ForwardOut, forward, head_logits
-from llada_jax.model.kv_state import HIDDEN
+from llada_jax.model.kv_state import HIDDEN, window_key_bias
 from llada_jax.model.layout import XLA_LAYOUT, LayoutRule
 from llada_jax.model.readout import Readout, ReadoutSpec
 
@@ -106,9 +106,11 @@ def full_forward(params: dict, tokens: jax.Array, valid: jax.Array, config: LLaD
 
 
 def window_forward(params: dict, context: Context, window_ids: jax.Array, window_pos: jax.Array,
-                   window_valid: jax.Array, config: LLaDAConfig, layout_rule: LayoutRule = XLA_LAYOUT) -> ForwardOut:
-    """The layers over W positions `[B, W]` against the cached `context`; invalid positions hidden as keys."""
-    bias = jnp.where(window_valid, 0.0, HIDDEN).astype(jnp.float32)
+                   window_valid: jax.Array, config: LLaDAConfig, layout_rule: LayoutRule = XLA_LAYOUT,
+                   window_blocks=None) -> ForwardOut:
+    """The layers over W positions `[B, W]` against the cached `context`; invalid positions hidden as keys
+    (and, with `window_blocks`, a later block's from an earlier block's queries)."""
+    bias = window_key_bias(window_valid, window_blocks, jnp)
     return forward(params, window_ids, window_pos, bias, context, config, layout_rule)
 
 
@@ -127,10 +129,11 @@ def full_step(params: dict, tokens: jax.Array, valid: jax.Array, cfg_scale: jax.
 @functools.partial(jax.jit, static_argnames=("config", "readout_spec", "layout_rule"))
 def window_step(params: dict, context: Context, window_ids: jax.Array, window_pos: jax.Array,
                 window_valid: jax.Array, cfg_scale: jax.Array, logit_bias: jax.Array, confidence_bias: jax.Array,
-                rows=None, *, config: LLaDAConfig, readout_spec: ReadoutSpec,
+                rows=None, window_blocks=None, *, config: LLaDAConfig, readout_spec: ReadoutSpec,
                 layout_rule: LayoutRule = XLA_LAYOUT):
-    """W positions `[B, W]` attending to the visible cached slots and to the valid window positions."""
-    out = window_forward(params, context, window_ids, window_pos, window_valid, config, layout_rule)
+    """W positions `[B, W]` attending to the visible cached slots and to the valid window positions (with
+    `window_blocks` `[B, W]`, only those of their own block or an earlier one)."""
+    out = window_forward(params, context, window_ids, window_pos, window_valid, config, layout_rule, window_blocks)
     hidden = head_rows(out.hidden, rows)
     readout = read_out(params, hidden, cfg_scale, logit_bias, confidence_bias, readout_spec, layout_rule)
     return readout, out.keys, out.values

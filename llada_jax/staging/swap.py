@@ -23,7 +23,7 @@ from numpy.typing import DTypeLike
 from llada_jax.kernels.schemes import Kernels, scheme_for
 from llada_jax.model.arrays import Array
 from llada_jax.model.config import LLaDAConfig
-from llada_jax.model.kv_state import HIDDEN, KVState, visible_bias
+from llada_jax.model.kv_state import KVState, visible_bias, window_key_bias, with_context_bias
 from llada_jax.model.params import stage_key, tensor_places
 from llada_jax.model.readout import HeadChunkReadout, Reads, StepOutput, combine_head_chunks, read_columns
 from llada_jax.model.shapes import kv_shape
@@ -287,18 +287,16 @@ def staged_full(device: StagedDevice, ring: StagingRing, weights: StagedWeights,
                 tokens: np.ndarray, valid: np.ndarray, reads: Reads | None = None) -> StepOutput:
     """A full step `[B, S]` through the ring (rotary positions as `llada_jax.model.steps.full_step` gives them)."""
     positions = np.maximum(np.cumsum(valid, axis=1, dtype=np.int32) - 1, 0)
-    return staged_forward(device, ring, weights, config, tokens, positions, hidden_bias(valid), None, reads)
+    bias = window_key_bias(np.asarray(valid))
+    return staged_forward(device, ring, weights, config, tokens, positions, bias, None, reads)
 
 
 def staged_window(device: StagedDevice, ring: StagingRing, weights: StagedWeights, config: LLaDAConfig,
                   state: KVState, visible, window_ids, window_pos, window_valid,
-                  reads: Reads | None = None) -> StepOutput:
-    """A window step `[B, W]` against the KV state through the ring (keys: cached slots, then the window)."""
-    bias = np.concatenate([visible_bias(state, visible), hidden_bias(window_valid)], axis=1)
+                  reads: Reads | None = None, blocks=None) -> StepOutput:
+    """A window step `[B, W]` against the KV state through the ring (keys: cached slots, then the window; with
+    `blocks`, per query: `kv_state.window_key_bias`)."""
+    bias = with_context_bias(visible_bias(state, visible), window_key_bias(np.asarray(window_valid), blocks))
     return staged_forward(device, ring, weights, config, np.asarray(window_ids), np.asarray(window_pos, np.int32),
                           bias, state, reads)
 
-
-def hidden_bias(valid: np.ndarray) -> np.ndarray:
-    """Attention bias per key `[B, T]`: 0 where valid, HIDDEN where padding."""
-    return np.where(valid, 0.0, HIDDEN).astype(np.float32)
