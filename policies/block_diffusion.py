@@ -18,6 +18,10 @@ Commit rules, as the reference samplers (dllm `LLaDA2Sampler`, `LLaDA21Sampler`)
   passes edit it; the block ends at a pass that edits nothing. The reference can loop forever (a mask
   predicted as itself every time, edits that cycle); here a block whose state repeats, or that runs past
   `pass_bound`, stops (`stats["bounded_blocks"]` counts them).
+
+Speculation (`lookahead` > 0): each pass's window also holds the following `lookahead` blocks, block-causal
+inside it (a position sees its own block and earlier ones), so the current block's predictions are the
+unspeculated ones; masked positions of those blocks predicted at `draft_threshold` or above are committed early.
 """
 
 from __future__ import annotations
