@@ -10,7 +10,8 @@ runs (it has no plugin entry points). From Python: `import eval.lm_harness`, the
 - `generate_until`: batched `llada_jax.generate` (any policy; `batch_size` prompts at a time), the answer
   cut at EOS / EoT and then at the request's stop strings (`until`).
 - `loglikelihood`: LLaDA's Monte Carlo estimate (its `mc_num`), see `eval.mc_likelihood`; whether the
-  continuation is the greedy answer is checked by decoding it with LLaDA's reference decoder.
+  continuation is the greedy answer is checked by decoding it with LLaDA's reference decoder. On block diffusion
+  (LLaDA2), the BD3LM bound and greedy check of dllm's eval, blocks of `block_length`.
 - `loglikelihood_rolling` is refused: a diffusion model gives a bound on a text's likelihood, not the
   exact per-token likelihood perplexity tasks need.
 """
@@ -27,7 +28,7 @@ from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
 import llada_jax
-from eval.mc_likelihood import greedy_matches, mc_log_likelihood, request_rng
+from eval.mc_likelihood import block_greedy_answer, greedy_matches, mc_log_likelihood, request_rng
 from eval.task_eval import answer_text
 from llada_jax.model.mesh import MeshSpec
 from llada_jax.system.errors import LladaError
@@ -115,9 +116,7 @@ class LladaLM(LM):
         return prefix, whole[len(prefix):]
 
     def loglikelihood(self, requests) -> list[tuple[float, bool]]:
-        if self.model.config.block_causal:
-            raise LladaError("loglikelihood is not implemented for block-diffusion models (LLaDA2): LLaDA's Monte "
-                             "Carlo bound masks the whole canvas at once; use generate_until tasks")
+        block_length = self.block_length if self.model.config.block_causal else None
         results = []
         for instance in tqdm(requests, desc="llada-jax loglikelihood", disable=len(requests) < 2):
             context, continuation = cast(tuple[str, str], instance.args)
@@ -125,8 +124,11 @@ class LladaLM(LM):
             if not target:
                 raise LladaError(f"the continuation {continuation!r} adds no token to its context")
             rng = request_rng(self.seed, context, continuation)
-            ll = mc_log_likelihood(self.model, prefix, target, self.mc_num, self.mc_batch_size, rng, self.cfg_scale)
-            greedy = self.check_greedy and greedy_matches(self.model, prefix, target, self.cfg_scale)
+            ll = mc_log_likelihood(self.model, prefix, target, self.mc_num, self.mc_batch_size, rng, self.cfg_scale,
+                                   block_length)
+            greedy = self.check_greedy and (
+                greedy_matches(self.model, prefix, target, self.cfg_scale) if block_length is None
+                else block_greedy_answer(self.model, prefix, target, block_length) == target)
             results.append((ll, greedy))
             self.cache_hook.add_partial("loglikelihood", (context, continuation), (ll, greedy))
         return results

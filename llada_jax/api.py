@@ -19,12 +19,21 @@ from policies.generation import check_token_ids, run_generation
 __all__ = ["Model", "generate", "load", "logits"]
 
 
-def logits(model: Model, ids, block_length: int | None = None) -> np.ndarray:
+def logits(model: Model, ids, block_length: int | None = None, context_ids=None) -> np.ndarray:
     """Full-canvas forward: float32 logits `[B, L, E]` for token ids `[B, L]` (the mask id is allowed). A
-    block-causal model (LLaDA2) needs `block_length`: its attention sees the own block and earlier ones."""
+    block-causal model (LLaDA2) needs `block_length`: its attention sees the own block and earlier ones; with
+    `context_ids` `[B, L]`, each block of `ids` sees the earlier blocks of `context_ids` instead (a noised sequence
+    against its clean one, as block diffusion's training bound reads it)."""
     ids = check_token_ids(ids, model.config, "ids", allow_mask=True)
     if ids.ndim != 2:
         raise LladaError(f"ids must have shape [batch, length], got {list(ids.shape)}")
+    if context_ids is not None:
+        if block_length is None:
+            raise LladaError("context_ids are the earlier blocks of a block-causal model: give block_length too")
+        context_ids = check_token_ids(context_ids, model.config, "context_ids", allow_mask=True)
+        if context_ids.shape != ids.shape:
+            raise LladaError(f"context_ids must have the shape of ids {list(ids.shape)}, "
+                             f"got {list(context_ids.shape)}")
     batch, length = ids.shape
     block_causal = model.config.block_causal
     if block_causal and (block_length is None or block_length < 1):
@@ -39,7 +48,7 @@ def logits(model: Model, ids, block_length: int | None = None) -> np.ndarray:
                              biases=TokenBiases.build(model.config.embedding_size))
     backend = select_backend(model, request)
     if block_length is not None:
-        return block_logits(backend, ids, block_length, model.config.mask_token_id, slots)
+        return block_logits(backend, ids, block_length, model.config.mask_token_id, slots, context_ids)
     padded = np.full((batch, slots), model.config.mask_token_id, np.int32)
     padded[:, :length] = ids
     valid = np.broadcast_to(np.arange(slots) < length, padded.shape)

@@ -277,17 +277,23 @@ def pass_bound(settings: BlockSettings) -> int:
     return 16 * (settings.block_length + settings.max_post_steps + 1)
 
 
-def block_logits(backend, ids: np.ndarray, block_length: int, mask_id: int, slots: int) -> np.ndarray:
+def block_logits(backend, ids: np.ndarray, block_length: int, mask_id: int, slots: int,
+                 context_ids: np.ndarray | None = None) -> np.ndarray:
     """Float32 logits `[B, L]` of `ids` under block-causal attention: block by block, each against the cached
-    K/V of the blocks before it (what the reference's full window under its block mask computes)."""
+    K/V of the blocks before it (what the reference's full window under its block mask computes). With
+    `context_ids` `[B, L]`, the earlier blocks are those of `context_ids` instead (a noised sequence read against
+    its clean one, as block diffusion's training bound attends: [x_t ⊕ x_0])."""
     batch, length = ids.shape
-    padded = np.full((batch, slots), mask_id, np.int32)
+    padded, context = (np.full((batch, slots), mask_id, np.int32) for _ in range(2))
     padded[:, :length] = ids
+    context[:, :length] = ids if context_ids is None else context_ids
     kv = backend.empty_state(batch, slots)
     pieces = []
     for lo in range(0, length, block_length):
         out = block_call(kv, padded, lo, block_length, length).run(backend)
         pieces.append(np.asarray(out.readout.logits, np.float32))
         if lo + block_length < length:
-            kv = commit_block(kv, padded, lo, block_length, out, 0, length).run(backend)
+            if context_ids is not None:
+                out = block_call(kv, context, lo, block_length, length, reads=(0,)).run(backend)
+            kv = commit_block(kv, context, lo, block_length, out, 0, length).run(backend)
     return np.concatenate(pieces, axis=1)[:, :length]

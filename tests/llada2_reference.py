@@ -52,13 +52,17 @@ def moe(f, w, cfg, prefix):
     return out
 
 
-def forward(w, cfg, ids, block_length):
-    """Logits [B, T, E] of the window `ids` [B, T] under the block-causal mask of `block_length` blocks."""
+def forward(w, cfg, ids, block_length, positions=None, visible=None):
+    """Logits [B, T, E] of the window `ids` [B, T] under the block-causal mask of `block_length` blocks (or the
+    [T, T] mask `visible`, at rotary `positions`)."""
     b, t = ids.shape
     h, kh, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     blocks = np.arange(t) // block_length
+    if visible is None:
+        visible = blocks[None, :] <= blocks[:, None]
+    positions = np.arange(t) if positions is None else positions
     with np.errstate(divide="ignore"):
-        mask = np.log((blocks[None, :] <= blocks[:, None]).astype(np.float64))  # 0 visible, -inf hidden
+        mask = np.log(visible.astype(np.float64))  # 0 visible, -inf hidden
     x = w["model.word_embeddings.weight"][ids]
     for layer in range(cfg.n_layers):
         p = f"model.layers.{layer}."
@@ -68,7 +72,7 @@ def forward(w, cfg, ids, block_length):
         if cfg.qk_norm:
             q = rms(q, w[p + "attention.query_layernorm.weight"], cfg.rms_norm_eps)
             k = rms(k, w[p + "attention.key_layernorm.weight"], cfg.rms_norm_eps)
-        q, k = (partial_rope(z, np.arange(t), cfg.rope_theta, cfg.rotary_width) for z in (q, k))
+        q, k = (partial_rope(z, positions, cfg.rope_theta, cfg.rotary_width) for z in (q, k))
         k, v = np.repeat(k, h // kh, axis=1), np.repeat(v, h // kh, axis=1)
         s = q @ k.transpose(0, 1, 3, 2) / np.sqrt(hd) + mask
         s = np.exp(s - s.max(-1, keepdims=True))
@@ -77,6 +81,19 @@ def forward(w, cfg, ids, block_length):
         f = rms(x, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
         x = x + (swiglu(f, w, p + "mlp.") if layer < cfg.dense_layers else moe(f, w, cfg, p + "mlp."))
     return rms(x, w["model.norm.weight"], cfg.rms_norm_eps) @ w["lm_head.weight"].T
+
+
+def forward_noised(w, cfg, noised, clean, block_length):
+    """Logits [B, L, E] of `noised` [B, L] as block diffusion's training bound reads it (dllm's BD3LM eval): the
+    2L tokens [noised ⊕ clean] at positions [0..L-1, 0..L-1]; a noised block sees itself and the clean blocks
+    before it, a clean block the clean blocks up to itself; the noised half's logits."""
+    length = noised.shape[1]
+    blocks = np.arange(length) // block_length
+    same, earlier = blocks[None, :] == blocks[:, None], blocks[None, :] < blocks[:, None]
+    visible = np.block([[same, earlier], [np.zeros_like(same), same | earlier]])
+    ids = np.concatenate([noised, clean], axis=1)
+    positions = np.concatenate([np.arange(length)] * 2)
+    return forward(w, cfg, ids, block_length, positions, visible)[:, :length]
 
 
 def greedy(logits):

@@ -22,6 +22,7 @@ from lowering.kernel_dispatch import target_compiler
 from lowering.targets import target
 from tests.conftest import TINY, require, write_checkpoint
 from tests.test_families import CONFIGS
+from tests.test_llada2 import CONFIG as LLADA2
 
 pytestmark = pytest.mark.slow  # IREE compiles or child processes: the full tier only
 
@@ -38,12 +39,16 @@ def test_arm64_step_under_qemu_matches_host(tiny_dir, tmp_path, tools, target):
     assert_steps_match_host(tiny_dir, TINY, target, tmp_path, tools)
 
 
-@pytest.mark.parametrize("family", sorted(CONFIGS))
+FAMILIES = {**CONFIGS, "llada2": LLADA2}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_family_steps_under_qemu_match_host(family, tmp_path, tools):
-    """Dream (QKV biases, shifted logits) and LLaDA-MoE (q/k norms, routed experts) on aarch64: their steps give
-    the host's outputs (their compiled decode loops are refused in one line, see tests/test_families.py)."""
-    checkpoint = write_checkpoint(tmp_path / family, CONFIGS[family], std=0.3)
-    assert_steps_match_host(checkpoint, CONFIGS[family], "linux-arm64", tmp_path, tools)
+    """Dream (QKV biases, shifted logits), LLaDA-MoE (q/k norms, routed experts) and LLaDA2 (fused q/k/v, partial
+    rotary, grouped sigmoid routing, a dense first layer) on aarch64: their steps give the host's outputs (their
+    compiled decode loops are refused in one line, see tests/test_families.py and tests/test_llada2.py)."""
+    checkpoint = write_checkpoint(tmp_path / family, FAMILIES[family], std=0.3)
+    assert_steps_match_host(checkpoint, FAMILIES[family], "linux-arm64", tmp_path, tools)
 
 
 @pytest.mark.parametrize("bits, activations", [(4, "float"), (4, "int8"), (8, "int8")], ids=["w4a16", "w4a8", "w8a8"])

@@ -153,73 +153,6 @@ def test_the_block_cache_gives_the_uncached_tokens(model, prompt, block, gen, ed
     assert cached.stats["cache_passes"] <= uncached.stats["cache_passes"]
 
 
-@settings(max_examples=25)
-@given(prompt=PROMPTS, block=st.sampled_from([2, 4, 8]), gen=st.integers(1, 16), lookahead=st.integers(1, 3),
-       draft=st.sampled_from([0.05, 0.3, 0.9]), editing=st.sampled_from([None, 0.3]),
-       base=st.sampled_from(["dual-cache", "vanilla"]))
-def test_speculative_drafts_see_what_the_block_causal_mask_lets_them_see(model, prompt, block, gen, lookahead, draft,
-                                                                         editing, base):
-    """Each step's commits, the current block's and the drafts of the following blocks alike, are the block-causal
-    model's prediction over the canvas as it stood before the step (`llada_jax.logits` with the block length):
-    a draft sees its own block and the earlier ones, and no block sees a later one's drafts."""
-    canvases = []
-    options = dict(gen_length=gen, block_length=block, steps=block, threshold=0.3, editing_threshold=editing,
-                   policy=f"{base}+speculative:{lookahead}:{draft}")
-    result = llada_jax.generate(model, np.array(prompt), on_step=lambda canvas, _: canvases.append(
-        canvas.tokens[0, : canvas.length].copy()), **options)
-    start = np.full(len(canvases[0]), CONFIG.mask_token_id)
-    start[: len(prompt)] = prompt
-    before = [start] + canvases[:-1]
-    logits = llada_jax.logits(model, np.stack(before), block_length=block).astype(np.float64)
-    probs = np.exp(logits - logits.max(-1, keepdims=True))
-    probs /= probs.sum(-1, keepdims=True)
-    for step, record in enumerate(result.trace):
-        positions = list(record.positions)
-        assert list(record.tokens) == probs[step, positions].argmax(-1).tolist()
-        assert list(record.confidence) == pytest.approx(probs[step, positions].max(-1), abs=1e-4)
-        assert all(positions[i] // block > record.block for i in range(len(positions) - record.drafts, len(positions)))
-    exact = llada_jax.generate(model, np.array(prompt), **{**options, "policy": f"{base}+speculative:0"})
-    plain = llada_jax.generate(model, np.array(prompt), **{**options, "policy": base})
-    assert exact.output_ids.tolist() == plain.output_ids.tolist() and exact.nfe == plain.nfe
-
-
-@pytest.fixture(scope="module")
-def layered_model(checkpoint):
-    """The tiny model loaded as if its expert loops were too many for one step program."""
-    from llada_jax.weights import loading
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(loading, "WHOLE_STEP_EXPERT_LOOPS", 0)
-        return llada_jax.load(checkpoint)
-
-
-def test_only_models_with_too_many_expert_loops_run_layer_by_layer(model, layered_model):
-    from pathlib import Path
-
-    from llada_jax.weights.loading import layered_execution
-
-    data = Path(__file__).parents[1] / "eval" / "data"
-    assert layered_execution(read_config(data / "llada2-mini"))  # 19 sparse layers x 256 experts
-    assert not layered_execution(read_config(data / "llada-moe-7b-a1b-instruct"))  # 16 x 64
-    assert model.params is not None and not model.layered
-    assert layered_model.layered and layered_model.params is None and layered_model.staged is not None
-
-
-@settings(max_examples=15)
-@given(prompt=PROMPTS, block=st.sampled_from([4, 8]), gen=st.integers(1, 12), editing=st.sampled_from([None, 0.3]),
-       policy=st.sampled_from(["dual-cache", "vanilla"]))
-def test_layer_by_layer_gives_the_whole_step_tokens(model, layered_model, prompt, block, gen, editing, policy):
-    """One compiled piece per layer shape, every stage resident (nothing streamed): the whole step's tokens and
-    confidences."""
-    options = dict(gen_length=gen, block_length=block, steps=block, threshold=0.3, editing_threshold=editing,
-                   policy=policy)
-    layered = llada_jax.generate(layered_model, np.array(prompt), **options)
-    whole = llada_jax.generate(model, np.array(prompt), **options)
-    assert layered.output_ids.tolist() == whole.output_ids.tolist()
-    confidences = [[c for record in result.trace for c in record.confidence] for result in (layered, whole)]
-    assert confidences[0] == pytest.approx(confidences[1], abs=1e-5)
-
-
 @pytest.mark.parametrize("options, named", [
     ({"policy": "dual-cache+revision"}, "LLaDA2.1's editing decoder"),
     ({"policy": "dual-cache+speculative:1:0"}, "draft threshold must be in"),
@@ -255,6 +188,24 @@ def chat_model(tmp_path_factory):
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(EMBEDDED_DIR / name, path / name)
     return llada_jax.load(path)
+
+
+@pytest.mark.slow
+def test_lm_eval_loglikelihood_gives_block_diffusion_bound(chat_model):
+    """Through lm-eval's adapter: the BD3LM Monte Carlo bound and greedy check, blocks of `block_length`."""
+    from lm_eval.api.instance import Instance
+
+    from eval.lm_harness import LladaLM
+    from eval.mc_likelihood import block_greedy_answer, mc_log_likelihood, request_rng
+
+    lm = LladaLM(pretrained=str(chat_model.path), mc_num=8, mc_batch_size=4, block_length=4)
+    pairs = [("sort 3 1 2", " 1 2 3"), ("reverse abc", " cba")]
+    results = lm.loglikelihood([Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)])
+    for (context, continuation), (ll, greedy) in zip(pairs, results):
+        prefix, target = lm.encode_pair(context, continuation)
+        rng = request_rng(lm.seed, context, continuation)
+        assert ll == mc_log_likelihood(chat_model, prefix, target, 8, 4, rng, block_length=4) and np.isfinite(ll)
+        assert greedy == (block_greedy_answer(chat_model, prefix, target, 4) == target)
 
 
 @pytest.mark.slow
