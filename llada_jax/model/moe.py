@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from llada_jax.model.layout import Positions, linear, swiglu
-from llada_jax.quant.qlinear import stored_matmul
+from llada_jax.quant.qlinear import QuantizedWeight, stored_matmul
 
 EXPERT_KEYS = ("experts_gate", "experts_up", "experts_down")  # each a list of one matrix per expert
 
@@ -58,10 +58,17 @@ def grouped_route(block: dict, rows: jax.Array, config) -> tuple[jax.Array, jax.
     return experts, weights * config.routed_scaling
 
 
-def tile_rows(routed: int, n_experts: int) -> int:
+GROUPED_ROW_TILES = 4  # group-wise quantized experts averaging at most this many rows run one row per tile
+
+
+def tile_rows(routed: int, n_experts: int, grouped: bool = False) -> int:
     """Rows per expert tile: about the mean rows per expert, a power of two in [8, 64] (XLA's CPU products on
-    fewer rows ran slower per expert, not faster)."""
+    fewer rows ran slower per expert, not faster); group-wise quantized experts with few rows each, one row (a
+    one-row product reads the packed weights, where a wider tile first dequantizes its groups; per-channel int8
+    ran slower so; eval/RESULTS.md, "The MoE layer against its floors")."""
     mean = max(1, routed // n_experts)
+    if grouped and mean <= GROUPED_ROW_TILES:
+        return 1
     return min(64, max(8, 1 << (mean - 1).bit_length()))
 
 
@@ -71,7 +78,8 @@ def routed_sum(block: dict, rows: jax.Array, experts: jax.Array, weights: jax.Ar
     r, d = rows.shape
     k = experts.shape[1]
     n_experts = len(block["experts_gate"])
-    tile = tile_rows(r * k, n_experts)
+    first = block["experts_gate"][0]
+    tile = tile_rows(r * k, n_experts, isinstance(first, QuantizedWeight) and first.group_size < first.shape[1])
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # routed pairs grouped by expert
     sorted_rows = jnp.concatenate([rows[order // k], jnp.zeros((tile, d), rows.dtype)])
