@@ -46,12 +46,22 @@ REFERENCE_CONFIG = {
 }
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
+def write_tiny(directory):
     """The tiny model in the HF layout, its config.json the reference's own."""
-    out = write_checkpoint(tmp_path_factory.mktemp("llada2") / "tiny", CONFIG, std=0.4)
+    out = write_checkpoint(directory / "tiny", CONFIG, std=0.4)
     (out / "config.json").write_text(json.dumps(REFERENCE_CONFIG, indent=2))
     return out
+
+
+def float64_weights(checkpoint) -> dict:
+    from safetensors.numpy import load_file
+
+    return {name: value.astype(np.float64) for name, value in load_file(checkpoint / "model.safetensors").items()}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_tiny(tmp_path_factory.mktemp("llada2"))
 
 
 @pytest.fixture(scope="module")
@@ -61,9 +71,7 @@ def model(checkpoint):
 
 @pytest.fixture(scope="module")
 def weights(checkpoint):
-    from safetensors.numpy import load_file
-
-    return {name: value.astype(np.float64) for name, value in load_file(checkpoint / "model.safetensors").items()}
+    return float64_weights(checkpoint)
 
 
 def test_the_reference_config_reads_as_the_model_and_writes_back(checkpoint, tmp_path):
@@ -308,6 +316,9 @@ def test_iree_host_bundle_gives_the_xla_tokens(model, checkpoint, tmp_path, caps
                            policy="dual-cache", loop="host")
             assert (generate_bundled(np.arange(1, 7), **options).output_ids.tolist()
                     == llada_jax.generate(model, np.arange(1, 7), **options).output_ids.tolist())
+        with pytest.raises(LladaError, match="cannot mask"):  # drafts need a per-query mask: refused up front
+            generate_bundled(np.arange(1, 7), gen_length=12, block_length=8, steps=4, loop="host",
+                             policy="dual-cache+speculative:1")
 
 
 def test_a_batch_decodes_each_prompt_as_alone(model):
