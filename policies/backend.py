@@ -39,9 +39,8 @@ class BackendCall:
     blocks: np.ndarray | None = None  # a window of several diffusion blocks: each position's block `[B, W]`
 
     def run(self, backend: "Backend"):
-        if self.blocks is not None:
-            return backend.window(*self.args, blocks=self.blocks)
-        return getattr(backend, self.method)(*self.args)
+        keywords = {} if self.blocks is None else {"blocks": self.blocks}
+        return getattr(backend, self.method)(*self.args, **keywords)
 
 
 class SideBackend(NamedTuple):

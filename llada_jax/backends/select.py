@@ -87,16 +87,17 @@ def _xla_backend(model, request: BackendRequest) -> Backend:
 
     readout_spec, biases, cfg_scale = request.readout_spec, request.biases, request.cfg_scale
     kv = kv_bytes(model.config, request.rows, request.slots, model.itemsize)
-    if model.staged is not None and not model.layered:
-        buffers = ring_buffers(model.device_memory_budget, model.staged, kv)
-        return xla_staged.StagedJaxBackend(model.staged, model.config, readout_spec, biases, cfg_scale, buffers,
+    staged = model.staged
+    if staged is not None and not model.layered:
+        buffers = ring_buffers(model.device_memory_budget, staged, kv)
+        return xla_staged.StagedJaxBackend(staged, model.config, readout_spec, biases, cfg_scale, buffers,
                                            StagingStats(), model.jnp_dtype)
     if model.device_memory_budget is not None and model.weight_bytes + kv > model.device_memory_budget:
         raise LladaError(f"resident weights ({model.weight_bytes} bytes) plus the KV state ({kv} bytes) exceed "
                          f"the device memory budget {model.device_memory_budget}; load with a smaller budget "
                          "to stage the weights, or shorten the canvas")
-    if model.layered:  # every stage pinned: held resident, never streamed
-        return xla_staged.StagedJaxBackend(model.staged, model.config, readout_spec, biases, cfg_scale,
-                                           len(model.staged.stages), StagingStats(), model.jnp_dtype)
+    if staged is not None:  # layered: every stage pinned, held resident, never streamed
+        return xla_staged.StagedJaxBackend(staged, model.config, readout_spec, biases, cfg_scale,
+                                           len(staged.stages), StagingStats(), model.jnp_dtype)
     return xla.JaxBackend(model.params, model.config, readout_spec, biases, cfg_scale, model.jnp_dtype, model.mesh)
 
