@@ -105,23 +105,19 @@ def greedy_matches(model, prefix: list[int], target: list[int], cfg_scale: float
 
 
 def block_greedy_answer(model, prefix: list[int], target: list[int], block_length: int) -> list[int]:
-    """What greedy unmasking writes in `target`'s place under block diffusion's bound (dllm's BD3LM check: one
-    token per step, the most confident, each block reading the clean earlier blocks of prefix + target). A block's
-    predictions depend only on its own tokens then, so each block unmasks its own most confident position per
-    step, all blocks at once: the same tokens in fewer passes."""
+    """What greedy unmasking writes in `target`'s place under block diffusion's bound, as dllm's BD3LM check does
+    it: `len(target)` steps, each committing the most confident masked position (a mask predicted as the mask
+    token stays masked), every block reading the clean earlier blocks of prefix + target."""
     if not prefix:
         raise LladaError("checking a greedy continuation needs a non-empty context (or check_greedy=false)")
     clean = np.array(list(prefix) + list(target), np.int64)
     mask_id = model.config.mask_token_id
     canvas = clean.copy()
     canvas[len(prefix):] = mask_id
-    blocks = np.arange(len(clean)) // block_length
-    while (masked := canvas == mask_id).any():
+    for _ in target:
         logits = llada_jax.logits(model, canvas[None], block_length, context_ids=clean[None])[0].astype(np.float64)
         x0 = logits.argmax(-1)
         confidence = np.exp(true_log_probs(logits[None], x0)[0])
-        for block in np.unique(blocks[masked]):
-            candidates = np.where(masked & (blocks == block), confidence, -np.inf)
-            best = int(np.argmax(candidates))
-            canvas[best] = x0[best]
+        best = int(np.argmax(np.where(canvas == mask_id, confidence, -np.inf)))
+        canvas[best] = x0[best]
     return canvas[len(prefix):].tolist()

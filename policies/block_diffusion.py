@@ -5,8 +5,11 @@ The canvas is the prompt plus the answer rounded up to whole blocks; the block h
 denoised with the answer (its prompt positions stay). With the cache (every policy but `vanilla`), the
 prompt's whole blocks are computed once, block by block, each against the ones before it; every step then
 computes only the current block against the cached blocks, and a finished block's K/V are computed once
-from its final tokens (one pass, counted in `stats["cache_passes"]`, not in `nfe`). `vanilla` is the uncached
-twin: each step recomputes every earlier block from scratch first, as the reference recomputes its window.
+from its final tokens. Where the backend masks inside a window (`Backend.block_windows`: XLA) that computation
+is folded into the next block's first pass, whose window leads with the finished block (block-causal, its rows
+not read out); elsewhere (bundles), and for a block no pass follows into, it is a pass of its own, counted in
+`stats["cache_passes"]`, not in `nfe`. `vanilla` is the uncached twin: each step recomputes every earlier
+block from scratch first, as the reference recomputes its window.
 
 Commit rules, as the reference samplers (dllm `LLaDA2Sampler`, `LLaDA21Sampler`) at temperature 0:
 - 2.0 (`editing_threshold` None): `steps` per block (at most gen_length // minimal_topk), the block's
@@ -127,12 +130,15 @@ def block_call(kv, tokens: np.ndarray, lo: int, width: int, length: int | None =
     return BackendCall("window", (kv, visible, tokens[:, columns], positions, valid, reads), blocks)
 
 
-def commit_block(kv, tokens: np.ndarray, lo: int, width: int, out, nfe: int, length: int | None = None) -> BackendCall:
-    """The commit of `out`'s K/V for the block at `lo` (its real positions), computed from `tokens`' block."""
+def commit_block(kv, tokens: np.ndarray, lo: int, width: int, out, nfe: int, length: int | None = None,
+                 kept: int | None = None) -> BackendCall:
+    """The commit of `out`'s K/V for the window at `lo` (its real positions; with `kept`, its first `kept` only),
+    computed from `tokens`' window."""
     rows, slots = tokens.shape
     columns = np.arange(lo, lo + width)
     positions = np.broadcast_to(columns, (rows, width))
-    write = np.broadcast_to(columns < (slots if length is None else length), positions.shape)
+    end = min(slots if length is None else length, lo + (width if kept is None else kept))
+    write = np.broadcast_to(columns < end, positions.shape)
     return BackendCall("commit", (kv, positions, write, out, tokens[:, columns], nfe))
 
 
@@ -146,6 +152,9 @@ class BlockRun:
     rng: np.random.Generator
     fresh_state: Callable  # () -> an empty KV state of the canvas's shape
     kv: object = None
+    fold: bool = False          # a finished block's K/V come from the next pass (`Backend.block_windows`)
+    pending: int | None = None  # the finished block whose K/V the next pass computes, folded
+    computed: int = 0           # positions the last denoising pass computed
     trace: list = dataclasses.field(default_factory=list)
     cache_passes: int = 0
     bounded_blocks: int = 0
@@ -157,6 +166,21 @@ class BlockRun:
         self.kv = yield commit_block(self.kv, self.canvas.tokens, lo, width, out, len(self.trace))
         self.cache_passes += 1
 
+    def finished(self, lo: int):
+        """The block at `lo` is final: its K/V are cached now, or, folding, by the next denoising pass (a
+        generator; a block the last pass left uncached is cached first)."""
+        yield from self.flush()
+        if self.fold:
+            self.pending = lo
+        else:
+            yield from self.cache_block(lo)
+
+    def flush(self):
+        """Cache the pending finished block in a pass of its own (no denoising pass took it)."""
+        if self.pending is not None:
+            lo, self.pending = self.pending, None
+            yield from self.cache_block(lo)
+
     def predict(self, lo: int):
         """One denoising pass over the block at `lo` and the following blocks it drafts: (x0, confidence) per
         position of the window (a generator)."""
@@ -167,7 +191,15 @@ class BlockRun:
         block_length = self.settings.block_length
         drafted = min(self.settings.lookahead, (self.canvas.length - lo) // block_length - 1)
         width = block_length * (1 + drafted)
-        out = yield block_call(self.kv, self.canvas.tokens, lo, width, block_length=block_length)
+        start = lo if self.pending is None else self.pending  # folded: the finished block leads the window
+        reads = None if start == lo else tuple(range(lo - start, lo - start + width))
+        self.computed = lo - start + width
+        out = yield block_call(self.kv, self.canvas.tokens, start, self.computed, reads=reads,
+                               block_length=block_length)
+        if start != lo:
+            self.kv = yield commit_block(self.kv, self.canvas.tokens, start, lo - start + width, out,
+                                         len(self.trace), kept=lo - start)
+            self.pending = None
         check_finite(out.readout, np.arange(lo, lo + width), np.ones(width, bool), len(self.trace))
         x0, confidence, _ = self.sampler.choose(out.readout, self.rng)
         return x0, confidence
@@ -184,9 +216,9 @@ class BlockRun:
 
     def record(self, block: int, lo: int, committed: np.ndarray, x0, confidence, revisions=()) -> None:
         positions = lo + np.flatnonzero(committed)
-        width = len(committed)
         self.trace.append(StepRecord(
-            nfe=len(self.trace), block=block, kind="window", width=width, shape_width=width, useful=width,
+            nfe=len(self.trace), block=block, kind="window", width=self.computed, shape_width=self.computed,
+            useful=len(committed),
             positions=tuple(int(p) for p in positions), tokens=tuple(int(t) for t in x0[committed]),
             confidence=tuple(float(c) for c in confidence[committed]),
             drafts=int(committed[self.settings.block_length:].sum()), revisions=tuple(revisions)))
@@ -203,18 +235,19 @@ def decode_blocks(backend, prompt_ids: np.ndarray, settings: BlockSettings, samp
     def fresh_state():
         return backend.empty_state(canvas.tokens.shape[0], canvas.padded_length)
 
-    run = BlockRun(canvas, settings, sampler, np.random.default_rng(seed), fresh_state, fresh_state())
+    run = BlockRun(canvas, settings, sampler, np.random.default_rng(seed), fresh_state, fresh_state(),
+                   fold=settings.cached and backend.block_windows())
     width, prompt_len = settings.block_length, len(prompt_ids)
     if settings.cached:
         for lo in range(0, prompt_len // width * width, width):
-            yield from run.cache_block(lo)
+            yield from run.finished(lo)
     last = length // width - 1
     for block in range(prompt_len // width, last + 1):
         lo = block * width
         denoise = edit_block if settings.editing_threshold is not None else schedule_block
         yield from denoise(run, block, lo, on_step)
         if settings.cached and block < last:
-            yield from run.cache_block(lo)
+            yield from run.finished(lo)
     output = canvas.tokens[0, prompt_len: prompt_len + settings.gen_length].astype(np.int64)
     stats = {"cache_passes": run.cache_passes, "canvas_length": length}
     if settings.editing_threshold is not None:
