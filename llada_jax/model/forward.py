@@ -62,7 +62,7 @@ def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 def attention(q: jax.Array, keys: jax.Array, values: jax.Array, key_bias: jax.Array) -> jax.Array:
     """Bidirectional attention of q `[B, W, H, hd]` over keys/values `[B, T, K, hd]`; bias `[B, T]`, or per
-    query `[B, W, T]` (a window of several diffusion blocks: `window_bias`).
+    query `[B, W, T]` (a window of several diffusion blocks: `kv_state.window_key_bias`).
 
     Computed head-major: each kv-head's G query heads stacked as G*W rows against its keys `[T, hd]`, so
     both products are plain batched matmuls over (B, K) (XLA's CPU backend ran the position-major einsums

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from llada_jax.model.config import LLaDAConfig
 from llada_jax.model.forward import Context, ForwardOut, forward, head_logits
-from llada_jax.model.kv_state import HIDDEN, window_key_bias
+from llada_jax.model.kv_state import window_key_bias
 from llada_jax.model.layout import XLA_LAYOUT, LayoutRule
 from llada_jax.model.readout import Readout, ReadoutSpec
 
@@ -101,7 +101,7 @@ def full_forward(params: dict, tokens: jax.Array, valid: jax.Array, config: LLaD
     """The layers over a whole canvas `[B, L]` (`valid`: real positions). A real position's rotary position
     counts the real ones before it: left padding shifts nothing."""
     positions = jnp.maximum(jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1, 0)
-    bias = jnp.where(valid, 0.0, HIDDEN).astype(jnp.float32)
+    bias = window_key_bias(valid, xp=jnp)
     return forward(params, tokens, positions, bias, None, config, layout_rule)
 
 

@@ -36,8 +36,7 @@ from llada_jax.weights.weights_io import (
 )
 
 LOAD_BAR_BYTES = 1 << 30  # a load that takes seconds or more shows a progress bar
-# XLA's CPU compile of one whole step took 100-180 s at LLaDA-MoE's 16 x 64 expert loops and passed 20 GB at
-# LLaDA2.0-mini's 19 x 256 (eval/RESULTS.md, LLaDA2); one layer's piece compiles in seconds.
+# Beyond this many expert loops XLA's CPU compile of a whole step did not finish (eval/RESULTS.md, LLaDA2).
 WHOLE_STEP_EXPERT_LOOPS = 2048
 
 
