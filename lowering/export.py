@@ -21,6 +21,8 @@ from llada_jax.quant.quantize import Activations
 from lowering.bundle_format import StepSpec
 from lowering.bundle_params import params_of
 from lowering.bundle_weights import WeightLayout
+from policies.block_loop import block_loop
+from policies.block_loop_io import BlockLoopInputs, BlockLoopOutputs, BlockLoopSpec
 from policies.decode_loop import decode_loop
 from policies.loop_io import LoopInputs, LoopOutputs, LoopSpec
 
@@ -153,6 +155,26 @@ def loop(spec: LoopSpec, config: LLaDAConfig, compute_dtype, layout: WeightLayou
                                  layout_rule=layout_rule))
 
     return Function(spec.name, True, signature(LoopInputs._fields), signature(LoopOutputs._fields), run)
+
+
+def block_loop_function(spec: BlockLoopSpec, config: LLaDAConfig, compute_dtype, layout: WeightLayout,
+                        activations: Activations, layout_rule: LayoutRule) -> Function:
+    """The whole block-diffusion loop of `spec` (`policies.block_loop`), weights as named parameters."""
+    s, g, p, r, b = spec.slots, spec.gen_length, spec.max_passes, spec.read_width, spec.block_length
+    shapes = {"prompt": (s,), "generated": (g,), "pass_block": (p,), "pass_width": (p,), "pass_rows": (p,),
+              "written": (p, r), "x0": (p, r), "logp": (p, r), "edited": (p, b), "old": (p, b)}
+    kinds = {"commit_cutoff": jnp.float32, "edit_cutoff": jnp.float32, "draft_cutoff": jnp.float32,
+             "logp": jnp.float32, "written": jnp.bool_, "edited": jnp.bool_}
+
+    def signature(fields):
+        return [(name, _sds(shapes.get(name, ()), kinds.get(name, jnp.int32))) for name in fields]
+
+    def run(weights, *loop_inputs):
+        params = params_of(weights, layout, config, compute_dtype, activations)
+        return tuple(block_loop(params, BlockLoopInputs(*loop_inputs), config=config, spec=spec,
+                                kv_dtype=compute_dtype, layout_rule=layout_rule))
+
+    return Function(spec.name, True, signature(BlockLoopInputs._fields), signature(BlockLoopOutputs._fields), run)
 
 
 def weight_structs(layout: WeightLayout) -> list[jax.ShapeDtypeStruct]:

@@ -40,10 +40,12 @@ from llada_jax.model.readout import check_finite
 from llada_jax.system.errors import LladaError
 from policies.backend import BackendCall
 from policies.canvas import Canvas
+from policies.decisions import ranks, share_commits
 from policies.loop import Result, StepRecord
 from policies.sampling import Sampler
 
 REFERENCE_THRESHOLD = 0.95  # the reference samplers' default commit threshold
+BLOCK_POLICY = "dual-cache"  # the default decoder on block-diffusion models: the exact block cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,22 +98,11 @@ class BlockSettings:
         return counts
 
 
-def most_confident(confidence: np.ndarray, count: int) -> np.ndarray:
-    """The `count` positions of highest confidence (ties to the lower position)."""
-    return np.argsort(-confidence, kind="stable")[:count]
-
-
 def mask_commits(confidence: np.ndarray, active: np.ndarray, threshold: float | None, share: int) -> np.ndarray:
     """[W] bool: the masked positions a step commits: all above threshold if at least `share` are, else the
-    `share` most confident."""
-    candidates = np.where(active, confidence, -np.inf)
-    high = (candidates > threshold) & active if threshold is not None else np.zeros_like(active)
-    if high.sum() >= share:
-        return high
-    chosen = np.zeros_like(active)
-    if share > 0 and active.any():
-        chosen[most_confident(candidates, min(share, int(active.sum())))] = True
-    return chosen
+    `share` most confident (ties to the lower position)."""
+    confident = confidence > threshold if threshold is not None else np.zeros_like(active)
+    return share_commits(np, ranks(np, confidence, active), active, confident, share)
 
 
 def block_call(kv, tokens: np.ndarray, lo: int, width: int, length: int | None = None, reads=None,

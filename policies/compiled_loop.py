@@ -101,7 +101,7 @@ def result_from(outputs: LoopOutputs, spec: LoopSpec, prompt_len: int, wall_s: f
     return Result(generated, nfe, wall_s, tuple(trace), prompt_len, {"loop": "compiled"})
 
 
-def run_compiled(compiled, spec: LoopSpec, prompt: np.ndarray, biases, threshold: float | None,
+def run_compiled(compiled, prompt: np.ndarray, spec: LoopSpec, biases, threshold: float | None,
                  draft_threshold: float) -> Result:
     """One generation through a backend's compiled loop; a non-finite readout is the host loop's error."""
     started = time.perf_counter()

@@ -38,6 +38,13 @@ def threshold_commits(rank, candidates, confident):
     return candidates & (confident | (rank == 0))
 
 
+def share_commits(xp, rank, candidates, confident, share):
+    """Block diffusion's rule (LLaDA2): every confident candidate if at least `share` are, else the `share`
+    first-ranked (all of them when fewer)."""
+    high = candidates & confident
+    return xp.where(xp.sum(high) >= share, high, candidates & (rank < share))
+
+
 def draft_commits(drafts, masked, confident):
     """Speculation: the still-masked positions of the draft region the model is already sure of."""
     return drafts & masked & confident

@@ -16,7 +16,8 @@ from llada_jax.model.shapes import bucket
 from llada_jax.system.errors import LladaError
 from policies.backend import BackendRequest
 from policies.batch import decode_batch
-from policies.block_diffusion import BlockSettings, decode_blocks
+from policies.block_diffusion import BLOCK_POLICY, BlockSettings, decode_blocks
+from policies.block_loop_io import BlockLoopSpec, block_loop_spec, run_block_loop
 from policies.compiled_loop import draft_threshold_of, loop_spec, run_compiled
 from policies.loop import decode_steps, run_alone
 from policies.loop_io import LoopSpec
@@ -78,9 +79,8 @@ class Prepared:
     cfg_scale: float
     slots: int                    # canvas positions, padded to the shape bucket
     decode_row: Callable
-    loop_spec: LoopSpec | None    # the compiled loop's spec for this setting (None: host loop only)
-    threshold: float | None
-    draft_threshold: float
+    loop_spec: LoopSpec | BlockLoopSpec | None  # the compiled loop's spec for this setting (None: host loop only)
+    run_loop: Callable | None     # (compiled loop, prompt) -> Result: one prompt through `loop_spec`'s loop
     revisable: bool               # committed tokens may still change (revision): settled only at the end
     block_windows: bool = False   # windows of several diffusion blocks (block speculation: `Backend.block_windows`)
 
@@ -124,18 +124,19 @@ def prepare_generation(config: LLaDAConfig, prompt_ids, options: GenerationOptio
     if limit is not None:
         config = dataclasses.replace(config, max_sequence_length=min(limit, config.max_sequence_length))
     prompts, batched = prompt_rows(prompt_ids, config)
+    policy = options.policy or (BLOCK_POLICY if config.block_causal else "vanilla")  # the family's default
     if config.block_causal:
-        return prepare_blocks(config, prompts, batched, options)
+        return prepare_blocks(config, prompts, batched, policy, options)
     check_block_options(options, config)
     schedule = Schedule(int(options.gen_length), int(options.block_length), int(options.steps))
     total = check_fits(config, prompts, schedule.gen_length, batched, limit)
     if not options.cfg_scale >= 0.0:
         raise LladaError(f"cfg_scale must be >= 0, got {options.cfg_scale}")
-    decoding_policy = make_policy(options.policy)
+    decoding_policy = make_policy(policy)
     family = families.named(config.family)  # its reference code's conventions are the defaults
     first_token = options.first_token
     if first_token is None:
-        first_token = family.FIRST_TOKEN_BLOCKS and parse_policy(options.policy)[0] != "vanilla"
+        first_token = family.FIRST_TOKEN_BLOCKS and parse_policy(policy)[0] != "vanilla"
     rule = make_rule(schedule, options.threshold, options.schedule, first_token)
     unconfident = (config.special_ids_in_vocab(config.eos_token_id, config.eot_token_id)
                    if options.confidence_eos_eot_inf else ())
@@ -144,15 +145,18 @@ def prepare_generation(config: LLaDAConfig, prompt_ids, options: GenerationOptio
     cfg = options.cfg_scale > 0.0
     forbid = config.special_ids_in_vocab(config.eos_token_id) if options.logits_eos_inf else ()
     slots = bucket(total, config.max_sequence_length)
+    spec = loop_spec(decoding_policy, rule, sampler, cfg, schedule, slots)
+    biases = TokenBiases.build(config.embedding_size, forbid, unconfident)
     decode_row = functools.partial(decode_steps, schedule=schedule, policy=decoding_policy, rule=rule, sampler=sampler,
                                    mask_id=config.mask_token_id, max_len=config.max_sequence_length, cfg=cfg,
                                    seed=options.seed)
     return Prepared(prompts=prompts, batched=batched, readout_spec=ReadoutSpec(kind=sampler.readout_kind, cfg=cfg),
-                    biases=TokenBiases.build(config.embedding_size, forbid, unconfident),
-                    cfg_scale=float(options.cfg_scale), slots=slots, decode_row=decode_row,
-                    loop_spec=loop_spec(decoding_policy, rule, sampler, cfg, schedule, slots),
-                    threshold=options.threshold, draft_threshold=draft_threshold_of(decoding_policy),
-                    revisable="revision" in parse_policy(options.policy)[1])
+                    biases=biases, cfg_scale=float(options.cfg_scale), slots=slots, decode_row=decode_row,
+                    loop_spec=spec,
+                    run_loop=None if spec is None else functools.partial(
+                        run_compiled, spec=spec, biases=biases, threshold=options.threshold,
+                        draft_threshold=draft_threshold_of(decoding_policy)),
+                    revisable="revision" in parse_policy(policy)[1])
 
 
 def check_block_options(options: GenerationOptions, config: LLaDAConfig) -> None:
@@ -163,15 +167,15 @@ def check_block_options(options: GenerationOptions, config: LLaDAConfig) -> None
                              "do not take it")
 
 
-def prepare_blocks(config: LLaDAConfig, prompts: list[np.ndarray], batched: bool,
+def prepare_blocks(config: LLaDAConfig, prompts: list[np.ndarray], batched: bool, policy: str,
                    options: GenerationOptions) -> Prepared:
     """A block-causal family's generation (`policies.block_diffusion`): the exact block cache, or `vanilla`, its
     uncached twin; LLaDA2.1's editing decoder when `editing_threshold` is set."""
-    base, modifiers = parse_policy(options.policy)
+    base, modifiers = parse_policy(policy)
     if "revision" in modifiers:
         raise LladaError("+revision is LLaDA's; block-diffusion models revise their own block with "
                          "--editing-threshold (LLaDA2.1's editing decoder)")
-    speculative = make_policy(options.policy) if modifiers else Speculative(lookahead=0)
+    speculative = make_policy(policy) if modifiers else Speculative(lookahead=0)
     assert isinstance(speculative, Speculative), "speculative is the only modifier left"
     unsupported = {"cfg_scale": options.cfg_scale != 0.0, "remasking": options.remasking != "low_confidence",
                    "schedule": options.schedule != "llada", "top_k": bool(options.top_k),
@@ -190,10 +194,13 @@ def prepare_blocks(config: LLaDAConfig, prompts: list[np.ndarray], batched: bool
     sampler = Sampler(float(options.temperature))
     decode_row = functools.partial(decode_blocks, settings=settings, sampler=sampler, mask_id=config.mask_token_id,
                                    max_len=config.max_sequence_length, seed=options.seed)
+    slots = bucket(total, config.max_sequence_length)
+    spec = block_loop_spec(settings, sampler, slots)
     return Prepared(prompts=prompts, batched=batched, readout_spec=ReadoutSpec(kind=sampler.readout_kind),
-                    biases=TokenBiases.build(config.embedding_size), cfg_scale=0.0,
-                    slots=bucket(total, config.max_sequence_length), decode_row=decode_row, loop_spec=None,
-                    threshold=options.threshold, draft_threshold=1.0, revisable=settings.editing_threshold is not None,
+                    biases=TokenBiases.build(config.embedding_size), cfg_scale=0.0, slots=slots,
+                    decode_row=decode_row, loop_spec=spec,
+                    run_loop=None if spec is None else functools.partial(run_block_loop, spec=spec, settings=settings),
+                    revisable=settings.editing_threshold is not None,
                     block_windows=settings.lookahead > 0)
 
 
@@ -222,9 +229,8 @@ def run_generation(make_backend: Callable, config: LLaDAConfig, prompt_ids, *, o
     if prepared.batched and on_step is not None:  # a batch of one: the lone prompt's path, its steps as row 0
         on_step = functools.partial(on_step, 0)
     compiled = _compiled_loop(backend, loop, spec, on_step)
-    if compiled is not None and spec is not None:
-        result = run_compiled(compiled, spec, prompts[0], prepared.biases, prepared.threshold,
-                              prepared.draft_threshold)
+    if compiled is not None and prepared.run_loop is not None:
+        result = prepared.run_loop(compiled, prompts[0])
     else:
         result = _with_staging(run_alone(backend, prepared.decode_row(backend, prompts[0], on_step=on_step)), backend)
     return [result] if prepared.batched else result
@@ -236,7 +242,7 @@ def _with_staging(result, backend):
     return dataclasses.replace(result, stats={**result.stats, **staging}) if staging else result
 
 
-def _check_loop(loop: str, spec: LoopSpec | None, on_step, several: bool) -> LoopSpec | None:
+def _check_loop(loop: str, spec: LoopSpec | BlockLoopSpec | None, on_step, several: bool):
     """The compiled loop's spec for this setting (None: host loop only), refusing what `loop` cannot give."""
     if loop not in LOOPS:
         raise LladaError(f"unknown loop {loop!r}; choose one of {', '.join(LOOPS)}")
@@ -244,7 +250,8 @@ def _check_loop(loop: str, spec: LoopSpec | None, on_step, several: bool) -> Loo
         raise LladaError("the compiled loop decodes one prompt at a time; use --loop host for a batch")
     if loop == "compiled" and spec is None:
         raise LladaError("the compiled loop covers vanilla, prefix-cache and dual-cache (+speculative) at "
-                         "temperature 0 with low-confidence remasking and no CFG; use --loop host for this setting")
+                         "temperature 0 with low-confidence remasking and no CFG, and block diffusion's cached "
+                         "decoders at temperature 0; use --loop host for this setting")
     if loop == "compiled" and on_step is not None:
         raise LladaError("the compiled loop reports no steps while it runs; use --loop host for a live canvas")
     return spec

@@ -114,22 +114,27 @@ def cutoffs(threshold: float | None, draft_threshold: float) -> tuple[np.float32
 
 
 @functools.lru_cache(maxsize=64)  # a bisection of ~30 steps; every generation asks for the same few
-def log_cutoff(threshold: float) -> np.float32:
-    """The smallest float32 log-probability x with exp(float64(x)) >= threshold: on the device,
-    `logp >= cutoff` decides exactly what the host decides with `exp(logp) >= threshold`."""
-    if threshold <= 0.0:
+def log_cutoff(threshold: float, strict: bool = False) -> np.float32:
+    """The smallest float32 log-probability x with exp(float64(x)) >= threshold (`strict`: > threshold): on the
+    device, `logp >= cutoff` decides exactly what the host decides comparing exp(logp) with the threshold."""
+    def passes(value: np.float32) -> bool:
+        probability = np.exp(np.float64(value))
+        return bool(probability > threshold if strict else probability >= threshold)
+
+    if passes(np.float32(-np.inf)):
         return np.float32(-np.inf)
+    if not passes(np.float32(0.0)):
+        return np.float32(np.inf)  # no log-probability passes
     # Non-positive float32 values, as int32 bit patterns, grow with magnitude: bisect the pattern.
     low, high = 0, int(np.float32(-np.inf).view(np.int32) & 0x7FFFFFFF)  # 0.0 passes; -inf does not
 
-    def passes(bits: int) -> bool:
-        value = np.int32(bits | -0x80000000).view(np.float32) if bits else np.float32(0.0)
-        return bool(np.exp(np.float64(value)) >= threshold)
+    def value_of(bits: int) -> np.float32:
+        return np.int32(bits | -0x80000000).view(np.float32) if bits else np.float32(0.0)
 
     while high - low > 1:  # invariant: passes(low), not passes(high)
         middle = (low + high) // 2
-        low, high = (middle, high) if passes(middle) else (low, middle)
-    return np.int32(low | -0x80000000).view(np.float32) if low else np.float32(0.0)
+        low, high = (middle, high) if passes(value_of(middle)) else (low, middle)
+    return value_of(low)
 
 
 class LoopInputs(NamedTuple):

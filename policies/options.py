@@ -22,7 +22,8 @@ class GenerationOptions:
     temperature: float = 0.0
     cfg_scale: float = 0.0
     remasking: Remasking = "low_confidence"
-    policy: str = "vanilla"                  # POLICY grammar of `policies.registry`
+    policy: str | None = None                # POLICY grammar of `policies.registry`; None: the family's default
+                                             # (vanilla, LLaDA's reference; block diffusion: its exact cache)
     threshold: float | None = None           # Fast-dLLM's threshold rule (None: the fixed schedule)
     seed: int = 0
     logits_eos_inf: bool = False             # forbid EOS in the answer

@@ -1,6 +1,7 @@
 """LLaDA2.0 / LLaDA2.1 (`LLaDA2MoeModelLM`): tiny checkpoints in the exact HF layout load, their logits match
 the float64 oracle of the published modeling code under its block-causal mask, both published samplers are
-reproduced token for token at temperature 0, and the exact block cache gives the uncached tokens."""
+reproduced token for token at temperature 0, and the exact block cache gives the uncached tokens. The host loop
+runs these; the compiled loop is the host loop pass for pass (`tests/test_block_loop.py`)."""
 
 from __future__ import annotations
 
@@ -122,7 +123,7 @@ def test_llada2_0_decoder_matches_the_reference_sampler(model, weights, prompt, 
                                                          minimal_topk):
     prompt, gen = np.array(prompt), max(gen, minimal_topk)
     result = llada_jax.generate(model, prompt, gen_length=gen, block_length=block, steps=steps, threshold=threshold,
-                                minimal_topk=minimal_topk, policy="dual-cache")
+                                minimal_topk=minimal_topk, policy="dual-cache", loop="host")
     canvas, nfe = ref.sample_llada2(weights, CONFIG, prompt, gen, block, steps,
                                     threshold=1.0 if threshold is None else threshold, minimal_topk=minimal_topk)
     assert result.output_ids.tolist() == canvas[len(prompt): len(prompt) + gen].tolist()
@@ -138,7 +139,7 @@ def test_llada2_1_decoder_matches_the_reference_sampler(model, weights, prompt, 
     prompt = np.array(prompt)
     result = llada_jax.generate(model, prompt, gen_length=gen, block_length=block, steps=block, threshold=threshold,
                                 editing_threshold=editing, max_post_steps=post, num_to_transfer=per_pass,
-                                policy="dual-cache")
+                                policy="dual-cache", loop="host")
     reference = ref.sample_llada21(weights, CONFIG, prompt, gen, block, threshold=threshold,
                                    editing_threshold=editing, max_post_steps=post, num_to_transfer=per_pass)
     if reference is None:  # the reference never ends: ours stops a block whose state came back
@@ -153,7 +154,7 @@ def test_llada2_1_decoder_matches_the_reference_sampler(model, weights, prompt, 
 @given(prompt=PROMPTS, block=st.sampled_from([2, 4, 8]), gen=st.integers(1, 16), editing=st.sampled_from([None, 0.3]))
 def test_the_block_cache_gives_the_uncached_tokens(model, prompt, block, gen, editing):
     options = dict(gen_length=gen, block_length=block, steps=block, threshold=0.3, editing_threshold=editing)
-    cached = llada_jax.generate(model, np.array(prompt), policy="dual-cache", **options)
+    cached = llada_jax.generate(model, np.array(prompt), policy="dual-cache", loop="host", **options)
     uncached = llada_jax.generate(model, np.array(prompt), policy="vanilla", **options)
     assert cached.output_ids.tolist() == uncached.output_ids.tolist()
     confidences = [[c for record in result.trace for c in record.confidence] for result in (cached, uncached)]

@@ -19,6 +19,8 @@ from llada_jax.model.readout import ReadoutSpec, Reads, StepOutput, TokenBiases,
 from llada_jax.model.shapes import kv_shape
 from llada_jax.model.steps import full_step, scatter_slots, window_step
 from policies.backend import Backend
+from policies.block_loop import block_loop
+from policies.block_loop_io import BlockLoopInputs, BlockLoopOutputs, BlockLoopSpec
 from policies.decode_loop import decode_loop
 from policies.loop_io import LoopInputs, LoopOutputs, LoopSpec
 
@@ -93,11 +95,15 @@ class JaxBackend(DeviceRows, Backend):
         state = empty_on_device(self.config, batch, slots, self.dtype)
         return state._replace(keys=self._kv(state.keys), values=self._kv(state.values))
 
-    def compiled_loop(self, spec: LoopSpec):
-        def run(inputs: LoopInputs) -> LoopOutputs:
-            out = decode_loop(self.params, LoopInputs(*(jnp.asarray(value) for value in inputs)), config=self.config,
-                              spec=spec, kv_dtype=self.dtype)
-            return LoopOutputs(*(np.asarray(value) for value in out))
+    def compiled_loop(self, spec: LoopSpec | BlockLoopSpec):
+        blocks = isinstance(spec, BlockLoopSpec)
+        loop, inputs_type, outputs_type = ((block_loop, BlockLoopInputs, BlockLoopOutputs) if blocks
+                                           else (decode_loop, LoopInputs, LoopOutputs))
+
+        def run(inputs):
+            out = loop(self.params, inputs_type(*(jnp.asarray(value) for value in inputs)), config=self.config,
+                       spec=spec, kv_dtype=self.dtype)
+            return outputs_type(*(np.asarray(value) for value in out))
 
         return run
 

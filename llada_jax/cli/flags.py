@@ -14,7 +14,7 @@ from llada_jax.system.compilation import use_persistent_cache
 from llada_jax.system.errors import LladaError
 from llada_jax.system.locations import default_model_dir, user_cache_dir
 from llada_jax.weights.weights_io import check_finite_weights
-from policies.block_diffusion import REFERENCE_THRESHOLD
+from policies.block_diffusion import BLOCK_POLICY, REFERENCE_THRESHOLD
 from policies.compiled_loop import baked_loops, loop_covers
 from policies.generation import LOOPS
 from policies.registry import DecoderSetting, make_policy, with_modifier
@@ -23,8 +23,6 @@ from policies.sampling import Sampler
 # The default decoder of generate and eval: on the embedded model's held-out tasks it scores as well as
 # vanilla or better (94.5% vs 92.75% on 400 tasks) at ~20x its speed (README's speculation table).
 DEFAULT_POLICY = "dual-cache+speculative@0.9"
-# Block-diffusion models (LLaDA2): the exact block cache, at the reference samplers' threshold.
-BLOCK_POLICY = "dual-cache"
 
 
 def policy_arg(args) -> str:
