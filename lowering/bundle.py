@@ -235,11 +235,13 @@ def loop_refusal(config) -> str | None:
     if host_loop_conventions(config):
         return ("the compiled decode loop follows LLaDA's conventions, and this family's own (its confidence "
                 "filter, blocks begun with their first token) run on the host loop")
-    if config.block_causal:
-        return "block diffusion (LLaDA2) runs on the host loop: its compiled decode loop is not written yet"
     if config.n_experts:  # the per-expert loops with routed trip counts, inside the decode loop
         return ("IREE 3.13 fails on a sparse MoE's decode loop (iree-compile for arm64: 'failed to solve for "
-                "timepoint coverage'; the host module crashes when run)")
+                "timepoint coverage'; the host module crashes when run, LLaDA-MoE's loop and LLaDA2's block loop "
+                "alike)")
+    if config.block_causal:
+        return ("IREE 3.13 fails on the block-diffusion loop (a dense one stops in the module's initializer: "
+                "'indirect buffer reference slot 0 is out of range'); XLA runs it (--loop compiled)")
     return None
 
 

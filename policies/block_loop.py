@@ -94,8 +94,7 @@ def block_loop(params: dict, inputs: BlockLoopInputs, *, config: LLaDAConfig, sp
 
     def one_block(state):
         block, carry = state
-        denoise = run.edit_block if spec.editing else run.schedule_block
-        carry = jax.lax.cond(block < whole, lambda: carry, lambda: denoise(carry, block))
+        carry = (run.edit_block if spec.editing else run.schedule_block)(carry, block, block >= whole)
         return block + 1, jax.lax.cond(block < last, lambda: run.finished(carry, block * b), lambda: carry)
 
     _, carry = jax.lax.while_loop(more_blocks, one_block, (jnp.int32(0), carry))
@@ -187,15 +186,16 @@ class _Run(NamedTuple):
     def masks(self, tokens):
         return tokens == self.config.mask_token_id
 
-    def schedule_block(self, carry: Carry, block) -> Carry:
-        """LLaDA2.0: the block's steps, each committing above threshold or its share of the most confident."""
+    def schedule_block(self, carry: Carry, block, denoised) -> Carry:
+        """LLaDA2.0: the block's steps, each committing above threshold or its share of the most confident
+        (none unless `denoised`: a prompt block is only cached)."""
         lo = block * self.spec.block_length
         shares = jnp.asarray(self.spec.shares, jnp.int32)
 
         def going(state):
             step, carry = state
             active = self.masks(self.block_tokens(carry, lo))
-            return (step < len(self.spec.shares)) & jnp.any(active) & (carry.bad[0] == NOT_COMMITTED)
+            return denoised & (step < len(self.spec.shares)) & jnp.any(active) & (carry.bad[0] == NOT_COMMITTED)
 
         def one_step(state):
             step, carry = state
@@ -209,10 +209,10 @@ class _Run(NamedTuple):
 
         return jax.lax.while_loop(going, one_step, (jnp.int32(0), carry))[1]
 
-    def edit_block(self, carry: Carry, block) -> Carry:
+    def edit_block(self, carry: Carry, block, denoised) -> Carry:
         """LLaDA2.1: commits and edits until a pass without masks edits nothing, or max_post_steps such passes;
         a block whose tokens and post-step count repeat (the reference would loop forever), or that runs
-        `passes_per_block` passes, is bounded."""
+        `passes_per_block` passes, is bounded (none unless `denoised`)."""
         b, bound = self.spec.block_length, self.spec.passes_per_block
         lo = block * b
         answer = lo + jnp.arange(b) >= self.inputs.prompt_len
@@ -220,7 +220,7 @@ class _Run(NamedTuple):
 
         def going(state):
             passes, _, done, _, _, carry = state
-            return ~done & (passes < bound) & (carry.bad[0] == NOT_COMMITTED)
+            return denoised & ~done & (passes < bound) & (carry.bad[0] == NOT_COMMITTED)
 
         def one_pass(state):
             passes, post_steps, _, seen_tokens, seen_post, carry = state
@@ -247,4 +247,4 @@ class _Run(NamedTuple):
 
         state = (jnp.int32(0), jnp.int32(0), jnp.bool_(False), *history, carry)
         passes, _, done, _, _, carry = jax.lax.while_loop(going, one_pass, state)
-        return carry._replace(bounded=carry.bounded + (~done & (passes >= bound)))
+        return carry._replace(bounded=carry.bounded + (denoised & ~done & (passes >= bound)))
