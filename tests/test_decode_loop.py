@@ -70,11 +70,15 @@ def test_biases_reach_the_compiled_loop(tiny_model):
     assert TINY.eos_token_id not in result.output_ids.tolist()
 
 
-@settings(max_examples=200)
-@given(threshold=st.floats(1e-6, 1.0), logp=st.floats(-20.0, 0.0, width=32))
-def test_log_cutoff_decides_as_the_confidence_threshold(threshold, logp):
+@settings(max_examples=300)
+@given(threshold=st.floats(-0.5, 1.5), logp=st.floats(-20.0, 0.0, width=32) | st.just(-np.inf),
+       strict=st.booleans())
+def test_log_cutoff_decides_as_the_confidence_threshold(threshold, logp, strict):
+    """`logp >= cutoff` is the host's comparison of exp(logp) with the threshold (`strict`: above it, as block
+    diffusion's rules compare), out-of-range thresholds and -inf included."""
     value = np.float32(logp)
-    assert (value >= log_cutoff(threshold)) == (np.exp(np.float64(value)) >= threshold)
+    probability = np.exp(np.float64(value))
+    assert (value >= log_cutoff(threshold, strict)) == (probability > threshold if strict else probability >= threshold)
 
 
 @pytest.mark.parametrize("options, reason", [
