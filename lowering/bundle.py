@@ -125,9 +125,11 @@ def _run_compiler(command: list[str], seconds_left: float, timeout: float) -> No
         raise LladaError(f"iree-compile took longer than {timeout:g} s and was stopped (LLADA_COMPILE_TIMEOUT_S "
                          "sets the limit)") from None
     if proc.returncode != 0:
+        how = (f"was killed by {signal.Signals(-proc.returncode).name}" if proc.returncode < 0
+               else f"failed (exit status {proc.returncode})")
         last = (err.strip().splitlines() or ["no output"])[-1]
         first = next((line for line in err.splitlines() if "error" in line), last)
-        raise LladaError(f"iree-compile failed: {first}")
+        raise LladaError(f"iree-compile {how}: {first}")
 
 
 def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, window: int = 64,
