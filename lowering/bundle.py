@@ -118,7 +118,7 @@ def _run_compiler(command: list[str], seconds_left: float, timeout: float) -> No
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
-        _, err = proc.communicate(timeout=max(seconds_left, 0.001))
+        out, err = proc.communicate(timeout=max(seconds_left, 0.001))
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
@@ -127,8 +127,9 @@ def _run_compiler(command: list[str], seconds_left: float, timeout: float) -> No
     if proc.returncode != 0:
         how = (f"was killed by {signal.Signals(-proc.returncode).name}" if proc.returncode < 0
                else f"failed (exit status {proc.returncode})")
-        last = (err.strip().splitlines() or ["no output"])[-1]
-        first = next((line for line in err.splitlines() if "error" in line), last)
+        said = err.strip() or out.strip()  # its message, wherever it wrote one
+        last = (said.splitlines() or ["no output"])[-1]
+        first = next((line for line in said.splitlines() if "error" in line), last)
         raise LladaError(f"iree-compile {how}: {first}")
 
 
