@@ -14,19 +14,13 @@ from safetensors.numpy import load_file, save_file
 
 import llada_jax
 from llada_jax.system.errors import LladaError
-from tests.test_llada2 import write_tiny
-
-PROMPTS = st.lists(st.integers(0, 89), min_size=1, max_size=11)
+from tests.test_llada2 import PROMPTS, write_tiny
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return write_tiny(tmp_path_factory.mktemp("llada2"))
-
-
-@pytest.fixture(scope="module")
-def model(checkpoint):
-    return llada_jax.load(checkpoint)
+def model(tmp_path_factory):
+    """tests/test_llada2.py's tiny model."""
+    return llada_jax.load(write_tiny(tmp_path_factory.mktemp("llada2")))
 
 
 def assert_same_run(host, compiled):
@@ -81,15 +75,10 @@ def test_auto_runs_the_compiled_loop_where_it_covers_the_setting(model):
 
 
 @pytest.mark.parametrize("value", [np.nan, np.inf])
-def test_a_nonfinite_readout_is_the_host_loops_error(checkpoint, tmp_path, value):
-    tensors = load_file(str(checkpoint / "model.safetensors"))
-    name = "model.layers.2.mlp.shared_experts.down_proj.weight"
-    tensors[name][3, 5] = value
-    poisoned = tmp_path / "poisoned"
-    poisoned.mkdir()
-    for path in checkpoint.iterdir():
-        if path.name != "model.safetensors":
-            (poisoned / path.name).write_bytes(path.read_bytes())
+def test_a_nonfinite_readout_is_the_host_loops_error(tmp_path, value):
+    poisoned = write_tiny(tmp_path)
+    tensors = load_file(str(poisoned / "model.safetensors"))
+    tensors["model.layers.2.mlp.shared_experts.down_proj.weight"][3, 5] = value
     save_file(tensors, str(poisoned / "model.safetensors"), metadata={"format": "pt"})
     model = llada_jax.load(poisoned)
     messages = []
