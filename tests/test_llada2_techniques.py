@@ -82,6 +82,14 @@ def test_only_models_with_too_many_expert_loops_run_layer_by_layer(tiny, layered
     assert layered_model.layered and layered_model.params is None and layered_model.staged is not None
 
 
+def test_a_layered_model_puts_its_stages_on_the_device_once(layered_model):
+    """Held from the load on: no generation copies a stage."""
+    assert layered_model.device_stages is not None
+    for prompt in ([1, 2, 3], [4, 5, 6, 7, 8]):
+        stats = llada_jax.generate(layered_model, np.array(prompt), gen_length=6, block_length=4, steps=4).stats
+        assert stats["bytes_staged"] == 0 and stats["pinned_stages"] == len(layered_model.staged.stages)
+
+
 @settings(max_examples=15)
 @given(prompt=PROMPTS, block=st.sampled_from([4, 8]), gen=st.integers(1, 12), editing=st.sampled_from([None, 0.3]),
        policy=st.sampled_from(["dual-cache", "vanilla"]))

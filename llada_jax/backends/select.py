@@ -98,6 +98,6 @@ def _xla_backend(model, request: BackendRequest) -> Backend:
                          "to stage the weights, or shorten the canvas")
     if staged is not None:  # layered: every stage pinned, held resident, never streamed
         return xla_staged.StagedJaxBackend(staged, model.config, readout_spec, biases, cfg_scale,
-                                           len(staged.stages), StagingStats(), model.jnp_dtype)
+                                           len(staged.stages), StagingStats(), model.jnp_dtype, model.device_stages)
     return xla.JaxBackend(model.params, model.config, readout_spec, biases, cfg_scale, model.jnp_dtype, model.mesh)
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from numpy.typing import DTypeLike
@@ -25,6 +24,7 @@ from llada_jax.staging.swap import (
     staged_full,
     staged_window,
 )
+from llada_jax.weights.loading import stage_on_device
 from policies.backend import Backend
 
 
@@ -38,11 +38,13 @@ class StagedJaxBackend(DeviceRows, Backend):
     buffers: int               # staging buffers in device memory
     stats: StagingStats
     dtype: DTypeLike = jnp.float32
+    held: tuple[dict, ...] | None = None  # every stage already on the device (a layered model's)
 
     @functools.cached_property
     def _ring(self) -> StagingRing:
-        """One ring per generation: its pinned stages are copied once, on first use."""
-        return StagingRing(self.weights.stages, self.buffers, self._upload, self.stats)
+        """One ring per generation: its pinned stages are copied once, on first use (held ones never)."""
+        return StagingRing(self.weights.stages, self.buffers, self._upload, self.stats,
+                           dict(enumerate(self.held or ())))
 
     @functools.cached_property
     def _chunk_extras(self) -> list[tuple]:
@@ -52,10 +54,8 @@ class StagedJaxBackend(DeviceRows, Backend):
                 for part in chunk_biases(self.biases, *head_chunks(self.config))]
 
     def _upload(self, buffer: int, stage: int) -> dict:
-        """One stage to the device, tensor by tensor from its packed host buffer. XLA owns the device
-        buffers: on a CPU device `device_put` aliases the aligned host views (nothing is copied)."""
-        layout = self.weights.layouts[stage]
-        return {name: jax.device_put(view) for name, view in layout.views(self.weights.stages[stage]).items()}
+        """One stage to the device (XLA owns the device buffers, so `buffer` needs no address)."""
+        return stage_on_device(self.weights, stage)
 
     # The device adapter of `staging.staged_forward`.
     def embed(self, rows: np.ndarray):

@@ -146,7 +146,7 @@ class StagingStats:
     copy_seconds: float = 0.0     # spent by the copy thread
     compute_seconds: float = 0.0  # spent computing stages
     wait_seconds: float = 0.0     # compute stalled waiting for a copy
-    pinned_stages: int = 0        # stages held in their own buffer, copied once per generation
+    pinned_stages: int = 0        # stages held in their own buffer, copied once per generation (or held)
 
     @property
     def hidden_fraction(self) -> float:
@@ -168,10 +168,12 @@ class StagingRing:
     min(N, STREAM_BUFFERS) buffers stream: the j-th streamed stage lives in buffer j mod STREAM_BUFFERS and is
     copied only after streamed stage j - STREAM_BUFFERS finished computing. Every further buffer pins one
     stage (largest first): copied on first use and kept for the ring's life, so a budget above the
-    minimum cuts the bytes copied per pass instead of prefetching deeper than overlap needs.
+    minimum cuts the bytes copied per pass instead of prefetching deeper than overlap needs. `held`: stages
+    already on the device (stage -> what compute reads), never copied.
     """
 
-    def __init__(self, stages: tuple[np.ndarray, ...], buffers: int, upload: Callable, stats: StagingStats):
+    def __init__(self, stages: tuple[np.ndarray, ...], buffers: int, upload: Callable, stats: StagingStats,
+                 held: dict | None = None):
         self.stages, self.upload, self.stats = stages, upload, stats
         streaming = min(buffers, STREAM_BUFFERS) if buffers < len(stages) else 0
         by_size = sorted(range(len(stages)), key=lambda i: (-stages[i].nbytes, i))
@@ -180,7 +182,7 @@ class StagingRing:
         streamed = (i for i in range(len(stages)) if i not in self.pinned_buffer)
         self.streamed = {stage: j for j, stage in enumerate(streamed)}
         self.streaming = streaming
-        self.pinned: dict[int, object] = {}  # stage -> its loaded buffer, once copied
+        self.pinned: dict[int, object] = dict(held or {})  # stage -> its loaded buffer, once copied (or held)
         stats.pinned_stages = len(self.pinned_buffer)
 
     def _buffer(self, stage: int) -> int:

@@ -44,7 +44,8 @@ WHOLE_STEP_EXPERT_LOOPS = 2048
 class Model:
     """A loaded model: device-resident `params`, or, when its weights exceed the device memory budget,
     `staged` host-packed stages streamed through device memory at every step (params is then None).
-    `layered`: the stages are all held resident and run one compiled layer piece at a time."""
+    `layered`: the stages are all held resident and run one compiled layer piece at a time (`device_stages`: each
+    stage's tensors on the device, put there once at load)."""
 
     config: LLaDAConfig
     params: dict | None
@@ -59,6 +60,7 @@ class Model:
     mesh: Mesh | None = None  # the params are sharded over it (`llada_jax.model.mesh`); None: one device
     scale_itemsize: int = 4  # bytes per quantization scale as held: as stored when resident, float32 when staged
     layered: bool = False
+    device_stages: tuple[dict, ...] | None = None
 
     @property
     def jnp_dtype(self):
@@ -112,13 +114,21 @@ def load(path, dtype: str = "float32", device_memory_budget: int | None = None, 
     bar = functools.partial(tqdm, total=len(hf_shapes(config)), desc=f"loading {model_dir.name}", unit="tensor",
                             file=sys.stderr, leave=False, disable=model.weight_bytes < LOAD_BAR_BYTES)
     if staged or layered:
-        model = dataclasses.replace(model, staged=pack_weights(bar(iter_tensors(model_dir, config)), config,
-                                                               np.dtype(model.jnp_dtype), activations, kernels))
+        packed = pack_weights(bar(iter_tensors(model_dir, config)), config, np.dtype(model.jnp_dtype), activations,
+                              kernels)
+        held = tuple(stage_on_device(packed, stage) for stage in range(len(packed.stages))) if layered else None
+        model = dataclasses.replace(model, staged=packed, device_stages=held)
     else:
         model = dataclasses.replace(model, params=load_params(model_dir, config, dtype, activations, mesh, wrap=bar,
                                                                   kernels=kernels))
     release_freed_memory()
     return model
+
+
+def stage_on_device(staged: StagedWeights, stage: int) -> dict:
+    """One stage's tensors on the device, each from its view of the packed host buffer: on a CPU device
+    `device_put` aliases the aligned views (nothing is copied)."""
+    return {name: jax.device_put(view) for name, view in staged.layouts[stage].views(staged.stages[stage]).items()}
 
 
 def layered_execution(config: LLaDAConfig) -> bool:
