@@ -32,11 +32,11 @@ from policies.block_loop_io import BlockLoopOutputs, block_loop_inputs, block_lo
 from policies.sampling import Sampler
 
 PROMPT = np.arange(1, 6)
+OPTIONS: dict = dict(gen_length=8, block_length=4, steps=4, threshold=0.3, max_post_steps=2)  # generate's keywords
 
 
 def settings_of(args) -> BlockSettings:
-    return BlockSettings(gen_length=8, block_length=4, steps=4, threshold=0.3,
-                         editing_threshold=args.editing_threshold, max_post_steps=2)
+    return BlockSettings(**OPTIONS, editing_threshold=args.editing_threshold)
 
 
 def compile_loop(model_dir: Path, settings: BlockSettings, out: Path):
@@ -68,7 +68,8 @@ def run_loop(args) -> None:
     out = rt.FunctionInvoker(context, config.device, function)(
         *(np.asarray(value) for value in block_loop_inputs(PROMPT, spec, settings)))
     assert isinstance(out, tuple), "the loop returns its outputs"
-    result = block_result(BlockLoopOutputs(*(np.asarray(value.to_host()) for value in out)), spec, len(PROMPT))
+    result = block_result(BlockLoopOutputs(*(np.asarray(value.to_host()) for value in out)), spec, len(PROMPT),
+                          settings.canvas_length(len(PROMPT)))
     print(",".join(map(str, result.output_ids.tolist())), result.nfe)
 
 
@@ -82,8 +83,8 @@ def main() -> int:
         run_loop(args)
         return 0
     settings = settings_of(args)
-    xla = llada_jax.generate(llada_jax.load(args.model), PROMPT, loop="compiled", gen_length=8, block_length=4,
-                             steps=4, threshold=0.3, editing_threshold=args.editing_threshold, max_post_steps=2)
+    xla = llada_jax.generate(llada_jax.load(args.model), PROMPT, loop="compiled", **OPTIONS,
+                             editing_threshold=args.editing_threshold)
     expected = f"{','.join(map(str, xla.output_ids.tolist()))} {xla.nfe}"
     print(f"XLA compiled loop: {expected}")
     with tempfile.TemporaryDirectory(prefix="llada-probe-") as scratch:

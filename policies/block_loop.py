@@ -158,9 +158,9 @@ class _Run(NamedTuple):
         out = self.forward(carry, lo - lead, lead + r, slot < lead + rows, (slot // b)[None])
         if folded:
             carry = self.commit_kv(carry, out, lo - lead)._replace(pending=jnp.int32(NONE))
-        read = read_out(self.params, head_rows(out.hidden, lead + jnp.arange(r)), jnp.float32(0.0),
-                        jnp.zeros(self.config.embedding_size, jnp.float32),
-                        jnp.zeros(self.config.embedding_size, jnp.float32), ARGMAX, self.layout_rule)
+        unbiased = jnp.zeros(self.config.embedding_size, jnp.float32)
+        read = read_out(self.params, head_rows(out.hidden, lead + jnp.arange(r)), jnp.float32(0.0), unbiased,
+                        unbiased, ARGMAX, self.layout_rule)
         logp = read.logp[0]
         bad = first_nonfinite(jnp, logp[None], jnp.arange(r) < rows, lo + jnp.arange(r), NOT_COMMITTED)
         return carry, Pass(read.x0[0], logp, (lead + rows).astype(jnp.int32), rows.astype(jnp.int32),
@@ -186,6 +186,11 @@ class _Run(NamedTuple):
     def masks(self, tokens):
         return tokens == self.config.mask_token_id
 
+    def mask_commits(self, out: Pass, active, share):
+        """The block's masks a pass commits: all above the threshold if `share` are, else the `share` best."""
+        head = out.logp[: self.spec.block_length]
+        return share_commits(jnp, ranks(jnp, head, active), active, head >= self.inputs.commit_cutoff, share)
+
     def schedule_block(self, carry: Carry, block, denoised) -> Carry:
         """LLaDA2.0: the block's steps, each committing above threshold or its share of the most confident
         (none unless `denoised`: a prompt block is only cached)."""
@@ -202,9 +207,7 @@ class _Run(NamedTuple):
             old = self.block_tokens(carry, lo)
             active = self.masks(old)
             carry, out = self.predict(carry, lo)
-            head = out.logp[: self.spec.block_length]
-            committed = share_commits(jnp, ranks(jnp, head, active), active, head >= self.inputs.commit_cutoff,
-                                      shares[step])
+            committed = self.mask_commits(out, active, shares[step])
             return step + 1, self.commit(carry, block, lo, out, committed, jnp.zeros_like(active), old)
 
         return jax.lax.while_loop(going, one_step, (jnp.int32(0), carry))[1]
@@ -233,10 +236,8 @@ class _Run(NamedTuple):
 
             def denoise():
                 next_carry, out = self.predict(carry, lo)
-                head = out.logp[:b]
-                committed = share_commits(jnp, ranks(jnp, head, active), active, head >= self.inputs.commit_cutoff,
-                                          self.spec.num_to_transfer) & jnp.any(active)
-                edited = ~active & answer & (head >= self.inputs.edit_cutoff) & (out.x0[:b] != old)
+                committed = self.mask_commits(out, active, self.spec.num_to_transfer)
+                edited = ~active & answer & (out.logp[:b] >= self.inputs.edit_cutoff) & (out.x0[:b] != old)
                 next_carry = self.commit(next_carry, block, lo, out, committed, edited, old)
                 return next_carry, ~jnp.any(active) & ~jnp.any(edited)
 

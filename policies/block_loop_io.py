@@ -10,16 +10,15 @@ loop's `StepRecord`s come back whole.
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import NamedTuple
 
 import numpy as np
 
 from llada_jax.model.arrays import Array
-from llada_jax.model.readout import nonfinite_error
 from policies.block_diffusion import BlockSettings, pass_bound
+from policies.compiled_loop import call_loop
 from policies.loop import Result, StepRecord
-from policies.loop_io import NOT_COMMITTED, log_cutoff
+from policies.loop_io import log_cutoff
 from policies.sampling import Sampler
 
 
@@ -106,11 +105,10 @@ def block_loop_inputs(prompt: np.ndarray, spec: BlockLoopSpec, settings: BlockSe
                            np.asarray(edit, np.float32), np.asarray(log_cutoff(settings.draft_threshold), np.float32))
 
 
-def block_result(outputs: BlockLoopOutputs, spec: BlockLoopSpec, prompt_len: int) -> Result:
+def block_result(outputs: BlockLoopOutputs, spec: BlockLoopSpec, prompt_len: int, canvas_length: int) -> Result:
     """The `Result` the host loop returns on a backend that folds finished blocks (XLA)."""
     trace = tuple(_record(outputs, spec, n) for n in range(int(outputs.nfe)))
-    length = -(-(prompt_len + spec.gen_length) // spec.block_length) * spec.block_length
-    stats = {"cache_passes": int(outputs.cache_passes), "canvas_length": length, "loop": "compiled"}
+    stats = {"cache_passes": int(outputs.cache_passes), "canvas_length": canvas_length, "loop": "compiled"}
     if spec.editing:
         stats["bounded_blocks"] = int(outputs.bounded_blocks)
     return Result(np.asarray(outputs.generated, np.int64), len(trace), 0.0, trace, prompt_len, stats)
@@ -132,14 +130,6 @@ def _record(outputs: BlockLoopOutputs, spec: BlockLoopSpec, n: int) -> StepRecor
 
 
 def run_block_loop(compiled, prompt: np.ndarray, spec: BlockLoopSpec, settings: BlockSettings) -> Result:
-    """One generation through a backend's compiled block loop; a non-finite readout is the host loop's error."""
-    started = time.perf_counter()
-    inputs = block_loop_inputs(prompt, spec, settings)
-    called = time.perf_counter()
-    outputs = compiled(inputs)
-    call_s = time.perf_counter() - called
-    if int(outputs.bad_pass) != NOT_COMMITTED:
-        raise nonfinite_error(int(outputs.bad_pass), int(outputs.bad_position))
-    result = block_result(outputs, spec, len(prompt))
-    return dataclasses.replace(result, wall_s=time.perf_counter() - started,
-                               stats={**result.stats, "step_call_seconds": call_s})
+    """One generation through a backend's compiled block loop."""
+    return call_loop(compiled, lambda: block_loop_inputs(prompt, spec, settings),
+                     lambda outputs: block_result(outputs, spec, len(prompt), settings.canvas_length(len(prompt))))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Callable
 
 import numpy as np
 
@@ -103,17 +104,24 @@ def result_from(outputs: LoopOutputs, spec: LoopSpec, prompt_len: int, wall_s: f
 
 def run_compiled(compiled, prompt: np.ndarray, spec: LoopSpec, biases, threshold: float | None,
                  draft_threshold: float) -> Result:
-    """One generation through a backend's compiled loop; a non-finite readout is the host loop's error."""
+    """One generation through a backend's compiled loop."""
+    return call_loop(compiled, lambda: loop_inputs(prompt, spec, biases, threshold, draft_threshold),
+                     lambda outputs: result_from(outputs, spec, len(prompt), 0.0))
+
+
+def call_loop(compiled, inputs: Callable, result: Callable) -> Result:
+    """`result(compiled(inputs()))`, timed (`wall_s`, `stats["step_call_seconds"]`); a non-finite readout the
+    loop reported is the host loop's error. Both compiled loops (LLaDA's, block diffusion's) run through it."""
     started = time.perf_counter()
-    inputs = loop_inputs(prompt, spec, biases, threshold, draft_threshold)
+    loop_in = inputs()
     called = time.perf_counter()
-    outputs = compiled(inputs)
+    outputs = compiled(loop_in)
     call_s = time.perf_counter() - called
     if int(outputs.bad_pass) != NOT_COMMITTED:
         raise nonfinite_error(int(outputs.bad_pass), int(outputs.bad_position))
-    result = result_from(outputs, spec, len(prompt), 0.0)
-    return dataclasses.replace(result, wall_s=time.perf_counter() - started,
-                               stats={**result.stats, "step_call_seconds": call_s})
+    done = result(outputs)
+    return dataclasses.replace(done, wall_s=time.perf_counter() - started,
+                               stats={**done.stats, "step_call_seconds": call_s})
 
 
 def draft_threshold_of(policy) -> float:
