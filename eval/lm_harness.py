@@ -33,6 +33,7 @@ from eval.task_eval import answer_text
 from llada_jax.model.mesh import MeshSpec
 from llada_jax.system.errors import LladaError
 from llada_jax.system.locations import default_model_dir
+from policies.block_diffusion import family_decoder
 from policies.registry import DecoderSetting
 
 TASKS_DIR = Path(__file__).resolve().parent / "lm_tasks"
@@ -67,7 +68,7 @@ class LladaLM(LM):
     loads."""
 
     def __init__(self, pretrained: str | None = None, dtype: str = "float32", batch_size=8, gen_length=None,
-                 block_length: int = 32, steps=None, policy: str = "vanilla", threshold=None, cfg_scale: float = 0.0,
+                 block_length: int = 32, steps=None, policy: str | None = None, threshold=None, cfg_scale: float = 0.0,
                  remasking: str = "low_confidence", mc_num: int = 128, mc_batch_size: int = 32,
                  check_greedy=True, seed: int = 1234, data_devices=None, model_devices=None, device=None,
                  max_batch_size=None, **unknown):
@@ -78,10 +79,10 @@ class LladaLM(LM):
         self.gen_length = None if gen_length is None else _number("gen_length", gen_length, minimum=1)
         self.block_length = _number("block_length", block_length, minimum=1)
         self.steps = None if steps is None else _number("steps", steps, minimum=1)
-        setting = DecoderSetting.parse(policy)
+        setting = DecoderSetting.parse(policy or "vanilla")
         if setting.threshold is not None and threshold is not None:
             raise LladaError("give the commit threshold once: policy=POLICY@T or threshold=T")
-        self.policy = setting.policy
+        self.policy = setting.policy if policy else None  # None: the family's default decoder
         self.threshold = setting.threshold if threshold is None else DecoderSetting(
             setting.policy, _number("threshold", threshold, float)).threshold
         self.cfg_scale, self.remasking = _number("cfg_scale", cfg_scale, float, 0.0), remasking
@@ -94,6 +95,7 @@ class LladaLM(LM):
                                     mesh=_mesh(data_devices, model_devices))
         if self.model.tokenizer is None:
             raise LladaError(f"{pretrained}: lm-eval needs a model with a tokenizer.json")
+        self.policy, self.threshold = family_decoder(self.model.config.block_causal, self.policy, self.threshold)
 
     @property
     def tokenizer_name(self) -> str:

@@ -48,6 +48,14 @@ REFERENCE_THRESHOLD = 0.95  # the reference samplers' default commit threshold
 BLOCK_POLICY = "dual-cache"  # the default decoder on block-diffusion models: the exact block cache
 
 
+def family_decoder(block_causal: bool, policy: str | None, threshold: float | None) -> tuple[str | None, float | None]:
+    """(policy, threshold) of a run that names no policy: on block-diffusion models the exact block cache at the
+    reference samplers' threshold; otherwise as given (None: the caller's own default)."""
+    if policy is None and block_causal:
+        return BLOCK_POLICY, REFERENCE_THRESHOLD if threshold is None else threshold
+    return policy, threshold
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockSettings:
     """One block-diffusion generation's settings (the reference samplers' arguments; see the module doc)."""

@@ -200,14 +200,22 @@ def chat_model(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_lm_eval_loglikelihood_gives_block_diffusion_bound(chat_model):
-    """Through lm-eval's adapter: the BD3LM Monte Carlo bound and greedy check, blocks of `block_length`."""
+def test_lm_eval_adapter_decodes_with_the_family_default_and_gives_block_diffusion_bound(chat_model):
+    """Through lm-eval's adapter: with no policy named, answers as the family's default decoder (the command
+    line's: the block cache at threshold 0.95); the BD3LM Monte Carlo bound and greedy check, blocks of
+    `block_length`."""
     from lm_eval.api.instance import Instance
 
     from eval.lm_harness import LladaLM
     from eval.mc_likelihood import block_greedy_answer, mc_log_likelihood, request_rng
+    from eval.task_eval import answer_text
 
     lm = LladaLM(pretrained=str(chat_model.path), mc_num=8, mc_batch_size=4, block_length=4)
+    assert (lm.policy, lm.threshold) == ("dual-cache", 0.95)
+    [answer] = lm.generate_until([Instance("generate_until", {}, ("sort 3 1 2", {"max_gen_toks": 8}), 0)])
+    alone = llada_jax.generate(chat_model, np.array(chat_model.tokenizer.encode("sort 3 1 2")), gen_length=8,
+                               block_length=4, steps=4, policy="dual-cache", threshold=0.95)
+    assert answer == answer_text(chat_model.tokenizer, alone.output_ids, chat_model.config)
     pairs = [("sort 3 1 2", " 1 2 3"), ("reverse abc", " cba")]
     results = lm.loglikelihood([Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)])
     for (context, continuation), (ll, greedy) in zip(pairs, results):

@@ -14,7 +14,7 @@ from llada_jax.system.compilation import use_persistent_cache
 from llada_jax.system.errors import LladaError
 from llada_jax.system.locations import default_model_dir, user_cache_dir
 from llada_jax.weights.weights_io import check_finite_weights
-from policies.block_diffusion import BLOCK_POLICY, REFERENCE_THRESHOLD
+from policies.block_diffusion import family_decoder
 from policies.compiled_loop import baked_loops, loop_covers
 from policies.generation import LOOPS
 from policies.registry import DecoderSetting, make_policy, with_modifier
@@ -142,8 +142,7 @@ def decoding_kwargs(args, config=None) -> dict:
     if config is not None and config.block_causal:
         kwargs.update(steps=args.steps if args.steps is not None else args.block_length)
         if args.policy is None:
-            kwargs.update(policy=BLOCK_POLICY,
-                          threshold=args.threshold if args.threshold is not None else REFERENCE_THRESHOLD)
+            kwargs["policy"], kwargs["threshold"] = family_decoder(True, None, args.threshold)
     blocks = {"editing_threshold": args.editing_threshold, "max_post_steps": args.max_post_steps,
               "num_to_transfer": args.num_to_transfer, "minimal_topk": args.minimal_topk}
     return {**kwargs, **{name: value for name, value in blocks.items() if value is not None}}
