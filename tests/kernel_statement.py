@@ -1,9 +1,12 @@
-"""The arithmetic of our kernels (`llada_jax/kernels/c/kernels.h`) stated in numpy, and a ctypes caller for a
-kernels library built with any ISA flags."""
+"""The arithmetic of our kernels (`llada_jax/kernels/c/kernels.h`) stated in numpy, and two callers: ctypes for a
+kernels library built for this CPU with any ISA flags, `kernel_runner.c` for a build for another (arm64)."""
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+import subprocess
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -70,30 +73,77 @@ def pack8(values: np.ndarray, signed8: bool) -> np.ndarray:
     return values.astype(np.int8).view(np.uint8) if signed8 else (values + 128).astype(np.uint8)
 
 
+SCHEMES = ("w4a8", "w8a8", "w4a16")  # kernel_runner.c's numbering
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One kernel call's operands as the kernels take them: the weights' bytes and scales, then the int8
+    activations (values, scales, sums) or the float ones in block order."""
+    scheme: str
+    positions: int
+    rows: int
+    columns: int
+    group: int
+    scale_bf16: bool
+    signed8: bool
+    arrays: tuple[np.ndarray, ...]
+
+    def header(self) -> np.ndarray:
+        return np.array([SCHEMES.index(self.scheme), self.positions, self.rows, self.columns, self.group,
+                         self.scale_bf16, self.signed8], np.int64)
+
+
+def prepare(scheme: str, x: np.ndarray, stored: np.ndarray, scales: np.ndarray, signed8: bool = False) -> Call:
+    """The call of kernel `scheme` on float32 x `[R, I]` (prepared as stated here), the weights' bytes and scales
+    (float32 or bfloat16 `[O, G]`)."""
+    positions, columns = x.shape
+    if scheme == "w4a16":
+        activations = (block_order(x.astype(F32), True).reshape(positions, columns),)
+    else:
+        activations = quantize_activations(x, scheme == "w4a8")
+    arrays = tuple(np.ascontiguousarray(a) for a in (stored, scales, *activations))
+    return Call(scheme, positions, stored.shape[0], columns, columns // scales.shape[1], scales.dtype != F32,
+                signed8, arrays)
+
+
 def _ptr(array: np.ndarray) -> int:
     return array.ctypes.data
 
 
+def halves(rows: int) -> list[tuple[int, int]]:
+    """The rows split in two calls, as threads would."""
+    return [(0, rows // 2), (rows // 2, rows)]
+
+
 def run(library: Path, scheme: str, x: np.ndarray, stored: np.ndarray, scales: np.ndarray,
         signed8: bool = False) -> np.ndarray:
-    """The library's kernel `scheme` on float32 x `[R, I]` (prepared as stated here), the weights' bytes and
-    scales (float32 or bfloat16 `[O, G]`), rows split in two calls as threads would."""
+    """The library's kernel `scheme` on the call `prepare` states, through ctypes."""
     lib = ctypes.CDLL(str(library))
-    positions, columns = x.shape
-    rows = stored.shape[0]
-    w = Weights(_ptr(stored), _ptr(scales), rows, columns, columns // scales.shape[1], int(scales.dtype != F32),
+    call = prepare(scheme, x, stored, scales, signed8)
+    weights, weight_scales, *activations = call.arrays
+    w = Weights(_ptr(weights), _ptr(weight_scales), call.rows, call.columns, call.group, int(call.scale_bf16),
                 int(signed8))
-    out = np.full((positions, rows), np.nan, F32)
-    halves = [(0, rows // 2), (rows // 2, rows)]
+    out = np.full((call.positions, call.rows), np.nan, F32)
     if scheme == "w4a16":
-        ordered = np.ascontiguousarray(block_order(x.astype(F32), True).reshape(positions, columns))
-        for begin, end in halves:
-            lib.llk_w4a16(ctypes.byref(w), ctypes.c_void_p(_ptr(ordered)), ctypes.c_int64(positions),
+        for begin, end in halves(call.rows):
+            lib.llk_w4a16(ctypes.byref(w), ctypes.c_void_p(_ptr(activations[0])), ctypes.c_int64(call.positions),
                           ctypes.c_void_p(_ptr(out)), ctypes.c_int64(begin), ctypes.c_int64(end))
         return out
-    values, block_scales, sums = (np.ascontiguousarray(a) for a in quantize_activations(x, scheme == "w4a8"))
-    a = Int8Activations(_ptr(values), _ptr(block_scales), _ptr(sums), positions)
-    for begin, end in halves:
+    a = Int8Activations(*map(_ptr, activations), call.positions)
+    for begin, end in halves(call.rows):
         getattr(lib, f"llk_{scheme}")(ctypes.byref(w), ctypes.byref(a), ctypes.c_void_p(_ptr(out)),
                                       ctypes.c_int64(begin), ctypes.c_int64(end))
     return out
+
+
+def run_program(command: list[str], scheme: str, x: np.ndarray, stored: np.ndarray, scales: np.ndarray,
+                signed8: bool = False) -> tuple[np.ndarray, str]:
+    """The kernel `scheme` through `kernel_runner.c` built for another CPU (`command`: how to run it, e.g. under
+    qemu): (the output, the ISA path its build names)."""
+    call = prepare(scheme, x, stored, scales, signed8)
+    with tempfile.TemporaryDirectory() as work:
+        request, answer = Path(work) / "call.bin", Path(work) / "out.bin"
+        request.write_bytes(b"".join(a.tobytes() for a in (call.header(), *call.arrays)))
+        done = subprocess.run([*command, str(request), str(answer)], capture_output=True, text=True, check=True)
+        return np.fromfile(answer, F32).reshape(call.positions, call.rows), done.stdout.strip()

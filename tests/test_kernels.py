@@ -6,6 +6,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import platform
+import subprocess
+from pathlib import Path
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -17,7 +19,15 @@ from hypothesis import strategies as st
 import llada_jax
 from llada_jax.kernels import activations
 from llada_jax.kernels import xla as own_kernels
-from llada_jax.kernels.build import Toolchain, find_toolchain, shared_library
+from llada_jax.kernels.build import (
+    C_FLAGS,
+    KERNEL_SOURCES,
+    SOURCE_DIR,
+    Toolchain,
+    compile_object,
+    find_toolchain,
+    shared_library,
+)
 from llada_jax.quant import choice
 from llada_jax.quant.choice import kernels_in_use
 from llada_jax.quant.qlinear import quantized_linear, to_device
@@ -27,7 +37,9 @@ from llada_jax.system.host_cpu import cpu_flags
 from llada_jax.weights.quantize_checkpoint import quantize_checkpoint
 from lowering import kernel_dispatch
 from lowering.bundle_weights import WeightLayout
-from lowering.targets import target
+from lowering.emulation import QEMU, SYSROOT, emulator_available
+from lowering.kernel_dispatch import target_compiler
+from lowering.targets import ARM64_KERNELS, target
 from tests import kernel_statement as statement
 from tests.conftest import require
 
@@ -46,12 +58,37 @@ def isa_builds() -> list[tuple[str, ...]]:
     return [("-march=native",)]
 
 
-@pytest.fixture(scope="module", params=isa_builds(), ids=lambda flags: " ".join(flags))
-def library(request):
+# Each arm64 path and the ISA it names; the last is the arm64 bundles' own build.
+ARM64_BUILDS = {("-march=armv8-a",): "generic C", ("-march=armv8.2-a+dotprod",): "arm64 dotprod (sdot)",
+                ARM64_KERNELS.flags: "arm64 i8mm (smmla)"}
+
+
+def arm64_runner(build: tuple[str, ...], directory: Path) -> list[str]:
+    """`tests/kernel_runner.c` and the kernels built for aarch64 with `build`, as a command run under qemu."""
+    require(emulator_available(), "user-mode qemu with arm64 libraries (qemu-user-static libc6-arm64-cross)")
+    compiler = target_compiler(target("linux-arm64"))
+    require(compiler is not None, "an aarch64 C compiler (gcc-aarch64-linux-gnu)")
+    assert compiler is not None
+    objects = [compile_object([*compiler, *C_FLAGS, *build], SOURCE_DIR / name, directory) for name in KERNEL_SOURCES]
+    runner = directory / "kernel_runner"
+    subprocess.run([*compiler, "-O2", *build, "-I", str(SOURCE_DIR), str(Path(__file__).parent / "kernel_runner.c"),
+                    *map(str, objects), "-o", str(runner)], check=True)
+    return [QEMU, "-L", str(SYSROOT), str(runner)]
+
+
+@pytest.fixture(scope="module", params=[("host", build) for build in isa_builds()] +
+                [("arm64", build) for build in ARM64_BUILDS], ids=lambda param: f"{param[0]} {' '.join(param[1])}")
+def kernel(request, tmp_path_factory):
+    """`kernel(scheme, x, stored, scales[, signed8])` of one build: this host's through ctypes, arm64's under
+    qemu."""
+    cpu, build = request.param
+    if cpu == "arm64":
+        runner = arm64_runner(build, tmp_path_factory.mktemp("arm64"))
+        return lambda *call: statement.run_program(runner, *call)[0]
     toolchain = find_toolchain()
     require(toolchain is not None, "a C compiler (gcc or clang, with c++)")
     assert toolchain is not None
-    return shared_library(toolchain, request.param)
+    return functools.partial(statement.run, shared_library(toolchain, build))
 
 
 FORCED_PATHS = {"-march=x86-64": "generic C", "-march=armv8-a": "generic C", "-march=x86-64-v3": "x86 avx2",
@@ -76,6 +113,13 @@ def test_each_build_takes_the_isa_path_its_flags_name(build):
     lib.llk_isa.restype = ctypes.c_char_p
     want = FORCED_PATHS.get(" ".join(build)) or native_path(cpu_flags())
     assert lib.llk_isa().decode().startswith(want)
+
+
+@pytest.mark.parametrize("build", ARM64_BUILDS, ids=lambda flags: " ".join(flags))
+def test_each_arm64_build_takes_the_isa_path_its_flags_name(build, tmp_path):
+    runner = arm64_runner(build, tmp_path)
+    x, stored = np.ones((1, 32), np.float32), np.zeros((1, 16), np.uint8)
+    assert statement.run_program(runner, "w4a8", x, stored, np.ones((1, 1), np.float32))[1] == ARM64_BUILDS[build]
 
 
 def draw_problem(data, bits: int):
@@ -103,27 +147,27 @@ def assert_within_rounding(got: np.ndarray, want: np.ndarray, magnitude: np.ndar
 
 @settings(max_examples=40)
 @given(data=st.data())
-def test_w4a8_is_its_statement(library, data):
+def test_w4a8_is_its_statement(kernel, data):
     x, values, scales = draw_problem(data, 4)
-    got = statement.run(library, "w4a8", x, statement.pack4(values), scales)
+    got = kernel("w4a8", x, statement.pack4(values), scales)
     want = statement.int8_result(x, values, scales.astype(np.float32), nibbles=True)
     assert_within_rounding(got, want, statement.int8_result(np.abs(x), np.abs(values), np.abs(scales), True))
 
 
 @settings(max_examples=40)
 @given(data=st.data(), signed8=st.booleans())
-def test_w8a8_is_its_statement(library, data, signed8):
+def test_w8a8_is_its_statement(kernel, data, signed8):
     x, values, scales = draw_problem(data, 8)
-    got = statement.run(library, "w8a8", x, statement.pack8(values, signed8), scales, signed8)
+    got = kernel("w8a8", x, statement.pack8(values, signed8), scales, signed8)
     want = statement.int8_result(x, values, scales.astype(np.float32), nibbles=False)
     assert_within_rounding(got, want, statement.int8_result(np.abs(x), np.abs(values), np.abs(scales), False))
 
 
 @settings(max_examples=40)
 @given(data=st.data())
-def test_w4a16_is_its_statement(library, data):
+def test_w4a16_is_its_statement(kernel, data):
     x, values, scales = draw_problem(data, 4)
-    got = statement.run(library, "w4a16", x, statement.pack4(values), scales)
+    got = kernel("w4a16", x, statement.pack4(values), scales)
     want = statement.float_result(x, values, scales.astype(np.float32))
     assert_within_rounding(got, want, statement.float_result(np.abs(x), np.abs(values), np.abs(scales)))
 
@@ -141,7 +185,7 @@ def test_the_step_prepares_activations_exactly_as_stated(data, nibbles):
 
 
 @pytest.mark.parametrize("bits, scheme", [(4, "w4a8"), (8, "w8a8")])
-def test_int32_block_sums_are_exact(library, bits, scheme):
+def test_int32_block_sums_are_exact(kernel, bits, scheme):
     """Integer activations with a 127 in every block quantize to themselves (scale 1): with unit weight scales
     the float result is the exact integer sum."""
     rng = np.random.default_rng(bits)
@@ -151,7 +195,7 @@ def test_int32_block_sums_are_exact(library, bits, scheme):
     values = rng.integers(low, -low, (37, 256))
     values[0] = low  # the extreme weight everywhere on one row
     stored = statement.pack4(values) if bits == 4 else statement.pack8(values, False)
-    got = statement.run(library, scheme, x, stored, np.ones((37, 2), np.float32))
+    got = kernel(scheme, x, stored, np.ones((37, 2), np.float32))
     want = statement.block_sums(x.reshape(7, -1, 32).astype(np.int8) if bits == 8 else
                                 statement.block_order(x, True).astype(np.int8), values, bits == 4).sum(-1)
     np.testing.assert_array_equal(got, want.astype(np.float32))

@@ -17,7 +17,7 @@ from llada_jax.system.locations import user_cache_dir
 
 SOURCE_DIR = Path(__file__).resolve().parent / "c"
 KERNEL_SOURCES = ("w4a8.c", "w4a16.c", "w8a8.c")
-HEADERS = ("kernels.h", "simd.h", "int8_matmul.h", "row_lanes.h")
+HEADERS = ("kernels.h", "simd.h", "stored_blocks.h", "int8_matmul.h", "row_lanes.h", "pair_tiles.h")
 XLA_SHIM = "xla_ffi.cc"
 # Freestanding C (no libc: the same files link into IREE's executables); strict IEEE float (no contraction
 # across the statements the numpy statement of each kernel follows).

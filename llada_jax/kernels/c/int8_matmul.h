@@ -5,8 +5,10 @@
 #define LLADA_INT8_MATMUL_H
 
 #include "kernels.h"
+#include "pair_tiles.h"
 #include "row_lanes.h"
 #include "simd.h"
+#include "stored_blocks.h"
 
 #if defined(LLK_X86) && !defined(__AVX512VL__)
 #define TILE_ROWS 2 /* AVX2 has 16 vector registers */
@@ -14,14 +16,11 @@
 #define TILE_ROWS 4
 #endif
 #define TILE_POSITIONS 4
+#if defined(LLK_MMLA)
+_Static_assert(TILE_ROWS == PAIR_TILE && TILE_POSITIONS == PAIR_TILE, "a pair tile is a whole tile");
+#endif
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
-
-ALWAYS_INLINE wvec block_weights(const llk_weights* w, int64_t row, int64_t block, int bits) {
-  int64_t bytes_per_row = w->columns * bits / 8;
-  const uint8_t* p = w->weights + row * bytes_per_row + block * (LLK_BLOCK * bits / 8);
-  return bits == 4 ? unpack4(p) : load8(p, w->signed8);
-}
 
 ALWAYS_INLINE void int8_tile(const llk_weights* w, const llk_int8_activations* a, float* out, int64_t o,
                              int64_t r, const int nr, const int nc, const int bits) {
@@ -53,7 +52,7 @@ ALWAYS_INLINE void int8_tile(const llk_weights* w, const llk_int8_activations* a
 }
 
 /* Rows [o_begin, o_end) of every position: in lanes where the ISA has them (`row_lanes.h`), else in whole
- * tiles; then the rows' and positions' remainders. */
+ * tiles (of pairs with smmla, `pair_tiles.h`); then the rows' and positions' remainders. */
 ALWAYS_INLINE void int8_matmul(const llk_weights* w, const llk_int8_activations* a, float* out,
                                int64_t o_begin, int64_t o_end, const int bits) {
 #if defined(LLK_ROW_LANES)
@@ -63,7 +62,11 @@ ALWAYS_INLINE void int8_matmul(const llk_weights* w, const llk_int8_activations*
   int64_t whole_positions = a->positions / TILE_POSITIONS * TILE_POSITIONS;
   for (int64_t o = o_begin; o < whole_rows; o += TILE_ROWS) {
     for (int64_t r = 0; r < whole_positions; r += TILE_POSITIONS)
+#if defined(LLK_MMLA)
+      pair_tile(w, a, out, o, r, bits);
+#else
       int8_tile(w, a, out, o, r, TILE_ROWS, TILE_POSITIONS, bits);
+#endif
     for (int64_t r = whole_positions; r < a->positions; r++) int8_tile(w, a, out, o, r, TILE_ROWS, 1, bits);
   }
   for (int64_t o = whole_rows; o < o_end; o++) {

@@ -2,7 +2,7 @@
  * (the build passes -march=native for this host, or the bundle target's CPU features):
  *   AVX-512 VNNI / AVX-VNNI: vpdpbusd (u8 x s8, 4-way sums into int32);
  *   AVX2: vpmaddubsw + vpmaddwd;
- *   arm64 +dotprod: sdot (s8 x s8);
+ *   arm64 +dotprod: sdot (s8 x s8); +i8mm: smmla (2 x 8 by 8 x 2 s8 products into a 2 x 2 int32 tile);
  *   anything else: plain C.
  * An int8 dot over one 32-column block returns `init` + its sum: x86 multiplies the weights unsigned (nibbles
  * 0..15; 8-bit as b + 128 with VNNI), so the kernels start each sum from -W4_OFFSET * sum(a) (W8_OFFSET). */
@@ -26,7 +26,12 @@
 #elif defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
 #include <arm_neon.h>
 #define LLK_NEON 1
+#if defined(__ARM_FEATURE_MATMUL_INT8)
+#define LLK_MMLA 1
+#define LLK_ISA "arm64 i8mm (smmla)"
+#else
 #define LLK_ISA "arm64 dotprod (sdot)"
+#endif
 #else
 #define LLK_ISA "generic C"
 #endif
