@@ -44,6 +44,13 @@ static inline lane_ints lane_dot(int32_t init, const lane_ints w[8], const int8_
 static inline lane_floats lane_accumulate(lane_floats acc, lane_ints sum, lane_floats scales, float scale) {
   return _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(scales, _mm512_set1_ps(scale)), acc);
 }
+static inline lane_floats lane_fmadd(lane_floats a, lane_floats b, lane_floats c) { return _mm512_fmadd_ps(a, b, c); }
+static inline lane_floats lane_splat(float v) { return _mm512_set1_ps(v); }
+static inline lane_floats lane_mul(lane_floats a, lane_floats b) { return _mm512_mul_ps(a, b); }
+/* The 4 bits at `shift` of each lane as a float. */
+static inline lane_floats lane_nibble(lane_ints v, const int shift) {
+  return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, shift), _mm512_set1_epi32(15)));
+}
 #define LANE_WEIGHTS_UNSIGNED 1 /* vpdpbusd: unsigned weights (offset as stored), signed activations */
 
 #else /* AVX2 */
@@ -82,6 +89,12 @@ static inline lane_ints lane_dot(int32_t init, const lane_ints w[8], const int8_
 
 static inline lane_floats lane_accumulate(lane_floats acc, lane_ints sum, lane_floats scales, float scale) {
   return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(scales, _mm256_set1_ps(scale)), acc);
+}
+static inline lane_floats lane_fmadd(lane_floats a, lane_floats b, lane_floats c) { return _mm256_fmadd_ps(a, b, c); }
+static inline lane_floats lane_splat(float v) { return _mm256_set1_ps(v); }
+static inline lane_floats lane_mul(lane_floats a, lane_floats b) { return _mm256_mul_ps(a, b); }
+static inline lane_floats lane_nibble(lane_ints v, const int shift) {
+  return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, shift), _mm256_set1_epi32(15)));
 }
 #define LANE_WEIGHTS_UNSIGNED 0 /* 8-bit weights signed for the sign trick; nibbles unsigned as stored */
 #endif

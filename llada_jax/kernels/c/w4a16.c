@@ -40,54 +40,81 @@ ALWAYS_INLINE void float_tile(const llk_weights* w, const float* x, float* out, 
     for (int j = 0; j < nc; j++) out[(r + j) * w->rows + o + i] = hsum(acc[i][j]);
 }
 
-#if defined(LLK_ROW_LANES) && LANES == 16
-/* 16 weight rows in the lanes of a register (`row_lanes.h`): per block each row's 4-byte groups are gathered,
- * and 8 columns at a time become 16-row float vectors, each multiplied by one broadcast activation for every
- * position of a chunk of 16, whose accumulators stay in registers. */
-#define CHUNK 16
+#if defined(LLK_ROW_LANES)
+/* Weight rows in the lanes of registers (`row_lanes.h`), ROW_VECTORS x LANES of them: per block the rows'
+ * 4-byte groups are gathered and dequantized once into 32 column vectors each, which every position of a chunk
+ * then multiplies by its broadcast values. The chunk's accumulators stay in L1 and come into registers GROUP
+ * positions at a time (independent FMA chains; each broadcast feeds ROW_VECTORS FMAs), and the dequantization is
+ * paid once per chunk of positions, not per register tile. */
+#define ROW_VECTORS 2
+#if LANES == 16
+#define GROUP 8 /* 32 registers */
+#else
+#define GROUP 4 /* 16 registers */
+#endif
+#define CHUNK (16384 / (ROWS * 4)) /* positions whose accumulators take 16 KB of L1 */
+#define ROWS (ROW_VECTORS * LANES)
 
-ALWAYS_INLINE void float_lanes(const llk_weights* w, const float* x, float* out, int64_t row, int64_t p0,
-                               const int nc) {
-  int64_t columns = w->columns, stride = columns / 2;
-  const __m512i low4 = _mm512_set1_epi32(15);
-  __m512 acc[CHUNK];
-  for (int p = 0; p < nc; p++) acc[p] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < columns / LLK_BLOCK; b++) {
-    __m512 scale = lane_scales(w, row, b * LLK_BLOCK / w->group);
-    __m512 minus8scale = _mm512_mul_ps(scale, _mm512_set1_ps(-8.0f));
-    const uint8_t* base = w->weights + row * stride + b * (LLK_BLOCK / 2);
-    for (int q = 0; q < 4; q++) { /* block-order columns 8q..8q+7: low nibbles of bytes 0-15, then high */
-      __m512 wf[8];
-      for (int half = 0; half < 2; half++) {
-        __m512i raw = lane_gather(base + 8 * (q & 1) + 4 * half, stride);
-        for (int t = 0; t < 4; t++) {
-          __m512i v = _mm512_and_si512(_mm512_srli_epi32(raw, 8 * t + (q >= 2 ? 4 : 0)), low4);
-          wf[4 * half + t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), scale, minus8scale);
-        }
-      }
-      const float* xq = x + p0 * columns + b * LLK_BLOCK + 8 * q;
-      for (int p = 0; p < nc; p++)
-        for (int k = 0; k < 8; k++) acc[p] = _mm512_fmadd_ps(wf[k], _mm512_set1_ps(xq[p * columns + k]), acc[p]);
+/* Rows row..row+LANES-1 of block b as exact float32 (v - 8) x scale: block-order column 4g + t is the low
+ * nibble of byte 4g + t, column 16 + 4g + t its high nibble. */
+ALWAYS_INLINE void dequantized_block(const llk_weights* w, int64_t row, int64_t b, lane_floats out[LLK_BLOCK]) {
+  int64_t stride = w->columns / 2;
+  lane_floats scale = lane_scales(w, row, b * LLK_BLOCK / w->group), minus8scale = lane_mul(scale, lane_splat(-8));
+  for (int g = 0; g < 4; g++) {
+    lane_ints raw = lane_gather(w->weights + row * stride + b * (LLK_BLOCK / 2) + 4 * g, stride);
+    for (int t = 0; t < 4; t++) {
+      out[4 * g + t] = lane_fmadd(lane_nibble(raw, 8 * t), scale, minus8scale);
+      out[16 + 4 * g + t] = lane_fmadd(lane_nibble(raw, 8 * t + 4), scale, minus8scale);
     }
   }
-  for (int p = 0; p < nc; p++) _mm512_storeu_ps(out + (p0 + p) * w->rows + row, acc[p]);
 }
 
-/* Rows [o_begin, o_begin + 16k) in lanes; returns where they end. */
+/* `acc[0..n)` += the block's weights times positions' block values `x` (rows `columns` apart), n <= GROUP. */
+ALWAYS_INLINE void group_products(lane_floats wf[ROW_VECTORS][LLK_BLOCK], const float* x, int64_t columns,
+                                  lane_floats (*acc)[ROW_VECTORS], const int n) {
+  lane_floats sums[GROUP][ROW_VECTORS];
+  for (int p = 0; p < n; p++)
+    for (int v = 0; v < ROW_VECTORS; v++) sums[p][v] = acc[p][v];
+  for (int k = 0; k < LLK_BLOCK; k++)
+    for (int p = 0; p < n; p++) {
+      lane_floats value = lane_splat(x[p * columns + k]);
+      for (int v = 0; v < ROW_VECTORS; v++) sums[p][v] = lane_fmadd(wf[v][k], value, sums[p][v]);
+    }
+  for (int p = 0; p < n; p++)
+    for (int v = 0; v < ROW_VECTORS; v++) acc[p][v] = sums[p][v];
+}
+
+static void float_lanes(const llk_weights* w, const float* x, float* out, int64_t row, int64_t p0, int64_t n) {
+  int64_t columns = w->columns;
+  lane_floats acc[CHUNK][ROW_VECTORS];
+  for (int64_t p = 0; p < n; p++)
+    for (int v = 0; v < ROW_VECTORS; v++) acc[p][v] = lane_zero();
+  for (int64_t b = 0; b < columns / LLK_BLOCK; b++) {
+    lane_floats wf[ROW_VECTORS][LLK_BLOCK];
+    for (int v = 0; v < ROW_VECTORS; v++) dequantized_block(w, row + v * LANES, b, wf[v]);
+    const float* xb = x + p0 * columns + b * LLK_BLOCK;
+    int64_t p = 0;
+    for (; p + GROUP <= n; p += GROUP) group_products(wf, xb + p * columns, columns, acc + p, GROUP);
+    for (; p < n; p++) group_products(wf, xb + p * columns, columns, acc + p, 1);
+  }
+  for (int64_t p = 0; p < n; p++)
+    for (int v = 0; v < ROW_VECTORS; v++) lane_store(out + (p0 + p) * w->rows + row + v * LANES, acc[p][v]);
+}
+
+/* Rows [o_begin, o_begin + k ROWS) in lanes; returns where they end. */
 static int64_t lanes_w4a16(const llk_weights* w, const float* x, int64_t positions, float* out, int64_t o_begin,
                            int64_t o_end) {
-  int64_t end = o_begin + (o_end - o_begin) / LANES * LANES, whole = positions / CHUNK * CHUNK;
-  for (int64_t row = o_begin; row < end; row += LANES) {
-    for (int64_t p = 0; p < whole; p += CHUNK) float_lanes(w, x, out, row, p, CHUNK);
-    for (int64_t p = whole; p < positions; p++) float_lanes(w, x, out, row, p, 1);
-  }
+  int64_t end = o_begin + (o_end - o_begin) / ROWS * ROWS;
+  for (int64_t row = o_begin; row < end; row += ROWS)
+    for (int64_t p = 0; p < positions; p += CHUNK)
+      float_lanes(w, x, out, row, p, positions - p < CHUNK ? positions - p : CHUNK);
   return end;
 }
 #endif
 
 void llk_w4a16(const llk_weights* w, const float* ordered, int64_t positions, float* out, int64_t o_begin,
                int64_t o_end) {
-#if defined(LLK_ROW_LANES) && LANES == 16
+#if defined(LLK_ROW_LANES)
   o_begin = lanes_w4a16(w, ordered, positions, out, o_begin, o_end);
 #endif
   int64_t whole_rows = o_begin + (o_end - o_begin) / TILE_ROWS * TILE_ROWS;
