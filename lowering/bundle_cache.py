@@ -6,7 +6,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from llada_jax.kernels.build import HEADERS, KERNEL_SOURCES
+from llada_jax.kernels.build import HEADERS, KERNEL_SOURCES, host_arch
 from llada_jax.model.config import read_config
 from llada_jax.quant.choice import Kernels
 from llada_jax.quant.quantize import Activations
@@ -21,7 +21,7 @@ def cached_bundle(model_dir, target: str, *, dtype: str = "float32", max_len: in
                   batch_sizes: tuple[int, ...] = (1,), activations: Activations = "float", data_tiling: bool = False,
                   progress=None, kernels: Kernels = "own") -> Path:
     """A bundle for this model (by content), target, dtype, activations, kernels, data tiling, shapes, budget,
-    compiled decode loops, IREE version and this host's matmul tiles; compiled if absent."""
+    compiled decode loops, IREE version and this host's matmul tiles and kernel flags; compiled if absent."""
     model_dir = Path(model_dir).absolute()
     config = read_config(model_dir)
     loops = () if loop_refusal(config) else loops  # see `bundle.compile_bundle`
@@ -36,7 +36,8 @@ def cached_bundle(model_dir, target: str, *, dtype: str = "float32", max_len: in
                       "budget": device_memory_budget, "format": FORMAT_VERSION, "iree": iree_version(),
                       "loops": sorted({spec.name for baked in loops for spec in baked.specs}),
                       "batch_sizes": check_batch_sizes(batch_sizes),
-                      "code": _exporting_code(), "host_tiles": host_tiles()}, sort_keys=True)
+                      "code": _exporting_code(), "host_tiles": host_tiles(), "host_kernels": host_arch()},
+                     sort_keys=True)
     out = user_cache_dir("bundles") / hashlib.sha256(key.encode()).hexdigest()[:20]
     if not (out / MANIFEST).is_file():
         compile_bundle(model_dir, target, out, max_len=max_len, window=window, dtype=dtype, copy_weights=False,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import platform
 
+from llada_jax.kernels.build import host_arch
 from llada_jax.model.layout import IREE_CPU_LAYOUT, POSITION_MAJOR, LayoutRule
 from llada_jax.system.errors import LladaError
 from lowering.matmul_tiles import Tiles, host_tiles
@@ -61,7 +62,7 @@ TARGETS = {
     # hidden rows made the LM head `W @ h.T`, which IREE ran at 150 against 200 GFLOP/s for `W @ h`.
     "host": Target("host", "local-task", _cpu("--iree-llvmcpu-target-cpu=host",
                                                "--iree-global-opt-propagate-transposes=false"), tunes_matmuls=True,
-                   kernels=KernelBuild(None, ("-march=native",), HOST_FORMAT) if HOST_FORMAT else None),
+                   kernels=KernelBuild(None, host_arch(), HOST_FORMAT) if HOST_FORMAT else None),
     "vulkan": Target("vulkan", "vulkan", _vulkan("llvmpipe"), "Mesa llvmpipe/lavapipe software Vulkan"),
     "android-arm64": Target("android-arm64", "local-task", _cpu(*ANDROID_ARM64),
                             "aarch64 Android CPU with dotprod/i8mm", kernels=ARM64_KERNELS),

@@ -23,7 +23,13 @@ XLA_SHIM = "xla_ffi.cc"
 # across the statements the numpy statement of each kernel follows).
 C_FLAGS = ("-O3", "-std=c11", "-fPIC", "-ffreestanding", "-fno-math-errno", "-Wall")
 CXX_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-Wall")
-HOST_ARCH = ("-march=native",)
+ARCH_VARIABLE = "LLADA_KERNELS_ARCH"
+
+
+def host_arch() -> tuple[str, ...]:
+    """The flags that pick this host's ISA path: `-march=native`, or $LLADA_KERNELS_ARCH (e.g. `-march=x86-64-v3`:
+    the AVX2 path on a newer CPU, to measure or check what an older one runs)."""
+    return tuple(os.environ.get(ARCH_VARIABLE, "").split()) or ("-march=native",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,9 +48,9 @@ def find_toolchain() -> Toolchain | None:
     return Toolchain(cc, cxx) if cc and cxx else None
 
 
-def xla_library(toolchain: Toolchain, include_dir: Path, arch: tuple[str, ...] = HOST_ARCH) -> Path:
+def xla_library(toolchain: Toolchain, include_dir: Path) -> Path:
     """The XLA plugin (`xla_ffi.cc` + the kernels) for this host, built on first use."""
-    return shared_library(toolchain, arch, include_dir)
+    return shared_library(toolchain, host_arch(), include_dir)
 
 
 def shared_library(toolchain: Toolchain, arch: tuple[str, ...], xla_include_dir: Path | None = None) -> Path:
