@@ -17,7 +17,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from llada_jax.kernels.build import KERNEL_SOURCES, SOURCE_DIR, compile_object, find_toolchain
+from llada_jax.kernels.build import KERNEL_SOURCES, SOURCE_DIR, check_runs_here, compile_object, find_toolchain
 from llada_jax.quant.choice import KERNELS, Kernels
 from llada_jax.system.errors import LladaError
 from lowering.bundle_weights import WeightLayout
@@ -64,6 +64,8 @@ def target_compiler(tgt: Target) -> list[str] | None:
 def target_objects(tgt: Target, compiler: list[str], out_dir: Path) -> dict[str, list[Path]]:
     """The kernels and their dispatch entry points compiled for `tgt`, by IREE executable format."""
     assert tgt.kernels is not None
+    if tgt.kernels.compilers is None:  # the host's own
+        check_runs_here(compiler[0], tgt.kernels.flags)
     command = [*compiler, *OBJECT_FLAGS, *tgt.kernels.flags]
     return {tgt.kernels.object_format: [compile_object(command, SOURCE_DIR / name, out_dir)
                                         for name in (*KERNEL_SOURCES, DISPATCH_SOURCE)]}

@@ -4,11 +4,13 @@ path this host can build (its own flags, AVX2 without VNNI, plain C), then throu
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import platform
 import subprocess
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -17,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import llada_jax
-from llada_jax.kernels import activations
+from llada_jax.kernels import activations, build
 from llada_jax.kernels import xla as own_kernels
 from llada_jax.kernels.build import (
     C_FLAGS,
@@ -278,6 +280,27 @@ def test_a_failed_build_is_one_line(monkeypatch, tmp_path):
         shared_library(Toolchain("false", "false"), ("-march=native",))
     assert str(error.value).startswith("building the kernels failed (false)") and "\n" not in str(error.value)
     assert not list(tmp_path.rglob("*.so"))
+
+
+def test_host_kernel_flags_need_the_instructions_they_enable(monkeypatch):
+    """$LLADA_KERNELS_ARCH may pick an older ISA path, never one this CPU cannot run (it would die of SIGILL):
+    such flags are refused in one line, on XLA's path and for host bundles; -march=native always passes."""
+    toolchain = find_toolchain()
+    require(toolchain is not None, "a C compiler (gcc or clang, with c++)")
+    assert toolchain is not None
+    x86 = platform.machine() in ("x86_64", "AMD64")
+    arch = ("-march=x86-64-v3",) if x86 else ("-march=armv8.2-a+dotprod",)
+    with pytest.raises(LladaError, match=r"^LLADA_KERNELS_ARCH=\S+ enables (avx2, fma|asimddp), which this CPU lacks$"):
+        build.check_runs_here(toolchain.cc, arch, flags=set())
+    build.check_runs_here(toolchain.cc, ("-march=native",), flags=set())
+    monkeypatch.setenv("LLADA_KERNELS_ARCH", " ".join(arch))
+    assert build.host_arch() == arch
+    monkeypatch.setattr(build, "cpu_flags", lambda: set())
+    with pytest.raises(LladaError, match="which this CPU lacks"):
+        build.xla_library(toolchain, Path(jax.ffi.include_dir()))
+    with pytest.raises(LladaError, match="which this CPU lacks"):
+        kernel_dispatch.target_objects(dataclasses.replace(target("host"), kernels=dataclasses.replace(
+            target("host").kernels, flags=arch)), [toolchain.cc], Path("/nonexistent"))
 
 
 def test_bf16_steps_keep_xla_bf16_matmuls_where_the_cpu_has_them(monkeypatch):

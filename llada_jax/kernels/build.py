@@ -48,8 +48,31 @@ def find_toolchain() -> Toolchain | None:
     return Toolchain(cc, cxx) if cc and cxx else None
 
 
+# The compilers' macros for instruction sets the kernels or the compiler's own code may use, and the CPU flag
+# (/proc/cpuinfo) each needs.
+FEATURE_MACROS = {"__AVX2__": "avx2", "__FMA__": "fma", "__AVX512F__": "avx512f", "__AVX512BW__": "avx512bw",
+                  "__AVX512VL__": "avx512vl", "__AVX512VNNI__": "avx512_vnni", "__AVXVNNI__": "avx_vnni",
+                  "__AVX512BF16__": "avx512_bf16", "__AMX_TILE__": "amx_tile", "__ARM_FEATURE_DOTPROD": "asimddp",
+                  "__ARM_FEATURE_MATMUL_INT8": "i8mm"}
+
+
+def check_runs_here(cc: str, arch: tuple[str, ...], flags: set[str] | None = None) -> None:
+    """Refuse host flags that enable instructions this CPU lacks (its kernels would die of SIGILL): only
+    $LLADA_KERNELS_ARCH can ask for them. Flags the compiler rejects are left to the build's own error."""
+    if arch == ("-march=native",):
+        return
+    done = subprocess.run([cc, *arch, "-dM", "-E", "-x", "c", os.devnull], capture_output=True, text=True,
+                          check=False)
+    have = cpu_flags() if flags is None else flags
+    missing = sorted({flag for macro, flag in FEATURE_MACROS.items()
+                      if f"#define {macro} " in done.stdout and flag not in have})
+    if missing:
+        raise LladaError(f"{ARCH_VARIABLE}={' '.join(arch)} enables {', '.join(missing)}, which this CPU lacks")
+
+
 def xla_library(toolchain: Toolchain, include_dir: Path) -> Path:
     """The XLA plugin (`xla_ffi.cc` + the kernels) for this host, built on first use."""
+    check_runs_here(toolchain.cc, host_arch())
     return shared_library(toolchain, host_arch(), include_dir)
 
 
