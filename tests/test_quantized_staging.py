@@ -4,6 +4,7 @@ stream than float32), the pieces rebuild them exactly, and a staged generation e
 from __future__ import annotations
 
 import jax
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -64,7 +65,8 @@ def test_quantized_staged_equals_quantized_resident(models, label, fraction, pol
 
 
 def test_quantized_stages_stream_fewer_bytes(models, tiny_dir):
-    """Stage bytes: integers at bits/8 bytes a value plus float32 scales, against 4 bytes a value."""
+    """Stage bytes: integers at bits/8 bytes a value plus the scales as stored (bfloat16: 2 bytes), against 4
+    bytes a value."""
     float_stages = llada_jax.load(tiny_dir, device_memory_budget=1).staged
     for label, (scheme, activations) in CASES.items():
         stages = llada_jax.load(models[label][0], device_memory_budget=1, activations=activations).staged
@@ -72,7 +74,9 @@ def test_quantized_stages_stream_fewer_bytes(models, tiny_dir):
         matrices = sum(int(np.prod(shape)) for name, shape, _ in layer_layout(TINY).entries if len(shape) == 2)
         scales = sum(shape[0] * scheme.groups(shape[1]) for name, shape, _ in layer_layout(TINY).entries
                      if len(shape) == 2)
-        assert matrices * scheme.bits // 8 + 4 * scales <= layer < 0.45 * float_layer
+        assert matrices * scheme.bits // 8 + 2 * scales <= layer < 0.45 * float_layer
+        scale_dtypes = {dtype for name, _, dtype, _ in stages.layouts[0].entries if name.endswith(".scale")}
+        assert scale_dtypes == {np.dtype(ml_dtypes.bfloat16)}
         assert stages.quantization[0] and all(bits == scheme.bits for _, bits, *_ in stages.quantization[0])
 
 
@@ -85,11 +89,14 @@ def stored_integers(weight) -> np.ndarray:
 
 @settings(max_examples=30)
 @given(bits=st.sampled_from([4, 8]), group=st.sampled_from([None, 8, 16]), rows=st.integers(1, 9),
-       columns=st.sampled_from([16, 32, 48]), seed=st.integers(0, 1000), activations=st.sampled_from(["float", "int8"]))
-def test_packed_stage_rebuilds_the_integers_exactly(bits, group, rows, columns, seed, activations):
+       columns=st.sampled_from([16, 32, 48]), seed=st.integers(0, 1000), activations=st.sampled_from(["float", "int8"]),
+       scale_dtype=st.sampled_from([np.float32, ml_dtypes.bfloat16]))
+def test_packed_stage_rebuilds_the_integers_exactly(bits, group, rows, columns, seed, activations, scale_dtype):
+    """The integers and the scales come back exactly, the scales in the dtype they were stored in."""
     scheme = QuantScheme(bits, group)
     w = np.random.default_rng(seed).normal(size=(rows, columns)).astype(np.float32)
-    host = HostQuantized.of(*quantize_matrix(w, scheme), scheme)
+    values, scale = quantize_matrix(w, scheme)
+    host = HostQuantized.of(values, scale.astype(scale_dtype), scheme)
     norm = np.random.default_rng(seed + 1).normal(size=(columns,)).astype(np.float32)
     packed, layout, quantization = _pack_stage({"m": host, "norm": norm}, _Layout(rows, columns), np.float32,
                                                activations)
@@ -97,7 +104,7 @@ def test_packed_stage_rebuilds_the_integers_exactly(bits, group, rows, columns, 
     rebuilt = unpack_stage(views, quantization)
     assert rebuilt["m"].nibbles == (bits == 4) and rebuilt["m"].shape == host.shape
     assert np.array_equal(stored_integers(rebuilt["m"]), host.values)
-    assert np.array_equal(np.asarray(rebuilt["m"].scale), host.scale)
+    assert rebuilt["m"].scale.dtype == scale_dtype and np.array_equal(np.asarray(rebuilt["m"].scale), host.scale)
     assert np.array_equal(np.asarray(rebuilt["norm"]), norm)
     per_channel_int8 = bits == 8 and group is None
     assert rebuilt["m"].activations == (activations if per_channel_int8 else "float")

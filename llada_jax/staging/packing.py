@@ -5,7 +5,7 @@ after another, each starting at a multiple of ALIGN elements, in one contiguous 
 A quantized stage mixes dtypes (integer bytes and float scales), so its `ByteLayout` places each
 tensor at a 64-byte aligned byte offset of one uint8 buffer; a quantized matrix `<name>` is stored as
 `<name>.values` (its compressed-tensors packed bytes: `[O, I * bits / 8]` uint8, values offset by
-2**(bits-1), see `quantize.pack_int32`) and `<name>.scale` (float32 `[O, G]`)."""
+2**(bits-1), see `quantize.pack_int32`) and `<name>.scale` (`[O, G]`, in the dtype the checkpoint stores)."""
 
 from __future__ import annotations
 
@@ -86,8 +86,10 @@ class ByteLayout:
                 for name, shape, dtype, offset in self.entries}
 
 
-def quantized_layout(shapes: dict[str, tuple[int, ...]], schemes: dict, float_dtype) -> ByteLayout:
-    """The byte layout of a stage whose matrices named in `schemes` (name -> QuantScheme) are quantized."""
+def quantized_layout(shapes: dict[str, tuple[int, ...]], schemes: dict, float_dtype,
+                     scale_dtypes: dict[str, DTypeLike]) -> ByteLayout:
+    """The byte layout of a stage whose matrices named in `schemes` (name -> QuantScheme) are quantized, their
+    scales held in `scale_dtypes` (name -> the stored dtype)."""
     specs = {}
     for name, shape in shapes.items():
         scheme = schemes.get(name)
@@ -96,7 +98,7 @@ def quantized_layout(shapes: dict[str, tuple[int, ...]], schemes: dict, float_dt
             continue
         rows, columns = shape
         specs[f"{name}.values"] = ((rows, -(-columns * scheme.bits // 32) * 4), np.uint8)
-        specs[f"{name}.scale"] = ((rows, scheme.groups(columns)), np.float32)
+        specs[f"{name}.scale"] = ((rows, scheme.groups(columns)), scale_dtypes[name])
     return ByteLayout.of(specs)
 
 

@@ -104,7 +104,7 @@ def _pack_stage(tensors: dict, layout: PackedLayout, dtype, activations: Activat
     if not schemes:
         return layout.pack(tensors, dtype), layout, ()
     shapes = {name: shape for name, shape, _ in layout.entries}
-    quantized = quantized_layout(shapes, schemes, dtype)
+    quantized = quantized_layout(shapes, schemes, dtype, {name: tensors[name].scale.dtype for name in schemes})
     parts = {}
     for name, tensor in tensors.items():
         if name in schemes:

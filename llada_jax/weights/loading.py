@@ -58,7 +58,7 @@ class Model:
     kernels: Kernels = "compiler"  # "own": our kernels run the quantized matmuls (`llada_jax.kernels`)
     quantized: dict = dataclasses.field(default_factory=dict)  # module -> QuantScheme of the checkpoint
     mesh: Mesh | None = None  # the params are sharded over it (`llada_jax.model.mesh`); None: one device
-    scale_itemsize: int = 4  # bytes per quantization scale as held: as stored when resident, float32 when staged
+    scale_itemsize: int = 4  # bytes per quantization scale, held as the checkpoint stores them
     layered: bool = False
     device_stages: tuple[dict, ...] | None = None
 
@@ -103,8 +103,8 @@ def load(path, dtype: str = "float32", device_memory_budget: int | None = None, 
                   scale_itemsize=stored_scale_itemsize(model_dir, quantized))
     staged = device_memory_budget is not None and model.weight_bytes > device_memory_budget
     layered = not staged and mesh is None and layered_execution(config)
-    if staged or layered:  # stages pack the scales as float32
-        model = dataclasses.replace(model, scale_itemsize=4, layered=layered)
+    if layered:
+        model = dataclasses.replace(model, layered=layered)
     if mesh is not None:
         check_fits_model_axis(config, mesh)
         if staged:

@@ -1,10 +1,9 @@
 """What loading a model will take, checked against the memory there is, before anything is read (no JAX).
 
 The need is the weights in the form they will be held (the compute dtype for float tensors, integers
-plus their scales for quantized ones: as the checkpoint stores them when resident, float32 in host-packed
-stages when staged), plus a KV state and the
-working set of a full step over `PLAN_POSITIONS` positions (activations, attention scores, logits, and
-one dequantized matrix for group-wise weights), plus the largest tensor as it is read. A model
+plus their scales for quantized ones, as the checkpoint stores them, resident or in host-packed stages), plus
+a KV state and the working set of a full step over `PLAN_POSITIONS` positions (activations, attention scores,
+logits, and one dequantized matrix for group-wise weights), plus the largest tensor as it is read. A model
 that cannot fit is refused in one line naming the need and what would fit, before the OOM killer can
 be the error message. `LLADA_HOST_MEMORY` (bytes) overrides the memory found.
 """
