@@ -89,8 +89,10 @@ def compile_module(text: str, flags: tuple[str, ...], out: Path, timeout: float 
         spec.write_text(tuning)
     started = time.perf_counter()
     try:
-        for command in _compile_commands(source, flags, out, spec if tuning is not None else None, phases):
-            _run_compiler(command, timeout - (time.perf_counter() - started), timeout)
+        commands = _compile_commands(source, flags, out, spec if tuning is not None else None, phases)
+        for number, command in enumerate(commands, 1):
+            phase = f" in phase {number} of {len(commands)}" if len(commands) > 1 else ""
+            _run_compiler(command, timeout - (time.perf_counter() - started), timeout, phase)
     finally:
         for path in (source, spec, *phases):
             path.unlink(missing_ok=True)
@@ -114,7 +116,7 @@ def _compile_commands(source: Path, flags, out: Path, spec: Path | None, phases:
     ]
 
 
-def _run_compiler(command: list[str], seconds_left: float, timeout: float) -> None:
+def _run_compiler(command: list[str], seconds_left: float, timeout: float, phase: str = "") -> None:
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
@@ -130,7 +132,7 @@ def _run_compiler(command: list[str], seconds_left: float, timeout: float) -> No
         said = err.strip() or out.strip()  # its message, wherever it wrote one
         last = (said.splitlines() or ["no output"])[-1]
         first = next((line for line in said.splitlines() if "error" in line), last)
-        raise LladaError(f"iree-compile {how}: {first}")
+        raise LladaError(f"iree-compile {how}{phase}: {first}")
 
 
 def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, window: int = 64,
