@@ -24,7 +24,7 @@ from lowering.bundle import compile_bundle
 from lowering.bundle_weights import weight_layout
 from lowering.matmul_tiles import host_tiles
 from lowering.stage_ring import byte_size
-from lowering.targets import target
+from lowering.targets import TARGETS
 from tests.conftest import BUNDLE_MAX_LEN, TINY, jax_backend, require, vulkan_available
 
 pytestmark = pytest.mark.slow  # IREE compiles or child processes: the full tier only
@@ -66,7 +66,7 @@ def test_a_failed_iree_compile_is_one_line_naming_its_phase(tmp_path):
     """iree-compile's own message (from stderr, or stdout when stderr is empty), its exit status, and which of
     the tuned compile's phases failed."""
     with pytest.raises(LladaError) as error:
-        bundle_mod.compile_module("this is not MLIR", target("host").flags, tmp_path / "x.vmfb", timeout=300,
+        bundle_mod.compile_module("this is not MLIR", TARGETS["host"].flags, tmp_path / "x.vmfb", timeout=300,
                                   tuning="")
     message = str(error.value)
     assert message.startswith("iree-compile failed (exit status 1) in phase 1 of 3: ") and "\n" not in message
