@@ -6,7 +6,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from llada_jax.kernels.build import HEADERS, KERNEL_SOURCES, host_arch
+from llada_jax.kernels.build import HEADERS, KERNEL_SOURCES
 from llada_jax.model.config import read_config
 from llada_jax.quant.choice import Kernels
 from llada_jax.quant.quantize import Activations
@@ -14,6 +14,7 @@ from llada_jax.system.locations import user_cache_dir
 from lowering.bundle import check_batch_sizes, compile_bundle, iree_version, loop_refusal
 from lowering.bundle_format import FORMAT_VERSION, MANIFEST, sha256
 from lowering.matmul_tiles import host_tiles
+from lowering.targets import TARGETS
 
 
 def cached_bundle(model_dir, target: str, *, dtype: str = "float32", max_len: int | None = None,
@@ -21,13 +22,14 @@ def cached_bundle(model_dir, target: str, *, dtype: str = "float32", max_len: in
                   batch_sizes: tuple[int, ...] = (1,), activations: Activations = "float", data_tiling: bool = False,
                   progress=None, kernels: Kernels = "own") -> Path:
     """A bundle for this model (by content), target, dtype, activations, kernels, data tiling, shapes, budget,
-    compiled decode loops, IREE version and this host's matmul tiles and kernel flags; compiled if absent."""
+    compiled decode loops, IREE version and this host's matmul tiles, the target's kernel flags; compiled if absent."""
     model_dir = Path(model_dir).absolute()
     config = read_config(model_dir)
     loops = () if loop_refusal(config) else loops  # see `bundle.compile_bundle`
     max_len = max_len or config.max_sequence_length
     window = window or max_len
     weights = sorted(p for p in model_dir.iterdir() if p.suffix == ".safetensors")
+    kernel_build = TARGETS[target].kernels if target in TARGETS else None  # an unknown target is refused later
     key = json.dumps({"config": sha256(model_dir / "config.json"),
                       "weights": [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in weights],
                       "target": target, "dtype": dtype, "activations": activations, "kernels": kernels,
@@ -36,7 +38,8 @@ def cached_bundle(model_dir, target: str, *, dtype: str = "float32", max_len: in
                       "budget": device_memory_budget, "format": FORMAT_VERSION, "iree": iree_version(),
                       "loops": sorted({spec.name for baked in loops for spec in baked.specs}),
                       "batch_sizes": check_batch_sizes(batch_sizes),
-                      "code": _exporting_code(), "host_tiles": host_tiles(), "host_kernels": host_arch()},
+                      "code": _exporting_code(), "host_tiles": host_tiles(),
+                      "kernel_flags": kernel_build.flags if kernel_build else None},
                      sort_keys=True)
     out = user_cache_dir("bundles") / hashlib.sha256(key.encode()).hexdigest()[:20]
     if not (out / MANIFEST).is_file():

@@ -85,6 +85,31 @@ def test_bundles_compiled_on_the_fly_are_cached_per_host_tiles(monkeypatch, tmp_
     assert paths[0] != paths[1] and paths[2] == paths[0] and compiled == paths[:2]
 
 
+def test_bundles_compiled_on_the_fly_are_cached_per_kernel_flags(monkeypatch, tmp_path, tiny_dir):
+    """A host bundle whose kernels were built for another ISA ($LLADA_KERNELS_ARCH) is not reused."""
+    import dataclasses
+
+    from lowering import bundle_cache
+    compiled = []
+
+    def compile_bundle(model_dir, target, out, **options):
+        compiled.append(out)
+        out.mkdir(parents=True)
+        (out / bundle_cache.MANIFEST).write_text("{}")
+
+    monkeypatch.setenv("LLADA_CACHE", str(tmp_path))
+    monkeypatch.setattr(bundle_cache, "compile_bundle", compile_bundle)
+    host = TARGETS["host"]
+    if host.kernels is None:
+        pytest.skip("no kernels for this host's architecture")
+    paths = []
+    for flags in (("-march=native",), ("-march=x86-64-v3",), ("-march=native",)):
+        monkeypatch.setitem(TARGETS, "host", dataclasses.replace(host, kernels=dataclasses.replace(host.kernels,
+                                                                                                     flags=flags)))
+        paths.append(bundle_cache.cached_bundle(tiny_dir, "host"))
+    assert paths[0] != paths[1] and paths[2] == paths[0] and compiled == paths[:2]
+
+
 def test_the_spec_is_applied_in_a_phase_of_its_own_on_one_thread(tmp_path):
     """IREE 3.13 can deadlock loading a spec on its thread pool (`lowering.bundle.TUNED_PHASES`)."""
     phases = [tmp_path / "sources.mlir", tmp_path / "configured.mlir"]
