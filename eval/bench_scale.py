@@ -16,7 +16,8 @@ same run). Each setting runs in its own process so its peak RSS is its own. Noth
 A forward pass is one vanilla step over the whole canvas: 16 prompt + 16 generated positions (32), and 32 +
 128 (160); a setting that is a bundle runs through IREE without JAX (`llada_jax.bundle_runner`), and reports
 IREE's allocator peak beside the peak RSS (device-local allocations; IREE's multithreaded driver leaves
-queue-ordered transients out of it, so the peak RSS is the figure to trust). `--budget` adds the checkpoints
+queue-ordered transients out of it, so the peak RSS is the figure to trust); on an accelerator, JAX's rows
+report its memory's peak the same way. `--budget` adds the checkpoints
 staged through that much device memory. A peer row runs llama.cpp's `llama-bench -p 32,160 -n 0` on a GGUF
 with as many threads as this process may use. `--reference` adds the PyTorch reference model (Fast-dLLM's
 `modeling_llada`, logits at every position) on the first float checkpoint, same dtype and threads. `first s`
@@ -35,6 +36,7 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 
 import llada_jax
@@ -77,8 +79,12 @@ def measure(path: str, activations: str, kernels: str, dtype: str, budget: int |
     started = time.perf_counter()
     model = llada_jax.load(path, dtype=dtype, device_memory_budget=budget, activations=activations, kernels=kernels)
     row = {"load_s": time.perf_counter() - started, "weight_bytes": model.weight_bytes}
-    return canvas_rows(row, lambda ids, **options: llada_jax.generate(model, ids, **options), model.config,
-                       model.config.max_sequence_length)
+    row = canvas_rows(row, lambda ids, **options: llada_jax.generate(model, ids, **options), model.config,
+                      model.config.max_sequence_length)
+    stats = jax.devices()[0].memory_stats() or {}  # an accelerator's own memory; none on a CPU
+    if "peak_bytes_in_use" in stats:
+        row["device_peak_bytes"] = stats["peak_bytes_in_use"]
+    return row
 
 
 def measure_bundle(path: Path) -> dict:
