@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import llada_jax
 from llada_jax.model import kv_state, layout
-from llada_jax.model.forward import Context, decoder_layer, lm_logits, rotary_tables
+from llada_jax.model.forward import Context, decoder_layer, forward, lm_logits, rotary_tables
 from llada_jax.model.layout import (
     IREE_CPU_LAYOUT,
     POSITION_MAJOR,
@@ -297,3 +297,15 @@ def test_a_head_on_few_rows_makes_no_float32_copy_of_itself(dtype):
     hidden = jax.ShapeDtypeStruct((1, 32, width), dtype)
     compiled = jax.jit(lambda p, h: head_logits(p, h)[0]).lower(params, hidden).compile()
     assert compiled.memory_analysis().temp_size_in_bytes < vocab * width * 4 // 4
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_float32_steps_multiply_in_float32_on_every_backend(tiny_dir, dtype):
+    """Every matmul of a float32 step asks for HIGHEST precision (XLA's default on NVIDIA GPUs is TF32, another
+    dtype than a CPU's and PyTorch's float32); bf16 steps keep the default."""
+    model = llada_jax.load(tiny_dir, dtype=dtype)
+    ids = jnp.zeros((1, 8), jnp.int32)
+    lowered = jax.jit(forward, static_argnames=("config",)).lower(
+        model.params, ids, jnp.arange(8)[None], jnp.zeros((1, 8)), None, config=model.config).as_text()
+    dots = [line for line in lowered.splitlines() if "dot_general" in line]
+    assert dots and all(("precision = [HIGHEST, HIGHEST]" in line) == (dtype == "float32") for line in dots)

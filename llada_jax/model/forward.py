@@ -23,6 +23,7 @@ from llada_jax.model.kv_state import with_context_bias
 from llada_jax.model.layout import XLA_LAYOUT, Features, LayoutRule, rms_norm, swiglu
 from llada_jax.model.moe import sparse_mlp
 from llada_jax.model.staged import fetch
+from llada_jax.quant.products import float_product
 from llada_jax.quant.qlinear import QuantizedWeight, quantized_linear, quantized_rows, stored_matmul
 
 
@@ -72,7 +73,7 @@ def attention(q: jax.Array, keys: jax.Array, values: jax.Array, key_bias: jax.Ar
     group = h // kv_heads
     rows = q.reshape(b, w, kv_heads, group, hd).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, group * w, hd)
     keys, values = keys.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3)
-    scores = jnp.einsum("bkqd,bktd->bkqt", rows, keys, preferred_element_type=jnp.float32)
+    scores = float_product("bkqd,bktd->bkqt", rows, keys)
     bias = key_bias[:, None, None, :] if key_bias.ndim == 2 else jnp.tile(key_bias, (1, group, 1))[:, None]
     scores = scores / jnp.sqrt(jnp.float32(hd)) + bias
     # The softmax spelled out, scaled by the sum's reciprocal: IREE turns `jax.nn.softmax` into its softmax op,
@@ -80,7 +81,7 @@ def attention(q: jax.Array, keys: jax.Array, values: jax.Array, key_bias: jax.Ar
     # (the step 219 -> 216 ms, every one of 5 alternating runs faster); XLA's steps did not move.
     exps = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
     probs = (exps * (1.0 / jnp.sum(exps, axis=-1, keepdims=True))).astype(values.dtype)
-    out = jnp.einsum("bkqt,bktd->bkqd", probs, values, preferred_element_type=jnp.float32).astype(values.dtype)
+    out = float_product("bkqt,bktd->bkqd", probs, values).astype(values.dtype)
     return out.reshape(b, kv_heads, group, w, hd).transpose(0, 3, 1, 2, 4).reshape(b, w, h, hd)
 
 

@@ -23,6 +23,7 @@ import numpy as np
 from llada_jax.kernels import xla as own_kernels
 from llada_jax.kernels.schemes import scheme_for
 from llada_jax.quant.choice import ACTIVATIONS, Kernels
+from llada_jax.quant.products import weight_product
 from llada_jax.quant.quantize import Activations, HostQuantized, QuantScheme
 from llada_jax.system.errors import LladaError
 
@@ -226,12 +227,7 @@ def stored_matmul(x: jax.Array, weight: jax.Array, columns: bool = False, offset
     `barrier=False` (`QuantizedWeight.hoist_barrier`): a barrier there keeps the conversion out of the matmul."""
     if weight.dtype != jnp.float32 and barrier:
         weight, x = jax.lax.optimization_barrier((weight, x))
-    return _product(x, as_numbers(weight, x.dtype, offset), columns)
-
-
-def _product(x: jax.Array, weight: jax.Array, columns: bool) -> jax.Array:
-    spec = "oi,ir->or" if columns else "bwi,oi->bwo"
-    return jnp.einsum(spec, *((weight, x) if columns else (x, weight)), preferred_element_type=jnp.float32)
+    return weight_product(x, as_numbers(weight, x.dtype, offset), columns)
 
 
 def quantized_linear(x: jax.Array, w: QuantizedWeight, columns: bool = False, dtype=None) -> jax.Array:
@@ -302,7 +298,7 @@ def _block_product(xs: tuple, values: jax.Array, scale: jax.Array, w: QuantizedW
     if scale.shape[1] == 1:
         products = (stored_matmul(x, part, columns, offset, barrier=False) for x, part in zip(xs, parts))
         return functools.reduce(operator.add, products) * (scale if columns else scale[:, 0])
-    products = (_product(x, _dequantized(part, scale, offset, x.dtype), columns) for x, part in zip(xs, parts))
+    products = (weight_product(x, _dequantized(part, scale, offset, x.dtype), columns) for x, part in zip(xs, parts))
     return functools.reduce(operator.add, products)
 
 
