@@ -47,6 +47,13 @@ def require(available: bool, what: str) -> None:
     pytest.skip(f"needs {what} (sudo bash tests/system-packages.sh installs it)")
 
 
+def require_cpu_backend(what: str) -> None:
+    """Skip a test of XLA's CPU path (our kernels, weights mapped in place) where JAX's default backend is an
+    accelerator: a GPU user's test run. CI runs on CPUs."""
+    if jax.default_backend() != "cpu":
+        pytest.skip(f"{what} is XLA's CPU path; JAX's default backend here is {jax.default_backend()}")
+
+
 def vulkan_available() -> bool:
     """IREE's Vulkan driver finds a device (Mesa's software llvmpipe will do)."""
     try:

@@ -43,7 +43,7 @@ from lowering.emulation import QEMU, SYSROOT, emulator_available
 from lowering.kernel_dispatch import target_compiler
 from lowering.targets import ARM64_KERNELS, target
 from tests import kernel_statement as statement
-from tests.conftest import require
+from tests.conftest import require, require_cpu_backend
 
 
 def isa_builds() -> list[tuple[str, ...]]:
@@ -204,6 +204,7 @@ def test_int32_block_sums_are_exact(kernel, bits, scheme):
 
 
 def kernels_on_xla() -> str:
+    require_cpu_backend("running our kernels through XLA")
     require(find_toolchain() is not None, "a C compiler (gcc or clang, with c++)")
     isa = own_kernels.available()
     assert isa, "the kernels did not build"
@@ -259,6 +260,7 @@ def test_a_model_with_our_w4a16_kernels_generates_xla_tokens(int4_dir):
 
 def test_without_a_compiler_the_compilers_code_runs_after_one_line(monkeypatch, capsys, tmp_path):
     """No C compiler: `llada_jax.load` and `llada compile` say so in one line each and run XLA's / IREE's code."""
+    require_cpu_backend("choosing our kernels")
     monkeypatch.setattr(own_kernels, "load", lambda: (_ for _ in ()).throw(LladaError("no C compiler (cc) on PATH")))
     monkeypatch.setattr(own_kernels, "_note_once", functools.cache(own_kernels._note_once.__wrapped__))
     assert kernels_in_use("own", {"m.blocks.0.q_proj": QuantScheme(4, 32)}) == "compiler"
@@ -314,3 +316,10 @@ def test_bf16_steps_keep_xla_bf16_matmuls_where_the_cpu_has_them(monkeypatch):
     assert kernels_in_use("own", quantized, None, "float", "float32") == "own"
     monkeypatch.setattr(choice, "cpu_flags", lambda: {"avx2"})
     assert kernels_in_use("own", quantized, None, "float", "bfloat16") == "own"
+
+
+def test_another_backend_runs_xlas_code_without_a_note(monkeypatch, capsys):
+    """On a GPU (any backend but the CPU) quantized matmuls are XLA's code: our kernels are CPU code."""
+    monkeypatch.setattr(choice.jax, "default_backend", lambda: "gpu")
+    assert kernels_in_use("own", {"m.blocks.0.q_proj": QuantScheme(4, 32)}, None, "int8") == "compiler"
+    assert capsys.readouterr().err == ""

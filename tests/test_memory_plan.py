@@ -19,7 +19,7 @@ from llada_jax.system.host_memory import release_freed_memory
 from llada_jax.weights import loading
 from llada_jax.weights.memory_plan import ENV_OVERRIDE, weight_bytes
 from llada_jax.weights.quantize_checkpoint import quantize_checkpoint
-from tests.conftest import TINY, require
+from tests.conftest import TINY, require, require_cpu_backend
 
 
 def held_bytes(params: dict) -> int:
@@ -48,6 +48,7 @@ def test_plan_counts_the_quantized_weights_held(quantized_dirs, bits):
 
 
 def test_a_model_that_cannot_fit_is_refused_naming_what_fits(tiny_dir, monkeypatch):
+    require_cpu_backend("checking the host's memory")
     need = llada_jax.load(tiny_dir).weight_bytes
     monkeypatch.setenv(ENV_OVERRIDE, str(need // 2))
     with pytest.raises(LladaError) as refused:
@@ -65,6 +66,7 @@ def test_quantized_checkpoints_stage_their_integers(quantized_dirs):
 
 @pytest.mark.parametrize("value", ["1000", "lots"])
 def test_cli_refusal_is_one_line(tiny_dir, value):
+    require_cpu_backend("checking the host's memory")
     proc = subprocess.run([sys.executable, "-m", "llada_jax.cli", "generate", "--model", str(tiny_dir),
                            "--prompt-ids", "1,2,3", "--json"], capture_output=True, text=True,
                           env={**os.environ, ENV_OVERRIDE: value})
@@ -87,6 +89,7 @@ def test_int8_activations_need_layers_a_kernel_takes(tiny_dir, quantized_dirs):
 
 
 def test_int8_activations_with_our_kernels_need_groups_of_whole_blocks(quantized_dirs):
+    require_cpu_backend("running our kernels")
     require(own_kernels.available() is not None, "a C compiler (gcc or clang, with c++)")
     with pytest.raises(LladaError, match="groups of 16 .*--group-size 32"):
         llada_jax.load(quantized_dirs[4], activations="int8")  # group 16: no kernel takes it
