@@ -24,7 +24,7 @@ from tests.conftest import write_checkpoint
 from tests.test_data_safety import snapshot, user_dir
 
 # Wide enough that writing its outputs takes a moment to kill into (about 13 MB of float32).
-MEDIUM = LLaDAConfig(d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, mlp_hidden_size=704, vocab_size=512,
+MEDIUM = LLaDAConfig(d_model=256, n_layers=16, n_heads=4, n_kv_heads=2, mlp_hidden_size=704, vocab_size=512,
                      embedding_size=512, max_sequence_length=128, rope_theta=10000.0, rms_norm_eps=1e-5,
                      mask_token_id=500, eos_token_id=501, eot_token_id=502)
 
@@ -124,7 +124,7 @@ def kill_once_writing(argv: list[str], target: Path, signum: int, delay: float) 
 @pytest.fixture(scope="module")
 def medium_in_folder(tmp_path_factory) -> Path:
     folder = user_dir(tmp_path_factory.mktemp("models") / "models")
-    return write_checkpoint(folder / "medium", MEDIUM, shard_bytes=400_000)  # 33 shards: a write of many steps
+    return write_checkpoint(folder / "medium", MEDIUM, shard_bytes=400_000)  # 83 shards: a write of many steps
 
 
 WRITERS = {
