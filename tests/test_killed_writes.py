@@ -23,7 +23,7 @@ from llada_jax.system.scratch import TAG, process_start, remove_stale_scratch, s
 from tests.conftest import write_checkpoint
 from tests.test_data_safety import snapshot, user_dir
 
-# Wide enough that writing its outputs takes a moment to kill into (about 13 MB of float32).
+# Wide and deep enough that writing its outputs takes a moment to kill into (about 48 MB of float32).
 MEDIUM = LLaDAConfig(d_model=256, n_layers=16, n_heads=4, n_kv_heads=2, mlp_hidden_size=704, vocab_size=512,
                      embedding_size=512, max_sequence_length=128, rope_theta=10000.0, rms_norm_eps=1e-5,
                      mask_token_id=500, eos_token_id=501, eot_token_id=502)

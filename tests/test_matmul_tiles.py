@@ -3,6 +3,8 @@ an untuned one does (the tiles split M and N and add the sum over K in its order
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +14,7 @@ from hypothesis import strategies as st
 from jax import export
 
 from llada_jax.model.layout import IREE_CPU_LAYOUT, POSITION_MAJOR
-from lowering import targets
+from lowering import bundle_cache, targets
 from lowering.bundle import _compile_commands, compile_module
 from lowering.matmul_tiles import AVX2_TILES, AVX512_TILES, Tiles, host_tiles, tunable_matmuls, tuning_spec
 from lowering.targets import TARGETS, target_tiles
@@ -66,9 +68,9 @@ def test_only_the_host_target_with_tiles_and_without_data_tiling_is_tuned(monkey
     assert TARGETS["host"].layout_rule(True) == TARGETS["vulkan"].layout_rule(False) == POSITION_MAJOR
 
 
-def test_bundles_compiled_on_the_fly_are_cached_per_host_tiles(monkeypatch, tmp_path, tiny_dir):
-    """A bundle cached under one host's tiles is not reused under another's; under the same tiles it is."""
-    from lowering import bundle_cache
+@pytest.fixture
+def fake_compiles(monkeypatch, tmp_path) -> list:
+    """The bundle cache under `tmp_path`, its compiles replaced by an empty bundle each: the list of their outputs."""
     compiled = []
 
     def compile_bundle(model_dir, target, out, **options):
@@ -78,27 +80,20 @@ def test_bundles_compiled_on_the_fly_are_cached_per_host_tiles(monkeypatch, tmp_
 
     monkeypatch.setenv("LLADA_CACHE", str(tmp_path))
     monkeypatch.setattr(bundle_cache, "compile_bundle", compile_bundle)
+    return compiled
+
+
+def test_bundles_compiled_on_the_fly_are_cached_per_host_tiles(monkeypatch, fake_compiles, tiny_dir):
+    """A bundle cached under one host's tiles is not reused under another's; under the same tiles it is."""
     paths = []
     for tiles in (AVX2_TILES, AVX512_TILES, AVX2_TILES):
         monkeypatch.setattr(bundle_cache, "host_tiles", lambda tiles=tiles: tiles)
         paths.append(bundle_cache.cached_bundle(tiny_dir, "host"))
-    assert paths[0] != paths[1] and paths[2] == paths[0] and compiled == paths[:2]
+    assert paths[0] != paths[1] and paths[2] == paths[0] and fake_compiles == paths[:2]
 
 
-def test_bundles_compiled_on_the_fly_are_cached_per_kernel_flags(monkeypatch, tmp_path, tiny_dir):
+def test_bundles_compiled_on_the_fly_are_cached_per_kernel_flags(monkeypatch, fake_compiles, tiny_dir):
     """A host bundle whose kernels were built for another ISA ($LLADA_KERNELS_ARCH) is not reused."""
-    import dataclasses
-
-    from lowering import bundle_cache
-    compiled = []
-
-    def compile_bundle(model_dir, target, out, **options):
-        compiled.append(out)
-        out.mkdir(parents=True)
-        (out / bundle_cache.MANIFEST).write_text("{}")
-
-    monkeypatch.setenv("LLADA_CACHE", str(tmp_path))
-    monkeypatch.setattr(bundle_cache, "compile_bundle", compile_bundle)
     host = TARGETS["host"]
     if host.kernels is None:
         pytest.skip("no kernels for this host's architecture")
@@ -107,7 +102,7 @@ def test_bundles_compiled_on_the_fly_are_cached_per_kernel_flags(monkeypatch, tm
         monkeypatch.setitem(TARGETS, "host", dataclasses.replace(host, kernels=dataclasses.replace(host.kernels,
                                                                                                      flags=flags)))
         paths.append(bundle_cache.cached_bundle(tiny_dir, "host"))
-    assert paths[0] != paths[1] and paths[2] == paths[0] and compiled == paths[:2]
+    assert paths[0] != paths[1] and paths[2] == paths[0] and fake_compiles == paths[:2]
 
 
 def test_the_spec_is_applied_in_a_phase_of_its_own_on_one_thread(tmp_path):
