@@ -16,6 +16,9 @@ measured in eval/RESULTS.md ("The MoE layer against its floors").
 
 from __future__ import annotations
 
+import functools
+import operator
+
 import jax
 import jax.numpy as jnp
 
@@ -58,6 +61,11 @@ def grouped_route(block: dict, rows: jax.Array, config) -> tuple[jax.Array, jax.
     return experts, weights * config.routed_scaling
 
 
+# Experts whose loops accumulate into one buffer, one after the other. IREE 3.13's stream analysis (the
+# dispatch-argument solver, at most 32 rounds) follows such a chain a loop per round and fails without a message
+# past about 32 loops (LLaDA2's 256 experts); chains of 16 compile, and adding their buffers costs a few adds.
+CHAIN_EXPERTS = 16
+
 GROUPED_ROW_TILES = 4  # group-wise quantized experts averaging at most this many rows run one row per tile
 
 
@@ -85,18 +93,28 @@ def routed_sum(block: dict, rows: jax.Array, experts: jax.Array, weights: jax.Ar
     sorted_rows = jnp.concatenate([rows[order // k], jnp.zeros((tile, d), rows.dtype)])
     counts = jnp.bincount(flat, length=n_experts)
     starts = jnp.cumsum(counts) - counts
-    out = jnp.zeros((r * k + tile, d), rows.dtype)
-    for e in range(n_experts):
-        gate, up, down = (block[key][e] for key in EXPERT_KEYS)
-
-        def one_tile(t, out, e=e, gate=gate, up=up, down=down):
-            first = starts[e] + t * tile
-            x = jax.lax.dynamic_slice_in_dim(sorted_rows, first, tile)[None]
-            y = linear(jax.nn.silu(linear(x, gate)) * linear(x, up), down)[0]
-            y = jnp.where(((t * tile + jnp.arange(tile)) < counts[e])[:, None], y, 0)
-            return jax.lax.dynamic_update_slice_in_dim(out, jax.lax.dynamic_slice_in_dim(out, first, tile) + y,
-                                                       first, 0)
-
-        out = jax.lax.fori_loop(0, (counts[e] + tile - 1) // tile, one_tile, out)
+    chains = []  # each chain's accumulator holds its experts' rows and zeros elsewhere: their sum is exact
+    for chain in range(0, n_experts, CHAIN_EXPERTS):
+        out = jnp.zeros((r * k + tile, d), rows.dtype)
+        for e in range(chain, min(chain + CHAIN_EXPERTS, n_experts)):
+            out = _expert_tiles(block, e, sorted_rows, starts[e], counts[e], tile, out)
+        chains.append(out)
+    out = functools.reduce(operator.add, chains)
     per_pair = jnp.zeros((r * k, d), rows.dtype).at[order].set(out[: r * k])
     return jnp.sum(per_pair.reshape(r, k, d).astype(weights.dtype) * weights[..., None], axis=1).astype(rows.dtype)
+
+
+def _expert_tiles(block: dict, e: int, sorted_rows: jax.Array, start: jax.Array, count: jax.Array, tile: int,
+                  out: jax.Array) -> jax.Array:
+    """`out` plus expert e's outputs on its run of the sorted rows (`count` rows from `start`), a tile at a time;
+    rows of a last partial tile past the run add zeros."""
+    gate, up, down = (block[key][e] for key in EXPERT_KEYS)
+
+    def one_tile(t, out):
+        first = start + t * tile
+        x = jax.lax.dynamic_slice_in_dim(sorted_rows, first, tile)[None]
+        y = linear(jax.nn.silu(linear(x, gate)) * linear(x, up), down)[0]
+        y = jnp.where(((t * tile + jnp.arange(tile)) < count)[:, None], y, 0)
+        return jax.lax.dynamic_update_slice_in_dim(out, jax.lax.dynamic_slice_in_dim(out, first, tile) + y, first, 0)
+
+    return jax.lax.fori_loop(0, (count + tile - 1) // tile, one_tile, out)

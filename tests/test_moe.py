@@ -1,0 +1,63 @@
+"""The sparse MoE layer's experts accumulate in chains (`llada_jax.model.moe.CHAIN_EXPERTS`): every chain length
+gives the one-chain sums bit for bit, and a model with more experts than IREE's stream analysis follows in one
+chain compiles to a bundle that gives XLA's tokens."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from unittest import mock
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import llada_jax
+from llada_jax.model import moe
+from tests.conftest import write_checkpoint
+from tests.test_llada2 import CONFIG, REFERENCE_CONFIG
+
+D_MODEL, HIDDEN = 8, 4
+
+
+def routed(n_experts: int, rows: int, top: int, seed: int, dtype) -> tuple:
+    """A block of `n_experts` random SwiGLU experts, `rows` rows and a random routing of each to `top` experts."""
+    rng = np.random.default_rng(seed)
+    block = {key: [jnp.asarray(rng.normal(size=shape), dtype) for _ in range(n_experts)]
+             for key, shape in (("experts_gate", (HIDDEN, D_MODEL)), ("experts_up", (HIDDEN, D_MODEL)),
+                                ("experts_down", (D_MODEL, HIDDEN)))}
+    experts = np.stack([rng.choice(n_experts, size=top, replace=False) for _ in range(rows)])
+    return (block, jnp.asarray(rng.normal(size=(rows, D_MODEL)), dtype), jnp.asarray(experts, jnp.int32),
+            jnp.asarray(rng.random((rows, top)), jnp.float32))
+
+
+@pytest.mark.slow  # a fresh XLA compile per example: ~1 s each
+@settings(max_examples=25, deadline=None)
+@given(n_experts=st.integers(1, 12), rows=st.integers(1, 9), top=st.integers(1, 3), chain=st.integers(1, 13),
+       seed=st.integers(0, 2**16), dtype=st.sampled_from([jnp.float32, jnp.bfloat16]))
+def test_every_chain_length_gives_the_one_chain_sums(n_experts, rows, top, chain, seed, dtype):
+    args = routed(n_experts, rows, min(top, n_experts), seed, dtype)
+    with mock.patch.object(moe, "CHAIN_EXPERTS", n_experts):
+        one_chain = np.asarray(moe.routed_sum(*args), np.float32)
+    with mock.patch.object(moe, "CHAIN_EXPERTS", chain):
+        chained = np.asarray(moe.routed_sum(*args), np.float32)
+    np.testing.assert_array_equal(chained, one_chain)
+
+
+@pytest.mark.slow
+def test_more_experts_than_one_iree_chain_compile_and_give_the_xla_tokens(tmp_path):
+    """40 experts: in one chain iree-compile failed without a message (from 36 on, IREE 3.13)."""
+    from llada_jax.bundle_runner import bundle_runner
+    from lowering.bundle import compile_bundle
+
+    config = dataclasses.replace(CONFIG, n_experts=40, n_layers=2)
+    checkpoint = write_checkpoint(tmp_path / "model", config, std=0.4)
+    (checkpoint / "config.json").write_text(json.dumps(dict(REFERENCE_CONFIG, num_experts=40, num_hidden_layers=2)))
+    assert 40 > 2 * moe.CHAIN_EXPERTS
+    _, _, generate_bundled = bundle_runner(compile_bundle(checkpoint, "host", tmp_path / "bundle", max_len=16,
+                                                          window=8))
+    options = dict(gen_length=8, block_length=8, steps=4, threshold=0.3, policy="dual-cache", loop="host")
+    assert (generate_bundled(np.arange(1, 7), **options).output_ids.tolist()
+            == llada_jax.generate(llada_jax.load(checkpoint), np.arange(1, 7), **options).output_ids.tolist())
