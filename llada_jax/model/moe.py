@@ -61,9 +61,8 @@ def grouped_route(block: dict, rows: jax.Array, config) -> tuple[jax.Array, jax.
     return experts, weights * config.routed_scaling
 
 
-# Experts whose loops accumulate into one buffer, one after the other. IREE 3.13's stream analysis (the
-# dispatch-argument solver, at most 32 rounds) follows such a chain a loop per round and fails without a message
-# past about 32 loops (LLaDA2's 256 experts); chains of 16 compile, and adding their buffers costs a few adds.
+# Experts whose loops accumulate into one buffer, one after the other: IREE 3.13's dispatch-argument solver follows
+# such a chain a loop per round, stops after 32 rounds and fails the compile without a message (docs/iree-limits.md).
 CHAIN_EXPERTS = 16
 
 GROUPED_ROW_TILES = 4  # group-wise quantized experts averaging at most this many rows run one row per tile
