@@ -125,9 +125,9 @@ def test_each_arm64_build_takes_the_isa_path_its_flags_name(build, tmp_path):
 
 
 def draw_problem(data, bits: int):
-    """positions (some past a chunk of 64, 128 or 256), rows (each call takes half: some in lanes of 16 or of
+    """positions (some past a chunk of 64, 128, 256 or 512), rows (each call takes half: some in lanes of 16 or of
     2 x 16, some left over) and blocks of 32 columns; a scale group of whole blocks (or the whole row)."""
-    positions = data.draw(st.one_of(st.integers(1, 9), st.integers(63, 67), st.sampled_from([127, 129, 255, 257])))
+    positions = data.draw(st.one_of(st.integers(1, 9), st.integers(63, 67), st.sampled_from([127, 129, 255, 257, 511, 513])))
     rows, blocks = data.draw(st.one_of(st.integers(1, 40), st.integers(64, 100))), data.draw(st.integers(1, 8))
     group_blocks = data.draw(st.sampled_from(sorted({d for d in (1, 2, 4) if blocks % d == 0} | {blocks})))
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
@@ -172,6 +172,27 @@ def test_w4a16_is_its_statement(kernel, data):
     got = kernel("w4a16", x, statement.pack4(values), scales)
     want = statement.float_result(x, values, scales.astype(np.float32))
     assert_within_rounding(got, want, statement.float_result(np.abs(x), np.abs(values), np.abs(scales)))
+
+
+@pytest.fixture(scope="module")
+def arm64_bundle_kernel(tmp_path_factory):
+    """The arm64 bundles' build of the kernels, under qemu."""
+    runner = arm64_runner(ARM64_KERNELS.flags, tmp_path_factory.mktemp("arm64-bundle"))
+    return lambda *call: statement.run_program(runner, *call)[0]
+
+
+@settings(max_examples=10)
+@given(data=st.data())
+def test_w4a16_rows_in_lanes_give_the_same_bits_on_x86_and_arm64(arm64_bundle_kernel, data):
+    """Rows in float lanes sum each output in one FMA chain in column order on every ISA, so an arm64 bundle's
+    W4A16 products equal the x86 host's bit for bit (each call's rows whole lanes of 32, 16 and 8)."""
+    require("avx2" in cpu_flags() and find_toolchain() is not None, "an x86 host with AVX2 and a C compiler")
+    x, values, scales = draw_problem(data, 4)
+    rows = 64 * data.draw(st.integers(1, 2))  # kernel calls take half each
+    values, scales = np.resize(values, (rows, values.shape[1])), np.resize(scales, (rows, scales.shape[1]))
+    host = statement.run(shared_library(find_toolchain(), ("-march=native",)), "w4a16", x,
+                         statement.pack4(values), scales)
+    np.testing.assert_array_equal(arm64_bundle_kernel("w4a16", x, statement.pack4(values), scales), host)
 
 
 @settings(max_examples=30)

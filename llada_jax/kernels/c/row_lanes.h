@@ -2,7 +2,9 @@
  * row's 4-byte groups are gathered as stored so that lane k holds row k's; each position's 4 activation bytes are
  * broadcast to all lanes, and one integer dot-product instruction does LANES x 4 multiply-adds. The block's int32
  * sums land one per lane, so its scales apply as one vector of row scales (times the position's), not per row.
- * Positions go in chunks whose float accumulators stay in L1. Weights stay as stored: no repacked copy. */
+ * Positions go in chunks whose float accumulators stay in L1. Weights stay as stored: no repacked copy.
+ * arm64 has the float lanes only (4 per register, W4A16's dequantized rows): its int8 products are sdot and
+ * smmla tiles (`pair_tiles.h`), which need no gathers. */
 #ifndef LLADA_ROW_LANES_H
 #define LLADA_ROW_LANES_H
 
@@ -11,10 +13,12 @@
 
 #if defined(LLK_X86)
 #define LLK_ROW_LANES 1
+#define LLK_FLOAT_LANES 1
 #define POSITION_CHUNK 64
 
 #if defined(LLK_DPBUSD) && defined(__AVX512F__) && defined(__AVX512BW__)
 #define LANES 16
+#define LANE_REGISTERS 32
 typedef __m512i lane_ints;
 typedef __m512 lane_floats;
 
@@ -55,6 +59,7 @@ static inline lane_floats lane_nibble(lane_ints v, const int shift) {
 
 #else /* AVX2 */
 #define LANES 8
+#define LANE_REGISTERS 16
 typedef __m256i lane_ints;
 typedef __m256 lane_floats;
 
@@ -99,13 +104,39 @@ static inline lane_floats lane_nibble(lane_ints v, const int shift) {
 #define LANE_WEIGHTS_UNSIGNED 0 /* 8-bit weights signed for the sign trick; nibbles unsigned as stored */
 #endif
 
+#elif defined(LLK_NEON)
+#define LLK_FLOAT_LANES 1
+#define LANES 4
+#define LANE_REGISTERS 32
+typedef uint32x4_t lane_ints;
+typedef float32x4_t lane_floats;
+
+static inline lane_ints lane_gather(const uint8_t* base, int64_t stride) {
+  uint32_t four[LANES];
+  for (int k = 0; k < LANES; k++) __builtin_memcpy(&four[k], base + k * stride, 4);
+  return vld1q_u32(four);
+}
+static inline lane_floats lane_zero(void) { return vdupq_n_f32(0.0f); }
+static inline lane_floats lane_load(const float* p) { return vld1q_f32(p); }
+static inline void lane_store(float* p, lane_floats v) { vst1q_f32(p, v); }
+static inline lane_floats lane_fmadd(lane_floats a, lane_floats b, lane_floats c) { return vfmaq_f32(c, a, b); }
+static inline lane_floats lane_splat(float v) { return vdupq_n_f32(v); }
+static inline lane_floats lane_mul(lane_floats a, lane_floats b) { return vmulq_f32(a, b); }
+static inline lane_floats lane_nibble(lane_ints v, const int shift) {
+  return vcvtq_f32_u32(vandq_u32(vshlq_u32(v, vdupq_n_s32(-shift)), vdupq_n_u32(15)));
+}
+#endif
+
+#if defined(LLK_FLOAT_LANES)
 static inline lane_floats lane_scales(const llk_weights* w, int64_t row, int64_t group) {
   int64_t groups = w->columns / w->group;
   float scales[LANES];
   for (int k = 0; k < LANES; k++) scales[k] = scale_at(w->scales, (row + k) * groups + group, w->scale_bf16);
   return lane_load(scales);
 }
+#endif
 
+#if defined(LLK_ROW_LANES)
 /* The block's weights of rows row..row+LANES-1 as 4-byte groups, lane k = row k: 4-bit weights give the low nibbles
  * of byte groups 0-3 (the even columns), then the high ones (the odd columns); 8-bit ones byte groups 0-7. */
 static inline void lane_weights(const llk_weights* w, int64_t row, int64_t block, int bits, lane_ints out[8]) {

@@ -40,18 +40,14 @@ ALWAYS_INLINE void float_tile(const llk_weights* w, const float* x, float* out, 
     for (int j = 0; j < nc; j++) out[(r + j) * w->rows + o + i] = hsum(acc[i][j]);
 }
 
-#if defined(LLK_ROW_LANES)
+#if defined(LLK_FLOAT_LANES)
 /* Weight rows in the lanes of registers (`row_lanes.h`), ROW_VECTORS x LANES of them: per block the rows'
  * 4-byte groups are gathered and dequantized once into 32 column vectors each, which every position of a chunk
  * then multiplies by its broadcast values. The chunk's accumulators stay in L1 and come into registers GROUP
  * positions at a time (independent FMA chains; each broadcast feeds ROW_VECTORS FMAs), and the dequantization is
  * paid once per chunk of positions, not per register tile. */
 #define ROW_VECTORS 2
-#if LANES == 16
-#define GROUP 8 /* 32 registers */
-#else
-#define GROUP 4 /* 16 registers */
-#endif
+#define GROUP (LANE_REGISTERS / (2 * ROW_VECTORS)) /* half the registers hold accumulators */
 #define CHUNK (16384 / (ROWS * 4)) /* positions whose accumulators take 16 KB of L1 */
 #define ROWS (ROW_VECTORS * LANES)
 
@@ -114,7 +110,7 @@ static int64_t lanes_w4a16(const llk_weights* w, const float* x, int64_t positio
 
 void llk_w4a16(const llk_weights* w, const float* ordered, int64_t positions, float* out, int64_t o_begin,
                int64_t o_end) {
-#if defined(LLK_ROW_LANES)
+#if defined(LLK_FLOAT_LANES)
   o_begin = lanes_w4a16(w, ordered, positions, out, o_begin, o_end);
 #endif
   int64_t whole_rows = o_begin + (o_end - o_begin) / TILE_ROWS * TILE_ROWS;
