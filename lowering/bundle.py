@@ -139,20 +139,21 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
                    dtype: str = "float32", copy_weights: bool = True, device_memory_budget: int | None = None,
                    loops: tuple[BakedLoops, ...] = (), batch_sizes: tuple[int, ...] = (1,),
                    activations: Activations = "float", data_tiling: bool = False, progress=None,
-                   force: bool = False, kernels: Kernels = "own") -> Path:
-    """Compile every step for canvases up to `max_len`, windows up to `window` and each of `batch_sizes`
-    rows (a batch of prompts runs in steps of these sizes) into a bundle; with a
-    device memory budget smaller than the weights, the program streams its layers and LM head
-    (`lowering.stage_ring`). `loops`: decoding settings whose compiled
-    decode loops go beside the steps, with a `run.sh` that runs the first one without Python. A quantized
-    checkpoint's integers are bound as they are stored (`lowering.bundle_weights`); `activations="int8"`
-    runs its int8 per-channel layers as W8A8 matmuls. `data_tiling`: IREE's data tiling on a CPU target with
-    resident weights (faster steps; a re-laid copy of the weights is held beside them). `kernels="own"`: our
-    kernels run the quantized matmuls on a CPU target where a C compiler for it exists (`lowering.kernel_dispatch`).
-    The bundle replaces only an earlier bundle, with `force` (`llada_jax.system.atomic`)."""
+                   force: bool = False, kernels: Kernels = "own", block_length: int | None = None) -> Path:
+    """Compile every step for canvases up to `max_len`, windows up to `window` and each of `batch_sizes` rows (a
+    batch of prompts runs in steps of these sizes) into a bundle; `block_length`: on a block-diffusion model, only
+    the steps its decoder takes with blocks of this length (other models: ignored; None: every shape). With a device
+    memory budget smaller than the weights, the program streams its layers and LM head (`lowering.stage_ring`).
+    `loops`: decoding settings whose compiled decode loops go beside the steps, with a `run.sh` that runs the first
+    one without Python. A quantized checkpoint's integers are bound as they are stored (`lowering.bundle_weights`);
+    `activations="int8"` runs its int8 per-channel layers as W8A8 matmuls. `data_tiling`: IREE's data tiling on a
+    CPU target with resident weights (faster steps; a re-laid copy of the weights is held beside them).
+    `kernels="own"`: our kernels run the quantized matmuls on a CPU target with a C compiler for it
+    (`lowering.kernel_dispatch`). It replaces only an earlier bundle, with `force` (`llada_jax.system.atomic`)."""
     tgt = target(target_name)
     model_dir, out_dir = Path(model_dir).absolute(), Path(out_dir).absolute()
     config = _checked_config(model_dir, max_len, window)
+    block_length = checked_block_length(config, block_length, max_len)
     if loops and loop_refusal(config):
         raise LladaError(f"{config.family} bundles carry steps only so far (compile with --no-loop): "
                          f"{loop_refusal(config)}")
@@ -161,7 +162,7 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
     batch_sizes = check_batch_sizes(batch_sizes)
     archive = copy_weights and tgt.driver == "local-task"  # a CPU device maps it in place
     layout = dataclasses.replace(layout, signed=archive, streamed=_streams(config, layout, device_memory_budget))
-    specs = step_specs(max_len, window, batch_sizes)
+    specs = step_specs(max_len, window, batch_sizes, block_length)
     flags, timeout = compile_flags(tgt, data_tiling, layout.streamed, bool(loops)), compile_timeout()  # before export
     loop_specs = _loop_specs(loops, max_len, layout.streamed)
     say = progress or (lambda message: None)
@@ -185,10 +186,9 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
             "eot_token_id": config.eot_token_id, "target": tgt.name, "driver": tgt.driver, "flags": list(flags),
             "iree_version": iree_version(), "tuned_matmuls": [list(s) for s in tuned], "compute_dtype": dtype,
             "matmul_tiles": tiles and tiles._asdict(), "activations": activations, "parameters": layout.manifest(),
-            "kernels": kernels_manifest(tgt, compiler, layout),
-            "max_len": max_len, "window": window, "batch_sizes": list(batch_sizes),
-            "device_memory_budget": device_memory_budget, "streamed": _streamed(layout, config),
-            "compile_seconds": round(seconds, 2), "weights": weights,
+            "kernels": kernels_manifest(tgt, compiler, layout), "max_len": max_len, "window": window,
+            "block_length": block_length, "batch_sizes": list(batch_sizes), "compile_seconds": round(seconds, 2),
+            "device_memory_budget": device_memory_budget, "streamed": _streamed(layout, config), "weights": weights,
             "steps": [signature_manifest(spec, config, compute) for spec in specs],
             "loops": [loop_manifest(spec, function) for spec, function in zip(loop_specs, functions[len(specs):])],
             "decoding": [baked.manifest() for baked in loops],
@@ -259,6 +259,16 @@ def _checked_config(model_dir: Path, max_len: int, window: int):
     if window <= 0:
         raise LladaError(f"--window must be positive, got {window}")
     return config
+
+
+def checked_block_length(config, block_length: int | None, max_len: int) -> int | None:
+    """The block length whose steps a bundle of this model holds (None: every shape; always on models that are
+    not block diffusion), checked against the longest canvas."""
+    if block_length is None or not config.block_causal:
+        return None
+    if not 0 < block_length <= max_len:
+        raise LladaError(f"--block-length must be in [1, --max-len {max_len}], got {block_length}")
+    return block_length
 
 
 def check_batch_sizes(batch_sizes) -> tuple[int, ...]:

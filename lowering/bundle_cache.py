@@ -11,7 +11,7 @@ from llada_jax.model.config import read_config
 from llada_jax.quant.choice import Kernels
 from llada_jax.quant.quantize import Activations
 from llada_jax.system.locations import user_cache_dir
-from lowering.bundle import check_batch_sizes, compile_bundle, iree_version, loop_refusal
+from lowering.bundle import check_batch_sizes, checked_block_length, compile_bundle, iree_version, loop_refusal
 from lowering.bundle_format import FORMAT_VERSION, MANIFEST, sha256
 from lowering.matmul_tiles import host_tiles
 from lowering.targets import TARGETS
@@ -20,21 +20,23 @@ from lowering.targets import TARGETS
 def cached_bundle(model_dir, target: str, *, dtype: str = "float32", max_len: int | None = None,
                   window: int | None = None, device_memory_budget: int | None = None, loops: tuple = (),
                   batch_sizes: tuple[int, ...] = (1,), activations: Activations = "float", data_tiling: bool = False,
-                  progress=None, kernels: Kernels = "own") -> Path:
-    """A bundle for this model (by content), target, dtype, activations, kernels, data tiling, shapes, budget,
-    compiled decode loops, IREE version and this host's matmul tiles, the target's kernel flags; compiled if absent."""
+                  progress=None, kernels: Kernels = "own", block_length: int | None = None) -> Path:
+    """A bundle for this model (by content), target, dtype, activations, kernels, data tiling, shapes (a
+    block-diffusion model's: those of `block_length`), budget, compiled decode loops, IREE version and this host's
+    matmul tiles, the target's kernel flags; compiled if absent."""
     model_dir = Path(model_dir).absolute()
     config = read_config(model_dir)
     loops = () if loop_refusal(config) else loops  # see `bundle.compile_bundle`
     max_len = max_len or config.max_sequence_length
     window = window or max_len
+    block_length = checked_block_length(config, block_length, max_len)
     weights = sorted(p for p in model_dir.iterdir() if p.suffix == ".safetensors")
     kernel_build = TARGETS[target].kernels if target in TARGETS else None  # an unknown target is refused later
     key = json.dumps({"config": sha256(model_dir / "config.json"),
                       "weights": [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in weights],
                       "target": target, "dtype": dtype, "activations": activations, "kernels": kernels,
                       "data_tiling": data_tiling,
-                      "max_len": max_len, "window": window,
+                      "max_len": max_len, "window": window, "block_length": block_length,
                       "budget": device_memory_budget, "format": FORMAT_VERSION, "iree": iree_version(),
                       "loops": sorted({spec.name for baked in loops for spec in baked.specs}),
                       "batch_sizes": check_batch_sizes(batch_sizes),
@@ -45,7 +47,8 @@ def cached_bundle(model_dir, target: str, *, dtype: str = "float32", max_len: in
     if not (out / MANIFEST).is_file():
         compile_bundle(model_dir, target, out, max_len=max_len, window=window, dtype=dtype, copy_weights=False,
                        device_memory_budget=device_memory_budget, loops=loops, batch_sizes=batch_sizes,
-                       activations=activations, data_tiling=data_tiling, progress=progress, kernels=kernels)
+                       activations=activations, data_tiling=data_tiling, progress=progress, kernels=kernels,
+                       block_length=block_length)
     return out
 
 

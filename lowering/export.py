@@ -37,10 +37,25 @@ def canvas_sizes(max_len: int) -> list[int]:
     return widths_within(max_len)
 
 
-def step_specs(max_len: int, max_window: int, batch_sizes: tuple[int, ...] = (1,)) -> list[StepSpec]:
+def step_specs(max_len: int, max_window: int, batch_sizes: tuple[int, ...] = (1,),
+               block_length: int | None = None) -> list[StepSpec]:
     """Every shape the decoders can ask for with canvases up to `max_len` and windows up to `max_window`,
-    for each batch size (rows of a batched step, `policies.step_batcher`)."""
+    for each batch size (rows of a batched step, `policies.step_batcher`); with `block_length`, only those
+    block diffusion's decoder asks for with blocks of that length."""
+    if block_length is not None:
+        return [spec for batch in batch_sizes for spec in _block_step_specs(max_len, block_length, batch)]
     return [spec for batch in batch_sizes for spec in _step_specs(max_len, max_window, batch)]
+
+
+def _block_step_specs(max_len: int, block_length: int, batch: int) -> list[StepSpec]:
+    """A block against the cache on every canvas that holds one (`policies.block_diffusion`: canvases are whole
+    blocks, padded to a shape bucket), its K/V committed, and its rows read out: the model's layers run in one
+    step shape per canvas, not in every window width."""
+    specs = []
+    for slots in canvas_sizes(max_len):
+        if slots >= block_length:
+            specs += [StepSpec("window", batch, slots, block_length), StepSpec("commit", batch, slots, block_length)]
+    return specs + [StepSpec("read", batch, block_length, width) for width in widths_within(block_length)]
 
 
 def _step_specs(max_len: int, max_window: int, batch: int) -> list[StepSpec]:

@@ -27,6 +27,7 @@ class BackendRequest:
     rows: int                # canvas rows per step: a batch, 2 per prompt under CFG
     slots: int               # canvas positions
     cfg_scale: float = 0.0
+    block_length: int | None = None  # block diffusion's blocks: the width of every window its decoder asks for
 
 
 @dataclasses.dataclass(frozen=True)

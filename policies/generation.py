@@ -83,6 +83,7 @@ class Prepared:
     run_loop: Callable | None     # (compiled loop, prompt) -> Result: one prompt through `loop_spec`'s loop
     revisable: bool               # committed tokens may still change (revision): settled only at the end
     block_windows: bool = False   # windows of several diffusion blocks (block speculation: `Backend.block_windows`)
+    block_length: int | None = None  # block diffusion's blocks
 
     @property
     def rows_per_prompt(self) -> int:
@@ -93,7 +94,7 @@ class Prepared:
         """What its backend must offer, for its own prompts and canvas (or `prompts` rows of `slots`)."""
         return BackendRequest(readout_spec=self.readout_spec, biases=self.biases, cfg_scale=self.cfg_scale,
                               rows=self.rows_per_prompt * (len(self.prompts) if prompts is None else prompts),
-                              slots=self.slots if slots is None else slots)
+                              slots=self.slots if slots is None else slots, block_length=self.block_length)
 
 
 def canvas_length(prompt_length: int, gen_length: int, block_length: int | None = None) -> int:
@@ -201,7 +202,7 @@ def prepare_blocks(config: LLaDAConfig, prompts: list[np.ndarray], batched: bool
                     decode_row=decode_row, loop_spec=spec,
                     run_loop=None if spec is None else functools.partial(run_block_loop, spec=spec, settings=settings),
                     revisable=settings.editing_threshold is not None,
-                    block_windows=settings.lookahead > 0)
+                    block_windows=settings.lookahead > 0, block_length=settings.block_length)
 
 
 def run_generation(make_backend: Callable, config: LLaDAConfig, prompt_ids, *, on_step: Callable | None = None,

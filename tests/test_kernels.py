@@ -127,7 +127,8 @@ def test_each_arm64_build_takes_the_isa_path_its_flags_name(build, tmp_path):
 def draw_problem(data, bits: int):
     """positions (some past a chunk of 64, 128, 256 or 512), rows (each call takes half: some in lanes of 16 or of
     2 x 16, some left over) and blocks of 32 columns; a scale group of whole blocks (or the whole row)."""
-    positions = data.draw(st.one_of(st.integers(1, 9), st.integers(63, 67), st.sampled_from([127, 129, 255, 257, 511, 513])))
+    positions = data.draw(st.one_of(st.integers(1, 9), st.integers(63, 67),
+                                    st.sampled_from([127, 129, 255, 257, 511, 513])))
     rows, blocks = data.draw(st.one_of(st.integers(1, 40), st.integers(64, 100))), data.draw(st.integers(1, 8))
     group_blocks = data.draw(st.sampled_from(sorted({d for d in (1, 2, 4) if blocks % d == 0} | {blocks})))
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))

@@ -314,11 +314,14 @@ def test_iree_host_bundle_gives_the_xla_tokens(model, checkpoint, tmp_path, caps
     assert main(["compile", "--model", str(checkpoint), "--target", "host", "--out", str(tmp_path / "looped"),
                  "--max-len", "32", "--gen-length", "12", "--block-length", "4"]) == 1
     assert "IREE 3.13 fails on a sparse MoE's decode loop" in capsys.readouterr().err
+    assert main(["compile", "--model", str(checkpoint), "--target", "host", "--out", str(tmp_path / "long"),
+                 "--max-len", "32", "--block-length", "40", "--no-loop"]) == 1
+    assert "--block-length must be in [1, --max-len 32], got 40" in capsys.readouterr().err
     # Resident, and streamed by the program through a budget below the weights: the dense first layer and the MoE
     # layers are stages of two sizes in one ring (`lowering.stage_ring`).
     for name, budget in (("resident", None), ("streamed", model.weight_bytes - 1)):
         bundle = compile_bundle(checkpoint, "host", tmp_path / name, max_len=32, window=32,
-                                device_memory_budget=budget)
+                                device_memory_budget=budget, block_length=8)
         _, _, generate_bundled = bundle_runner(bundle)
         for editing in (None, 0.3):
             options = dict(gen_length=12, block_length=8, steps=4, threshold=0.3, editing_threshold=editing,
@@ -328,6 +331,38 @@ def test_iree_host_bundle_gives_the_xla_tokens(model, checkpoint, tmp_path, caps
         with pytest.raises(LladaError, match="cannot mask"):  # drafts need a per-query mask: refused up front
             generate_bundled(np.arange(1, 7), gen_length=12, block_length=8, steps=4, loop="host",
                              policy="dual-cache+speculative:1")
+        with pytest.raises(LladaError, match="block steps of --block-length 8, not 16"):
+            generate_bundled(np.arange(1, 7), gen_length=12, block_length=16, steps=4, loop="host")
+
+
+@pytest.fixture(scope="module")
+def block_bundle(checkpoint, tmp_path_factory):
+    """A host bundle holding block diffusion's steps for blocks of 8, canvases up to 64."""
+    from llada_jax.bundle_runner import bundle_runner
+    from lowering.bundle import compile_bundle
+
+    bundle = compile_bundle(checkpoint, "host", tmp_path_factory.mktemp("blocks") / "b", max_len=64, window=64,
+                            block_length=8)
+    return json.loads((bundle / "manifest.json").read_text()), bundle_runner(bundle)[2]
+
+
+@pytest.mark.slow
+@settings(max_examples=12)
+@given(prompt_length=st.integers(1, 30), gen_length=st.integers(1, 30),
+       policy=st.sampled_from(["dual-cache", "prefix-cache", "vanilla"]), editing=st.sampled_from([None, 0.3]))
+def test_a_block_bundle_holds_every_step_its_decoder_takes(model, block_bundle, prompt_length, gen_length, policy,
+                                                           editing):
+    """Compiled for one block length, a bundle holds one step of the layers per canvas (the block against the
+    cache), no full-canvas step and no other width, and every setting of that length decodes through it as on
+    XLA."""
+    manifest, generate_bundled = block_bundle
+    assert {(step["kind"], step["width"]) for step in manifest["steps"] if step["kind"] != "read"} == {
+        ("window", 8), ("commit", 8)}
+    prompt = np.arange(1, prompt_length + 1)
+    options = dict(gen_length=gen_length, block_length=8, steps=4, threshold=0.3, editing_threshold=editing,
+                   policy=policy, loop="host")
+    assert (generate_bundled(prompt, **options).output_ids.tolist()
+            == llada_jax.generate(model, prompt, **options).output_ids.tolist())
 
 
 def test_a_batch_decodes_each_prompt_as_alone(model):

@@ -51,6 +51,10 @@ def select_backend(source, request: BackendRequest) -> Backend:
 
 
 def _iree_backend(opened: OpenBundle, request: BackendRequest) -> Backend:
+    compiled = opened.bundle.manifest.get("block_length")
+    if compiled is not None and request.block_length not in (None, compiled):
+        raise LladaError(f"this bundle holds the block steps of --block-length {compiled}, not "
+                         f"{request.block_length} (llada compile --block-length {request.block_length})")
     return IreeBackend(opened.bundle, opened.session, request.readout_spec, request.biases, request.cfg_scale,
                        _host_side_path(opened))
 

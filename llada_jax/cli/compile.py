@@ -27,7 +27,8 @@ def cmd_compile(args) -> None:
                          window=args.window, dtype=args.dtype, copy_weights=not args.link_weights,
                          device_memory_budget=args.device_memory_budget, loops=loops,
                          batch_sizes=args.batch_sizes, activations=args.activations, data_tiling=args.data_tiling,
-                         progress=stage_printer(), force=args.force, kernels=args.kernels or "own")
+                         progress=stage_printer(), force=args.force, kernels=args.kernels or "own",
+                         block_length=args.block_length)
     script = f"; run it without Python: {out / SCRIPT} ID,ID,..." if (out / SCRIPT).is_file() else ""
     print(f"bundle written to {out}{script}")
 
@@ -40,7 +41,8 @@ def add_compile(commands) -> None:
     comp.add_argument("--out", required=True, help="new bundle directory to write (atomically)")
     comp.add_argument("--force", action="store_true", help="replace an earlier bundle in --out")
     comp.add_argument("--max-len", type=int, default=128, help="longest canvas (prompt + gen-length)")
-    comp.add_argument("--window", type=int, default=128, help="widest window step")
+    comp.add_argument("--window", type=int, default=128,
+                      help="widest window step (block-diffusion models: the block, see --block-length)")
     comp.add_argument("--link-weights", action="store_true", help="point at the model's weights instead of copying")
     comp.add_argument("--device-memory-budget", type=int, default=None, metavar="BYTES",
                       help="add per-layer pieces and stream weights through this much device memory")

@@ -35,7 +35,8 @@ def policy_arg(args) -> str:
 def add_decoding_flags(parser: argparse.ArgumentParser) -> None:
     """Decoder flags shared by generate, eval and bench."""
     parser.add_argument("--gen-length", type=int, default=32)
-    parser.add_argument("--block-length", type=int, default=8)
+    parser.add_argument("--block-length", type=int, default=8, help="block diffusion (LLaDA2): the bundle holds "
+                        "only the steps of blocks this long")
     parser.add_argument("--steps", type=int, default=None, help="total denoising steps (default: gen-length)")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--cfg-scale", type=float, default=0.0)
@@ -88,7 +89,8 @@ def add_block_flags(parser: argparse.ArgumentParser) -> None:
 def add_loop_flags(parser: argparse.ArgumentParser) -> None:
     """The decoding setting `llada compile` bakes into a bundle's compiled decode loop (temperature 0)."""
     parser.add_argument("--gen-length", type=int, default=32)
-    parser.add_argument("--block-length", type=int, default=8)
+    parser.add_argument("--block-length", type=int, default=8, help="block diffusion (LLaDA2): the bundle holds "
+                        "only the steps of blocks this long")
     parser.add_argument("--steps", type=int, default=None, help="total denoising steps (default: gen-length)")
     parser.add_argument("--policy", default=None,
                         help=f"BASE[+speculative[:L[:T]]][@THRESHOLD] (default: {DEFAULT_POLICY})")

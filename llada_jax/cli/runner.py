@@ -69,7 +69,7 @@ def opened_source(args, loops: Sequence[tuple] = (), batch_sizes: tuple[int, ...
                   for policy, threshold, gen_length, block_length, steps in (setting[:5] for setting in loops))
     bundle_dir = cached_bundle(model_dir(args), target, dtype=args.dtype, loops=baked, batch_sizes=batch_sizes,
                                device_memory_budget=budget, activations=args.activations,
-                               kernels=args.kernels or "own",
+                               kernels=args.kernels or "own", block_length=getattr(args, "block_length", None),
                                data_tiling=args.data_tiling,
                                progress=lambda m: print(m, file=sys.stderr))
     return open_bundle(bundle_dir, args.backend)
