@@ -170,7 +170,7 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
     functions = _functions(specs, loop_specs, config, compute, layout, activations, tgt.layout_rule(data_tiling))
     say(f"exporting {len(specs)} steps{f' and {len(loop_specs)} decode loops' if loop_specs else ''} to StableHLO")
     with atomic_dir(out_dir, COMPILE_COMMAND, inputs=(model_dir,), force=force) as staging, \
-            tempfile.TemporaryDirectory(prefix="llada-kernels-") as objects:
+            tempfile.TemporaryDirectory(prefix="llada-kernels-", dir=staging) as objects:  # scratch if killed
         module = bundle_module(functions, layout, config,
                                target_objects(tgt, compiler, Path(objects)) if compiler else None)
         tuned = tunable_matmuls(module, tiles)

@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -191,13 +192,14 @@ def test_a_compile_killed_then_rerun_leaves_no_scratch(tmp_path, tiny_dir):
     target = tmp_path / "bundle"
     argv = cli("compile", "--target", "host", "--max-len", "48", "--window", "16", "--gen-length", "16",
                "--model", str(tiny_dir), "--out", str(target))
-    inputs = snapshot(tiny_dir)
+    inputs, temporary = snapshot(tiny_dir), set(Path(tempfile.gettempdir()).glob("llada-kernels-*"))
     killed = kill_once_writing(argv, target, signal.SIGKILL, 0.0)
     assert killed.returncode == -signal.SIGKILL and not target.exists() and scratch_of(target)
     done = subprocess.run(argv, capture_output=True, text=True, check=False)
     assert done.returncode == 0 and "left by killed runs" in done.stderr, done.stderr
     assert previous_output(target) == "llada compile" and scratch_of(target) == []
     assert snapshot(tiny_dir) == inputs
+    assert set(Path(tempfile.gettempdir()).glob("llada-kernels-*")) == temporary  # the kernels' objects: scratch too
 
 
 def gsm8k_file(path: Path, count: int) -> Path:
