@@ -35,8 +35,7 @@ def policy_arg(args) -> str:
 def add_decoding_flags(parser: argparse.ArgumentParser) -> None:
     """Decoder flags shared by generate, eval and bench."""
     parser.add_argument("--gen-length", type=int, default=32)
-    parser.add_argument("--block-length", type=int, default=8, help="block diffusion (LLaDA2): the bundle holds "
-                        "only the steps of blocks this long")
+    parser.add_argument("--block-length", type=int, default=8)
     parser.add_argument("--steps", type=int, default=None, help="total denoising steps (default: gen-length)")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--cfg-scale", type=float, default=0.0)
