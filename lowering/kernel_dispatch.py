@@ -30,7 +30,8 @@ OBJECT_FLAGS = ("-O3", "-std=c11", "-ffreestanding", "-fPIC", "-fvisibility=hidd
 ROWS_PER_WORKGROUP = 64  # LLK_IREE_ROWS in c/iree_dispatch.c
 EXECUTABLE = "llada_kernels"
 CUSTOM_CALL = re.compile(
-    r"^(?P<indent>\s*)(?P<result>%[\w#]+) = stablehlo\.custom_call @llada_(?P<kind>int8|float)_matmul"
+    r"^(?P<indent>\s*)(?P<result>%[\w#]+) = stablehlo\.custom_call @llada_(?P<kind>int8|float)(?P<routed>_routed)?"
+    r"_matmul"
     r"\((?P<operands>[^)]*)\) \{mhlo\.backend_config = \{(?P<config>[^}]*)\}.*\} : "
     r"\((?P<types>[^)]*)\) -> (?P<result_type>tensor<[^>]*>)$", re.MULTILINE)
 
@@ -96,15 +97,15 @@ def rewrite_custom_calls(module_text: str) -> tuple[str, int]:
     def dispatch(match: re.Match) -> str:
         nonlocal count
         count += 1
-        kind, indent, name = match["kind"], match["indent"], f"%llk{count}"
+        kind, indent, name = match["kind"] + (match["routed"] or ""), match["indent"], f"%llk{count}"
         types = [t.strip() for t in match["types"].split(",")]
         config = dict(item.split(" = ") for item in match["config"].split(", "))
         positions, columns = dims(types[0])
-        scale_type = types[-1]
-        rows, groups = dims(scale_type)
+        scale_type = types[-2] if match["routed"] else types[-1]
+        *experts, rows, groups = dims(scale_type)  # a routed call's scales are stacked: [E, O, G]
         bits = int(config.get("bits", "4 : i64").split(" ")[0])
-        indices = ([bits] if kind == "int8" else []) + [positions, columns, rows, columns // groups,
-                                                        int(element_type(scale_type) == "bf16")]
+        indices = ([bits] if match["kind"] == "int8" else []) + experts + [
+            positions, columns, rows, columns // groups, int(element_type(scale_type) == "bf16")]
         lines = [f"{indent}{name}_{i} = arith.constant {value} : index" for i, value in enumerate(indices)]
         index_names = [f"{name}_{i}" for i in range(len(indices))]
         operands = [o.strip() for o in match["operands"].split(",")] + index_names
@@ -117,22 +118,25 @@ def rewrite_custom_calls(module_text: str) -> tuple[str, int]:
 
 
 def executable(objects: dict[str, list[Path]]) -> str:
-    """The `stream.executable` whose exports `int8` and `float` call the kernels, linking `objects` (IREE
-    executable format, as `embedded-elf-x86_64`, -> object files)."""
+    """The `stream.executable` whose exports (`EXPORTS`) call the kernels, linking `objects` (IREE executable
+    format, as `embedded-elf-x86_64`, -> object files)."""
     keyed = ",\n".join(f'      #hal.executable.target<"llvm-cpu", "{fmt}"> = ['
                        + ", ".join(f'#hal.executable.object<{{path = "{path}"}}>' for path in paths) + "]"
                        for fmt, paths in objects.items())
     return "\n".join([f"  stream.executable private @{EXECUTABLE} attributes {{",
                       "    hal.executable.objects = #hal.executable.objects<{", keyed, "    }>", "  } {",
-                      _export("int8"), _export("float"), "    builtin.module {",
-                      _function("int8", INT8_BUFFERS, ("bits",)), _function("float", FLOAT_BUFFERS, ()),
-                      "    }", "  }"])
+                      *(_export(kind) for kind in EXPORTS), "    builtin.module {",
+                      *(_function(kind, *EXPORTS[kind]) for kind in EXPORTS), "    }", "  }"])
 
 
-# Each export's buffers (name, element type) and index operands, in the C entry point's order.
-INT8_BUFFERS = (("values", "i8"), ("block_scales", "f32"), ("sums", "i32"), ("weights", "i8"), ("scales", "i8"),
-                ("out", "f32"))
-FLOAT_BUFFERS = (("ordered", "f32"), ("weights", "i8"), ("scales", "i8"), ("out", "f32"))
+# Each export's buffers (name, element type) and leading index operands, in the C entry point's order
+# (`c/iree_dispatch.c`); the routed ones take stacked experts and each expert's first row (`c/routed.c`).
+INT8_BUFFERS = (("values", "i8"), ("block_scales", "f32"), ("sums", "i32"), ("weights", "i8"), ("scales", "i8"))
+FLOAT_BUFFERS = (("ordered", "f32"), ("weights", "i8"), ("scales", "i8"))
+STARTS, OUT = ("starts", "i32"), ("out", "f32")
+EXPORTS = {"int8": ((*INT8_BUFFERS, OUT), ("bits",)), "float": ((*FLOAT_BUFFERS, OUT), ()),
+           "int8_routed": ((*INT8_BUFFERS, STARTS, OUT), ("bits", "experts")),
+           "float_routed": ((*FLOAT_BUFFERS, STARTS, OUT), ("experts",))}
 INDICES = ("positions", "columns", "rows", "group", "scale_bf16")
 
 
@@ -164,22 +168,29 @@ def _function(kind: str, buffers: tuple, leading: tuple[str, ...]) -> str:
 
 
 def _sizes(kind: str) -> list[str]:
-    """Each binding's element count, from the index operands."""
-    lines = [*(f"%c{n} = arith.constant {n} : index" for n in (0, 2, 4, 8, 32)),
+    """Each binding's element count, from the index operands (a routed call's weights and scales: the stack's)."""
+    lines = [*(f"%c{n} = arith.constant {n} : index" for n in (0, 1, 2, 4, 8, 32)),
              "%blocks = arith.divui %columns, %c32 : index",
              "%groups = arith.divui %columns, %group : index",
              "%is_bf16 = arith.cmpi ne, %scale_bf16, %c0 : index",
              "%scale_bytes = arith.select %is_bf16, %c2, %c4 : index",
              "%rows_groups = arith.muli %rows, %groups : index",
-             "%scales_size = arith.muli %rows_groups, %scale_bytes : index",
+             "%matrix_scale_bytes = arith.muli %rows_groups, %scale_bytes : index",
              "%out_size = arith.muli %positions, %rows : index",
              "%activations_size = arith.muli %positions, %columns : index",
              "%rows_columns = arith.muli %rows, %columns : index"]
-    if kind == "float":
-        return lines + ["%ordered_size = arith.addi %activations_size, %c0 : index",
-                        "%weights_size = arith.divui %rows_columns, %c2 : index"]
+    bits = "%bits" if kind.startswith("int8") else "%c4"
+    lines += [f"%weight_bits = arith.muli %rows_columns, {bits} : index",
+              "%matrix_bytes = arith.divui %weight_bits, %c8 : index"]
+    if kind.endswith("_routed"):
+        lines += ["%starts_size = arith.addi %experts, %c1 : index",
+                  "%weights_size = arith.muli %matrix_bytes, %experts : index",
+                  "%scales_size = arith.muli %matrix_scale_bytes, %experts : index"]
+    else:
+        lines += ["%weights_size = arith.addi %matrix_bytes, %c0 : index",
+                  "%scales_size = arith.addi %matrix_scale_bytes, %c0 : index"]
+    if kind.startswith("float"):
+        return lines + ["%ordered_size = arith.addi %activations_size, %c0 : index"]
     return lines + ["%values_size = arith.addi %activations_size, %c0 : index",
                     "%block_scales_size = arith.muli %positions, %blocks : index",
-                    "%sums_size = arith.addi %block_scales_size, %c0 : index",
-                    "%weight_bits = arith.muli %rows_columns, %bits : index",
-                    "%weights_size = arith.divui %weight_bits, %c8 : index"]
+                    "%sums_size = arith.addi %block_scales_size, %c0 : index"]

@@ -1,6 +1,7 @@
 """The sparse MoE layer's experts accumulate in chains (`llada_jax.model.moe.CHAIN_EXPERTS`): every chain length
 gives the one-chain sums bit for bit, and a model with more experts than IREE's stream analysis follows in one
-chain compiles to a bundle that gives XLA's tokens."""
+chain compiles to a bundle that gives XLA's tokens. Stacked experts (streamed bundles) give the listed experts'
+sums bit for bit, through our routed kernels or one loop over every expert's tiles."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import dataclasses
 import json
 from unittest import mock
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -15,7 +17,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import llada_jax
+from llada_jax.kernels import xla as own_kernels
 from llada_jax.model import moe
+from llada_jax.quant.qlinear import to_device
+from llada_jax.quant.quantize import HostQuantized, QuantScheme, quantize_matrix
 from tests.conftest import write_checkpoint
 from tests.test_llada2 import CONFIG, REFERENCE_CONFIG
 
@@ -44,6 +49,33 @@ def test_every_chain_length_gives_the_one_chain_sums(n_experts, rows, top, chain
     with mock.patch.object(moe, "CHAIN_EXPERTS", chain):
         chained = np.asarray(moe.routed_sum(*args), np.float32)
     np.testing.assert_array_equal(chained, one_chain)
+
+
+# (bits, group, activations, kernels): float weights, then quantized through XLA's code or through our kernels
+WEIGHTS = [None, (4, 32, "float", "compiler"), (8, None, "int8", "compiler"), (4, 32, "int8", "own"),
+           (4, 64, "float", "own"), (8, None, "int8", "own")]
+
+
+def quantized(block: dict, bits: int, group: int | None, activations: str, kernels: str) -> dict:
+    scheme = QuantScheme(bits, group)
+    return {key: [to_device(HostQuantized.of(*quantize_matrix(np.asarray(m, np.float32), scheme), scheme),
+                            activations, kernels=kernels) for m in matrices] for key, matrices in block.items()}
+
+
+@pytest.mark.slow  # a fresh XLA compile per example
+@settings(max_examples=30, deadline=None)
+@given(n_experts=st.integers(1, 12), rows=st.integers(1, 9), top=st.integers(1, 3), seed=st.integers(0, 2**16),
+       dtype=st.sampled_from([jnp.float32, jnp.bfloat16]), weights=st.sampled_from(WEIGHTS))
+def test_stacked_experts_give_the_listed_experts_sums(n_experts, rows, top, seed, dtype, weights):
+    if weights and weights[3] == "own" and own_kernels.available() is None:
+        pytest.skip("no C compiler for our kernels")
+    with mock.patch.multiple(__name__, D_MODEL=64, HIDDEN=64):  # whole blocks of 32 columns for the kernels
+        block, *rest = routed(n_experts, rows, min(top, n_experts), seed, dtype)
+    if weights:
+        block = quantized(block, *weights)
+    stacked = {key: jax.tree.map(lambda *parts: jnp.stack(parts), *matrices) for key, matrices in block.items()}
+    listed = np.asarray(moe.routed_sum(block, *rest), np.float32)
+    np.testing.assert_array_equal(np.asarray(moe.routed_sum(stacked, *rest), np.float32), listed)
 
 
 @pytest.mark.slow

@@ -17,7 +17,8 @@ from llada_jax.kernels import activations
 from llada_jax.kernels.build import find_toolchain, xla_library
 from llada_jax.system.errors import LladaError
 
-TARGETS = {"llada_int8_matmul": "LladaInt8Matmul", "llada_float_matmul": "LladaFloatMatmul"}
+TARGETS = {"llada_int8_matmul": "LladaInt8Matmul", "llada_float_matmul": "LladaFloatMatmul",
+           "llada_int8_routed_matmul": "LladaRoutedInt8Matmul", "llada_float_routed_matmul": "LladaRoutedFloatMatmul"}
 
 
 @functools.cache
@@ -64,6 +65,25 @@ def matmul(x: jax.Array, stored: jax.Array, scale: jax.Array, scheme: str, signe
     values, block_scales, sums = activations.quantized(x, nibbles)
     return jax.ffi.ffi_call("llada_int8_matmul", out)(values, block_scales, sums, stored, scale,
                                                       bits=np.int64(4 if nibbles else 8), group=group, signed8=signed8)
+
+
+def routed_matmul(x: jax.Array, stored: jax.Array, scale: jax.Array, scheme: str, starts: jax.Array) -> jax.Array:
+    """A sparse MoE's routed products `[R, O]` float32: row r of x `[R, I]` times expert e's W.T for the rows
+    [starts[e], starts[e + 1]) (the rows sorted by expert, `starts` `[E + 1]` int32), the experts' bytes stacked
+    `[E, O, I * bits / 8]` and their scales `[E, O, G]`; each row's value is `matmul`'s, bit for bit."""
+    groups = scale.shape[-1]
+    group = np.int64(x.shape[1] // groups)
+    if stored.dtype != jnp.int8:
+        stored = jax.lax.bitcast_convert_type(stored, jnp.int8)
+    out = jax.ShapeDtypeStruct((x.shape[0], scale.shape[1]), jnp.float32)
+    nibbles = scheme != "w8a8"
+    starts = starts.astype(jnp.int32)
+    if scheme == "w4a16":
+        ordered = activations.block_order(x.astype(jnp.float32), nibbles)
+        return jax.ffi.ffi_call("llada_float_routed_matmul", out)(ordered, stored, scale, starts, group=group)
+    values, block_scales, sums = activations.quantized(x, nibbles)
+    return jax.ffi.ffi_call("llada_int8_routed_matmul", out)(values, block_scales, sums, stored, scale, starts,
+                                                             bits=np.int64(4 if nibbles else 8), group=group)
 
 
 def linear(x: jax.Array, stored: jax.Array, scale: jax.Array, scheme: str, columns: bool = False) -> jax.Array:

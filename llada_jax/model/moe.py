@@ -22,6 +22,7 @@ import operator
 import jax
 import jax.numpy as jnp
 
+from llada_jax.kernels import xla as own_kernels
 from llada_jax.model.layout import Positions, linear, swiglu
 from llada_jax.quant.qlinear import QuantizedWeight, stored_matmul
 
@@ -84,36 +85,82 @@ def routed_sum(block: dict, rows: jax.Array, experts: jax.Array, weights: jax.Ar
     dtype, returned in the rows'."""
     r, d = rows.shape
     k = experts.shape[1]
-    n_experts = len(block["experts_gate"])
-    first = block["experts_gate"][0]
-    tile = tile_rows(r * k, n_experts, isinstance(first, QuantizedWeight) and first.group_size < first.shape[1])
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # routed pairs grouped by expert
-    sorted_rows = jnp.concatenate([rows[order // k], jnp.zeros((tile, d), rows.dtype)])
-    counts = jnp.bincount(flat, length=n_experts)
-    starts = jnp.cumsum(counts) - counts
-    chains = []  # each chain's accumulator holds its experts' rows and zeros elsewhere: their sum is exact
-    for chain in range(0, n_experts, CHAIN_EXPERTS):
-        out = jnp.zeros((r * k + tile, d), rows.dtype)
-        for e in range(chain, min(chain + CHAIN_EXPERTS, n_experts)):
-            out = _expert_tiles(block, e, sorted_rows, starts[e], counts[e], tile, out)
-        chains.append(out)
-    out = functools.reduce(operator.add, chains)
-    per_pair = jnp.zeros((r * k, d), rows.dtype).at[order].set(out[: r * k])
+    counts = jnp.bincount(flat, length=expert_count(block["experts_gate"]))
+    run = listed_experts if isinstance(block["experts_gate"], list) else stacked_experts
+    per_pair = jnp.zeros((r * k, d), rows.dtype).at[order].set(run(block, rows[order // k], counts))
     return jnp.sum(per_pair.reshape(r, k, d).astype(weights.dtype) * weights[..., None], axis=1).astype(rows.dtype)
 
 
-def _expert_tiles(block: dict, e: int, sorted_rows: jax.Array, start: jax.Array, count: jax.Array, tile: int,
-                  out: jax.Array) -> jax.Array:
-    """`out` plus expert e's outputs on its run of the sorted rows (`count` rows from `start`), a tile at a time;
-    rows of a last partial tile past the run add zeros."""
-    gate, up, down = (block[key][e] for key in EXPERT_KEYS)
+def expert_count(matrices) -> int:
+    """How many experts a matrix kind holds: a list of one matrix each, or one stack `[E, ...]`."""
+    if isinstance(matrices, list):
+        return len(matrices)
+    return (matrices.values if isinstance(matrices, QuantizedWeight) else matrices).shape[0]
+
+
+def _grouped(matrix) -> bool:
+    """Group-wise quantized (scales per group of columns, not per row)."""
+    return isinstance(matrix, QuantizedWeight) and matrix.scale.shape[-1] > 1
+
+
+def listed_experts(block: dict, sorted_rows: jax.Array, counts: jax.Array) -> jax.Array:
+    """Each expert's outputs on its run of `sorted_rows` (grouped by expert, `counts` each), the experts a list
+    of arrays: a loop over tiles per expert, in chains (`CHAIN_EXPERTS`)."""
+    p, d = sorted_rows.shape
+    n_experts = len(block["experts_gate"])
+    tile = tile_rows(p, n_experts, _grouped(block["experts_gate"][0]))
+    padded = jnp.concatenate([sorted_rows, jnp.zeros((tile, d), sorted_rows.dtype)])
+    starts = jnp.cumsum(counts) - counts
+    chains = []  # each chain's accumulator holds its experts' rows and zeros elsewhere: their sum is exact
+    for chain in range(0, n_experts, CHAIN_EXPERTS):
+        out = jnp.zeros((p + tile, d), sorted_rows.dtype)
+        for e in range(chain, min(chain + CHAIN_EXPERTS, n_experts)):
+            matrices = tuple(block[key][e] for key in EXPERT_KEYS)
+            out = jax.lax.fori_loop(0, (counts[e] + tile - 1) // tile,
+                                    _tile_step(padded, matrices, starts[e], counts[e], tile), out)
+        chains.append(out)
+    return functools.reduce(operator.add, chains)[:p]
+
+
+def stacked_experts(block: dict, sorted_rows: jax.Array, counts: jax.Array) -> jax.Array:
+    """`listed_experts`' outputs, the experts stacked `[E, ...]` (streamed IREE bundles, `lowering.stage_ring`):
+    with our kernels one routed call per matrix kind (`kernels.xla.routed_matmul`); else one loop over every
+    expert's tiles, each slicing its expert out of the stack. No loop per expert: a compiled step's size and
+    compile time do not grow with the experts."""
+    gate, up, down = (block[key] for key in EXPERT_KEYS)
+    starts = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(counts).astype(jnp.int32)])
+    if all(isinstance(m, QuantizedWeight) and m.kernel for m in (gate, up, down)):
+        def product(x, w):
+            return own_kernels.routed_matmul(x, w.values, w.scale, w.kernel, starts).astype(x.dtype)
+        return product(jax.nn.silu(product(sorted_rows, gate)) * product(sorted_rows, up), down)
+    p, d = sorted_rows.shape
+    tile = tile_rows(p, expert_count(gate), _grouped(gate))
+    padded = jnp.concatenate([sorted_rows, jnp.zeros((tile, d), sorted_rows.dtype)])
+    tiles = (counts + tile - 1) // tile
+    tile_ends = jnp.cumsum(tiles)
+
+    def one_tile(t, out):
+        e = jnp.sum(tile_ends <= t)  # the expert whose tiles hold tile t
+        local = t - (tile_ends[e] - tiles[e])
+        matrices = tuple(jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, e, keepdims=False), m)
+                         for m in (gate, up, down))
+        return _tile_step(padded, matrices, starts[e], counts[e], tile)(local, out)
+
+    return jax.lax.fori_loop(0, tile_ends[-1], one_tile, jnp.zeros((p + tile, d), sorted_rows.dtype))[:p]
+
+
+def _tile_step(padded: jax.Array, matrices: tuple, start: jax.Array, count: jax.Array, tile: int):
+    """(t, out) -> `out` plus one expert's outputs on its t-th tile of rows (`count` rows from `start` in
+    `padded`); rows of a last partial tile past the run add zeros."""
+    gate, up, down = matrices
 
     def one_tile(t, out):
         first = start + t * tile
-        x = jax.lax.dynamic_slice_in_dim(sorted_rows, first, tile)[None]
+        x = jax.lax.dynamic_slice_in_dim(padded, first, tile)[None]
         y = linear(jax.nn.silu(linear(x, gate)) * linear(x, up), down)[0]
         y = jnp.where(((t * tile + jnp.arange(tile)) < count)[:, None], y, 0)
         return jax.lax.dynamic_update_slice_in_dim(out, jax.lax.dynamic_slice_in_dim(out, first, tile) + y, first, 0)
 
-    return jax.lax.fori_loop(0, (count + tile - 1) // tile, one_tile, out)
+    return one_tile

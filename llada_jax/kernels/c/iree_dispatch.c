@@ -48,3 +48,25 @@ void llk_iree_float(BUFFER(const float, ordered), BUFFER(const int8_t, weights),
   llk_w4a16(&w, AT(ordered), (int64_t)positions, AT(out), (int64_t)(workgroup * LLK_IREE_ROWS),
             last_row(workgroup, rows));
 }
+
+/* A sparse MoE's routed products (`routed.c`): `weights` and `scales` hold `experts` matrices stacked, `starts`
+ * each expert's first row (and the end). */
+void llk_iree_int8_routed(BUFFER(const int8_t, values), BUFFER(const float, block_scales), BUFFER(const int32_t, sums),
+                          BUFFER(const int8_t, weights), BUFFER(const void, scales), BUFFER(const int32_t, starts),
+                          BUFFER(float, out), size_t bits, size_t experts, size_t positions, size_t columns,
+                          size_t rows, size_t group, size_t scale_bf16, size_t workgroup) {
+  llk_weights w = weights_of(AT(weights), scales_at(scales, scales_offset, scale_bf16), columns, rows, group,
+                             scale_bf16);
+  llk_int8_activations a = {AT(values), AT(block_scales), AT(sums), (int64_t)positions};
+  llk_routed_int8(&w, (int64_t)bits, AT(starts), (int64_t)experts, &a, AT(out),
+                  (int64_t)(workgroup * LLK_IREE_ROWS), last_row(workgroup, rows));
+}
+
+void llk_iree_float_routed(BUFFER(const float, ordered), BUFFER(const int8_t, weights), BUFFER(const void, scales),
+                           BUFFER(const int32_t, starts), BUFFER(float, out), size_t experts, size_t positions,
+                           size_t columns, size_t rows, size_t group, size_t scale_bf16, size_t workgroup) {
+  llk_weights w = weights_of(AT(weights), scales_at(scales, scales_offset, scale_bf16), columns, rows, group,
+                             scale_bf16);
+  llk_routed_w4a16(&w, AT(starts), (int64_t)experts, AT(ordered), AT(out), (int64_t)(workgroup * LLK_IREE_ROWS),
+                   last_row(workgroup, rows));
+}

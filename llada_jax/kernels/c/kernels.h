@@ -42,4 +42,11 @@ void llk_w8a8(const llk_weights* w, const llk_int8_activations* a, float* out, i
 void llk_w4a16(const llk_weights* w, const float* ordered, int64_t positions, float* out, int64_t o_begin,
                int64_t o_end);
 
+/* A sparse MoE's experts stacked (`routed.c`): `w` describes expert 0's matrix, the next expert's follows it (its
+ * weights and its scales each); the activations' and out's rows [starts[e], starts[e + 1]) are expert e's. */
+void llk_routed_int8(const llk_weights* w, int64_t bits, const int32_t* starts, int64_t experts,
+                     const llk_int8_activations* a, float* out, int64_t o_begin, int64_t o_end);
+void llk_routed_w4a16(const llk_weights* w, const int32_t* starts, int64_t experts, const float* ordered,
+                      float* out, int64_t o_begin, int64_t o_end);
+
 #endif

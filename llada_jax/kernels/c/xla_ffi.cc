@@ -20,6 +20,8 @@ using Matrix = ffi::Buffer<ffi::F32, 2>;
 using Bytes = ffi::Buffer<ffi::S8, 2>;  // the weights' bytes as stored
 using Int8s = ffi::Buffer<ffi::S8, 2>;
 using Int32s = ffi::Buffer<ffi::S32, 2>;
+using Stack = ffi::Buffer<ffi::S8, 3>;  // a sparse MoE's experts' bytes, stacked
+using Starts = ffi::Buffer<ffi::S32, 1>;  // expert e's rows: [starts[e], starts[e + 1])
 
 // Runs work(begin, end) over [0, rows) in chunks on the pool and the calling thread. The caller waits only
 // for chunks already taken, never for a task to start: a busy pool cannot deadlock it.
@@ -85,6 +87,55 @@ ffi::Error FloatMatmul(ffi::ThreadPool pool, Matrix ordered, Bytes weights, ffi:
   return ffi::Error::Success();
 }
 
+// Expert 0's matrix of a stack, as `c/kernels.h`'s routed kernels take it.
+llk_weights StackWeights(Stack& stack, ffi::AnyBuffer& scales, int64_t columns, int64_t group) {
+  return {reinterpret_cast<const uint8_t*>(stack.typed_data()), scales.untyped_data(), stack.dimensions()[1],
+          columns, group, scales.element_type() == ffi::BF16, false};
+}
+
+ffi::Error CheckStack(int64_t columns, int64_t bits, int64_t group, Stack& stack, ffi::AnyBuffer& scales,
+                      Starts& starts, int64_t positions) {
+  auto experts = stack.dimensions()[0], rows = stack.dimensions()[1];
+  if (scales.element_type() != ffi::F32 && scales.element_type() != ffi::BF16)
+    return ffi::Error::InvalidArgument("llada kernels: scales must be float32 or bfloat16");
+  if (columns % LLK_BLOCK || group % LLK_BLOCK || columns % group || stack.dimensions()[2] * 8 != columns * bits ||
+      scales.dimensions().size() != 3 || scales.dimensions()[0] != experts || scales.dimensions()[1] != rows ||
+      scales.dimensions()[2] * group != columns || starts.dimensions()[0] != experts + 1)
+    return ffi::Error::InvalidArgument("llada kernels: shapes do not match the stacked quantized layout");
+  const int32_t* s = starts.typed_data();
+  for (int64_t e = 0; e < experts; e++)
+    if (s[e] < 0 || s[e] > s[e + 1] || s[e + 1] > positions)
+      return ffi::Error::InvalidArgument("llada kernels: expert row starts must rise within the rows");
+  return ffi::Error::Success();
+}
+
+ffi::Error RoutedInt8Matmul(ffi::ThreadPool pool, Int8s values, Matrix block_scales, Int32s sums, Stack stack,
+                            ffi::AnyBuffer scales, Starts starts, ffi::Result<Matrix> out, int64_t bits,
+                            int64_t group) {
+  const int64_t positions = values.dimensions()[0], columns = values.dimensions()[1];
+  if (auto error = CheckStack(columns, bits, group, stack, scales, starts, positions); error.failure()) return error;
+  llk_weights w = StackWeights(stack, scales, columns, group);
+  llk_int8_activations a = {values.typed_data(), block_scales.typed_data(), sums.typed_data(), positions};
+  const int32_t* s = starts.typed_data();
+  int64_t experts = stack.dimensions()[0];
+  float* result = out->typed_data();
+  ParallelRows(pool, w.rows, [&](int64_t b, int64_t e) { llk_routed_int8(&w, bits, s, experts, &a, result, b, e); });
+  return ffi::Error::Success();
+}
+
+ffi::Error RoutedFloatMatmul(ffi::ThreadPool pool, Matrix ordered, Stack stack, ffi::AnyBuffer scales, Starts starts,
+                             ffi::Result<Matrix> out, int64_t group) {
+  const int64_t positions = ordered.dimensions()[0], columns = ordered.dimensions()[1];
+  if (auto error = CheckStack(columns, 4, group, stack, scales, starts, positions); error.failure()) return error;
+  llk_weights w = StackWeights(stack, scales, columns, group);
+  const int32_t* s = starts.typed_data();
+  int64_t experts = stack.dimensions()[0];
+  float* result = out->typed_data();
+  const float* x = ordered.typed_data();
+  ParallelRows(pool, w.rows, [&](int64_t b, int64_t e) { llk_routed_w4a16(&w, s, experts, x, result, b, e); });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LladaInt8Matmul, Int8Matmul,
@@ -106,6 +157,29 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LladaFloatMatmul, FloatMatmul,
                                   .Arg<Matrix>()
                                   .Arg<Bytes>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Ret<Matrix>()
+                                  .Attr<int64_t>("group"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LladaRoutedInt8Matmul, RoutedInt8Matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Int8s>()
+                                  .Arg<Matrix>()
+                                  .Arg<Int32s>()
+                                  .Arg<Stack>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<Starts>()
+                                  .Ret<Matrix>()
+                                  .Attr<int64_t>("bits")
+                                  .Attr<int64_t>("group"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LladaRoutedFloatMatmul, RoutedFloatMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Matrix>()
+                                  .Arg<Stack>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<Starts>()
                                   .Ret<Matrix>()
                                   .Attr<int64_t>("group"));
 
