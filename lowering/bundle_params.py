@@ -1,14 +1,15 @@
 """The params pytree a bundle's step computes with, from its named parameters as stored
 (`lowering.bundle_weights`): float tensors cast to the compute dtype, each quantized module a `QuantizedWeight`
 (offset values signed again; no hoisting barrier, which iree-compile could not schedule at LLaDA-8B's size). A
-streamed layout's layers and LM head are `Stage`s, which the forward fetches (`llada_jax.model.staged`)."""
+streamed layout's layers and LM head are `Stage`s, which the forward fetches (`llada_jax.model.staged`); a
+streamed MoE layer's experts come stacked, each matrix kind one array `[E, ...]` (`lowering.stage_ring.Piece`)."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
 from llada_jax.model.config import LLaDAConfig
-from llada_jax.model.params import block_from_stage, hf_shapes, hf_to_params, stage_key, tensor_places
+from llada_jax.model.params import hf_shapes, hf_to_params, tensor_places
 from llada_jax.model.staged import Stage
 from llada_jax.quant.qlinear import QuantizedWeight, offset_values, row_block_for
 from llada_jax.quant.quantize import Activations
@@ -21,21 +22,29 @@ def params_of(weights, layout: WeightLayout, config: LLaDAConfig, compute_dtype,
     stored = {p.name: w for p, w in zip(layout.parameters, weights)}
     if not layout.streamed:
         return hf_to_params(converted(stored, layout, config, compute_dtype, activations), config)
-    stages = [[piece.key for piece in stage] for stage in ring_plan(layout, config).stages]  # the slots' order
+    stages = ring_plan(layout, config).stages  # the slots' order
     resident = converted({p.name: stored[p.name] for p in layout.parameters if stage_of(p, config) is None},
                          layout, config, compute_dtype, activations)
     places = tensor_places(config)
 
     def staged(index: int) -> Stage:
+        firsts = [piece.keys[0] for piece in stages[index]]  # a stack's tensors convert as its first expert's would
+
         def build(arrays):
-            tensors = converted(dict(zip(stages[index], arrays)), layout, config, compute_dtype, activations)
+            tensors = converted(dict(zip(firsts, arrays)), layout, config, compute_dtype, activations)
             if index == config.n_layers:
                 return next(iter(tensors.values()))
-            return block_from_stage({stage_key(places[name]): tensor for name, tensor in tensors.items()})
-        return Stage(index, tuple(stored[n] for n in stages[index]), build)
+            return {places[name][2]: tensor for name, tensor in tensors.items()}  # an expert's key: its stack's
+        return Stage(index, tuple(_stacked([stored[key] for key in piece.keys]) for piece in stages[index]), build)
 
     return {"wte": resident[_named(places, "wte")], "ln_f": resident[_named(places, "ln_f")],
             "blocks": [staged(i) for i in range(config.n_layers)], "lm_head": staged(config.n_layers)}
+
+
+def _stacked(arrays: list):
+    """One parameter as it is, several (a stage's experts) stacked: placeholders of the exported step only, which
+    the bundle's stage read replaces (`lowering.stage_ring`)."""
+    return arrays[0] if len(arrays) == 1 else jnp.stack(arrays)
 
 
 def _named(places, part: str) -> str:
@@ -63,6 +72,6 @@ def converted(stored: dict, layout: WeightLayout, config: LLaDAConfig, compute_d
         activation = layout.quantized[module].matmul_activations(activations)
         packed = stored[module + ".weight_packed"]
         values, offset = (packed, 0) if layout.signed else offset_values(packed, bits, activation)
-        tensors[name] = QuantizedWeight(values, scale, activation, row_block_for(values.shape), hoist_barrier=False,
-                                        offset=offset)
+        tensors[name] = QuantizedWeight(values, scale, activation, row_block_for(values.shape[-2:]),
+                                        hoist_barrier=False, offset=offset)
     return tensors

@@ -35,15 +35,23 @@ STAGE_INDEX = re.compile(r"stage = (\d+) : i64")
 
 
 @dataclasses.dataclass(frozen=True)
-class Slice:
-    key: str      # the parameter's name in the weights file
-    offset: int   # bytes into the slot
-    length: int   # bytes
+class Piece:
+    """One tensor the step takes from a slot: one parameter, or a sparse MoE matrix kind's experts read back to
+    back, which the step takes as one stack `[E, ...]` (`llada_jax.model.moe.stacked_experts`)."""
+
+    keys: tuple[str, ...]  # the parameters' names in the weights file, in the slot's order
+    offset: int            # bytes into the slot
+    length: int            # bytes, all of them
+
+    def reads(self) -> list[tuple[str, int, int]]:
+        """(key, offset, length) of each parameter's read."""
+        each = self.length // len(self.keys)
+        return [(key, self.offset + i * each, each) for i, key in enumerate(self.keys)]
 
 
 @dataclasses.dataclass(frozen=True)
 class RingPlan:
-    stages: tuple[tuple[Slice, ...], ...]  # per stage: its tensors, in the order the step takes them
+    stages: tuple[tuple[Piece, ...], ...]  # per stage: its tensors, in the order the step takes them
 
     @property
     def slot_bytes(self) -> int:
@@ -69,15 +77,32 @@ def byte_size(parameter: Parameter) -> int:
 
 
 def ring_plan(layout: WeightLayout, config) -> RingPlan:
-    """Each stage's parameters laid out in a slot, in the layout's order (the order the steps take them)."""
-    stages: list[list[Slice]] = [[] for _ in range(config.n_layers + 1)]
+    """Each stage's pieces laid out in a slot, in the layout's order (the order the steps take them); an MoE
+    matrix kind's experts are one piece, at its first expert's place."""
+    grouped: list[dict] = [{} for _ in range(config.n_layers + 1)]  # per stage: piece -> its parameters
     for parameter in layout.parameters:
         stage = stage_of(parameter, config)
         if stage is not None:
-            slices = stages[stage]
-            offset = -(-(slices[-1].offset + slices[-1].length) // ALIGNMENT) * ALIGNMENT if slices else 0
-            slices.append(Slice(parameter.name, offset, byte_size(parameter)))
-    return RingPlan(tuple(tuple(s) for s in stages))
+            grouped[stage].setdefault(_piece_of(parameter, config), []).append(parameter)
+    stages = []
+    for pieces in grouped:
+        laid: list[Piece] = []
+        for parameters in pieces.values():
+            offset = -(-(laid[-1].offset + laid[-1].length) // ALIGNMENT) * ALIGNMENT if laid else 0
+            laid.append(Piece(tuple(p.name for p in parameters), offset, sum(map(byte_size, parameters))))
+        stages.append(tuple(laid))
+    return RingPlan(tuple(stages))
+
+
+def _piece_of(parameter: Parameter, config) -> tuple:
+    """What a parameter is stacked with: an MoE expert's matrix (or its packed values, or its scales) with the
+    same tensor of the layer's other experts; anything else, nothing."""
+    places = tensor_places(config)
+    module, _, part = parameter.name.rpartition(".")
+    place = places.get(module + ".weight") if part != "weight" else places[parameter.name]
+    if place is not None and len(place) == 4:
+        return place[:3] + (part,)
+    return (parameter.name,)
 
 
 def resident_bytes(layout: WeightLayout, config) -> int:
@@ -122,8 +147,8 @@ def ring_parts(plan: RingPlan) -> list[str]:
               "    hal.fence.signal<%ready : !hal.fence>",
               "    util.global.store %c0, @__ring_current : index",
               "    util.global.store %ready, @__ring_ready : !hal.fence", "    util.return", "  }"]
-    for index, slices in enumerate(plan.stages):
-        lines += _gather_function(index, slices)
+    for index, pieces in enumerate(plan.stages):
+        lines += _gather_function(index, pieces)
     return lines
 
 
@@ -136,16 +161,16 @@ def _indent(lines: list[str], spaces: int) -> list[str]:
     return [" " * spaces + line for line in lines]
 
 
-def _gather_function(index: int, slices: tuple[Slice, ...]) -> list[str]:
+def _gather_function(index: int, pieces: tuple[Piece, ...]) -> list[str]:
     """`@__ring_read_<index>(slot, wait) -> fence`: the stage's tensors read into `slot` after `wait`."""
     body = [*_device(), '%signal = hal.fence.create device(%device : !hal.device) flags("None") : !hal.fence',
             "%zero = arith.constant 0 : i64",
             f'%scope = util.buffer.constant : !util.buffer = "{PARAMETER_SCOPE}"']
     reads = []
-    for i, piece in enumerate(slices):
-        body += [f'%key{i} = util.buffer.constant : !util.buffer = "{piece.key}"',
-                 f"%offset{i} = arith.constant {piece.offset} : index",
-                 f"%length{i} = arith.constant {piece.length} : index"]
+    for i, (key, offset, length) in enumerate(read for piece in pieces for read in piece.reads()):
+        body += [f'%key{i} = util.buffer.constant : !util.buffer = "{key}"',
+                 f"%offset{i} = arith.constant {offset} : index",
+                 f"%length{i} = arith.constant {length} : index"]
         reads.append(f"  %scope::%key{i}[%zero] -> %slot[%offset{i} for %length{i}] : !hal.buffer")
     body += ["io_parameters.gather<%device : !hal.device> affinity(%affinity) wait(%wait) signal(%signal) {",
              ",\n".join(reads), "}", "util.return %signal : !hal.fence"]
@@ -156,9 +181,9 @@ def _gather_function(index: int, slices: tuple[Slice, ...]) -> list[str]:
 def _fetch_function(name: str, stage: int, types: list[str], plan: RingPlan) -> str:
     """One call site's fetch: the barrier on the activations, the stage read into the slot of the stage two before
     after it, the tensors imported (see the module's docstring)."""
-    slices = plan.stages[stage]
-    if len(slices) != len(types) - 1:
-        raise ValueError(f"stage {stage} takes {len(types) - 1} tensors; the ring plan has {len(slices)}")
+    pieces = plan.stages[stage]
+    if len(pieces) != len(types) - 1:
+        raise ValueError(f"stage {stage} takes {len(types) - 1} tensors; the ring plan has {len(pieces)}")
     body = [*_device(), "%c0 = arith.constant 0 : index", "%c1 = arith.constant 1 : index",
             '%done = hal.fence.create device(%device : !hal.device) flags("None") : !hal.fence',
             f"%x_done = hal.tensor.barrier join(%x : {types[0]}) => %done : !hal.fence",
@@ -174,7 +199,7 @@ def _fetch_function(name: str, stage: int, types: list[str], plan: RingPlan) -> 
             "util.global.store %next_current, @__ring_current : index",
             "util.global.store %ready, @__ring_ready : !hal.fence"]
     results = ["%x_done"]
-    for i, (piece, tensor_type) in enumerate(zip(slices, types[1:])):
+    for i, (piece, tensor_type) in enumerate(zip(pieces, types[1:])):
         body += [f"%o{i} = arith.constant {piece.offset} : index", f"%l{i} = arith.constant {piece.length} : index",
                  f"%part{i} = hal.buffer.subspan<%slot : !hal.buffer>[%o{i}, %l{i}] : !hal.buffer",
                  f"%w{i} = hal.tensor.import wait(%ready) => %part{i} : !hal.buffer -> {tensor_type}"]

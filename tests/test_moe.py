@@ -92,3 +92,40 @@ def test_more_experts_than_one_iree_chain_compile_and_give_the_xla_tokens(tmp_pa
     options = dict(gen_length=8, block_length=8, steps=4, threshold=0.3, policy="dual-cache", loop="host")
     assert (generate_bundled(np.arange(1, 7), **options).output_ids.tolist()
             == llada_jax.generate(llada_jax.load(checkpoint), np.arange(1, 7), **options).output_ids.tolist())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("activations", ["int8", "float"])
+def test_a_streamed_int4_bundle_runs_the_routed_kernels_and_gives_the_xla_tokens(tmp_path, activations):
+    """Streamed, the experts come stacked (`lowering.stage_ring.Piece`): with our kernels each matrix kind of a
+    layer is one routed call, no loop over experts; XLA's own loop per expert, through the same kernels, gives
+    the same tokens."""
+    from llada_jax.bundle_runner import bundle_runner
+    from llada_jax.quant.quantize import QuantScheme
+    from llada_jax.weights.quantize_checkpoint import quantize_checkpoint
+    from lowering.bundle import compile_bundle
+    from lowering.bundle_weights import weight_layout
+    from lowering.stage_ring import byte_size
+
+    if own_kernels.available() is None:
+        pytest.skip("no C compiler for our kernels")
+    widths = dict(mlp_hidden_size=32, shared_expert_size=32, dense_hidden_size=64, n_experts=12)  # whole blocks
+    config = dataclasses.replace(CONFIG, **widths)
+    source = write_checkpoint(tmp_path / "model", config, std=0.4)
+    (source / "config.json").write_text(json.dumps(dict(REFERENCE_CONFIG, num_experts=12, moe_intermediate_size=32,
+                                                        intermediate_size=64)))
+    checkpoint = quantize_checkpoint(source, tmp_path / "int4", QuantScheme(4, 32), head=QuantScheme(4, 32))
+    budget = sum(map(byte_size, weight_layout(checkpoint, config).parameters)) - 1
+    with mock.patch.object(moe.own_kernels, "routed_matmul", wraps=own_kernels.routed_matmul) as routed_calls:
+        bundle = compile_bundle(checkpoint, "host", tmp_path / "bundle", max_len=32, window=32, block_length=8,
+                                device_memory_budget=budget, activations=activations)
+    assert routed_calls.call_count >= 3 * (config.n_layers - config.dense_layers)  # per step: each MoE layer's 3
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert manifest["streamed"] and manifest["kernels"]["kind"] == "own"
+    _, _, generate_bundled = bundle_runner(bundle)
+    model = llada_jax.load(checkpoint, activations=activations)
+    for editing in (None, 0.3):
+        options = dict(gen_length=12, block_length=8, steps=4, threshold=0.3, editing_threshold=editing,
+                       policy="dual-cache", loop="host")
+        assert (generate_bundled(np.arange(1, 7), **options).output_ids.tolist()
+                == llada_jax.generate(model, np.arange(1, 7), **options).output_ids.tolist())

@@ -48,7 +48,7 @@ def test_ring_plan_holds_each_stage_in_one_slot(deep_dir):
     layout = weight_layout(deep_dir, DEEP)
     plan = ring_plan(layout, DEEP)
     assert len(plan.stages) == DEEP.n_layers + 1
-    staged = {piece.key: index for index, stage in enumerate(plan.stages) for piece in stage}
+    staged = {key: index for index, stage in enumerate(plan.stages) for piece in stage for key in piece.keys}
     for parameter in layout.parameters:
         stage = stage_of(parameter, DEEP)
         assert staged.get(parameter.name) == stage  # layer i's tensors in stage i, the head last, the rest resident
