@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -288,17 +289,30 @@ def _quantization(model_dir: Path) -> dict:
 def _streams(config, layout: WeightLayout, budget: int | None) -> bool:
     """Whether the weights, as the bundle stores them, exceed the budget: then the program streams its layers and
     head through a ring of stage-sized buffers (`lowering.stage_ring`), which must fit beside the rest."""
-    if budget is None:
-        return False
-    if budget <= 0:
+    if budget is not None and budget <= 0:
         raise LladaError(f"device memory budget must be a positive number of bytes, got {budget}")
-    if budget >= sum(byte_size(p) for p in layout.parameters):
+    weight_bytes = sum(byte_size(p) for p in layout.parameters)
+    if budget is None or budget >= weight_bytes:
+        _note_expert_loops(config, weight_bytes)
         return False
     needed = resident_bytes(layout, config) + ring_plan(layout, config).ring_bytes
     if budget < needed:
         raise LladaError(f"a device memory budget of {budget:,} bytes is too small for this model: streaming its "
                          f"weights needs {needed:,} (the embedding and {SLOTS} stages: a layer's or the LM head's)")
     return True
+
+
+# A resident step holds a loop per expert per sparse layer, and IREE's compile time grows faster than the loops:
+# 512 (LLaDA2.0-mini's first 3 layers) took 30 min (docs/iree-limits.md). Streamed steps take the experts stacked.
+SLOW_EXPERT_LOOPS = 256
+
+
+def _note_expert_loops(config, weight_bytes: int) -> None:
+    loops = config.n_experts * (config.n_layers - config.dense_layers)
+    if loops > SLOW_EXPERT_LOOPS:
+        print(f"llada: a resident bundle's steps hold {loops} expert loops, which IREE compiles slowly (hours at "
+              f"LLaDA2.0-mini's size); a --device-memory-budget below the weights' {weight_bytes:,} bytes streams "
+              "them, the experts stacked with no loop per expert", file=sys.stderr)
 
 
 def _streamed(layout: WeightLayout, config) -> dict | None:

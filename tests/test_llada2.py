@@ -304,7 +304,7 @@ def test_quantized_llada2_runs_as_its_dequantized_twin(checkpoint, bits, tmp_pat
 
 
 @pytest.mark.slow
-def test_iree_host_bundle_gives_the_xla_tokens(model, checkpoint, tmp_path, capsys):
+def test_iree_host_bundle_gives_the_xla_tokens(model, checkpoint, tmp_path, capsys, monkeypatch):
     """Block steps through an IREE host bundle, resident and streamed (no compiled loop: IREE 3.13 crashes running
     it, a one-line refusal without --no-loop)."""
     from llada_jax.bundle_runner import bundle_runner
@@ -318,10 +318,13 @@ def test_iree_host_bundle_gives_the_xla_tokens(model, checkpoint, tmp_path, caps
                  "--max-len", "32", "--block-length", "40", "--no-loop"]) == 1
     assert "--block-length must be in [1, --max-len 32], got 40" in capsys.readouterr().err
     # Resident, and streamed by the program through a budget below the weights: the dense first layer and the MoE
-    # layers are stages of two sizes in one ring (`lowering.stage_ring`).
+    # layers are stages of two sizes in one ring (`lowering.stage_ring`), the experts stacked.
+    monkeypatch.setattr("lowering.bundle.SLOW_EXPERT_LOOPS", 1)
     for name, budget in (("resident", None), ("streamed", model.weight_bytes - 1)):
         bundle = compile_bundle(checkpoint, "host", tmp_path / name, max_len=32, window=32,
                                 device_memory_budget=budget, block_length=8)
+        noted = "a resident bundle's steps hold 16 expert loops" in capsys.readouterr().err
+        assert noted == (budget is None)  # the streamed steps hold none
         _, _, generate_bundled = bundle_runner(bundle)
         for editing in (None, 0.3):
             options = dict(gen_length=12, block_length=8, steps=4, threshold=0.3, editing_threshold=editing,
@@ -371,3 +374,25 @@ def test_a_batch_decodes_each_prompt_as_alone(model):
     batch = llada_jax.generate(model, prompts, **options)
     assert [r.output_ids.tolist() for r in batch] == [
         llada_jax.generate(model, prompt, **options).output_ids.tolist() for prompt in prompts]
+
+
+def test_a_streamed_stage_reads_each_expert_kind_back_to_back(checkpoint):
+    """The ring plan stacks a MoE layer's experts per matrix kind, in expert order, with no gap between them (the
+    step takes the stack as one `[E, ...]` tensor); every parameter is read once; the dense layer stacks nothing."""
+    from llada_jax.model.params import tensor_places
+    from lowering.bundle_weights import weight_layout
+    from lowering.stage_ring import ring_plan
+
+    layout = weight_layout(checkpoint, CONFIG)
+    plan, places = ring_plan(layout, CONFIG), tensor_places(CONFIG)
+    reads = [read for stage in plan.stages for piece in stage for read in piece.reads()]
+    assert sorted(key for key, _, _ in reads) == sorted(p.name for p in layout.parameters if places[p.name][0] in (
+        "blocks", "lm_head"))
+    for layer, stage in enumerate(plan.stages[:CONFIG.n_layers]):
+        stacks = [piece for piece in stage if len(piece.keys) > 1]
+        assert len(stacks) == (0 if layer < CONFIG.dense_layers else 3)  # gate, up, down
+        for piece in stacks:
+            assert [places[key][1:] for key in piece.keys] == [
+                (layer, places[piece.keys[0]][2], e) for e in range(CONFIG.n_experts)]
+            starts = [offset for _, offset, _ in piece.reads()]
+            assert starts == [piece.offset + e * piece.length // CONFIG.n_experts for e in range(CONFIG.n_experts)]
