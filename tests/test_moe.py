@@ -94,6 +94,41 @@ def test_more_experts_than_one_iree_chain_compile_and_give_the_xla_tokens(tmp_pa
             == llada_jax.generate(llada_jax.load(checkpoint), np.arange(1, 7), **options).output_ids.tolist())
 
 
+def int4_llada2(tmp_path) -> tuple:
+    """(config, checkpoint): a tiny LLaDA2 whose every matrix our kernels take (whole blocks of 32 columns),
+    quantized to int4 groups of 32."""
+    from llada_jax.weights.quantize_checkpoint import quantize_checkpoint
+
+    if own_kernels.available() is None:
+        pytest.skip("no C compiler for our kernels")
+    widths = dict(mlp_hidden_size=32, shared_expert_size=32, dense_hidden_size=64, n_experts=12)
+    config = dataclasses.replace(CONFIG, **widths)
+    source = write_checkpoint(tmp_path / "model", config, std=0.4)
+    (source / "config.json").write_text(json.dumps(dict(REFERENCE_CONFIG, num_experts=12, moe_intermediate_size=32,
+                                                        intermediate_size=64)))
+    return config, quantize_checkpoint(source, tmp_path / "int4", QuantScheme(4, 32), head=QuantScheme(4, 32))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("activations", ["int8", "float"])
+def test_xla_holds_experts_our_kernels_take_stacked_and_decodes_as_with_a_loop_per_expert(tmp_path, activations):
+    """Loaded with our kernels, every expert matrix stacked (one routed call per kind, and a whole-step program even
+    past `loading.WHOLE_STEP_EXPERT_LOOPS`); loaded as lists (layer by layer, a loop per expert), the same tokens."""
+    from llada_jax.weights import loading
+
+    config, checkpoint = int4_llada2(tmp_path)
+    with mock.patch.object(loading, "WHOLE_STEP_EXPERT_LOOPS", 0):
+        model = llada_jax.load(checkpoint, dtype="float32", activations=activations)
+        with mock.patch.object(loading, "kernels_take_experts", lambda *args: False):  # lists: layer by layer
+            looped = llada_jax.load(checkpoint, dtype="float32", activations=activations)
+    assert not model.layered and looped.layered
+    assert model.params["blocks"][config.dense_layers]["experts_gate"].values.shape[0] == config.n_experts
+    for editing in (None, 0.3):
+        options = dict(gen_length=12, block_length=8, steps=4, threshold=0.3, editing_threshold=editing)
+        assert (llada_jax.generate(model, np.arange(1, 7), **options).output_ids.tolist()
+                == llada_jax.generate(looped, np.arange(1, 7), **options).output_ids.tolist())
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("activations", ["int8", "float"])
 def test_a_streamed_int4_bundle_runs_the_routed_kernels_and_gives_the_xla_tokens(tmp_path, activations):
@@ -101,20 +136,11 @@ def test_a_streamed_int4_bundle_runs_the_routed_kernels_and_gives_the_xla_tokens
     layer is one routed call, no loop over experts; XLA's own loop per expert, through the same kernels, gives
     the same tokens."""
     from llada_jax.bundle_runner import bundle_runner
-    from llada_jax.quant.quantize import QuantScheme
-    from llada_jax.weights.quantize_checkpoint import quantize_checkpoint
     from lowering.bundle import compile_bundle
     from lowering.bundle_weights import weight_layout
     from lowering.stage_ring import byte_size
 
-    if own_kernels.available() is None:
-        pytest.skip("no C compiler for our kernels")
-    widths = dict(mlp_hidden_size=32, shared_expert_size=32, dense_hidden_size=64, n_experts=12)  # whole blocks
-    config = dataclasses.replace(CONFIG, **widths)
-    source = write_checkpoint(tmp_path / "model", config, std=0.4)
-    (source / "config.json").write_text(json.dumps(dict(REFERENCE_CONFIG, num_experts=12, moe_intermediate_size=32,
-                                                        intermediate_size=64)))
-    checkpoint = quantize_checkpoint(source, tmp_path / "int4", QuantScheme(4, 32), head=QuantScheme(4, 32))
+    config, checkpoint = int4_llada2(tmp_path)
     budget = sum(map(byte_size, weight_layout(checkpoint, config).parameters)) - 1
     with mock.patch.object(moe.own_kernels, "routed_matmul", wraps=own_kernels.routed_matmul) as routed_calls:
         bundle = compile_bundle(checkpoint, "host", tmp_path / "bundle", max_len=32, window=32, block_length=8,

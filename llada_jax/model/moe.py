@@ -98,6 +98,17 @@ def routed_sum(block: dict, rows: jax.Array, experts: jax.Array, weights: jax.Ar
     return jnp.sum(per_pair.reshape(r, k, d).astype(weights.dtype) * weights[..., None], axis=1).astype(rows.dtype)
 
 
+def stack_experts(params: dict) -> dict:
+    """`params` with each MoE matrix kind's list of experts stacked `[E, ...]` where our kernels take them all
+    (`quant.choice.kernels_take_experts`); layer by layer, so each list can be freed once its stack is made."""
+    for block in params["blocks"]:
+        for key in EXPERT_KEYS:
+            matrices = block.get(key)
+            if isinstance(matrices, list) and all(isinstance(m, QuantizedWeight) and m.kernel for m in matrices):
+                block[key] = jax.tree.map(lambda *parts: jnp.stack(parts), *matrices)
+    return params
+
+
 def expert_count(matrices) -> int:
     """How many experts a matrix kind holds: a list of one matrix each, or one stack `[E, ...]`."""
     if isinstance(matrices, list):

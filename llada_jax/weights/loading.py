@@ -18,8 +18,9 @@ from tqdm import tqdm
 
 from llada_jax.model.config import LLaDAConfig, read_config
 from llada_jax.model.mesh import MODEL, check_fits_model_axis
+from llada_jax.model.moe import stack_experts
 from llada_jax.model.params import hf_shapes
-from llada_jax.quant.choice import Kernels, check_activations, kernels_in_use
+from llada_jax.quant.choice import Kernels, check_activations, kernels_in_use, kernels_take_experts
 from llada_jax.quant.quantize import Activations, QuantScheme
 from llada_jax.staging.swap import StagedWeights, pack_weights
 from llada_jax.system.errors import LladaError
@@ -102,7 +103,8 @@ def load(path, dtype: str = "float32", device_memory_budget: int | None = None, 
                   kernels=kernels, quantized=quantized, mesh=mesh,
                   scale_itemsize=stored_scale_itemsize(model_dir, quantized))
     staged = device_memory_budget is not None and model.weight_bytes > device_memory_budget
-    layered = not staged and mesh is None and layered_execution(config)
+    stacked = not staged and kernels_take_experts(config, quantized, kernels, activations)  # no loop per expert
+    layered = not staged and mesh is None and layered_execution(config) and not stacked
     if layered:
         model = dataclasses.replace(model, layered=layered)
     if mesh is not None:
@@ -119,8 +121,8 @@ def load(path, dtype: str = "float32", device_memory_budget: int | None = None, 
         held = tuple(stage_on_device(packed, stage) for stage in range(len(packed.stages))) if layered else None
         model = dataclasses.replace(model, staged=packed, device_stages=held)
     else:
-        model = dataclasses.replace(model, params=load_params(model_dir, config, dtype, activations, mesh, wrap=bar,
-                                                                  kernels=kernels))
+        params = load_params(model_dir, config, dtype, activations, mesh, wrap=bar, kernels=kernels)
+        model = dataclasses.replace(model, params=stack_experts(params) if stacked else params)
     release_freed_memory()
     return model
 
