@@ -28,8 +28,11 @@ import jax
 import jax.numpy as jnp
 
 from llada_jax.kernels import xla as own_kernels
+from llada_jax.kernels.schemes import Kernels, scheme_for
 from llada_jax.model.layout import Positions, linear, swiglu
+from llada_jax.model.params import hf_shapes, tensor_places
 from llada_jax.quant.qlinear import QuantizedWeight, stored_matmul
+from llada_jax.quant.quantize import Activations
 
 EXPERT_KEYS = ("experts_gate", "experts_up", "experts_down")  # each a list of one matrix per expert
 
@@ -98,9 +101,24 @@ def routed_sum(block: dict, rows: jax.Array, experts: jax.Array, weights: jax.Ar
     return jnp.sum(per_pair.reshape(r, k, d).astype(weights.dtype) * weights[..., None], axis=1).astype(rows.dtype)
 
 
+def kernels_take_experts(config, quantized: dict, kernels: Kernels, activations: Activations) -> bool:
+    """Whether our kernels multiply every expert matrix of a sparse MoE model (`kernels` as `kernels_in_use`
+    chose): its experts are then held stacked and run as one routed call per matrix kind
+    (`stack_experts`), no loop per expert."""
+    if kernels != "own" or not config.n_experts:
+        return False
+    shapes, places = hf_shapes(config), tensor_places(config)
+    for name, place in places.items():
+        scheme = quantized.get(name.removesuffix(".weight")) if len(place) == 4 else None
+        if len(place) == 4 and (scheme is None or not scheme_for(
+                scheme.bits, activations, shapes[name][1], scheme.group_size or shapes[name][1])):
+            return False
+    return True
+
+
 def stack_experts(params: dict) -> dict:
     """`params` with each MoE matrix kind's list of experts stacked `[E, ...]` where our kernels take them all
-    (`quant.choice.kernels_take_experts`); layer by layer, so each list can be freed once its stack is made."""
+    (`kernels_take_experts`); layer by layer, so each list can be freed once its stack is made."""
     for block in params["blocks"]:
         for key in EXPERT_KEYS:
             matrices = block.get(key)

@@ -9,7 +9,7 @@ from typing import get_args
 import jax
 
 from llada_jax.kernels import xla as own_kernels
-from llada_jax.kernels.schemes import BLOCK, KERNELS, Kernels, scheme_for
+from llada_jax.kernels.schemes import BLOCK, KERNELS, Kernels
 from llada_jax.quant.quantize import Activations
 from llada_jax.system.errors import LladaError
 from llada_jax.system.host_cpu import cpu_flags
@@ -58,19 +58,3 @@ def kernels_in_use(kernels: Kernels, quantized: dict, mesh=None, activations: Ac
 
 BF16_DOT_FLAGS = {"avx512_bf16", "amx_bf16"}
 
-
-def kernels_take_experts(config, quantized: dict, kernels: Kernels, activations: Activations) -> bool:
-    """Whether our kernels multiply every expert matrix of a sparse MoE model (`kernels` as `kernels_in_use`
-    chose): its experts are then held stacked and run as one routed call per matrix kind
-    (`llada_jax.model.moe.stack_experts`), no loop per expert."""
-    from llada_jax.model.params import hf_shapes, tensor_places
-
-    if kernels != "own" or not config.n_experts:
-        return False
-    shapes, places = hf_shapes(config), tensor_places(config)
-    for name, place in places.items():
-        scheme = quantized.get(name.removesuffix(".weight")) if len(place) == 4 else None
-        if len(place) == 4 and (scheme is None or not scheme_for(
-                scheme.bits, activations, shapes[name][1], scheme.group_size or shapes[name][1])):
-            return False
-    return True

@@ -18,9 +18,9 @@ from tqdm import tqdm
 
 from llada_jax.model.config import LLaDAConfig, read_config
 from llada_jax.model.mesh import MODEL, check_fits_model_axis
-from llada_jax.model.moe import stack_experts
+from llada_jax.model.moe import kernels_take_experts, stack_experts
 from llada_jax.model.params import hf_shapes
-from llada_jax.quant.choice import Kernels, check_activations, kernels_in_use, kernels_take_experts
+from llada_jax.quant.choice import Kernels, check_activations, kernels_in_use
 from llada_jax.quant.quantize import Activations, QuantScheme
 from llada_jax.staging.swap import StagedWeights, pack_weights
 from llada_jax.system.errors import LladaError
