@@ -8,15 +8,16 @@ groups (a group scores the sum of its top 2), weighted by their unbiased scores 
 scaling factor, summed in float32; plus the shared expert on every position.
 The routed (position, expert) pairs are sorted by expert, and each expert computes its run of the sorted rows.
 The experts' matrices come in one of two forms:
-- a list per matrix kind, one array each (XLA): each expert runs over its run in tiles of a fixed size (shapes
-  stay static, the trip counts follow the routing), so the work is the routed rows plus at most one partly filled
-  tile per expert, and every product reads its expert's weights where they lie: a stacked `[experts, ...]` array
-  sliced by a traced index was copied out per expert, and XLA's CPU `ragged_dot` computes every group on every row
-  (dense-masked); both measured in eval/RESULTS.md ("The MoE layer against its floors");
-- a stack `[experts, ...]` per matrix kind (streamed IREE bundles, whose stage reads put the experts back to back):
-  our routed kernels take the whole stack and each expert's first row, one call per matrix kind; without them one
-  loop runs over every expert's tiles. A loop per expert made IREE's compile time grow faster than the experts
-  (docs/iree-limits.md).
+- a list per matrix kind, one array each (XLA's own code, resident IREE bundles): each expert runs over its run
+  in tiles of a fixed size (shapes stay static, the trip counts follow the routing), so the work is the routed
+  rows plus at most one partly filled tile per expert, and every product reads its expert's weights where they
+  lie: a stacked `[experts, ...]` array sliced by a traced index was copied out per expert, and XLA's CPU
+  `ragged_dot` computes every group on every row (dense-masked); both measured in eval/RESULTS.md ("The MoE layer
+  against its floors");
+- a stack `[experts, ...]` per matrix kind (XLA where our kernels take every expert, `stack_experts`; streamed
+  IREE bundles, whose stage reads put the experts back to back): our routed kernels take the whole stack and each
+  expert's first row, one call per matrix kind; without them one loop runs over every expert's tiles. A loop per
+  expert made IREE's compile time grow faster than the experts (docs/iree-limits.md).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from llada_jax.model.params import hf_shapes, tensor_places
 from llada_jax.quant.qlinear import QuantizedWeight, stored_matmul
 from llada_jax.quant.quantize import Activations
 
-EXPERT_KEYS = ("experts_gate", "experts_up", "experts_down")  # each a list of one matrix per expert
+EXPERT_KEYS = ("experts_gate", "experts_up", "experts_down")  # each a list of one matrix per expert, or a stack
 
 
 def sparse_mlp(block: dict, x: jax.Array, config) -> jax.Array:
@@ -107,13 +108,12 @@ def kernels_take_experts(config, quantized: dict, kernels: Kernels, activations:
     (`stack_experts`), no loop per expert."""
     if kernels != "own" or not config.n_experts:
         return False
-    shapes, places = hf_shapes(config), tensor_places(config)
-    for name, place in places.items():
-        scheme = quantized.get(name.removesuffix(".weight")) if len(place) == 4 else None
-        if len(place) == 4 and (scheme is None or not scheme_for(
-                scheme.bits, activations, shapes[name][1], scheme.group_size or shapes[name][1])):
-            return False
-    return True
+    shapes = hf_shapes(config)
+    experts = [name for name, place in tensor_places(config).items() if len(place) == 4]
+    schemes = [quantized.get(name.removesuffix(".weight")) for name in experts]
+    return all(scheme is not None and scheme_for(scheme.bits, activations, shapes[name][1],
+                                                 scheme.group_size or shapes[name][1]) is not None
+               for name, scheme in zip(experts, schemes))
 
 
 def stack_experts(params: dict) -> dict:
@@ -159,7 +159,7 @@ def listed_experts(block: dict, sorted_rows: jax.Array, counts: jax.Array) -> ja
 
 
 def stacked_experts(block: dict, sorted_rows: jax.Array, counts: jax.Array) -> jax.Array:
-    """`listed_experts`' outputs, the experts stacked `[E, ...]` (streamed IREE bundles, `lowering.stage_ring`):
+    """`listed_experts`' outputs, the experts stacked `[E, ...]` (`stack_experts`, `lowering.stage_ring`):
     with our kernels one routed call per matrix kind (`kernels.xla.routed_matmul`); else one loop over every
     expert's tiles, each slicing its expert out of the stack. No loop per expert: a compiled step's size and
     compile time do not grow with the experts."""
