@@ -14,7 +14,7 @@ The experts' matrices come in one of two forms:
   lie: a stacked `[experts, ...]` array sliced by a traced index was copied out per expert, and XLA's CPU
   `ragged_dot` computes every group on every row (dense-masked); both measured in eval/RESULTS.md ("The MoE layer
   against its floors");
-- a stack `[experts, ...]` per matrix kind (XLA where our kernels take every expert, `stack_experts`; streamed
+- a stack `[experts, ...]` per matrix kind (XLA where our kernels take every expert, `kernels_take_experts`; streamed
   IREE bundles, whose stage reads put the experts back to back): our routed kernels take the whole stack and each
   expert's first row, one call per matrix kind; without them one loop runs over every expert's tiles. A loop per
   expert made IREE's compile time grow faster than the experts (docs/iree-limits.md).
@@ -105,7 +105,7 @@ def routed_sum(block: dict, rows: jax.Array, experts: jax.Array, weights: jax.Ar
 def kernels_take_experts(config, quantized: dict, kernels: Kernels, activations: Activations) -> bool:
     """Whether our kernels multiply every expert matrix of a sparse MoE model (`kernels` as `kernels_in_use`
     chose): its experts are then held stacked and run as one routed call per matrix kind
-    (`stack_experts`), no loop per expert."""
+    (`weights.checkpoint.load_params`), no loop per expert."""
     if kernels != "own" or not config.n_experts:
         return False
     shapes = hf_shapes(config)
@@ -116,15 +116,9 @@ def kernels_take_experts(config, quantized: dict, kernels: Kernels, activations:
                for name, scheme in zip(experts, schemes))
 
 
-def stack_experts(params: dict) -> dict:
-    """`params` with each MoE matrix kind's list of experts stacked `[E, ...]` where our kernels take them all
-    (`kernels_take_experts`); layer by layer, so each list can be freed once its stack is made."""
-    for block in params["blocks"]:
-        for key in EXPERT_KEYS:
-            matrices = block.get(key)
-            if isinstance(matrices, list) and all(isinstance(m, QuantizedWeight) and m.kernel for m in matrices):
-                block[key] = jax.tree.map(lambda *parts: jnp.stack(parts), *matrices)
-    return params
+def stacked(matrices: list):
+    """One expert matrix kind's list as one stack `[E, ...]` (arrays, or `QuantizedWeight`s alike)."""
+    return jax.tree.map(lambda *parts: jnp.stack(parts), *matrices)
 
 
 def expert_count(matrices) -> int:
@@ -159,7 +153,7 @@ def listed_experts(block: dict, sorted_rows: jax.Array, counts: jax.Array) -> ja
 
 
 def stacked_experts(block: dict, sorted_rows: jax.Array, counts: jax.Array) -> jax.Array:
-    """`listed_experts`' outputs, the experts stacked `[E, ...]` (`stack_experts`, `lowering.stage_ring`):
+    """`listed_experts`' outputs, the experts stacked `[E, ...]` (`kernels_take_experts`, `lowering.stage_ring`):
     with our kernels one routed call per matrix kind (`kernels.xla.routed_matmul`); else one loop over every
     expert's tiles, each slicing its expert out of the stack. No loop per expert: a compiled step's size and
     compile time do not grow with the experts."""

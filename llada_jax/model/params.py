@@ -103,7 +103,7 @@ def hf_to_params(tensors: dict[str, object], config: LLaDAConfig) -> dict:
             params[place[0]] = tensors[name]
         elif len(place) == 3:
             params["blocks"][place[1]][place[2]] = tensors[name]
-        else:
+        elif name in tensors:  # a stacked expert's is absent (`weights.checkpoint.load_params` places its stack)
             experts.setdefault(place[1:3], []).append(tensors[name])
     for (layer, key), matrices in experts.items():
         params["blocks"][layer][key] = matrices

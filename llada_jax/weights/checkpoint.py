@@ -19,7 +19,8 @@ import numpy as np
 
 from llada_jax.model.config import LLaDAConfig
 from llada_jax.model.mesh import place_weight
-from llada_jax.model.params import hf_to_params, params_to_hf, tensor_role
+from llada_jax.model.moe import stacked
+from llada_jax.model.params import hf_to_params, params_to_hf, tensor_places, tensor_role
 from llada_jax.quant.choice import Kernels
 from llada_jax.quant.qlinear import to_device, uses_stored_words
 from llada_jax.quant.quantize import Activations, HostQuantized
@@ -39,24 +40,38 @@ def compute_dtype(name: str):
 
 
 def read_tensors(model_dir: Path, config: LLaDAConfig, dtype, activations: Activations = "float", mesh=None,
-                 quantized: dict | None = None, wrap=iter, kernels: Kernels = "compiler") -> dict:
+                 quantized: dict | None = None, wrap=iter, kernels: Kernels = "compiler", stacks: dict | None = None
+                 ) -> dict:
     """Load and validate every tensor, converting each to the compute dtype on the device, or with a
     `jax.sharding.Mesh`, straight into its shards there (quantized matrices stay integers, see `qlinear`).
     `quantized` (module -> scheme) defaults to what the directory's config.json says; `wrap` wraps the
-    stream of (name, tensor) pairs (a progress bar)."""
+    stream of (name, tensor) pairs (a progress bar). With `stacks` (a dict to fill), each MoE matrix kind's
+    experts are read by copy and stacked into `stacks[(layer, key)]` once the layer's last one is read
+    (`llada_jax.model.moe.stacked`), not returned: no page of theirs stays mapped, one kind's copies at a time."""
     tensors = {}
     # Only one CPU device uses host buffers in place; elsewhere a mapped view would only add to RSS.
     in_place = np.dtype(dtype) if mesh is None and jax.default_backend() == "cpu" else None
+    places = tensor_places(config)
+    experts = {name.removesuffix(".weight") for name, place in places.items() if len(place) == 4}
+    pending: dict[tuple, list] = {}
 
     def words(scheme) -> bool:  # our kernels read every matrix's bytes as stored
         return kernels == "own" or uses_stored_words(scheme, activations)
 
-    tensors_read = iter_tensors(model_dir, config, quantized=quantized, in_place=in_place, words_in_place=words)
+    tensors_read = iter_tensors(model_dir, config, quantized=quantized, in_place=in_place, words_in_place=words,
+                                copied=experts.__contains__ if stacks is not None else None)
     for name, array in wrap(tensors_read):
         put = jax.device_put if mesh is None else functools.partial(place_weight, name=tensor_role(name, config),
                                                                     mesh=mesh)
-        tensors[name] = (to_device(array, activations, put, kernels) if isinstance(array, HostQuantized)
-                         else put(in_dtype(array, dtype)))
+        tensor = (to_device(array, activations, put, kernels) if isinstance(array, HostQuantized)
+                  else put(in_dtype(array, dtype)))
+        if stacks is None or len(places[name]) != 4:
+            tensors[name] = tensor
+            continue
+        kind = pending.setdefault(places[name][1:3], [])
+        kind.append(tensor)
+        if len(kind) == config.n_experts:
+            stacks[places[name][1:3]] = stacked(pending.pop(places[name][1:3]))
     return tensors
 
 
@@ -71,10 +86,17 @@ def in_dtype(array: np.ndarray, dtype) -> np.ndarray:
 
 
 def load_params(model_dir: Path, config: LLaDAConfig, dtype="float32", activations: Activations = "float",
-                mesh=None, quantized: dict | None = None, wrap=iter, kernels: Kernels = "compiler") -> dict:
+                mesh=None, quantized: dict | None = None, wrap=iter, kernels: Kernels = "compiler",
+                stack_experts: bool = False) -> dict:
+    """The params pytree; with `stack_experts` (our kernels take every expert matrix,
+    `llada_jax.model.moe.kernels_take_experts`), each MoE matrix kind's experts one stack `[E, ...]`."""
+    stacks: dict | None = {} if stack_experts else None
     tensors = read_tensors(Path(model_dir), config, compute_dtype(dtype), activations, mesh, quantized, wrap,
-                           kernels)
-    return hf_to_params(tensors, config)
+                           kernels, stacks)
+    params = hf_to_params(tensors, config)
+    for (layer, key), stack in (stacks or {}).items():
+        params["blocks"][layer][key] = stack
+    return params
 
 
 def save_hf(params: dict, config: LLaDAConfig, out_dir: Path, *, stored_dtype: str = "float32",

@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from llada_jax.model.config import LLaDAConfig, read_config
 from llada_jax.model.mesh import MODEL, check_fits_model_axis
-from llada_jax.model.moe import kernels_take_experts, stack_experts
+from llada_jax.model.moe import kernels_take_experts
 from llada_jax.model.params import hf_shapes
 from llada_jax.quant.choice import Kernels, check_activations, kernels_in_use
 from llada_jax.quant.quantize import Activations, QuantScheme
@@ -121,8 +121,8 @@ def load(path, dtype: str = "float32", device_memory_budget: int | None = None, 
         held = tuple(stage_on_device(packed, stage) for stage in range(len(packed.stages))) if layered else None
         model = dataclasses.replace(model, staged=packed, device_stages=held)
     else:
-        params = load_params(model_dir, config, dtype, activations, mesh, wrap=bar, kernels=kernels)
-        model = dataclasses.replace(model, params=stack_experts(params) if stacked else params)
+        model = dataclasses.replace(model, params=load_params(model_dir, config, dtype, activations, mesh, wrap=bar,
+                                                                  kernels=kernels, stack_experts=stacked))
     release_freed_memory()
     return model
 

@@ -98,13 +98,15 @@ def stored_scale_itemsize(model_dir: Path, quantized: dict[str, QuantScheme]) ->
 
 
 def iter_tensors(model_dir: Path, config: LLaDAConfig, weight_map: dict[str, str] | None = None,
-                 quantized: dict[str, QuantScheme] | None = None, in_place=None, words_in_place=None):
+                 quantized: dict[str, QuantScheme] | None = None, in_place=None, words_in_place=None,
+                 copied=None):
     """(`.weight` name, host array or HostQuantized) for every tensor, in checkpoint order, validated,
     read one at a time. `weight_map` (tensor -> file, relative to model_dir or absolute) and
     `quantized` default to the directory's own. With `in_place` (a float dtype), what a caller uses as stored
     (float tensors stored in that dtype, quantization scales, and the packed words of the schemes for which
     `words_in_place(scheme)` holds) is a read-only view of the files' pages where aligned (see
-    `SafetensorsFile.mapped`); everything else is read, so no page of a tensor the caller converts stays mapped."""
+    `SafetensorsFile.mapped`); everything else is read, so no page of a tensor the caller converts stays mapped.
+    A quantized module for which `copied(module)` holds is read whole (a caller that stacks it into a new array)."""
     weight_map = weight_map or weight_files(model_dir)
     quantized = checkpoint_quantization(model_dir, config) if quantized is None else quantized
     check_names(weight_map, config, model_dir, quantized)
@@ -123,7 +125,8 @@ def iter_tensors(model_dir: Path, config: LLaDAConfig, weight_map: dict[str, str
         for name, shape in shapes.items():
             module = name[: -len(".weight")]
             if module in quantized:
-                scheme, mapping = quantized[module], in_place is not None
+                scheme = quantized[module]
+                mapping = in_place is not None and not (copied is not None and copied(module))
                 words = mapping and words_in_place is not None and words_in_place(scheme)
                 yield name, _read_quantized(read, module, shape, scheme, model_dir, mapping, words)
             else:
