@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from llada_jax.model.config import LLaDAConfig
+from llada_jax.model.moe import stacked
 from llada_jax.model.params import hf_shapes, hf_to_params, tensor_places
 from llada_jax.model.staged import Stage
 from llada_jax.quant.qlinear import QuantizedWeight, offset_values, row_block_for
@@ -44,7 +45,7 @@ def params_of(weights, layout: WeightLayout, config: LLaDAConfig, compute_dtype,
 def _stacked(arrays: list):
     """One parameter as it is, several (a stage's experts) stacked: placeholders of the exported step only, which
     the bundle's stage read replaces (`lowering.stage_ring`)."""
-    return arrays[0] if len(arrays) == 1 else jnp.stack(arrays)
+    return arrays[0] if len(arrays) == 1 else stacked(arrays)
 
 
 def _named(places, part: str) -> str:

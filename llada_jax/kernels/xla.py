@@ -53,37 +53,33 @@ def _note_once(message: str) -> None:
 def matmul(x: jax.Array, stored: jax.Array, scale: jax.Array, scheme: str, signed8: bool = False) -> jax.Array:
     """x `[R, I]` @ W.T `[R, O]` float32, W's bytes `stored` `[O, I * bits / 8]` as `c/kernels.h` reads them and
     its scales `[O, G]` (float32 or bfloat16); x prepared for the kernel here (`activations`)."""
-    rows, groups = scale.shape
-    group = np.int64(x.shape[1] // groups)
-    if stored.dtype != jnp.int8:  # bytes: a signless i8 tensor in StableHLO (held so: nothing to hoist)
-        stored = jax.lax.bitcast_convert_type(stored, jnp.int8)
-    out = jax.ShapeDtypeStruct((x.shape[0], rows), jnp.float32)
-    nibbles = scheme != "w8a8"
-    if scheme == "w4a16":
-        ordered = activations.block_order(x.astype(jnp.float32), nibbles)
-        return jax.ffi.ffi_call("llada_float_matmul", out)(ordered, stored, scale, group=group)
-    values, block_scales, sums = activations.quantized(x, nibbles)
-    return jax.ffi.ffi_call("llada_int8_matmul", out)(values, block_scales, sums, stored, scale,
-                                                      bits=np.int64(4 if nibbles else 8), group=group, signed8=signed8)
+    return _kernel_call(x, stored, scale, scheme, "", (), {} if scheme == "w4a16" else {"signed8": signed8})
 
 
 def routed_matmul(x: jax.Array, stored: jax.Array, scale: jax.Array, scheme: str, starts: jax.Array) -> jax.Array:
     """A sparse MoE's routed products `[R, O]` float32: row r of x `[R, I]` times expert e's W.T for the rows
     [starts[e], starts[e + 1]) (the rows sorted by expert, `starts` `[E + 1]` int32), the experts' bytes stacked
     `[E, O, I * bits / 8]` and their scales `[E, O, G]`; each row's value is `matmul`'s, bit for bit."""
-    groups = scale.shape[-1]
-    group = np.int64(x.shape[1] // groups)
-    if stored.dtype != jnp.int8:
+    return _kernel_call(x, stored, scale, scheme, "_routed", (starts.astype(jnp.int32),), {})
+
+
+def _kernel_call(x: jax.Array, stored: jax.Array, scale: jax.Array, scheme: str, variant: str, extra: tuple,
+                 attributes: dict) -> jax.Array:
+    """The kernel's custom call (`TARGETS`: `llada_{int8|float}{variant}_matmul`) on x prepared for it, the
+    weights' operands, then `extra` operands."""
+    group = np.int64(x.shape[1] // scale.shape[-1])
+    if stored.dtype != jnp.int8:  # bytes: a signless i8 tensor in StableHLO (held so: nothing to hoist)
         stored = jax.lax.bitcast_convert_type(stored, jnp.int8)
-    out = jax.ShapeDtypeStruct((x.shape[0], scale.shape[1]), jnp.float32)
+    out = jax.ShapeDtypeStruct((x.shape[0], scale.shape[-2]), jnp.float32)
     nibbles = scheme != "w8a8"
-    starts = starts.astype(jnp.int32)
     if scheme == "w4a16":
         ordered = activations.block_order(x.astype(jnp.float32), nibbles)
-        return jax.ffi.ffi_call("llada_float_routed_matmul", out)(ordered, stored, scale, starts, group=group)
+        return jax.ffi.ffi_call(f"llada_float{variant}_matmul", out)(ordered, stored, scale, *extra, group=group,
+                                                                     **attributes)
     values, block_scales, sums = activations.quantized(x, nibbles)
-    return jax.ffi.ffi_call("llada_int8_routed_matmul", out)(values, block_scales, sums, stored, scale, starts,
-                                                             bits=np.int64(4 if nibbles else 8), group=group)
+    return jax.ffi.ffi_call(f"llada_int8{variant}_matmul", out)(values, block_scales, sums, stored, scale, *extra,
+                                                                bits=np.int64(4 if nibbles else 8), group=group,
+                                                                **attributes)
 
 
 def linear(x: jax.Array, stored: jax.Array, scale: jax.Array, scheme: str, columns: bool = False) -> jax.Array:

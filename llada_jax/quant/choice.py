@@ -57,4 +57,3 @@ def kernels_in_use(kernels: Kernels, quantized: dict, mesh=None, activations: Ac
 
 
 BF16_DOT_FLAGS = {"avx512_bf16", "amx_bf16"}
-
