@@ -302,8 +302,8 @@ def _streams(config, layout: WeightLayout, budget: int | None) -> bool:
     return True
 
 
-# A resident step holds a loop per expert per sparse layer, and IREE's compile time grows faster than the loops:
-# 512 (LLaDA2.0-mini's first 3 layers) took 30 min (docs/iree-limits.md). Streamed steps take the experts stacked.
+# A resident step holds a loop per expert per sparse layer, and IREE's compile time grows faster than the loops
+# (docs/iree-limits.md; measured in eval/RESULTS.md, "LLaDA2"). Streamed steps take the experts stacked.
 SLOW_EXPERT_LOOPS = 256
 
 
