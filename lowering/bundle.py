@@ -9,20 +9,18 @@ never exists.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 from llada_jax.families import host_loop_conventions
 from llada_jax.model.config import read_config, read_hf_dict
-from llada_jax.quant.choice import Kernels, check_activations
+from llada_jax.quant.choice import Kernels
 from llada_jax.quant.quantize import Activations
 from llada_jax.system.atomic import atomic_dir, check_output_dir
 from llada_jax.system.errors import LladaError
@@ -30,8 +28,12 @@ from llada_jax.weights.checkpoint import compute_dtype
 from llada_jax.weights.tokenizer import eot_id_from_files
 from llada_jax.weights.weights_io import INDEX_FILE, weight_files
 from lowering.bundle_format import ARCHIVE, FORMAT_VERSION, MANIFEST, TOKENIZER_FILES, VMFB, sha256
+from lowering.bundle_layout import bundle_layout
 from lowering.bundle_module import bundle_module
-from lowering.bundle_weights import WeightLayout, weight_layout, with_kernels, write_archive
+from lowering.bundle_weights import (
+    WeightLayout,
+    write_archive,
+)
 from lowering.export import (
     canvas_sizes,
     loop,
@@ -40,10 +42,10 @@ from lowering.export import (
     step,
     step_specs,
 )
-from lowering.kernel_dispatch import kernel_compiler, kernels_manifest, target_objects
+from lowering.kernel_dispatch import kernels_manifest, target_objects
 from lowering.matmul_tiles import tunable_matmuls, tuning_spec
 from lowering.run_script import write_run_script
-from lowering.stage_ring import SLOTS, byte_size, resident_bytes, ring_plan
+from lowering.stage_ring import resident_bytes, ring_plan
 from lowering.targets import compile_flags, target, target_tiles
 from policies.loop_io import BakedLoops
 
@@ -159,10 +161,9 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
         raise LladaError(f"{config.family} bundles carry steps only so far (compile with --no-loop): "
                          f"{loop_refusal(config)}")
     check_output_dir(out_dir, COMPILE_COMMAND, (model_dir,), force)  # before minutes of export and compile
-    compute, (compiler, layout) = compute_dtype(dtype), _kernels(tgt, model_dir, config, kernels, activations)
-    batch_sizes = check_batch_sizes(batch_sizes)
     archive = copy_weights and tgt.driver == "local-task"  # a CPU device maps it in place
-    layout = dataclasses.replace(layout, signed=archive, streamed=_streams(config, layout, device_memory_budget))
+    compiler, layout = bundle_layout(tgt, model_dir, config, kernels, activations, archive, device_memory_budget)
+    compute, batch_sizes = compute_dtype(dtype), check_batch_sizes(batch_sizes)
     specs = step_specs(max_len, window, batch_sizes, block_length)
     flags, timeout = compile_flags(tgt, data_tiling, layout.streamed, bool(loops)), compile_timeout()  # before export
     loop_specs = _loop_specs(loops, max_len, layout.streamed)
@@ -196,15 +197,6 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
         }
         _write_manifest(staging, manifest)
     return out_dir
-
-
-def _kernels(tgt, model_dir: Path, config, kernels: Kernels, activations: Activations) -> tuple:
-    """(the C compiler command building our kernels for `tgt`, or None; the weight layout, with the matrices they
-    multiply declared for them), after checking the activations against what will run them."""
-    layout = weight_layout(model_dir, config)
-    compiler = kernel_compiler(tgt, layout, kernels)
-    check_activations(activations, layout.quantized, "own" if compiler else "compiler")
-    return compiler, with_kernels(layout, activations, config) if compiler else layout
 
 
 def _copy_tokenizer(model_dir: Path, staging: Path) -> None:
@@ -286,35 +278,6 @@ def _quantization(model_dir: Path) -> dict:
     return {"quantization_config": hf["quantization_config"]} if "quantization_config" in hf else {}
 
 
-def _streams(config, layout: WeightLayout, budget: int | None) -> bool:
-    """Whether the weights, as the bundle stores them, exceed the budget: then the program streams its layers and
-    head through a ring of stage-sized buffers (`lowering.stage_ring`), which must fit beside the rest."""
-    if budget is not None and budget <= 0:
-        raise LladaError(f"device memory budget must be a positive number of bytes, got {budget}")
-    weight_bytes = sum(byte_size(p) for p in layout.parameters)
-    if budget is None or budget >= weight_bytes:
-        _note_expert_loops(config, weight_bytes)
-        return False
-    needed = resident_bytes(layout, config) + ring_plan(layout, config).ring_bytes
-    if budget < needed:
-        raise LladaError(f"a device memory budget of {budget:,} bytes is too small for this model: streaming its "
-                         f"weights needs {needed:,} (the embedding and {SLOTS} stages: a layer's or the LM head's)")
-    return True
-
-
-# A resident step holds a loop per expert per sparse layer, and IREE's compile time grows faster than the loops
-# (docs/iree-limits.md; measured in eval/RESULTS.md, "LLaDA2"). Streamed steps take the experts stacked.
-SLOW_EXPERT_LOOPS = 256
-
-
-def _note_expert_loops(config, weight_bytes: int) -> None:
-    loops = config.n_experts * (config.n_layers - config.dense_layers)
-    if loops > SLOW_EXPERT_LOOPS:
-        print(f"llada: a resident bundle's steps hold {loops} expert loops, which IREE compiles slowly (hours at "
-              f"LLaDA2.0-mini's size); a --device-memory-budget below the weights' {weight_bytes:,} bytes streams "
-              "them, the experts stacked with no loop per expert", file=sys.stderr)
-
-
 def _streamed(layout: WeightLayout, config) -> dict | None:
     """What the manifest says of streamed weights: the ring's size and each stage's bytes."""
     if not layout.streamed:
@@ -334,7 +297,7 @@ def _place_weights(model_dir: Path, staging: Path, copy: bool, layout: WeightLay
         return {"files": [str(model_dir / f) for f in files], "copied": False}
     if layout.signed:
         signed = {module: scheme for module, scheme in layout.quantized.items() if module not in layout.kernels}
-        write_archive([model_dir / name for name in files], staging / ARCHIVE, signed)
+        write_archive([model_dir / name for name in files], staging / ARCHIVE, signed, layout.stacks)
         return {"files": [ARCHIVE], "copied": True}
     for name in files + ([INDEX_FILE] if (model_dir / INDEX_FILE).is_file() else []):
         shutil.copyfile(model_dir / name, staging / name)

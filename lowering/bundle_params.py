@@ -6,6 +6,7 @@ streamed MoE layer's experts come stacked, each matrix kind one array `[E, ...]`
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from llada_jax.model.config import LLaDAConfig
@@ -22,7 +23,7 @@ def params_of(weights, layout: WeightLayout, config: LLaDAConfig, compute_dtype,
     """The params pytree from `weights`, one array per `layout.parameters` entry."""
     stored = {p.name: w for p, w in zip(layout.parameters, weights)}
     if not layout.streamed:
-        return hf_to_params(converted(stored, layout, config, compute_dtype, activations), config)
+        return _resident(stored, layout, config, compute_dtype, activations)
     stages = ring_plan(layout, config).stages  # the slots' order
     resident = converted({p.name: stored[p.name] for p in layout.parameters if stage_of(p, config) is None},
                          layout, config, compute_dtype, activations)
@@ -40,6 +41,17 @@ def params_of(weights, layout: WeightLayout, config: LLaDAConfig, compute_dtype,
 
     return {"wte": resident[_named(places, "wte")], "ln_f": resident[_named(places, "ln_f")],
             "blocks": [staged(i) for i in range(config.n_layers)], "lm_head": staged(config.n_layers)}
+
+
+def _resident(stored: dict, layout: WeightLayout, config: LLaDAConfig, compute_dtype, activations: Activations):
+    """The params of resident weights; a stack (`WeightLayout.stacks`) converts as its first expert's tensor
+    would and is placed whole."""
+    as_first = {name: layout.stacks[name][0] if name in layout.stacks else name for name in stored}
+    tensors = converted({as_first[name]: w for name, w in stored.items()}, layout, config, compute_dtype, activations)
+    places = tensor_places(config)
+    stacked = [name for name in tensors if layout.stacks and len(places[name]) == 4]  # every expert's first
+    stacks = {places[name][1:3]: tensors.pop(name) for name in stacked}
+    return hf_to_params(tensors, config, stacks)
 
 
 def _stacked(arrays: list):
@@ -72,6 +84,12 @@ def converted(stored: dict, layout: WeightLayout, config: LLaDAConfig, compute_d
         scale = stored[module + ".weight_scale"].astype(jnp.float32)
         activation = layout.quantized[module].matmul_activations(activations)
         packed = stored[module + ".weight_packed"]
+        if bits == 4 and packed.dtype == jnp.int8:  # the bytes, two values each (`with_expert_bytes`)
+            values = jax.lax.bitcast_convert_type(packed, jnp.uint8)
+            tensors[name] = QuantizedWeight(values, scale, activation, row_block_for((values.shape[-2], 2 *
+                                            values.shape[-1])), hoist_barrier=False, offset=0 if layout.signed
+                                            else 8, nibbles=True)
+            continue
         values, offset = (packed, 0) if layout.signed else offset_values(packed, bits, activation)
         tensors[name] = QuantizedWeight(values, scale, activation, row_block_for(values.shape[-2:]),
                                         hoist_barrier=False, offset=offset)

@@ -20,7 +20,7 @@ import numpy as np
 
 from llada_jax.kernels.schemes import scheme_for
 from llada_jax.model.config import LLaDAConfig
-from llada_jax.model.params import hf_shapes, tensor_role
+from llada_jax.model.params import hf_shapes, tensor_places, tensor_role
 from llada_jax.quant.quantize import QuantScheme
 from llada_jax.system.errors import LladaError
 from llada_jax.weights.safetensors_file import SafetensorsFile
@@ -49,6 +49,9 @@ class WeightLayout:
     # The layers' and the LM head's tensors are read by the program stage by stage under a device memory budget
     # (`lowering.stage_ring`), not held resident.
     streamed: bool = False
+    # A stack's name (`expert_stack`) -> its experts' tensors in the checkpoint, in expert order: an MoE matrix
+    # kind's experts held as one parameter `[E, ...]` (`with_stacked_experts`).
+    stacks: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
     def manifest(self) -> list[dict]:
         return [{"name": p.name, "shape": list(p.shape), "dtype": p.dtype} for p in self.parameters]
@@ -113,22 +116,80 @@ def with_kernels(layout: WeightLayout, activations: str, config: LLaDAConfig) ->
     return dataclasses.replace(layout, parameters=tuple(parameters), kernels=kernels)
 
 
-def write_archive(files: list[Path], out: Path, quantized: dict[str, QuantScheme]) -> None:
-    """The tensors of safetensors `files`, under their own names, as one IREE parameter archive (`.irpa`),
-    each entry aligned so that a CPU device can map it in place: float tensors byte for byte, the packed
-    integers of `quantized` modules signed (the offset removed: one xor of every value's sign bit)."""
+def expert_stack(name: str, config: LLaDAConfig) -> str | None:
+    """The stack a tensor belongs to, `blocks.<layer>.<key>.<part>`, if it is an MoE expert matrix's (its weight,
+    packed values or scales): the same tensor of the layer's other experts; else None."""
+    places = tensor_places(config)
+    module, _, part = name.rpartition(".")
+    place = places.get(module + ".weight") if part != "weight" else places.get(name)
+    return f"blocks.{place[1]}.{place[2]}.{part}" if place is not None and len(place) == 4 else None
+
+
+def with_stacked_experts(layout: WeightLayout, config: LLaDAConfig) -> WeightLayout:
+    """`layout` with each MoE matrix kind's experts one parameter `[E, ...]` at its first expert's place: the step
+    then runs them as one routed product (`llada_jax.model.moe.stacked_experts`), not a loop per expert. Only a
+    bundle's own archive holds such a parameter (`write_archive`): the checkpoint's experts are not contiguous."""
+    grouped: dict[str, list[Parameter]] = {}
+    for parameter in layout.parameters:
+        grouped.setdefault(expert_stack(parameter.name, config) or parameter.name, []).append(parameter)
+    stacks = {name: tuple(p.name for p in group) for name, group in grouped.items() if name != group[0].name}
+    parameters = [Parameter(name, (len(group), *group[0].shape), group[0].dtype) if name in stacks else group[0]
+                  for name, group in grouped.items()]
+    return dataclasses.replace(layout, parameters=tuple(parameters), stacks=stacks)
+
+
+def with_expert_bytes(layout: WeightLayout, config: LLaDAConfig) -> WeightLayout:
+    """`layout` with each 4-bit expert matrix that no kernel of ours takes declared as its bytes `[O, I / 2]` int8,
+    two values each, low nibble first (the step splits them, `llada_jax.quant.qlinear.split_nibbles`): IREE 3.13
+    fails to compile an expert sliced out of an int4 stack (a masked i4 load it cannot legalize)."""
+    def as_bytes(parameter: Parameter) -> Parameter:
+        module = parameter.name.removesuffix(".weight_packed")
+        scheme = layout.quantized.get(module)
+        if (module == parameter.name or module in layout.kernels or scheme is None or scheme.bits != 4
+                or expert_stack(parameter.name, config) is None):
+            return parameter
+        rows, columns = parameter.shape
+        if (scheme.group_size or columns) % 2:  # a byte would straddle two groups
+            return parameter
+        return Parameter(parameter.name, (rows, columns // 2), "int8")
+    return dataclasses.replace(layout, parameters=tuple(map(as_bytes, layout.parameters)))
+
+
+def write_archive(files: list[Path], out: Path, quantized: dict[str, QuantScheme],
+                  stacks: dict[str, tuple[str, ...]]) -> None:
+    """The tensors of safetensors `files` as one IREE parameter archive (`.irpa`), each entry aligned so that a CPU
+    device can map it in place: float tensors byte for byte, the packed integers of `quantized` modules signed
+    (the offset removed: one xor of every value's sign bit). Each tensor is an entry of its own name, except those
+    of `stacks`, each stack one entry of its tensors back to back. Stacks are written into their entries after
+    the archive (a zero page placeholder before), one tensor in memory at a time."""
     import iree.runtime as rt
 
     stored, index = rt.ParameterIndex(), rt.ParameterIndex()
     for file in files:
         stored.load(str(file))
-    for name, entry in stored.items():
-        module = name.removesuffix(".weight_packed")
-        if module != name and module in quantized:
-            index.add_buffer(name, np.frombuffer(entry.file_view, np.uint32) ^ SIGN_BITS[quantized[module].bits])
-        else:
-            index.add_buffer(name, entry.file_view)
-    index.create_archive_file(str(out))
+    entries = dict(stored.items())
+    stacked = {key for keys in stacks.values() for key in keys}
+    for name, entry in entries.items():
+        if name not in stacked:
+            index.add_buffer(name, _held(name, entry, quantized))
+    for stack, keys in stacks.items():
+        index.add_buffer(stack, np.zeros(sum(entries[key].length for key in keys), np.uint8))  # zero pages: no RSS
+    written = index.create_archive_file(str(out))
+    offsets = {name: entry.file_storage[1] for name, entry in written.items() if name in stacks}
+    del written, index  # the archive's mapping
+    with open(out, "r+b") as archive:
+        for stack, keys in stacks.items():
+            archive.seek(offsets[stack])
+            for key in keys:
+                archive.write(_held(key, entries[key], quantized))
+
+
+def _held(name: str, entry, quantized: dict[str, QuantScheme]) -> memoryview:
+    """A stored tensor's bytes as the archive holds them."""
+    module = name.removesuffix(".weight_packed")
+    if module != name and module in quantized:
+        return (np.frombuffer(entry.file_view, np.uint32) ^ SIGN_BITS[quantized[module].bits]).data
+    return entry.file_view
 
 
 SIGN_BITS = {4: np.uint32(0x88888888), 8: np.uint32(0x80808080)}  # each packed value's sign bit, per int32 word

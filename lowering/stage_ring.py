@@ -22,7 +22,7 @@ import re
 from llada_jax.model.params import tensor_places
 from llada_jax.model.staged import TARGET
 from lowering.bundle_format import PARAMETER_SCOPE
-from lowering.bundle_weights import Parameter, WeightLayout
+from lowering.bundle_weights import Parameter, WeightLayout, expert_stack
 
 ALIGNMENT = 256  # bytes between a slot's tensors
 SLOTS = 2
@@ -94,15 +94,10 @@ def ring_plan(layout: WeightLayout, config) -> RingPlan:
     return RingPlan(tuple(stages))
 
 
-def _piece_of(parameter: Parameter, config) -> tuple:
-    """What a parameter is stacked with: an MoE expert's matrix (or its packed values, or its scales) with the
-    same tensor of the layer's other experts; anything else, nothing."""
-    places = tensor_places(config)
-    module, _, part = parameter.name.rpartition(".")
-    place = places.get(module + ".weight") if part != "weight" else places[parameter.name]
-    if place is not None and len(place) == 4:
-        return place[:3] + (part,)
-    return (parameter.name,)
+def _piece_of(parameter: Parameter, config) -> str:
+    """What a parameter is stacked with: an MoE expert's tensor with the same tensor of the layer's other experts
+    (`expert_stack`); anything else, nothing."""
+    return expert_stack(parameter.name, config) or parameter.name
 
 
 def resident_bytes(layout: WeightLayout, config) -> int:

@@ -317,14 +317,19 @@ def test_iree_host_bundle_gives_the_xla_tokens(model, checkpoint, tmp_path, caps
     assert main(["compile", "--model", str(checkpoint), "--target", "host", "--out", str(tmp_path / "long"),
                  "--max-len", "32", "--block-length", "40", "--no-loop"]) == 1
     assert "--block-length must be in [1, --max-len 32], got 40" in capsys.readouterr().err
-    # Resident, and streamed by the program through a budget below the weights: the dense first layer and the MoE
-    # layers are stages of two sizes in one ring (`lowering.stage_ring`), the experts stacked.
-    monkeypatch.setattr("lowering.bundle.SLOW_EXPERT_LOOPS", 1)
-    for name, budget in (("resident", None), ("streamed", model.weight_bytes - 1)):
+    # Resident in the bundle's archive, the experts stacked; resident in the checkpoint's files, a loop per expert;
+    # streamed by the program through a budget below the weights: the dense first layer and the MoE layers are
+    # stages of two sizes in one ring (`lowering.stage_ring`), the experts stacked.
+    monkeypatch.setattr("lowering.bundle_layout.SLOW_EXPERT_LOOPS", 1)
+    for name, budget, copied in (("resident", None, True), ("linked", None, False),
+                                 ("streamed", model.weight_bytes - 1, True)):
         bundle = compile_bundle(checkpoint, "host", tmp_path / name, max_len=32, window=32,
-                                device_memory_budget=budget, block_length=8)
-        noted = "a resident bundle's steps hold 16 expert loops" in capsys.readouterr().err
-        assert noted == (budget is None)  # the streamed steps hold none
+                                device_memory_budget=budget, block_length=8, copy_weights=copied)
+        noted = "this bundle's steps hold 16 expert loops" in capsys.readouterr().err
+        assert noted == (not copied)  # stacked, the steps hold none
+        stacks = [p["shape"] for p in json.loads((bundle / "manifest.json").read_text())["parameters"]
+                  if p["name"] == "blocks.1.experts_gate.weight"]
+        assert stacks == ([[CONFIG.n_experts, CONFIG.mlp_hidden_size, CONFIG.d_model]] if name == "resident" else [])
         _, _, generate_bundled = bundle_runner(bundle)
         for editing in (None, 0.3):
             options = dict(gen_length=12, block_length=8, steps=4, threshold=0.3, editing_threshold=editing,

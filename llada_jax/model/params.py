@@ -94,18 +94,19 @@ def tensor_role(hf_name: str, config: LLaDAConfig) -> str:
     return place[0] if len(place) == 1 else place[2]
 
 
-def hf_to_params(tensors: dict[str, object], config: LLaDAConfig) -> dict:
-    """Arrange tensors keyed by HF name into the params pytree (no copies)."""
+def hf_to_params(tensors: dict[str, object], config: LLaDAConfig, stacks: dict | None = None) -> dict:
+    """Arrange tensors keyed by HF name into the params pytree (no copies); `stacks`: (layer, key) -> an MoE
+    matrix kind's experts as one stack `[E, ...]`, whose experts are absent from `tensors`."""
     params: dict = {"blocks": [{} for _ in range(config.n_layers)]}
-    experts: dict[tuple[int, str], list] = {}
+    listed: dict[tuple[int, str], list] = {}
     for name, place in tensor_places(config).items():
         if len(place) == 1:
             params[place[0]] = tensors[name]
         elif len(place) == 3:
             params["blocks"][place[1]][place[2]] = tensors[name]
-        elif name in tensors:  # a stacked expert's is absent (`weights.checkpoint.load_params` places its stack)
-            experts.setdefault(place[1:3], []).append(tensors[name])
-    for (layer, key), matrices in experts.items():
+        elif name in tensors:
+            listed.setdefault(place[1:3], []).append(tensors[name])
+    for (layer, key), matrices in {**listed, **(stacks or {})}.items():
         params["blocks"][layer][key] = matrices
     return {"wte": params["wte"], "blocks": params["blocks"], "ln_f": params["ln_f"], "lm_head": params["lm_head"]}
 

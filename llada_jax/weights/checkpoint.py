@@ -93,10 +93,7 @@ def load_params(model_dir: Path, config: LLaDAConfig, dtype="float32", activatio
     stacks: dict | None = {} if stack_experts else None
     tensors = read_tensors(Path(model_dir), config, compute_dtype(dtype), activations, mesh, quantized, wrap,
                            kernels, stacks)
-    params = hf_to_params(tensors, config)
-    for (layer, key), stack in (stacks or {}).items():
-        params["blocks"][layer][key] = stack
-    return params
+    return hf_to_params(tensors, config, stacks)
 
 
 def save_hf(params: dict, config: LLaDAConfig, out_dir: Path, *, stored_dtype: str = "float32",
