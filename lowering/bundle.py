@@ -45,7 +45,7 @@ from lowering.export import (
 from lowering.kernel_dispatch import kernels_manifest, target_objects
 from lowering.matmul_tiles import tunable_matmuls, tuning_spec
 from lowering.run_script import write_run_script
-from lowering.stage_ring import resident_bytes, ring_plan
+from lowering.stage_ring import byte_size, resident_bytes, ring_plan
 from lowering.targets import compile_flags, target, target_tiles
 from policies.loop_io import BakedLoops
 
@@ -179,6 +179,8 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
         say(f"compiling for {tgt.name} ({tgt.note or tgt.driver})")
         spec = tuning_spec(tuned, tiles) if tuned and tiles else None
         seconds = compile_module(module, flags, staging / VMFB, timeout, spec)
+        if copy_weights:
+            say(f"copying {sum(byte_size(p) for p in layout.parameters) / 1e9:.2f} GB of weights into the bundle")
         weights = _place_weights(model_dir, staging, copy_weights, layout)
         if loops:
             write_run_script(staging, loops[0], config, tgt.driver, weights)
