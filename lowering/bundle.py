@@ -179,9 +179,7 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
         say(f"compiling for {tgt.name} ({tgt.note or tgt.driver})")
         spec = tuning_spec(tuned, tiles) if tuned and tiles else None
         seconds = compile_module(module, flags, staging / VMFB, timeout, spec)
-        if copy_weights:
-            say(f"copying {sum(byte_size(p) for p in layout.parameters) / 1e9:.2f} GB of weights into the bundle")
-        weights = _place_weights(model_dir, staging, copy_weights, layout)
+        weights = _place_weights(model_dir, staging, copy_weights, layout, say)
         if loops:
             write_run_script(staging, loops[0], config, tgt.driver, weights)
         _copy_tokenizer(model_dir, staging)
@@ -289,7 +287,7 @@ def _streamed(layout: WeightLayout, config) -> dict | None:
             "stage_bytes": [sum(piece.length for piece in stage) for stage in plan.stages]}
 
 
-def _place_weights(model_dir: Path, staging: Path, copy: bool, layout: WeightLayout) -> dict:
+def _place_weights(model_dir: Path, staging: Path, copy: bool, layout: WeightLayout, say) -> dict:
     """Record absolute paths to the model's safetensors files, or copy them into the bundle: for a layout of
     signed integers (a CPU device reading resident named parameters) as one IREE parameter archive, whose
     aligned entries the device maps in place (safetensors entries are not aligned for that: the device copies
@@ -297,6 +295,7 @@ def _place_weights(model_dir: Path, staging: Path, copy: bool, layout: WeightLay
     files = sorted(set(weight_files(model_dir).values()))
     if not copy:
         return {"files": [str(model_dir / f) for f in files], "copied": False}
+    say(f"copying {sum(map(byte_size, layout.parameters)) / 1e9:.2f} GB of weights into the bundle")
     if layout.signed:
         signed = {module: scheme for module, scheme in layout.quantized.items() if module not in layout.kernels}
         write_archive([model_dir / name for name in files], staging / ARCHIVE, signed, layout.stacks)
