@@ -132,6 +132,32 @@ def test_xla_holds_experts_our_kernels_take_stacked_and_decodes_as_with_a_loop_p
 
 @pytest.mark.slow
 @pytest.mark.parametrize("activations", ["int8", "float"])
+def test_xla_stages_experts_our_kernels_take_stacked_and_gives_the_resident_tokens(tmp_path, activations):
+    """Staged under a budget (`llada_jax.staging.swap.pack_weights`), each MoE matrix kind's experts are packed
+    back to back as one stack, which the staged layer runs as one routed call per kind: the resident tokens."""
+    from llada_jax.model.params import block_from_stage
+    from llada_jax.quant.qlinear import unpack_stage
+    from llada_jax.weights.loading import stage_on_device
+
+    config, checkpoint = int4_llada2(tmp_path)
+    resident = llada_jax.load(checkpoint, dtype="float32", activations=activations)
+    staged = llada_jax.load(checkpoint, dtype="float32", activations=activations,
+                            device_memory_budget=resident.weight_bytes - 1)
+    assert staged.staged is not None
+    entries = {name: shape for name, shape, *_ in staged.staged.layouts[config.dense_layers].entries}
+    assert entries["experts_down.values"] == (config.n_experts, config.d_model, config.mlp_hidden_size // 2)
+    assert not any("." in name.removesuffix(".values").removesuffix(".scale") for name in entries)  # no expert's own
+    layer = block_from_stage(unpack_stage(stage_on_device(staged.staged, config.dense_layers),
+                                          staged.staged.quantization[config.dense_layers]))
+    assert all(layer[key].kernel and layer[key].values.shape[0] == config.n_experts for key in moe.EXPERT_KEYS)
+    for editing in (None, 0.3):
+        options = dict(gen_length=12, block_length=8, steps=4, threshold=0.3, editing_threshold=editing)
+        assert (llada_jax.generate(staged, np.arange(1, 7), **options).output_ids.tolist()
+                == llada_jax.generate(resident, np.arange(1, 7), **options).output_ids.tolist())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("activations", ["int8", "float"])
 @pytest.mark.parametrize("streamed", [False, True], ids=["resident", "streamed"])
 def test_an_int4_bundle_runs_the_routed_kernels_and_gives_the_xla_tokens(tmp_path, activations, streamed):
     """Resident in the bundle's archive (`lowering.bundle_weights.with_stacked_experts`) or streamed

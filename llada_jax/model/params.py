@@ -52,11 +52,19 @@ def stage_key(place: tuple) -> str:
     return place[2] if len(place) == 3 else f"{place[2]}.{place[3]}"
 
 
-def layer_stage_shapes(config: LLaDAConfig, layer: int = 0) -> dict[str, tuple[int, ...]]:
+def layer_stage_shapes(config: LLaDAConfig, layer: int = 0, stacked: bool = False) -> dict[str, tuple[int, ...]]:
     """Decoder layer `layer`'s tensors by stage key, in checkpoint order (LLaDA2's dense first layers differ
-    from its MoE layers; every other family's layers are alike)."""
-    return {stage_key(place): _shape(config, place) for place in tensor_places(config).values()
-            if place[0] == "blocks" and place[1] == layer}
+    from its MoE layers; every other family's layers are alike); `stacked`: each MoE matrix kind one stack
+    `[E, ...]` under its key, at its first expert's place."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for place in tensor_places(config).values():
+        if place[0] != "blocks" or place[1] != layer:
+            continue
+        if stacked and len(place) == 4:
+            shapes.setdefault(place[2], (config.n_experts, *_shape(config, place)))
+        else:
+            shapes[stage_key(place)] = _shape(config, place)
+    return shapes
 
 
 def block_from_stage(tensors: dict) -> dict:

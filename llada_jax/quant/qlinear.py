@@ -168,8 +168,9 @@ UNSIGNED = {4: jnp.uint4, 8: jnp.uint8}
 def from_packed_bytes(packed: jax.Array, scale: jax.Array, bits: int, activations: Activations,
                       kernel: str = "") -> QuantizedWeight:
     """A QuantizedWeight on XLA from a matrix's compressed-tensors bytes `[O, I * bits / 8]` uint8 (values offset
-    by 2**(bits-1); two 4-bit values per byte, low nibble first; `kernel`: ours takes them) and stored scales."""
-    shape = (packed.shape[0], packed.shape[1] * 8 // bits)
+    by 2**(bits-1); two 4-bit values per byte, low nibble first; `kernel`: ours takes them, also a stack of
+    experts' `[E, O, I * bits / 8]`) and stored scales."""
+    shape = (packed.shape[-2], packed.shape[-1] * 8 // bits)
     if kernel:
         return QuantizedWeight(jax.lax.bitcast_convert_type(packed, jnp.int8), scale, activations,
                                offset=1 << (bits - 1), nibbles=bits == 4, kernel=kernel)

@@ -96,16 +96,17 @@ def quantized_layout(shapes: dict[str, tuple[int, ...]], schemes: dict, float_dt
         if scheme is None:
             specs[name] = (shape, float_dtype)
             continue
-        rows, columns = shape
-        specs[f"{name}.values"] = ((rows, -(-columns * scheme.bits // 32) * 4), np.uint8)
-        specs[f"{name}.scale"] = ((rows, scheme.groups(columns)), scale_dtypes[name])
+        *rows, columns = shape  # a stack of experts: [E, O, I]
+        specs[f"{name}.values"] = ((*rows, -(-columns * scheme.bits // 32) * 4), np.uint8)
+        specs[f"{name}.scale"] = ((*rows, scheme.groups(columns)), scale_dtypes[name])
     return ByteLayout.of(specs)
 
 
 @functools.cache
-def layer_layout(config: LLaDAConfig, layer: int = 0) -> PackedLayout:
-    """Decoder layer `layer`'s tensors (a sparse MoE: each expert's matrices as their own entries)."""
-    return PackedLayout.of(layer_stage_shapes(config, layer))
+def layer_layout(config: LLaDAConfig, layer: int = 0, stacked: bool = False) -> PackedLayout:
+    """Decoder layer `layer`'s tensors (a sparse MoE: each expert's matrices as their own entries, or with
+    `stacked` each matrix kind's experts one stack)."""
+    return PackedLayout.of(layer_stage_shapes(config, layer, stacked))
 
 
 @functools.cache

@@ -24,7 +24,7 @@ from llada_jax.kernels.schemes import Kernels, scheme_for
 from llada_jax.model.arrays import Array
 from llada_jax.model.config import LLaDAConfig
 from llada_jax.model.kv_state import KVState, visible_bias, window_key_bias, with_context_bias
-from llada_jax.model.params import stage_key, tensor_places
+from llada_jax.model.params import block_from_stage, stage_key, tensor_places
 from llada_jax.model.readout import HeadChunkReadout, Reads, StepOutput, combine_head_chunks, read_columns
 from llada_jax.model.shapes import kv_shape
 from llada_jax.quant.quantize import Activations, HostQuantized, QuantScheme, dequantize
@@ -70,9 +70,11 @@ class StagedWeights:
 
 
 def pack_weights(tensors, config: LLaDAConfig, dtype, activations: Activations = "float",
-                 kernels: Kernels = "compiler") -> StagedWeights:
+                 kernels: Kernels = "compiler", stack_experts: bool = False) -> StagedWeights:
     """Pack every stage from (HF name, host array or HostQuantized) pairs read one at a time; a stage is
-    packed as soon as its last tensor arrives, so at most a few stages are ever held unpacked."""
+    packed as soon as its last tensor arrives, so at most a few stages are ever held unpacked. `stack_experts`
+    (our kernels take every expert matrix, `llada_jax.model.moe.kernels_take_experts`): each MoE matrix kind's
+    experts packed back to back as one stack `[E, ...]`, which the layer runs as one routed call."""
     n = config.n_layers
     places = tensor_places(config)
     stage_of = {name: (n, place[0]) if len(place) == 1 else (place[1], stage_key(place))
@@ -87,7 +89,8 @@ def pack_weights(tensors, config: LLaDAConfig, dtype, activations: Activations =
         stage, short = stage_of[name]
         pending.setdefault(stage, {})[short] = array
         if stage < n and len(pending[stage]) == len(layer_layout(config, stage).entries):
-            packed[stage] = _pack_stage(pending.pop(stage), layer_layout(config, stage), dtype, activations, kernels)
+            layer = block_from_stage(pending.pop(stage)) if stack_experts else pending.pop(stage)
+            packed[stage] = _pack_stage(layer, layer_layout(config, stage, stack_experts), dtype, activations, kernels)
     head = pending.pop(n)
     chunks = [_pack_stage(chunk, head_layout(config), dtype, activations, kernels)
               for chunk in head_chunk_tensors(head["ln_f"], head["lm_head"], config)]
@@ -99,26 +102,35 @@ def pack_weights(tensors, config: LLaDAConfig, dtype, activations: Activations =
 
 def _pack_stage(tensors: dict, layout: PackedLayout, dtype, activations: Activations,
                 kernels: Kernels = "compiler") -> tuple:
-    """(packed buffer, its layout, its Quantization) of one stage; quantized matrices keep their integers."""
-    schemes = {name: t.scheme for name, t in tensors.items() if isinstance(t, HostQuantized)}
+    """(packed buffer, its layout, its Quantization) of one stage; quantized matrices keep their integers. A list
+    (a stack's experts) is packed as one tensor `[E, ...]`."""
+    firsts = {name: t[0] if isinstance(t, list) else t for name, t in tensors.items()}
+    schemes = {name: t.scheme for name, t in firsts.items() if isinstance(t, HostQuantized)}
     if not schemes:
         return layout.pack(tensors, dtype), layout, ()
     shapes = {name: shape for name, shape, _ in layout.entries}
-    quantized = quantized_layout(shapes, schemes, dtype, {name: tensors[name].scale.dtype for name in schemes})
+    quantized = quantized_layout(shapes, schemes, dtype, {name: firsts[name].scale.dtype for name in schemes})
     parts = {}
     for name, tensor in tensors.items():
         if name in schemes:
-            words = np.ascontiguousarray(tensor.words.astype("<i4", copy=False))
-            parts[f"{name}.values"], parts[f"{name}.scale"] = words.view(np.uint8), tensor.scale
+            parts[f"{name}.values"], parts[f"{name}.scale"] = _stored(tensor)
         else:
             parts[name] = tensor
     return quantized.pack(parts), quantized, tuple(_mode(name, scheme, shapes[name], activations, kernels)
                                                   for name, scheme in schemes.items())
 
 
+def _stored(matrix) -> tuple[np.ndarray, np.ndarray]:
+    """A quantized matrix's (bytes as stored, scales); a list of them (a stack's experts) stacked."""
+    if isinstance(matrix, list):
+        return np.stack([m.stored_bytes() for m in matrix]), np.stack([m.scale for m in matrix])
+    return matrix.stored_bytes(), matrix.scale
+
+
 def _mode(name: str, scheme: QuantScheme, shape: tuple, activations: Activations, kernels: Kernels) -> tuple:
     """(name, bits, activations, kernel) of one staged matrix: our kernel where one takes it (as resident)."""
-    kernel = scheme_for(scheme.bits, activations, shape[1], scheme.group_size or shape[1]) if kernels == "own" else None
+    columns = shape[-1]
+    kernel = scheme_for(scheme.bits, activations, columns, scheme.group_size or columns) if kernels == "own" else None
     return name, scheme.bits, activations if kernel else scheme.matmul_activations(activations), kernel or ""
 
 

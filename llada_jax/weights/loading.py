@@ -103,8 +103,8 @@ def load(path, dtype: str = "float32", device_memory_budget: int | None = None, 
                   kernels=kernels, quantized=quantized, mesh=mesh,
                   scale_itemsize=stored_scale_itemsize(model_dir, quantized))
     staged = device_memory_budget is not None and model.weight_bytes > device_memory_budget
-    stacked = not staged and kernels_take_experts(config, quantized, kernels, activations)  # no loop per expert
-    layered = not staged and mesh is None and layered_execution(config) and not stacked
+    stack = kernels_take_experts(config, quantized, kernels, activations)  # no loop per expert, staged or not
+    layered = not staged and mesh is None and layered_execution(config) and not stack
     if layered:
         model = dataclasses.replace(model, layered=layered)
     if mesh is not None:
@@ -117,12 +117,12 @@ def load(path, dtype: str = "float32", device_memory_budget: int | None = None, 
                             file=sys.stderr, leave=False, disable=model.weight_bytes < LOAD_BAR_BYTES)
     if staged or layered:
         packed = pack_weights(bar(iter_tensors(model_dir, config)), config, np.dtype(model.jnp_dtype), activations,
-                              kernels)
+                              kernels, stack)
         held = tuple(stage_on_device(packed, stage) for stage in range(len(packed.stages))) if layered else None
         model = dataclasses.replace(model, staged=packed, device_stages=held)
     else:
         model = dataclasses.replace(model, params=load_params(model_dir, config, dtype, activations, mesh, wrap=bar,
-                                                                  kernels=kernels, stack_experts=stacked))
+                                                                  kernels=kernels, stack_experts=stack))
     release_freed_memory()
     return model
 
