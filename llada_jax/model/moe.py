@@ -8,16 +8,17 @@ groups (a group scores the sum of its top 2), weighted by their unbiased scores 
 scaling factor, summed in float32; plus the shared expert on every position.
 The routed (position, expert) pairs are sorted by expert, and each expert computes its run of the sorted rows.
 The experts' matrices come in one of two forms:
-- a list per matrix kind, one array each (XLA's own code, resident IREE bundles): each expert runs over its run
-  in tiles of a fixed size (shapes stay static, the trip counts follow the routing), so the work is the routed
-  rows plus at most one partly filled tile per expert, and every product reads its expert's weights where they
-  lie: a stacked `[experts, ...]` array sliced by a traced index was copied out per expert, and XLA's CPU
-  `ragged_dot` computes every group on every row (dense-masked); both measured in eval/RESULTS.md ("The MoE layer
-  against its floors");
-- a stack `[experts, ...]` per matrix kind (XLA where our kernels take every expert, `kernels_take_experts`; streamed
-  IREE bundles, whose stage reads put the experts back to back): our routed kernels take the whole stack and each
-  expert's first row, one call per matrix kind; without them one loop runs over every expert's tiles. A loop per
-  expert made IREE's compile time grow faster than the experts (docs/iree-limits.md).
+- a list per matrix kind, one array each (XLA's own code, IREE bundles that bind the checkpoint's own files): each
+  expert runs over its run in tiles of a fixed size (shapes stay static, the trip counts follow the routing), so
+  the work is the routed rows plus at most one partly filled tile per expert, and every product reads its
+  expert's weights where they lie: a stacked `[experts, ...]` array sliced by a traced index was copied out per
+  expert, and XLA's CPU `ragged_dot` computes every group on every row (dense-masked); both measured in
+  eval/RESULTS.md ("The MoE layer against its floors");
+- a stack `[experts, ...]` per matrix kind (XLA where our kernels take every expert, `kernels_take_experts`,
+  resident or staged; IREE bundles, whose archive or stage reads put the experts back to back): our routed kernels
+  take the whole stack and each expert's first row, one call per matrix kind; without them one loop runs over
+  every expert's tiles. A loop per expert made IREE's compile time grow faster than the experts
+  (docs/iree-limits.md).
 """
 
 from __future__ import annotations
