@@ -171,8 +171,9 @@ def from_packed_bytes(packed: jax.Array, scale: jax.Array, bits: int, activation
     by 2**(bits-1); two 4-bit values per byte, low nibble first; `kernel`: ours takes them, also a stack of
     experts' `[E, O, I * bits / 8]`) and stored scales."""
     shape = (packed.shape[-2], packed.shape[-1] * 8 // bits)
-    if kernel:
-        return QuantizedWeight(jax.lax.bitcast_convert_type(packed, jnp.int8), scale, activations,
+    if kernel:  # a staged stage holds them as int8 already (`staging.packing.quantized_layout`)
+        values = packed if packed.dtype == jnp.int8 else jax.lax.bitcast_convert_type(packed, jnp.int8)
+        return QuantizedWeight(values, scale, activations,
                                offset=1 << (bits - 1), nibbles=bits == 4, kernel=kernel)
     if bits == 4 and _splits_in_nibbles(shape, scale.shape):
         return QuantizedWeight(packed, scale, activations, xla_row_block(shape, jnp.uint8), offset=8, nibbles=True)

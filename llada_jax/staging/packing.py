@@ -87,9 +87,10 @@ class ByteLayout:
 
 
 def quantized_layout(shapes: dict[str, tuple[int, ...]], schemes: dict, float_dtype,
-                     scale_dtypes: dict[str, DTypeLike]) -> ByteLayout:
+                     scale_dtypes: dict[str, DTypeLike], signed_bytes: frozenset[str] = frozenset()) -> ByteLayout:
     """The byte layout of a stage whose matrices named in `schemes` (name -> QuantScheme) are quantized, their
-    scales held in `scale_dtypes` (name -> the stored dtype)."""
+    scales held in `scale_dtypes` (name -> the stored dtype); the bytes of those in `signed_bytes` viewed as int8,
+    as our kernels take them (a uint8 view made XLA copy a whole stack of experts to reinterpret it)."""
     specs = {}
     for name, shape in shapes.items():
         scheme = schemes.get(name)
@@ -97,7 +98,8 @@ def quantized_layout(shapes: dict[str, tuple[int, ...]], schemes: dict, float_dt
             specs[name] = (shape, float_dtype)
             continue
         *rows, columns = shape  # a stack of experts: [E, O, I]
-        specs[f"{name}.values"] = ((*rows, -(-columns * scheme.bits // 32) * 4), np.uint8)
+        byte = np.int8 if name in signed_bytes else np.uint8
+        specs[f"{name}.values"] = ((*rows, -(-columns * scheme.bits // 32) * 4), byte)
         specs[f"{name}.scale"] = ((*rows, scheme.groups(columns)), scale_dtypes[name])
     return ByteLayout.of(specs)
 

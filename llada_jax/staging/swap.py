@@ -109,15 +109,16 @@ def _pack_stage(tensors: dict, layout: PackedLayout, dtype, activations: Activat
     if not schemes:
         return layout.pack(tensors, dtype), layout, ()
     shapes = {name: shape for name, shape, _ in layout.entries}
-    quantized = quantized_layout(shapes, schemes, dtype, {name: firsts[name].scale.dtype for name in schemes})
+    modes = tuple(_mode(name, scheme, shapes[name], activations, kernels) for name, scheme in schemes.items())
+    quantized = quantized_layout(shapes, schemes, dtype, {name: firsts[name].scale.dtype for name in schemes},
+                                 frozenset(name for name, *_, kernel in modes if kernel))
     parts = {}
     for name, tensor in tensors.items():
         if name in schemes:
             parts[f"{name}.values"], parts[f"{name}.scale"] = _stored(tensor)
         else:
             parts[name] = tensor
-    return quantized.pack(parts), quantized, tuple(_mode(name, scheme, shapes[name], activations, kernels)
-                                                  for name, scheme in schemes.items())
+    return quantized.pack(parts), quantized, modes
 
 
 def _stored(matrix) -> tuple[np.ndarray, np.ndarray]:
