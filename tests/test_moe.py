@@ -7,6 +7,7 @@ every expert's tiles."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from unittest import mock
 
@@ -124,10 +125,7 @@ def test_xla_holds_experts_our_kernels_take_stacked_and_decodes_as_with_a_loop_p
             looped = llada_jax.load(checkpoint, dtype="float32", activations=activations)
     assert not model.layered and looped.layered
     assert model.params["blocks"][config.dense_layers]["experts_gate"].values.shape[0] == config.n_experts
-    for editing in (None, 0.3):
-        options = dict(gen_length=12, block_length=8, steps=4, threshold=0.3, editing_threshold=editing)
-        assert (llada_jax.generate(model, np.arange(1, 7), **options).output_ids.tolist()
-                == llada_jax.generate(looped, np.arange(1, 7), **options).output_ids.tolist())
+    _assert_same_tokens(functools.partial(llada_jax.generate, model), functools.partial(llada_jax.generate, looped))
 
 
 @pytest.mark.slow
@@ -150,10 +148,7 @@ def test_xla_stages_experts_our_kernels_take_stacked_and_gives_the_resident_toke
     layer = block_from_stage(unpack_stage(stage_on_device(staged.staged, config.dense_layers),
                                           staged.staged.quantization[config.dense_layers]))
     assert all(layer[key].kernel and layer[key].values.shape[0] == config.n_experts for key in moe.EXPERT_KEYS)
-    for editing in (None, 0.3):
-        options = dict(gen_length=12, block_length=8, steps=4, threshold=0.3, editing_threshold=editing)
-        assert (llada_jax.generate(staged, np.arange(1, 7), **options).output_ids.tolist()
-                == llada_jax.generate(resident, np.arange(1, 7), **options).output_ids.tolist())
+    _assert_same_tokens(functools.partial(llada_jax.generate, staged), functools.partial(llada_jax.generate, resident))
 
 
 @pytest.mark.slow
@@ -209,9 +204,13 @@ def _bundle(checkpoint, config, out, streamed: bool, **options):
 def _assert_xla_tokens(bundle, model) -> None:
     from llada_jax.bundle_runner import bundle_runner
 
-    _, _, generate_bundled = bundle_runner(bundle)
+    _assert_same_tokens(bundle_runner(bundle)[2], functools.partial(llada_jax.generate, model), policy="dual-cache",
+                        loop="host")
+
+
+def _assert_same_tokens(generate, reference, **settings) -> None:
+    """Both generate functions give the same answer to one prompt, without and with 2.1's editing."""
     for editing in (None, 0.3):
-        options = dict(gen_length=12, block_length=8, steps=4, threshold=0.3, editing_threshold=editing,
-                       policy="dual-cache", loop="host")
-        assert (generate_bundled(np.arange(1, 7), **options).output_ids.tolist()
-                == llada_jax.generate(model, np.arange(1, 7), **options).output_ids.tolist())
+        options = dict(gen_length=12, block_length=8, steps=4, threshold=0.3, editing_threshold=editing, **settings)
+        assert (generate(np.arange(1, 7), **options).output_ids.tolist()
+                == reference(np.arange(1, 7), **options).output_ids.tolist())
