@@ -157,12 +157,12 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
     model_dir, out_dir = Path(model_dir).absolute(), Path(out_dir).absolute()
     config = _checked_config(model_dir, max_len, window)
     block_length = checked_block_length(config, block_length, max_len)
-    if loops and loop_refusal(config):
-        raise LladaError(f"{config.family} bundles carry steps only so far (compile with --no-loop): "
-                         f"{loop_refusal(config)}")
     check_output_dir(out_dir, COMPILE_COMMAND, (model_dir,), force)  # before minutes of export and compile
     archive = copy_weights and tgt.driver == "local-task"  # a CPU device maps it in place
     compiler, layout = bundle_layout(tgt, model_dir, config, kernels, activations, archive, device_memory_budget)
+    if loops and loop_refusal(config, layout):
+        raise LladaError(f"this {config.family} bundle carries steps only (compile with --no-loop): "
+                         f"{loop_refusal(config, layout)}")
     compute, batch_sizes = compute_dtype(dtype), check_batch_sizes(batch_sizes)
     specs = step_specs(max_len, window, batch_sizes, block_length)
     flags, timeout = compile_flags(tgt, data_tiling, layout.streamed, bool(loops)), compile_timeout()  # before export
@@ -228,15 +228,16 @@ def _write_manifest(staging: Path, manifest: dict) -> None:
     (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
 
 
-def loop_refusal(config) -> str | None:
-    """Why a bundle of this model cannot carry a compiled decode loop (None: it can)."""
+def loop_refusal(config, layout: WeightLayout | None = None) -> str | None:
+    """Why a bundle of this model (its weights laid out as `layout`, if known) cannot carry a compiled decode loop
+    (None: it can)."""
     if host_loop_conventions(config):
         return ("the compiled decode loop follows LLaDA's conventions, and this family's own (its confidence "
                 "filter, blocks begun with their first token) run on the host loop")
-    if config.n_experts:  # the per-expert loops with routed trip counts, inside the decode loop
-        return ("IREE 3.13 fails on a sparse MoE's decode loop (iree-compile for arm64: 'failed to solve for "
-                "timepoint coverage'; the host module crashes when run, LLaDA-MoE's loop and LLaDA2's block loop "
-                "alike)")
+    if config.n_experts and not (layout is not None and layout.routed_experts and not layout.streamed):
+        return ("IREE 3.13 fails on a sparse MoE's decode loop whose experts run in loops (it fails to compile, or "
+                "the module crashes); a CPU bundle of a 4- or 8-bit checkpoint with its weights copied and resident "
+                "runs them on our routed kernels, and carries the loop")
     if config.block_causal:
         return ("IREE 3.13 fails on the block-diffusion loop (a dense one stops in the module's initializer: "
                 "'indirect buffer reference slot 0 is out of range'); XLA runs it (--loop compiled)")

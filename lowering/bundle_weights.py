@@ -53,6 +53,13 @@ class WeightLayout:
     # kind's experts held as one parameter `[E, ...]` (`with_stacked_experts`).
     stacks: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
+    @property
+    def routed_experts(self) -> bool:
+        """Every expert matrix stacked and multiplied by our kernels: the step runs a kind's experts as one routed
+        call (`llada_jax.model.moe.stacked_experts`), with no loop over experts or their tiles."""
+        members = [key for keys in self.stacks.values() for key in keys]
+        return bool(members) and all(key.rsplit(".", 1)[0] in self.kernels for key in members)
+
     def manifest(self) -> list[dict]:
         return [{"name": p.name, "shape": list(p.shape), "dtype": p.dtype} for p in self.parameters]
 

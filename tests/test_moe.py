@@ -214,3 +214,40 @@ def _assert_same_tokens(generate, reference, **settings) -> None:
         options = dict(gen_length=12, block_length=8, steps=4, threshold=0.3, editing_threshold=editing, **settings)
         assert (generate(np.arange(1, 7), **options).output_ids.tolist()
                 == reference(np.arange(1, 7), **options).output_ids.tolist())
+
+
+@pytest.mark.slow
+def test_an_moe_bundle_on_our_routed_kernels_carries_the_decode_loop(tmp_path, capsys):
+    """LLaDA-MoE, int4, its experts stacked on our routed kernels: the compiled decode loops and `run.sh` give the
+    host loop's tokens (the routing groups pairs by expert with no sort: IREE 3.13's argsort in the loop misplaced
+    some). Its experts in loops (a float checkpoint), the loop is refused in one line."""
+    from llada_jax.bundle_runner import bundle_runner
+    from llada_jax.cli import main
+    from llada_jax.weights.quantize_checkpoint import quantize_checkpoint
+    from lowering.bundle import compile_bundle
+    from lowering.export import canvas_sizes
+    from policies.compiled_loop import baked_loops
+    from tests.test_decode_loop_bundle import host_iree_run_module, run_script
+    from tests.test_families import LLADA_CONVENTIONS, MOE
+
+    if own_kernels.available() is None:
+        pytest.skip("no C compiler for our kernels")
+    source = write_checkpoint(tmp_path / "model", dataclasses.replace(MOE, mlp_hidden_size=32), std=0.3)
+    checkpoint = quantize_checkpoint(source, tmp_path / "int4", QuantScheme(4, 32))
+    settings = [("vanilla", 8), ("dual-cache", 4)]
+    loops = tuple(baked_loops(policy, None, 8, 8, steps, canvas_sizes(16)) for policy, steps in settings)
+    bundle = compile_bundle(checkpoint, "host", tmp_path / "bundle", max_len=16, window=16, loops=loops)
+    generate_bundled = bundle_runner(bundle)[2]
+    model = llada_jax.load(checkpoint)
+    for prompt in (np.arange(1, 7), np.array([9, 200, 31])):
+        for policy, steps in settings:
+            options = dict(gen_length=8, block_length=8, steps=steps, policy=policy, **LLADA_CONVENTIONS)
+            host = llada_jax.generate(model, prompt, **options).output_ids.tolist()
+            compiled = generate_bundled(prompt, loop="compiled", **options)
+            assert compiled.stats["loop"] == "compiled" and compiled.output_ids.tolist() == host
+            if policy == settings[0][0]:  # run.sh runs the first setting
+                proc = run_script(bundle, ",".join(map(str, prompt)), str(host_iree_run_module()))
+                assert proc.returncode == 0 and proc.stdout.splitlines()[-1] == ",".join(map(str, host))
+    assert main(["compile", "--model", str(source), "--target", "host", "--out", str(tmp_path / "float"),
+                 "--max-len", "16", "--gen-length", "8", "--block-length", "8"]) == 1
+    assert "carries steps only (compile with --no-loop)" in capsys.readouterr().err

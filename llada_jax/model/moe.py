@@ -95,11 +95,15 @@ def routed_sum(block: dict, rows: jax.Array, experts: jax.Array, weights: jax.Ar
     dtype, returned in the rows'."""
     r, d = rows.shape
     k = experts.shape[1]
-    flat = experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)  # routed pairs grouped by expert
-    counts = jnp.bincount(flat, length=expert_count(block["experts_gate"]))
+    flat = experts.reshape(-1)  # the pairs grouped by expert, stable, with no sort: IREE 3.13 misplaced some
+    # pairs of an argsort inside a compiled decode loop (docs/iree-limits.md)
+    chosen = flat[:, None] == jnp.arange(expert_count(block["experts_gate"]), dtype=flat.dtype)  # [pairs, E]
+    counts = jnp.sum(chosen, axis=0, dtype=jnp.int32)
+    earlier = jnp.sum(jnp.where(chosen, jnp.cumsum(chosen, axis=0, dtype=jnp.int32), 0), axis=1) - 1
+    sorted_at = (jnp.cumsum(counts) - counts)[flat] + earlier  # each pair's place, grouped by expert, stable
+    order = jnp.zeros(r * k, jnp.int32).at[sorted_at].set(jnp.arange(r * k, dtype=jnp.int32))
     run = listed_experts if isinstance(block["experts_gate"], list) else stacked_experts
-    per_pair = jnp.zeros((r * k, d), rows.dtype).at[order].set(run(block, rows[order // k], counts))
+    per_pair = run(block, rows[order // k], counts)[sorted_at]
     return jnp.sum(per_pair.reshape(r, k, d).astype(weights.dtype) * weights[..., None], axis=1).astype(rows.dtype)
 
 
