@@ -30,10 +30,7 @@ from llada_jax.weights.weights_io import INDEX_FILE, weight_files
 from lowering.bundle_format import ARCHIVE, FORMAT_VERSION, MANIFEST, TOKENIZER_FILES, VMFB, sha256
 from lowering.bundle_layout import bundle_layout
 from lowering.bundle_module import bundle_module
-from lowering.bundle_weights import (
-    WeightLayout,
-    write_archive,
-)
+from lowering.bundle_weights import WeightLayout, write_archive
 from lowering.export import (
     canvas_sizes,
     loop,
@@ -234,7 +231,7 @@ def loop_refusal(config, layout: WeightLayout | None = None) -> str | None:
     if host_loop_conventions(config):
         return ("the compiled decode loop follows LLaDA's conventions, and this family's own (its confidence "
                 "filter, blocks begun with their first token) run on the host loop")
-    if config.n_experts and not (layout is not None and layout.routed_experts and not layout.streamed):
+    if config.n_experts and not (layout is not None and layout.routed_experts):  # stacked only where resident
         return ("IREE 3.13 fails on a sparse MoE's decode loop whose experts run in loops (it fails to compile, or "
                 "the module crashes); a CPU bundle of a 4- or 8-bit checkpoint with its weights copied and resident "
                 "runs them on our routed kernels, and carries the loop")

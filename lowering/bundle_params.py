@@ -49,8 +49,8 @@ def _resident(stored: dict, layout: WeightLayout, config: LLaDAConfig, compute_d
     as_first = {name: layout.stacks[name][0] if name in layout.stacks else name for name in stored}
     tensors = converted({as_first[name]: w for name, w in stored.items()}, layout, config, compute_dtype, activations)
     places = tensor_places(config)
-    stacked = [name for name in tensors if layout.stacks and len(places[name]) == 4]  # every expert's first
-    stacks = {places[name][1:3]: tensors.pop(name) for name in stacked}
+    firsts = [name for name in tensors if layout.stacks and len(places[name]) == 4]  # each stack's first expert
+    stacks = {places[name][1:3]: tensors.pop(name) for name in firsts}
     return hf_to_params(tensors, config, stacks)
 
 
