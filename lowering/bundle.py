@@ -32,6 +32,7 @@ from lowering.bundle_layout import bundle_layout
 from lowering.bundle_module import bundle_module
 from lowering.bundle_weights import WeightLayout, write_archive
 from lowering.export import (
+    block_loop_function,
     canvas_sizes,
     loop,
     loop_manifest,
@@ -44,6 +45,7 @@ from lowering.matmul_tiles import tunable_matmuls, tuning_spec
 from lowering.run_script import write_run_script
 from lowering.stage_ring import byte_size, resident_bytes, ring_plan
 from lowering.targets import compile_flags, target, target_tiles
+from policies.block_loop_io import BakedBlockLoops, BlockLoopSpec
 from policies.loop_io import BakedLoops
 
 COMPILE_TIMEOUT_S = 900  # default; LLADA_COMPILE_TIMEOUT_S overrides (data tiling compiles take several times longer)
@@ -137,7 +139,7 @@ def _run_compiler(command: list[str], seconds_left: float, timeout: float, phase
 
 def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, window: int = 64,
                    dtype: str = "float32", copy_weights: bool = True, device_memory_budget: int | None = None,
-                   loops: tuple[BakedLoops, ...] = (), batch_sizes: tuple[int, ...] = (1,),
+                   loops: tuple[BakedLoops | BakedBlockLoops, ...] = (), batch_sizes: tuple[int, ...] = (1,),
                    activations: Activations = "float", data_tiling: bool = False, progress=None,
                    force: bool = False, kernels: Kernels = "own", block_length: int | None = None) -> Path:
     """Compile every step for canvases up to `max_len`, windows up to `window` and each of `batch_sizes` rows (a
@@ -160,6 +162,10 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
     if loops and loop_refusal(config, layout):
         raise LladaError(f"this {config.family} bundle carries steps only (compile with --no-loop): "
                          f"{loop_refusal(config, layout)}")
+    for baked in loops:
+        if isinstance(baked, BakedBlockLoops) and block_length not in (None, baked.settings.block_length):
+            raise LladaError(f"the decode loop's blocks ({baked.settings.block_length}) are not the bundle's "
+                             f"--block-length ({block_length})")
     compute, batch_sizes = compute_dtype(dtype), check_batch_sizes(batch_sizes)
     specs = step_specs(max_len, window, batch_sizes, block_length)
     flags, timeout = compile_flags(tgt, data_tiling, layout.streamed, bool(loops)), compile_timeout()  # before export
@@ -216,7 +222,9 @@ def _loop_specs(loops, max_len: int, streamed: bool) -> list:
 def _functions(specs, loop_specs, config, compute, layout, activations: Activations, rule) -> list:
     """The functions to export: each step, then each decode loop, in the target's activation layouts."""
     return ([step(spec, config, compute, layout, activations, rule) for spec in specs]
-            + [loop(spec, config, compute, layout, activations, rule) for spec in loop_specs])
+            + [(block_loop_function if isinstance(spec, BlockLoopSpec) else loop)(spec, config, compute, layout,
+                                                                                activations, rule)
+               for spec in loop_specs])
 
 
 def _write_manifest(staging: Path, manifest: dict) -> None:
@@ -235,9 +243,10 @@ def loop_refusal(config, layout: WeightLayout | None = None) -> str | None:
         return ("IREE 3.13 fails on a sparse MoE's decode loop whose experts run in loops (it fails to compile, or "
                 "the module crashes); a CPU bundle of a 4- or 8-bit checkpoint with its weights copied and resident "
                 "runs them on our routed kernels, and carries the loop")
-    if config.block_causal:
-        return ("IREE 3.13 fails on the block-diffusion loop (a dense one stops in the module's initializer: "
-                "'indirect buffer reference slot 0 is out of range'); XLA runs it (--loop compiled)")
+    if config.block_causal and not (layout is not None and layout.routed_experts):
+        return ("IREE 3.13 runs the block-diffusion loop only where the experts are stacked on our routed kernels "
+                "(a 4- or 8-bit checkpoint in a CPU bundle holding its weights resident); elsewhere it fails "
+                "('indirect buffer reference slot 0 is out of range'); XLA runs it (--loop compiled)")
     return None
 
 

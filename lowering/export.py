@@ -207,7 +207,8 @@ def signature_manifest(spec: StepSpec, config: LLaDAConfig, compute_dtype) -> di
             "inputs": _describe(inputs), "outputs": _describe(outputs)}
 
 
-def loop_manifest(spec: LoopSpec, function: Function) -> dict:
+def loop_manifest(spec: LoopSpec | BlockLoopSpec, function: Function) -> dict:
     """The manifest entry of a compiled decode loop: its setting, shapes and argument order."""
-    return {"name": function.name, "kind": "loop", "loop": spec.manifest(),
+    return {"name": function.name, "kind": "block_loop" if isinstance(spec, BlockLoopSpec) else "loop",
+            "loop": spec.manifest(),
             "inputs": _describe(function.inputs), "outputs": _describe(function.outputs)}

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from policies.loop_io import BakedLoops
+from policies.block_loop_io import BakedBlockLoops, BlockLoopOutputs
+from policies.loop_io import BakedLoops, LoopOutputs
 
 SCRIPT = "run.sh"
 
@@ -39,19 +40,19 @@ for id in $(echo "$1" | tr ',' ' '); do
   count=$((count + 1))
   padded="$padded $id"
 done
-total=$((count + {gen_length}))
+prompt_len=$count
+total={total}
 {choices}
 else
   fail "prompt ($count) + gen_length ({gen_length}) = $total exceeds the bundle's longest canvas ({largest})"
 fi
 while [ "$count" -lt "$slots" ]; do padded="$padded 0"; count=$((count + 1)); done
 out=$(${{IREE_RUN_MODULE:-iree-run-module}} --module="$here/steps.vmfb" --device={device} {parameters} \
-  --function="$function" --input="${{slots}}xi32=${{padded# }}" --input="i32=$((total - {gen_length}))" \
-  --input="{vocab}xf32=0" --input="{vocab}xf32=0" --input="f32={commit_cutoff}" --input="f32={draft_cutoff}" \
-  --output_max_element_count={gen_length}) || fail "iree-run-module failed (set IREE_RUN_MODULE to its path)"
+  --function="$function" --input="${{slots}}xi32=${{padded# }}" --input="i32=$prompt_len" \
+  {inputs} --output_max_element_count={gen_length}) || fail "iree-run-module failed (set IREE_RUN_MODULE to its path)"
 result() {{ echo "$out" | sed -n "/^result\[$1\]/{{n;s/^[^=]*=//;p;q;}}"; }}
-bad=$(result 8)
-[ "$bad" = "-1" ] || fail "step $((bad + 1)) produced a non-finite score (NaN/Inf) at canvas position $(result 9)"
+bad=$(result {bad_pass})
+[ "$bad" = "-1" ] || fail "step $((bad + 1)) produced a non-finite score (NaN/Inf) at canvas position $(result {bad_position})"
 echo "[$(result 1) forward passes]" >&2
 result 0 | tr -s ' ' ','
 """
@@ -62,19 +63,27 @@ def _float(value: float) -> str:
     return np.format_float_scientific(np.float32(value), unique=True)
 
 
-def write_run_script(bundle_dir: Path, loops: BakedLoops, config, device: str, weights: dict) -> Path:
+def write_run_script(bundle_dir: Path, loops: BakedLoops | BakedBlockLoops, config, device: str, weights: dict) -> Path:
     """Write `run.sh` for `loops` into `bundle_dir` (weights as the bundle records them)."""
     files = [f'"$here/{name}"' if weights["copied"] else f'"{name}"' for name in weights["files"]]
     parameters = " ".join(f"--parameters=model={file}" for file in files)
     choices = "\n".join(f'{"if" if i == 0 else "elif"} [ "$total" -le {spec.slots} ]; then slots={spec.slots}; '
                         f'function={spec.name}' for i, spec in enumerate(loops.specs))
     manifest = loops.manifest()
-    text = TEMPLATE.format(setting=loops.setting, gen_length=manifest["gen_length"],
-                           block_length=manifest["block_length"], steps=manifest["steps"],
-                           vocab=config.embedding_size, mask=config.mask_token_id, choices=choices,
-                           largest=loops.specs[-1].slots, device=device,
-                           parameters=parameters, commit_cutoff=_float(manifest["commit_cutoff"]),
-                           draft_cutoff=_float(manifest["draft_cutoff"]))
+    gen_length, block_length = manifest["gen_length"], manifest["block_length"]
+    if isinstance(loops, BakedBlockLoops):  # the canvas holds the prompt and the answer in whole blocks
+        outputs, biases, cutoffs = BlockLoopOutputs, "", ("commit_cutoff", "edit_cutoff", "draft_cutoff")
+        total = f"$(((count + {gen_length} + {block_length - 1}) / {block_length} * {block_length}))"
+    else:
+        outputs, cutoffs = LoopOutputs, ("commit_cutoff", "draft_cutoff")
+        biases = f'--input="{config.embedding_size}xf32=0" --input="{config.embedding_size}xf32=0" '
+        total = f"$((count + {gen_length}))"
+    inputs = biases + " ".join(f'--input="f32={_float(manifest[name])}"' for name in cutoffs)
+    text = TEMPLATE.format(setting=loops.setting, gen_length=gen_length, block_length=block_length,
+                           steps=manifest["steps"], vocab=config.embedding_size, mask=config.mask_token_id,
+                           choices=choices, largest=loops.specs[-1].slots, device=device, parameters=parameters,
+                           total=total, inputs=inputs, bad_pass=outputs._fields.index("bad_pass"),
+                           bad_position=outputs._fields.index("bad_position"))
     path = bundle_dir / SCRIPT
     path.write_text(text)
     path.chmod(0o755)

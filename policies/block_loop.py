@@ -226,7 +226,7 @@ class _Run(NamedTuple):
             return denoised & ~done & (passes < bound) & (carry.bad[0] == NOT_COMMITTED)
 
         def one_pass(state):
-            passes, post_steps, _, seen_tokens, seen_post, carry = state
+            passes, post_steps, was_done, seen_tokens, seen_post, carry = state
             old = self.block_tokens(carry, lo)
             active = self.masks(old)
             post_steps = post_steps + ~jnp.any(active)
@@ -242,6 +242,9 @@ class _Run(NamedTuple):
                 return next_carry, ~jnp.any(active) & ~jnp.any(edited)
 
             carry, done = jax.lax.cond(stop, lambda: (carry, jnp.bool_(True)), denoise)
+            # `was_done` is False here; read, it keeps the loop's flag an argument of the loop's test, which IREE
+            # 3.13 needs (with it unread, the rotated loop's two regions disagree and iree-compile crashes)
+            done = done | was_done
             bounded = carry.bounded + (seen & ~(post_steps > self.spec.max_post_steps))
             return (passes + ~stop, post_steps, done, seen_tokens.at[passes].set(old),
                     seen_post.at[passes].set(post_steps), carry._replace(bounded=bounded))

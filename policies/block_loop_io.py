@@ -15,6 +15,7 @@ from typing import NamedTuple
 import numpy as np
 
 from llada_jax.model.arrays import Array
+from llada_jax.system.errors import LladaError
 from policies.block_diffusion import BlockSettings, pass_bound
 from policies.compiled_loop import call_loop
 from policies.loop import Result, StepRecord
@@ -53,6 +54,50 @@ class BlockLoopSpec:
         """The compiled function's name: the setting and shape in a symbol-safe form."""
         rule = f"edit{self.max_post_steps}t{self.num_to_transfer}" if self.editing else f"n{len(self.shares)}"
         return (f"blockloop_{rule}_la{self.lookahead}_g{self.gen_length}_b{self.block_length}_s{self.slots}")
+
+
+    def manifest(self) -> dict:
+        """What a bundle's manifest records of the loop: its fields."""
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class BakedBlockLoops:
+    """A block-diffusion decoding setting compiled into a bundle: one loop per canvas size, and its settings
+    (the thresholds are runtime inputs of the loop, baked into the bundle's run.sh)."""
+
+    settings: BlockSettings
+    specs: tuple[BlockLoopSpec, ...]
+
+    @property
+    def setting(self) -> str:
+        """The decoder, as `--policy` and the block flags name it."""
+        settings = self.settings
+        rule = "" if settings.threshold is None else f"@{settings.threshold}"
+        edits = "" if settings.editing_threshold is None else f", --editing-threshold {settings.editing_threshold}"
+        return f"dual-cache{rule}{edits}"
+
+    def manifest(self) -> dict:
+        inputs = block_loop_inputs(np.zeros(0, np.int32), self.specs[0], self.settings)
+        return {"setting": self.setting, **dataclasses.asdict(self.settings),
+                **{name: float(getattr(inputs, name)) for name in ("commit_cutoff", "edit_cutoff", "draft_cutoff")}}
+
+
+def baked_block_loops(settings: BlockSettings, slot_sizes) -> BakedBlockLoops:
+    """The compiled loops a bundle needs to run this setting: one per canvas size that holds a prompt and the
+    answer in whole blocks. A setting only the host loop runs is a one-line error."""
+    sizes = [size for size in sorted(set(slot_sizes)) if size >= settings.canvas_length(1)]
+    if not sizes:
+        raise LladaError(f"gen_length={settings.gen_length} in blocks of {settings.block_length} leaves no room for a "
+                         f"prompt in canvases of at most {max(slot_sizes)} positions (raise --max-len)")
+    if settings.lookahead:
+        raise LladaError("+speculative on block-diffusion models drafts the next blocks under block-causal "
+                         "attention, which a bundle does not hold; bake a setting without it")
+    specs = tuple(block_loop_spec(settings, Sampler(), size) for size in sizes)
+    if None in specs:
+        raise LladaError("block diffusion's vanilla decoder runs only on the host loop: the compiled loop covers "
+                         "its cached ones (--policy dual-cache, the default)")
+    return BakedBlockLoops(settings, specs)
 
 
 def block_loop_spec(settings: BlockSettings, sampler: Sampler, slots: int) -> BlockLoopSpec | None:

@@ -172,6 +172,23 @@ def prepare_blocks(config: LLaDAConfig, prompts: list[np.ndarray], batched: bool
                    options: GenerationOptions) -> Prepared:
     """A block-causal family's generation (`policies.block_diffusion`): the exact block cache, or `vanilla`, its
     uncached twin; LLaDA2.1's editing decoder when `editing_threshold` is set."""
+    settings = block_settings(policy, options)
+    total = check_fits(config, prompts, settings.gen_length, batched, options.limit, settings.block_length)
+    sampler = Sampler(float(options.temperature))
+    decode_row = functools.partial(decode_blocks, settings=settings, sampler=sampler, mask_id=config.mask_token_id,
+                                   max_len=config.max_sequence_length, seed=options.seed)
+    slots = bucket(total, config.max_sequence_length)
+    spec = block_loop_spec(settings, sampler, slots)
+    return Prepared(prompts=prompts, batched=batched, readout_spec=ReadoutSpec(kind=sampler.readout_kind),
+                    biases=TokenBiases.build(config.embedding_size), cfg_scale=0.0, slots=slots,
+                    decode_row=decode_row, loop_spec=spec,
+                    run_loop=None if spec is None else functools.partial(run_block_loop, spec=spec, settings=settings),
+                    revisable=settings.editing_threshold is not None,
+                    block_windows=settings.lookahead > 0, block_length=settings.block_length)
+
+
+def block_settings(policy: str, options: GenerationOptions) -> BlockSettings:
+    """The block-diffusion settings of `policy` and `options`, refusing what block diffusion does not take."""
     base, modifiers = parse_policy(policy)
     if "revision" in modifiers:
         raise LladaError("+revision is LLaDA's; block-diffusion models revise their own block with "
@@ -185,24 +202,12 @@ def prepare_blocks(config: LLaDAConfig, prompts: list[np.ndarray], batched: bool
     for name, given in unsupported.items():
         if given:
             raise LladaError(f"generation option {name} is not implemented for block-diffusion models")
-    settings = BlockSettings(
+    return BlockSettings(
         gen_length=int(options.gen_length), block_length=int(options.block_length), steps=int(options.steps),
         threshold=options.threshold, cached=base != "vanilla", minimal_topk=options.minimal_topk,
         editing_threshold=options.editing_threshold, max_post_steps=options.max_post_steps,
         num_to_transfer=options.num_to_transfer, lookahead=speculative.lookahead,
         draft_threshold=speculative.draft_threshold)
-    total = check_fits(config, prompts, settings.gen_length, batched, options.limit, settings.block_length)
-    sampler = Sampler(float(options.temperature))
-    decode_row = functools.partial(decode_blocks, settings=settings, sampler=sampler, mask_id=config.mask_token_id,
-                                   max_len=config.max_sequence_length, seed=options.seed)
-    slots = bucket(total, config.max_sequence_length)
-    spec = block_loop_spec(settings, sampler, slots)
-    return Prepared(prompts=prompts, batched=batched, readout_spec=ReadoutSpec(kind=sampler.readout_kind),
-                    biases=TokenBiases.build(config.embedding_size), cfg_scale=0.0, slots=slots,
-                    decode_row=decode_row, loop_spec=spec,
-                    run_loop=None if spec is None else functools.partial(run_block_loop, spec=spec, settings=settings),
-                    revisable=settings.editing_threshold is not None,
-                    block_windows=settings.lookahead > 0, block_length=settings.block_length)
 
 
 def run_generation(make_backend: Callable, config: LLaDAConfig, prompt_ids, *, on_step: Callable | None = None,

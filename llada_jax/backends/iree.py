@@ -21,6 +21,7 @@ from llada_jax.model.shapes import kv_shape
 from llada_jax.system.errors import LladaError
 from lowering.bundle_format import MANIFEST, PARAMETER_SCOPE, VMFB, StepSpec, check_files
 from policies.backend import Backend, SideBackend
+from policies.block_loop_io import BlockLoopInputs, BlockLoopOutputs, BlockLoopSpec
 from policies.loop_io import LoopInputs, LoopOutputs, LoopSpec
 
 HOST_CPU_DRIVERS = ("local-task", "local-sync")  # IREE's drivers that run compiled code on the host's own cores
@@ -190,16 +191,17 @@ class IreeBackend(Backend):
     def _host(self, array) -> np.ndarray:
         return array if isinstance(array, np.ndarray) else self.session.read(array)
 
-    def compiled_loop(self, spec: LoopSpec):
+    def compiled_loop(self, spec: LoopSpec | BlockLoopSpec):
         """The bundle's compiled decode loop for `spec`, if `llada compile` baked one."""
         if spec.name not in {entry["name"] for entry in self.bundle.manifest.get("loops", [])}:
             return None
         session = self.session
         invoker = session.invoker(spec.name)
+        outputs = BlockLoopOutputs if isinstance(spec, BlockLoopSpec) else LoopOutputs
 
-        def run(inputs: LoopInputs) -> LoopOutputs:
+        def run(inputs: LoopInputs | BlockLoopInputs) -> LoopOutputs | BlockLoopOutputs:
             out = invoker(*(np.asarray(value) for value in inputs))  # 0-d stays 0-d (ascontiguousarray makes it 1-d)
-            return LoopOutputs(*(session.read(value) for value in out))
+            return outputs(*(session.read(value) for value in out))
 
         return run
 

@@ -12,6 +12,7 @@ from llada_jax.cli.flags import (
     model_dir,
 )
 from llada_jax.cli.progress import stage_printer
+from llada_jax.model.config import read_config
 from llada_jax.system.errors import LladaError
 from lowering.bundle import compile_bundle
 from lowering.export import canvas_sizes
@@ -22,8 +23,10 @@ from lowering.targets import TARGETS
 def cmd_compile(args) -> None:
     if args.mesh:
         raise LladaError("--mesh shards a model over JAX devices; a bundle runs on one device (drop --mesh)")
-    loops = baked_setting(args, canvas_sizes(args.max_len)) if args.max_len > 0 else ()
-    out = compile_bundle(model_dir(args), args.target, args.out, max_len=args.max_len,
+    directory = model_dir(args)
+    config = read_config(directory) if directory.is_dir() else None  # else compile_bundle says so
+    loops = baked_setting(args, canvas_sizes(args.max_len), config) if args.max_len > 0 and config else ()
+    out = compile_bundle(directory, args.target, args.out, max_len=args.max_len,
                          window=args.window, dtype=args.dtype, copy_weights=not args.link_weights,
                          device_memory_budget=args.device_memory_budget, loops=loops,
                          batch_sizes=args.batch_sizes, activations=args.activations, data_tiling=args.data_tiling,

@@ -16,7 +16,9 @@ from llada_jax.system.locations import default_model_dir, user_cache_dir
 from llada_jax.weights.weights_io import check_finite_weights
 from policies.block_diffusion import family_decoder
 from policies.compiled_loop import baked_loops, loop_covers
-from policies.generation import LOOPS
+from policies.block_loop_io import baked_block_loops
+from policies.generation import LOOPS, block_settings
+from policies.options import GenerationOptions
 from policies.registry import DecoderSetting, make_policy, with_modifier
 from policies.sampling import Sampler
 
@@ -99,15 +101,31 @@ def add_loop_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threshold", type=float, default=None, help="commit all tokens with confidence >= this")
     parser.add_argument("--no-loop", action="store_true", help="steps only: no compiled decode loop, no run.sh")
     parser.set_defaults(revise_threshold=None, confirmations=None)
+    add_block_flags(parser)
 
 
-def baked_setting(args, slot_sizes):
-    """The compiled loops the flags of `add_loop_flags` ask for (none with --no-loop)."""
+def baked_setting(args, slot_sizes, config):
+    """The compiled loops the flags of `add_loop_flags` ask for, for the model of `config` (none with
+    --no-loop)."""
     if args.no_loop:
         return ()
+    if config.block_causal:
+        return (baked_block_loops(block_settings(*block_setting(args)), slot_sizes),)
     steps = args.steps if args.steps is not None else args.gen_length
     return (baked_loops(policy_spec(args), commit_threshold(args), args.gen_length, args.block_length, steps,
                         slot_sizes),)
+
+
+def block_setting(args) -> tuple[str, GenerationOptions]:
+    """(policy, options) of a block-diffusion model's decoding flags, with the family's defaults."""
+    policy, threshold = ((policy_spec(args), commit_threshold(args)) if args.policy is not None
+                         else family_decoder(True, None, args.threshold))
+    blocks = {"editing_threshold": args.editing_threshold, "max_post_steps": args.max_post_steps,
+              "num_to_transfer": args.num_to_transfer, "minimal_topk": args.minimal_topk}
+    steps = args.steps if args.steps is not None else args.block_length
+    return policy, GenerationOptions.of({"gen_length": args.gen_length, "block_length": args.block_length,
+                                         "steps": steps, "policy": policy, "threshold": threshold,
+                                         **{name: value for name, value in blocks.items() if value is not None}})
 
 
 def policy_spec(args) -> str:
