@@ -1,6 +1,7 @@
-"""Does IREE run the compiled block-diffusion loop? The evidence behind `lowering.bundle.loop_refusal` for LLaDA2:
-export `policies.block_loop` for a block-diffusion checkpoint, compile it for the host CPU, run it in a child
-process (IREE 3.13 crashed running it) and compare its tokens with XLA's compiled loop.
+"""Does IREE run the compiled block-diffusion loop with the checkpoint's own float weights (its experts, if any,
+in loops)? The evidence behind `lowering.bundle.loop_refusal` for LLaDA2 outside our routed kernels: export
+`policies.block_loop` for a block-diffusion checkpoint, compile it for the host CPU, run it in a child process
+(IREE 3.13 crashed running it, or stopped) and compare its tokens with XLA's compiled loop.
 
     python -m eval.iree_block_loop_probe --model DIR [--editing-threshold 0.3]
 """

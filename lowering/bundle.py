@@ -159,13 +159,7 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
     check_output_dir(out_dir, COMPILE_COMMAND, (model_dir,), force)  # before minutes of export and compile
     archive = copy_weights and tgt.driver == "local-task"  # a CPU device maps it in place
     compiler, layout = bundle_layout(tgt, model_dir, config, kernels, activations, archive, device_memory_budget)
-    if loops and loop_refusal(config, layout):
-        raise LladaError(f"this {config.family} bundle carries steps only (compile with --no-loop): "
-                         f"{loop_refusal(config, layout)}")
-    for baked in loops:
-        if isinstance(baked, BakedBlockLoops) and block_length not in (None, baked.settings.block_length):
-            raise LladaError(f"the decode loop's blocks ({baked.settings.block_length}) are not the bundle's "
-                             f"--block-length ({block_length})")
+    _check_loops(loops, config, layout, block_length)
     compute, batch_sizes = compute_dtype(dtype), check_batch_sizes(batch_sizes)
     specs = step_specs(max_len, window, batch_sizes, block_length)
     flags, timeout = compile_flags(tgt, data_tiling, layout.streamed, bool(loops)), compile_timeout()  # before export
@@ -202,6 +196,17 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
     return out_dir
 
 
+def _check_loops(loops, config, layout: WeightLayout, block_length: int | None) -> None:
+    """Refuse, in one line, decode loops this bundle cannot carry."""
+    if loops and loop_refusal(config, layout):
+        raise LladaError(f"this {config.family} bundle carries steps only (compile with --no-loop): "
+                         f"{loop_refusal(config, layout)}")
+    for baked in loops:
+        if isinstance(baked, BakedBlockLoops) and block_length not in (None, baked.settings.block_length):
+            raise LladaError(f"the decode loop's blocks ({baked.settings.block_length}) are not the bundle's "
+                             f"--block-length ({block_length})")
+
+
 def _copy_tokenizer(model_dir: Path, staging: Path) -> None:
     for name in TOKENIZER_FILES:
         if (model_dir / name).is_file():
@@ -221,10 +226,13 @@ def _loop_specs(loops, max_len: int, streamed: bool) -> list:
 
 def _functions(specs, loop_specs, config, compute, layout, activations: Activations, rule) -> list:
     """The functions to export: each step, then each decode loop, in the target's activation layouts."""
-    return ([step(spec, config, compute, layout, activations, rule) for spec in specs]
-            + [(block_loop_function if isinstance(spec, BlockLoopSpec) else loop)(spec, config, compute, layout,
-                                                                                activations, rule)
-               for spec in loop_specs])
+    def decode_loop(spec):
+        if isinstance(spec, BlockLoopSpec):
+            return block_loop_function(spec, config, compute, layout, activations, rule)
+        return loop(spec, config, compute, layout, activations, rule)
+
+    return [step(spec, config, compute, layout, activations, rule) for spec in specs] + list(map(decode_loop,
+                                                                                                loop_specs))
 
 
 def _write_manifest(staging: Path, manifest: dict) -> None:

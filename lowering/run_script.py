@@ -51,8 +51,8 @@ out=$(${{IREE_RUN_MODULE:-iree-run-module}} --module="$here/steps.vmfb" --device
   --function="$function" --input="${{slots}}xi32=${{padded# }}" --input="i32=$prompt_len" \
   {inputs} --output_max_element_count={gen_length}) || fail "iree-run-module failed (set IREE_RUN_MODULE to its path)"
 result() {{ echo "$out" | sed -n "/^result\[$1\]/{{n;s/^[^=]*=//;p;q;}}"; }}
-bad=$(result {bad_pass})
-[ "$bad" = "-1" ] || fail "step $((bad + 1)) produced a non-finite score (NaN/Inf) at canvas position $(result {bad_position})"
+bad=$(result {bad_pass}) at=$(result {bad_position})
+[ "$bad" = "-1" ] || fail "step $((bad + 1)) produced a non-finite score (NaN/Inf) at canvas position $at"
 echo "[$(result 1) forward passes]" >&2
 result 0 | tr -s ' ' ','
 """

@@ -93,11 +93,12 @@ def baked_block_loops(settings: BlockSettings, slot_sizes) -> BakedBlockLoops:
     if settings.lookahead:
         raise LladaError("+speculative on block-diffusion models drafts the next blocks under block-causal "
                          "attention, which a bundle does not hold; bake a setting without it")
-    specs = tuple(block_loop_spec(settings, Sampler(), size) for size in sizes)
-    if None in specs:
+    specs = [block_loop_spec(settings, Sampler(), size) for size in sizes]
+    covered = tuple(spec for spec in specs if spec is not None)
+    if len(covered) < len(specs):
         raise LladaError("block diffusion's vanilla decoder runs only on the host loop: the compiled loop covers "
                          "its cached ones (--policy dual-cache, the default)")
-    return BakedBlockLoops(settings, specs)
+    return BakedBlockLoops(settings, covered)
 
 
 def block_loop_spec(settings: BlockSettings, sampler: Sampler, slots: int) -> BlockLoopSpec | None:

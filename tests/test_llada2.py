@@ -305,8 +305,8 @@ def test_quantized_llada2_runs_as_its_dequantized_twin(checkpoint, bits, tmp_pat
 
 @pytest.mark.slow
 def test_iree_host_bundle_gives_the_xla_tokens(model, checkpoint, tmp_path, capsys, monkeypatch):
-    """Block steps through an IREE host bundle, resident and streamed (no compiled loop: IREE 3.13 crashes running
-    it, a one-line refusal without --no-loop)."""
+    """Block steps through an IREE host bundle, resident and streamed (no compiled loop: this float checkpoint's
+    experts run in loops, which IREE 3.13 fails on; a one-line refusal without --no-loop)."""
     from llada_jax.bundle_runner import bundle_runner
     from llada_jax.cli import main
     from lowering.bundle import compile_bundle

@@ -15,8 +15,8 @@ from llada_jax.system.errors import LladaError
 from llada_jax.system.locations import default_model_dir, user_cache_dir
 from llada_jax.weights.weights_io import check_finite_weights
 from policies.block_diffusion import family_decoder
-from policies.compiled_loop import baked_loops, loop_covers
 from policies.block_loop_io import baked_block_loops
+from policies.compiled_loop import baked_loops, loop_covers
 from policies.generation import LOOPS, block_settings
 from policies.options import GenerationOptions
 from policies.registry import DecoderSetting, make_policy, with_modifier
@@ -120,6 +120,7 @@ def block_setting(args) -> tuple[str, GenerationOptions]:
     """(policy, options) of a block-diffusion model's decoding flags, with the family's defaults."""
     policy, threshold = ((policy_spec(args), commit_threshold(args)) if args.policy is not None
                          else family_decoder(True, None, args.threshold))
+    assert policy is not None, "a block-diffusion model has a default decoder"
     blocks = {"editing_threshold": args.editing_threshold, "max_post_steps": args.max_post_steps,
               "num_to_transfer": args.num_to_transfer, "minimal_topk": args.minimal_topk}
     steps = args.steps if args.steps is not None else args.block_length

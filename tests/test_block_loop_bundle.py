@@ -1,0 +1,68 @@
+"""The compiled block-diffusion loop in a bundle (LLaDA2, int4, its experts stacked on our routed kernels): for
+each decoder (2.0, 2.1's editing), `llada compile` bakes it with `run.sh`, and both give the bundle's host loop's
+tokens and passes (and XLA's tokens, W4A16). A float checkpoint's refusal: `tests/test_llada2.py`."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import llada_jax
+from llada_jax.bundle_runner import bundle_runner
+from llada_jax.cli import main
+from tests.test_decode_loop_bundle import host_iree_run_module, run_script
+from tests.test_llada2 import CONFIG
+from tests.test_moe import int4_llada2
+
+MAX_LEN = 32
+SETTINGS = {  # activations, then the decoder's flags
+    "LLaDA2.0": ("int8", dict(gen_length=12, block_length=8, steps=8, threshold=0.95)),
+    "LLaDA2.1": ("float", dict(gen_length=12, block_length=8, steps=8, threshold=0.7, editing_threshold=0.5)),
+}
+PROMPTS = st.lists(st.integers(0, CONFIG.embedding_size - 1).filter(lambda t: t != CONFIG.mask_token_id),
+                   min_size=1, max_size=MAX_LEN - 12).map(np.array)  # canvases of 16, 24 and 32 positions
+
+
+def _flags(options: dict) -> list[str]:
+    return [part for name, value in options.items() for part in (f"--{name.replace('_', '-')}", str(value))]
+
+
+@pytest.fixture(scope="module", params=list(SETTINGS))
+def baked(request, tmp_path_factory):
+    """(decoder, bundle, its generate function, the XLA model): the bundle `llada compile` writes for the
+    decoder's flags."""
+    decoder = request.param
+    _, checkpoint = int4_llada2(tmp_path_factory.mktemp("llada2"))  # skips without a C compiler for our kernels
+    activations, options = SETTINGS[decoder]
+    bundle = checkpoint.parent / "bundle"
+    assert main(["compile", "--model", str(checkpoint), "--target", "host", "--out", str(bundle), "--max-len",
+                 str(MAX_LEN), "--activations", activations, *_flags(options)]) == 0
+    return decoder, bundle, bundle_runner(bundle)[2], llada_jax.load(checkpoint, activations=activations)
+
+
+@pytest.mark.slow
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompt=PROMPTS)
+def test_the_bundles_block_loop_is_its_host_loop(baked, prompt):
+    decoder, _, generate_bundled, model = baked
+    activations, options = SETTINGS[decoder]
+    host = generate_bundled(prompt, loop="host", **options)
+    compiled = generate_bundled(prompt, loop="compiled", **options)
+    assert compiled.stats["loop"] == "compiled"
+    assert (compiled.output_ids.tolist(), compiled.nfe) == (host.output_ids.tolist(), host.nfe)
+    assert [record.positions for record in compiled.trace] == [record.positions for record in host.trace]
+    if activations == "float":  # W4A8 rounds activations on IREE and XLA apart (docs/kernels.md)
+        assert compiled.output_ids.tolist() == llada_jax.generate(model, prompt, **options).output_ids.tolist()
+
+
+@pytest.mark.slow
+def test_run_sh_gives_the_bundles_tokens(baked):
+    decoder, bundle, generate_bundled, _ = baked
+    for prompt in (np.arange(1, 6), np.arange(7, 22)):
+        host = generate_bundled(prompt, loop="host", **SETTINGS[decoder][1])
+        proc = run_script(bundle, ",".join(map(str, prompt)), str(host_iree_run_module()))
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.splitlines()[-1] == ",".join(map(str, host.output_ids.tolist()))
+        assert f"[{host.nfe} forward passes]" in proc.stderr
