@@ -14,6 +14,7 @@ from llada_jax.bundle_runner import bundle_runner
 from llada_jax.cli import main
 from tests.test_decode_loop_bundle import host_iree_run_module, run_script
 from tests.test_llada2 import CONFIG
+from tests.test_llada2 import write_tiny as write_llada2
 from tests.test_moe import int4_llada2
 
 MAX_LEN = 32
@@ -66,3 +67,18 @@ def test_run_sh_gives_the_bundles_tokens(baked):
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.splitlines()[-1] == ",".join(map(str, host.output_ids.tolist()))
         assert f"[{host.nfe} forward passes]" in proc.stderr
+
+
+def test_compile_refuses_a_loop_setting_it_cannot_bake_in_one_line(tmp_path, capsys):
+    """Before any export: LLaDA2's uncached decoder and speculation (the bundle's steps cannot mask drafts), and
+    a block flag on a model that is not block diffusion."""
+    checkpoint = write_llada2(tmp_path)
+    common = ["compile", "--target", "host", "--max-len", "32", "--gen-length", "8"]
+    for model, flags, said in ((checkpoint, ["--policy", "vanilla"], "vanilla decoder runs only on the host loop"),
+                               (checkpoint, ["--lookahead", "1"], "+speculative on block-diffusion models"),
+                               (None, ["--editing-threshold", "0.5"], "--editing-threshold is LLaDA2's")):
+        model_flags = ["--model", str(model)] if model else []
+        assert main([*common, *model_flags, "--out", str(tmp_path / "bundle"), *flags]) == 1
+        error = capsys.readouterr().err.strip()
+        assert said in error and len(error.splitlines()) == 1
+        assert not (tmp_path / "bundle").exists()

@@ -257,6 +257,14 @@ def test_llada_generate_takes_the_family_defaults(chat_model, capsys):
     expected = llada_jax.generate(chat_model, np.array([1, 2, 3]), gen_length=32, block_length=8, steps=8,
                                   policy="dual-cache", threshold=0.95)
     assert row["output_ids"] == expected.output_ids.tolist() and row["nfe"] == expected.nfe
+    # a speculation flag without --policy speculates on the family's default decoder
+    assert main(["generate", "--model", str(chat_model.path), "--prompt-ids", "1,2,3", "--json", "--lookahead", "2",
+                 "--draft-threshold", "0.3"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    speculated = llada_jax.generate(chat_model, np.array([1, 2, 3]), gen_length=32, block_length=8, steps=8,
+                                    policy="dual-cache+speculative:2:0.3", threshold=0.95)
+    assert speculated.nfe != expected.nfe  # the drafts save passes: dropping the flags would show
+    assert row["output_ids"] == speculated.output_ids.tolist() and row["nfe"] == speculated.nfe
     assert main(["generate", "--model", str(chat_model.path), "--prompt-ids", "1,2,3", "--policy",
                  "dual-cache+revision"]) == 1
     assert "--editing-threshold" in capsys.readouterr().err

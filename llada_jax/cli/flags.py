@@ -72,6 +72,9 @@ def add_decoding_flags(parser: argparse.ArgumentParser) -> None:
     add_block_flags(parser)
 
 
+BLOCK_FLAGS = ("editing_threshold", "max_post_steps", "num_to_transfer", "minimal_topk")  # `add_block_flags`' dests
+
+
 def add_block_flags(parser: argparse.ArgumentParser) -> None:
     """Block diffusion's flags (LLaDA2 models; docs/families.md maps them onto the reference samplers)."""
     block = parser.add_argument_group("block diffusion (LLaDA2)", "on these models --steps counts per block "
@@ -111,6 +114,10 @@ def baked_setting(args, slot_sizes, config):
         return ()
     if config.block_causal:
         return (baked_block_loops(block_settings(*block_setting(args)), slot_sizes),)
+    for flag in BLOCK_FLAGS:
+        if getattr(args, flag) is not None:
+            raise LladaError(f"--{flag.replace('_', '-')} is LLaDA2's (block diffusion); {config.family} models do "
+                             "not take it")
     steps = args.steps if args.steps is not None else args.gen_length
     return (baked_loops(policy_spec(args), commit_threshold(args), args.gen_length, args.block_length, steps,
                         slot_sizes),)
@@ -118,21 +125,28 @@ def baked_setting(args, slot_sizes, config):
 
 def block_setting(args) -> tuple[str, GenerationOptions]:
     """(policy, options) of a block-diffusion model's decoding flags, with the family's defaults."""
-    policy, threshold = ((policy_spec(args), commit_threshold(args)) if args.policy is not None
-                         else family_decoder(True, None, args.threshold))
-    assert policy is not None, "a block-diffusion model has a default decoder"
-    blocks = {"editing_threshold": args.editing_threshold, "max_post_steps": args.max_post_steps,
-              "num_to_transfer": args.num_to_transfer, "minimal_topk": args.minimal_topk}
+    policy, threshold = block_decoder(args)
+    blocks = {flag: getattr(args, flag) for flag in BLOCK_FLAGS}
     steps = args.steps if args.steps is not None else args.block_length
     return policy, GenerationOptions.of({"gen_length": args.gen_length, "block_length": args.block_length,
                                          "steps": steps, "policy": policy, "threshold": threshold,
                                          **{name: value for name, value in blocks.items() if value is not None}})
 
 
-def policy_spec(args) -> str:
-    """--policy (without any @THRESHOLD), with the speculation / revision flags folded into its spec;
-    a flag's missing partner takes the spec's value, else the policy's own default."""
-    spec = DecoderSetting.parse(policy_arg(args)).policy
+def block_decoder(args) -> tuple[str, float | None]:
+    """(policy, threshold) on a block-diffusion model: without --policy, the family's default decoder, the
+    speculation flags folded in."""
+    if args.policy is not None:
+        return policy_spec(args), commit_threshold(args)
+    policy, threshold = family_decoder(True, None, args.threshold)
+    assert policy is not None, "a block-diffusion model has a default decoder"
+    return policy_spec(args, policy), threshold
+
+
+def policy_spec(args, policy: str | None = None) -> str:
+    """--policy (or `policy`; without any @THRESHOLD), with the speculation / revision flags folded into its
+    spec; a flag's missing partner takes the spec's value, else the policy's own default."""
+    spec = DecoderSetting.parse(policy or policy_arg(args)).policy
     for name, flags in (("speculative", (args.lookahead, args.draft_threshold)),
                         ("revision", (args.revise_threshold, args.confirmations))):
         if any(flag is not None for flag in flags):
@@ -161,10 +175,8 @@ def decoding_kwargs(args, config=None) -> dict:
               "schedule": args.schedule, "top_k": args.top_k, "top_p": args.top_p}
     if config is not None and config.block_causal:
         kwargs.update(steps=args.steps if args.steps is not None else args.block_length)
-        if args.policy is None:
-            kwargs["policy"], kwargs["threshold"] = family_decoder(True, None, args.threshold)
-    blocks = {"editing_threshold": args.editing_threshold, "max_post_steps": args.max_post_steps,
-              "num_to_transfer": args.num_to_transfer, "minimal_topk": args.minimal_topk}
+        kwargs["policy"], kwargs["threshold"] = block_decoder(args)
+    blocks = {flag: getattr(args, flag) for flag in BLOCK_FLAGS}
     return {**kwargs, **{name: value for name, value in blocks.items() if value is not None}}
 
 
