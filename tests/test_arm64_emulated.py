@@ -102,3 +102,26 @@ def test_arm64_run_script_under_qemu_prints_the_host_ids(tiny_dir, tmp_path, too
         assert main(["generate", "--model", str(tiny_dir), "--prompt-ids", ids, "--json", *setting]) == 0
         want = json.loads(capsys.readouterr().out)["output_ids"]
         assert proc.stdout.splitlines()[-1] == ",".join(map(str, want))
+
+
+def test_arm64_block_loop_run_script_under_qemu_prints_the_host_bundles_ids(tmp_path, tools):
+    """LLaDA2 int4 on our routed kernels (sdot on aarch64): the aarch64 bundle's run.sh drives the compiled block
+    loop under qemu and prints what the host bundle's run.sh prints."""
+    from tests.test_decode_loop_bundle import host_iree_run_module
+    from tests.test_moe import int4_llada2
+
+    require(target_compiler(target("linux-arm64")) is not None, "a C compiler for aarch64 (gcc-aarch64-linux-gnu)")
+    _, checkpoint = int4_llada2(tmp_path)
+    setting = ["--gen-length", "12", "--block-length", "8", "--activations", "int8", "--max-len", "32"]
+    commands = {"linux-arm64": f"{QEMU} -L {SYSROOT} {tools / 'iree-run-module'}", "host": str(host_iree_run_module())}
+    for name in commands:
+        assert main(["compile", "--model", str(checkpoint), "--target", name, "--out", str(tmp_path / name),
+                     *setting]) == 0
+    for ids in ("1,2,3,4,5", "7,8,9,10,11,12,13,14,15,16,17,18,19,20,21"):
+        lines = []
+        for name, command in commands.items():
+            proc = subprocess.run([str(tmp_path / name / "run.sh"), ids], capture_output=True, text=True,
+                                  timeout=600, env={**os.environ, "IREE_RUN_MODULE": command})
+            assert proc.returncode == 0, proc.stderr
+            lines.append(proc.stdout.splitlines()[-1])
+        assert lines[0] == lines[1]
