@@ -78,7 +78,8 @@ def write_run_script(bundle_dir: Path, loops: BakedLoops | BakedBlockLoops, conf
         outputs, cutoffs = LoopOutputs, ("commit_cutoff", "draft_cutoff")
         biases = f'--input="{config.embedding_size}xf32=0" --input="{config.embedding_size}xf32=0" '
         total = f"$((count + {gen_length}))"
-    inputs = biases + " ".join(f'--input="f32={_float(manifest[name])}"' for name in cutoffs)
+    inputs = biases + " ".join(f'--input="f32={_float(np.inf if manifest[name] is None else manifest[name])}"'
+                               for name in cutoffs)
     text = TEMPLATE.format(setting=loops.setting, gen_length=gen_length, block_length=block_length,
                            steps=manifest["steps"], vocab=config.embedding_size, mask=config.mask_token_id,
                            choices=choices, largest=loops.specs[-1].slots, device=device, parameters=parameters,

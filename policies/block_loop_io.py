@@ -55,7 +55,6 @@ class BlockLoopSpec:
         rule = f"edit{self.max_post_steps}t{self.num_to_transfer}" if self.editing else f"n{len(self.shares)}"
         return (f"blockloop_{rule}_la{self.lookahead}_g{self.gen_length}_b{self.block_length}_s{self.slots}")
 
-
     def manifest(self) -> dict:
         """What a bundle's manifest records of the loop: its fields."""
         return dataclasses.asdict(self)
@@ -78,9 +77,12 @@ class BakedBlockLoops:
         return f"dual-cache{rule}{edits}"
 
     def manifest(self) -> dict:
+        """What a bundle's manifest records of the setting: its settings and the loop's cutoff inputs (null: none,
+        an infinite cutoff; JSON has no infinity)."""
         inputs = block_loop_inputs(np.zeros(0, np.int32), self.specs[0], self.settings)
+        cutoffs = {name: float(getattr(inputs, name)) for name in ("commit_cutoff", "edit_cutoff", "draft_cutoff")}
         return {"setting": self.setting, **dataclasses.asdict(self.settings),
-                **{name: float(getattr(inputs, name)) for name in ("commit_cutoff", "edit_cutoff", "draft_cutoff")}}
+                **{name: value if np.isfinite(value) else None for name, value in cutoffs.items()}}
 
 
 def baked_block_loops(settings: BlockSettings, slot_sizes) -> BakedBlockLoops:

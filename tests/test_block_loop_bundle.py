@@ -4,6 +4,8 @@ tokens and passes (and XLA's tokens, W4A16). A float checkpoint's refusal: `test
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -23,7 +25,7 @@ SETTINGS = {  # activations, then the decoder's flags
     "LLaDA2.1": ("float", dict(gen_length=12, block_length=8, steps=8, threshold=0.7, editing_threshold=0.5)),
 }
 PROMPTS = st.lists(st.integers(0, CONFIG.embedding_size - 1).filter(lambda t: t != CONFIG.mask_token_id),
-                   min_size=1, max_size=MAX_LEN - 12).map(np.array)  # canvases of 16, 24 and 32 positions
+                   min_size=1, max_size=MAX_LEN - 12).map(np.array)  # canvases of 16 and 32 positions
 
 
 def _flags(options: dict) -> list[str]:
@@ -58,9 +60,15 @@ def test_the_bundles_block_loop_is_its_host_loop(baked, prompt):
         assert compiled.output_ids.tolist() == llada_jax.generate(model, prompt, **options).output_ids.tolist()
 
 
+def _not_json(constant: str):
+    raise ValueError(f"{constant} is not JSON")
+
+
 @pytest.mark.slow
 def test_run_sh_gives_the_bundles_tokens(baked):
     decoder, bundle, generate_bundled, _ = baked
+    manifest = json.loads((bundle / "manifest.json").read_text(), parse_constant=_not_json)  # strict JSON
+    assert [entry["kind"] for entry in manifest["loops"]] == ["block_loop"] * 2  # canvases of 16 and 32
     for prompt in (np.arange(1, 6), np.arange(7, 22)):
         host = generate_bundled(prompt, loop="host", **SETTINGS[decoder][1])
         proc = run_script(bundle, ",".join(map(str, prompt)), str(host_iree_run_module()))
