@@ -72,9 +72,10 @@ class BakedBlockLoops:
     def setting(self) -> str:
         """The decoder, as `--policy` and the block flags name it."""
         settings = self.settings
+        drafts = f"+speculative:{settings.lookahead}:{settings.draft_threshold}" if settings.lookahead else ""
         rule = "" if settings.threshold is None else f"@{settings.threshold}"
         edits = "" if settings.editing_threshold is None else f", --editing-threshold {settings.editing_threshold}"
-        return f"dual-cache{rule}{edits}"
+        return f"dual-cache{drafts}{rule}{edits}"
 
     def manifest(self) -> dict:
         """What a bundle's manifest records of the setting: its settings and the loop's cutoff inputs (null: none,
@@ -92,9 +93,6 @@ def baked_block_loops(settings: BlockSettings, slot_sizes) -> BakedBlockLoops:
     if not sizes:
         raise LladaError(f"gen_length={settings.gen_length} in blocks of {settings.block_length} leaves no room for a "
                          f"prompt in canvases of at most {max(slot_sizes)} positions (raise --max-len)")
-    if settings.lookahead:
-        raise LladaError("+speculative on block-diffusion models drafts the next blocks under block-causal "
-                         "attention, which a bundle does not hold; bake a setting without it")
     specs = [block_loop_spec(settings, Sampler(), size) for size in sizes]
     covered = tuple(spec for spec in specs if spec is not None)
     if len(covered) < len(specs):

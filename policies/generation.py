@@ -226,15 +226,16 @@ def run_generation(make_backend: Callable, config: LLaDAConfig, prompt_ids, *, o
     prompts = prepared.prompts
     spec = _check_loop(loop, prepared.loop_spec, on_step, len(prompts) > 1)
     backend = make_backend(prepared.backend_request())
-    if prepared.block_windows and not backend.block_windows():
+    if prepared.batched and on_step is not None and len(prompts) == 1:  # a batch of one: the lone prompt's path
+        on_step = functools.partial(on_step, 0)
+    compiled = _compiled_loop(backend, loop, spec, on_step) if len(prompts) == 1 else None
+    if prepared.block_windows and not backend.block_windows() and compiled is None:
         raise LladaError("+speculative on block-diffusion models drafts the next blocks under block-causal "
-                         "attention, which a bundle's window steps cannot mask; run it on XLA (--model)")
+                         "attention, which a bundle's window steps cannot mask; run it on XLA (--model), or "
+                         "through a bundle compiled with this setting's loop (--loop compiled)")
     if len(prompts) > 1:
         return [_with_staging(result, backend)
                 for result in decode_batch(backend, prompts, prepared.decode_row, on_step)]
-    if prepared.batched and on_step is not None:  # a batch of one: the lone prompt's path, its steps as row 0
-        on_step = functools.partial(on_step, 0)
-    compiled = _compiled_loop(backend, loop, spec, on_step)
     if compiled is not None and prepared.run_loop is not None:
         result = prepared.run_loop(compiled, prompts[0])
     else:

@@ -1,6 +1,7 @@
 """The compiled block-diffusion loop in a bundle (LLaDA2, int4, its experts stacked on our routed kernels): for
-each decoder (2.0, 2.1's editing), `llada compile` bakes it with `run.sh`, and both give the bundle's host loop's
-tokens and passes (and XLA's tokens, W4A16). A float checkpoint's refusal: `tests/test_llada2.py`."""
+each decoder (2.0, 2.1's editing, speculation's drafts), `llada compile` bakes it with `run.sh`, and both give the
+bundle's host loop's tokens and passes (and XLA's tokens, W4A16; speculation, which the bundle's steps cannot
+mask, XLA's compiled loop's). A float checkpoint's refusal: `tests/test_llada2.py`."""
 
 from __future__ import annotations
 
@@ -23,9 +24,19 @@ MAX_LEN = 32
 SETTINGS = {  # activations, then the decoder's flags
     "LLaDA2.0": ("int8", dict(gen_length=12, block_length=8, steps=8, threshold=0.95)),
     "LLaDA2.1": ("float", dict(gen_length=12, block_length=8, steps=8, threshold=0.7, editing_threshold=0.5)),
+    "LLaDA2.1+speculative": ("float", dict(gen_length=12, block_length=8, steps=8, threshold=0.7, editing_threshold=0.5,
+                                           lookahead=1, draft_threshold=0.3)),
 }
 PROMPTS = st.lists(st.integers(0, CONFIG.embedding_size - 1).filter(lambda t: t != CONFIG.mask_token_id),
                    min_size=1, max_size=MAX_LEN - 12).map(np.array)  # canvases of 16 and 32 positions
+
+
+def _decoding(flags: dict) -> dict:
+    """`llada_jax.generate`'s keywords for a setting's flags (speculation's as a policy)."""
+    options = {name: value for name, value in flags.items() if name not in ("lookahead", "draft_threshold")}
+    if "lookahead" in flags:
+        options["policy"] = f"dual-cache+speculative:{flags['lookahead']}:{flags['draft_threshold']}"
+    return options
 
 
 def _flags(options: dict) -> list[str]:
@@ -51,9 +62,11 @@ def baked(request, tmp_path_factory):
 def test_the_bundles_block_loop_is_its_host_loop(baked, prompt):
     decoder, _, generate_bundled, model = baked
     activations, options = SETTINGS[decoder]
-    host = generate_bundled(prompt, loop="host", **options)
+    options = _decoding(options)
     compiled = generate_bundled(prompt, loop="compiled", **options)
     assert compiled.stats["loop"] == "compiled"
+    host = (generate_bundled(prompt, loop="host", **options) if "lookahead" not in SETTINGS[decoder][1]
+            else llada_jax.generate(model, prompt, loop="compiled", **options))
     assert (compiled.output_ids.tolist(), compiled.nfe) == (host.output_ids.tolist(), host.nfe)
     assert [record.positions for record in compiled.trace] == [record.positions for record in host.trace]
     if activations == "float":  # W4A8 rounds activations on IREE and XLA apart (docs/kernels.md)
@@ -70,20 +83,18 @@ def test_run_sh_gives_the_bundles_tokens(baked):
     manifest = json.loads((bundle / "manifest.json").read_text(), parse_constant=_not_json)  # strict JSON
     assert [entry["kind"] for entry in manifest["loops"]] == ["block_loop"] * 2  # canvases of 16 and 32
     for prompt in (np.arange(1, 6), np.arange(7, 22)):
-        host = generate_bundled(prompt, loop="host", **SETTINGS[decoder][1])
+        bundled = generate_bundled(prompt, loop="compiled", **_decoding(SETTINGS[decoder][1]))
         proc = run_script(bundle, ",".join(map(str, prompt)), str(host_iree_run_module()))
         assert proc.returncode == 0, proc.stderr
-        assert proc.stdout.splitlines()[-1] == ",".join(map(str, host.output_ids.tolist()))
-        assert f"[{host.nfe} forward passes]" in proc.stderr
+        assert proc.stdout.splitlines()[-1] == ",".join(map(str, bundled.output_ids.tolist()))
+        assert f"[{bundled.nfe} forward passes]" in proc.stderr
 
 
 def test_compile_refuses_a_loop_setting_it_cannot_bake_in_one_line(tmp_path, capsys):
-    """Before any export: LLaDA2's uncached decoder and speculation (the bundle's steps cannot mask drafts), and
-    a block flag on a model that is not block diffusion."""
+    """Before any export: LLaDA2's uncached decoder, and a block flag on a model that is not block diffusion."""
     checkpoint = write_llada2(tmp_path)
     common = ["compile", "--target", "host", "--max-len", "32", "--gen-length", "8"]
     for model, flags, said in ((checkpoint, ["--policy", "vanilla"], "vanilla decoder runs only on the host loop"),
-                               (checkpoint, ["--lookahead", "1"], "+speculative on block-diffusion models"),
                                (None, ["--editing-threshold", "0.5"], "--editing-threshold is LLaDA2's")):
         model_flags = ["--model", str(model)] if model else []
         assert main([*common, *model_flags, "--out", str(tmp_path / "bundle"), *flags]) == 1
