@@ -80,10 +80,9 @@ class BakedBlockLoops:
     def manifest(self) -> dict:
         """What a bundle's manifest records of the setting: its settings and the loop's cutoff inputs (null: none,
         an infinite cutoff; JSON has no infinity)."""
-        inputs = block_loop_inputs(np.zeros(0, np.int32), self.specs[0], self.settings)
-        cutoffs = {name: float(getattr(inputs, name)) for name in ("commit_cutoff", "edit_cutoff", "draft_cutoff")}
         return {"setting": self.setting, **dataclasses.asdict(self.settings),
-                **{name: value if np.isfinite(value) else None for name, value in cutoffs.items()}}
+                **{name: float(value) if np.isfinite(value) else None
+                   for name, value in block_cutoffs(self.settings).items()}}
 
 
 def baked_block_loops(settings: BlockSettings, slot_sizes) -> BakedBlockLoops:
@@ -141,14 +140,20 @@ class BlockLoopOutputs(NamedTuple):
     bad_position: Array   # [] int32: its first such canvas position
 
 
+def block_cutoffs(settings: BlockSettings) -> dict[str, np.ndarray]:
+    """The loop's cutoff inputs of `settings` (+inf: none passes), by `BlockLoopInputs` field."""
+    def strict(threshold):
+        return np.float32(np.inf) if threshold is None else log_cutoff(threshold, strict=True)
+
+    return {"commit_cutoff": np.asarray(strict(settings.threshold), np.float32),
+            "edit_cutoff": np.asarray(strict(settings.editing_threshold), np.float32),
+            "draft_cutoff": np.asarray(log_cutoff(settings.draft_threshold), np.float32)}
+
+
 def block_loop_inputs(prompt: np.ndarray, spec: BlockLoopSpec, settings: BlockSettings) -> BlockLoopInputs:
     padded = np.zeros(spec.slots, np.int32)
     padded[: len(prompt)] = prompt
-    commit = np.float32(np.inf) if settings.threshold is None else log_cutoff(settings.threshold, strict=True)
-    edit = np.float32(np.inf) if settings.editing_threshold is None else log_cutoff(settings.editing_threshold,
-                                                                                     strict=True)
-    return BlockLoopInputs(padded, np.asarray(len(prompt), np.int32), np.asarray(commit, np.float32),
-                           np.asarray(edit, np.float32), np.asarray(log_cutoff(settings.draft_threshold), np.float32))
+    return BlockLoopInputs(padded, np.asarray(len(prompt), np.int32), **block_cutoffs(settings))
 
 
 def block_result(outputs: BlockLoopOutputs, spec: BlockLoopSpec, prompt_len: int, canvas_length: int) -> Result:

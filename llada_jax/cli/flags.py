@@ -113,7 +113,7 @@ def baked_setting(args, slot_sizes, config):
     if args.no_loop:
         return ()
     if config.block_causal:
-        return (baked_block_loops(block_settings(*block_setting(args)), slot_sizes),)
+        return (baked_block_loops(block_settings(*block_options(args)), slot_sizes),)
     for flag in BLOCK_FLAGS:
         if getattr(args, flag) is not None:
             raise LladaError(f"--{flag.replace('_', '-')} is LLaDA2's (block diffusion); {config.family} models do "
@@ -123,7 +123,7 @@ def baked_setting(args, slot_sizes, config):
                         slot_sizes),)
 
 
-def block_setting(args) -> tuple[str, GenerationOptions]:
+def block_options(args) -> tuple[str, GenerationOptions]:
     """(policy, options) of a block-diffusion model's decoding flags, with the family's defaults."""
     policy, threshold = block_decoder(args)
     blocks = {flag: getattr(args, flag) for flag in BLOCK_FLAGS}
