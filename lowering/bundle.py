@@ -30,7 +30,7 @@ from llada_jax.weights.weights_io import INDEX_FILE, weight_files
 from lowering.bundle_format import ARCHIVE, FORMAT_VERSION, MANIFEST, TOKENIZER_FILES, VMFB, sha256
 from lowering.bundle_layout import bundle_layout
 from lowering.bundle_module import bundle_module
-from lowering.bundle_weights import WeightLayout, write_archive
+from lowering.bundle_weights import WeightLayout, routed_experts, write_archive
 from lowering.export import (
     block_loop_function,
     canvas_sizes,
@@ -218,7 +218,7 @@ def _loop_specs(loops, max_len: int, streamed: bool) -> list:
     specs = list(dict.fromkeys(spec for baked in loops for spec in baked.specs))
     if any(spec.slots not in canvas_sizes(max_len) for spec in specs):
         raise LladaError(f"a decode loop's canvas is not one of this bundle's sizes {canvas_sizes(max_len)}")
-    if streamed and not all(spec.caches for spec in specs):
+    if streamed and any(not isinstance(spec, BlockLoopSpec) and not spec.caches for spec in specs):  # blocks cache
         raise LladaError("IREE 3.13 fails to compile a vanilla decode loop that streams its weights ('failed to solve "
                          "for timepoint coverage'): use --policy prefix-cache or dual-cache, or --no-loop")
     return specs
@@ -247,14 +247,16 @@ def loop_refusal(config, layout: WeightLayout | None = None) -> str | None:
     if host_loop_conventions(config):
         return ("the compiled decode loop follows LLaDA's conventions, and this family's own (its confidence "
                 "filter, blocks begun with their first token) run on the host loop")
-    if config.n_experts and not (layout is not None and layout.routed_experts):  # stacked only where resident
-        return ("IREE 3.13 fails on a sparse MoE's decode loop whose experts run in loops (it fails to compile, or "
-                "the module crashes); a CPU bundle of a 4- or 8-bit checkpoint with its weights copied and resident "
-                "runs them on our routed kernels, and carries the loop")
-    if config.block_causal and not (layout is not None and layout.routed_experts):
+    routed = layout is not None and routed_experts(layout, config)
+    if config.block_causal and not routed:
         return ("IREE 3.13 runs the block-diffusion loop only where the experts are stacked on our routed kernels "
-                "(a 4- or 8-bit checkpoint in a CPU bundle holding its weights resident); elsewhere it fails "
-                "('indirect buffer reference slot 0 is out of range'); XLA runs it (--loop compiled)")
+                "(a 4- or 8-bit checkpoint in a CPU bundle: resident in its own archive, or streamed under a "
+                "budget); elsewhere it fails ('indirect buffer reference slot 0 is out of range'); XLA runs it "
+                "(--loop compiled)")
+    if config.n_experts and not config.block_causal and not (routed and not layout.streamed):
+        return ("IREE 3.13 fails on a sparse MoE's decode loop unless its experts are stacked on our routed kernels "
+                "and resident (it fails to compile, or the module crashes); a CPU bundle of a 4- or 8-bit checkpoint "
+                "with its weights copied and no budget carries the loop")
     return None
 
 

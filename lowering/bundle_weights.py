@@ -53,13 +53,6 @@ class WeightLayout:
     # kind's experts held as one parameter `[E, ...]` (`with_stacked_experts`).
     stacks: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
-    @property
-    def routed_experts(self) -> bool:
-        """Every expert matrix stacked and multiplied by our kernels: the step runs a kind's experts as one routed
-        call (`llada_jax.model.moe.stacked_experts`), with no loop over experts or their tiles."""
-        members = [key for keys in self.stacks.values() for key in keys]
-        return bool(members) and all(key.rsplit(".", 1)[0] in self.kernels for key in members)
-
     def manifest(self) -> list[dict]:
         return [{"name": p.name, "shape": list(p.shape), "dtype": p.dtype} for p in self.parameters]
 
@@ -143,6 +136,19 @@ def with_stacked_experts(layout: WeightLayout, config: LLaDAConfig) -> WeightLay
     parameters = [Parameter(name, (len(group), *group[0].shape), group[0].dtype) if name in stacks else group[0]
                   for name, group in grouped.items()]
     return dataclasses.replace(layout, parameters=tuple(parameters), stacks=stacks)
+
+
+def routed_experts(layout: WeightLayout, config: LLaDAConfig) -> bool:
+    """Every expert matrix stacked and multiplied by our kernels: the step runs a kind's experts as one routed call
+    (`llada_jax.model.moe.stacked_experts`), with no loop over experts or their tiles. Stacked resident in the
+    bundle's own archive (`with_stacked_experts`), or streamed: the ring reads a kind's experts back to back."""
+    if layout.stacks:
+        members = [key for keys in layout.stacks.values() for key in keys]
+    elif layout.streamed:
+        members = [p.name for p in layout.parameters if expert_stack(p.name, config) is not None]
+    else:
+        return False
+    return bool(members) and all(key.rsplit(".", 1)[0] in layout.kernels for key in members)
 
 
 def with_expert_bytes(layout: WeightLayout, config: LLaDAConfig) -> WeightLayout:

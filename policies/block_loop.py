@@ -215,40 +215,43 @@ class _Run(NamedTuple):
     def edit_block(self, carry: Carry, block, denoised) -> Carry:
         """LLaDA2.1: commits and edits until a pass without masks edits nothing, or max_post_steps such passes;
         a block whose tokens and post-step count repeat (the reference would loop forever), or that runs
-        `passes_per_block` passes, is bounded (none unless `denoised`)."""
+        `passes_per_block` passes, is bounded (none unless `denoised`). Each pass decides whether the next one
+        stops the block, so no branch holds the forward and the loop's test computes nothing: a streamed
+        bundle's loop then compiles."""
         b, bound = self.spec.block_length, self.spec.passes_per_block
         lo = block * b
-        answer = lo + jnp.arange(b) >= self.inputs.prompt_len
-        history = (jnp.zeros((bound, b), jnp.int32), jnp.zeros(bound, jnp.int32))
 
-        def going(state):
-            passes, _, done, _, _, carry = state
+        def going(passes, done, carry):
             return denoised & ~done & (passes < bound) & (carry.bad[0] == NOT_COMMITTED)
+
+        def before_pass(passes, post_steps, done, seen_tokens, seen_post, carry):
+            """The next pass's post-step count; the block done if that pass stops it, bounded if it repeats."""
+            old = self.block_tokens(carry, lo)
+            post_steps = post_steps + ~jnp.any(self.masks(old))
+            seen = jnp.any(jnp.all(seen_tokens == old, axis=1) & (seen_post == post_steps)
+                           & (jnp.arange(bound) < passes))
+            over = post_steps > self.spec.max_post_steps
+            stop = going(passes, done, carry) & (over | seen)
+            return (passes, post_steps, done | stop, seen_tokens, seen_post,
+                    carry._replace(bounded=carry.bounded + (stop & seen & ~over)))
 
         def one_pass(state):
             passes, post_steps, was_done, seen_tokens, seen_post, carry = state
             old = self.block_tokens(carry, lo)
             active = self.masks(old)
-            post_steps = post_steps + ~jnp.any(active)
-            seen = jnp.any(jnp.all(seen_tokens == old, axis=1) & (seen_post == post_steps)
-                           & (jnp.arange(bound) < passes))
-            stop = (post_steps > self.spec.max_post_steps) | seen
-
-            def denoise():
-                next_carry, out = self.predict(carry, lo)
-                committed = self.mask_commits(out, active, self.spec.num_to_transfer)
-                edited = ~active & answer & (out.logp[:b] >= self.inputs.edit_cutoff) & (out.x0[:b] != old)
-                next_carry = self.commit(next_carry, block, lo, out, committed, edited, old)
-                return next_carry, ~jnp.any(active) & ~jnp.any(edited)
-
-            carry, done = jax.lax.cond(stop, lambda: (carry, jnp.bool_(True)), denoise)
+            carry, out = self.predict(carry, lo)
+            committed = self.mask_commits(out, active, self.spec.num_to_transfer)
+            answer = lo + jnp.arange(b) >= self.inputs.prompt_len  # here, not captured: see iree-limits.md
+            edited = ~active & answer & (out.logp[:b] >= self.inputs.edit_cutoff) & (out.x0[:b] != old)
+            carry = self.commit(carry, block, lo, out, committed, edited, old)
             # `was_done` is False here; read, it keeps the loop's flag an argument of the loop's test, which IREE
             # 3.13 needs (with it unread, the rotated loop's two regions disagree and iree-compile crashes)
-            done = done | was_done
-            bounded = carry.bounded + (seen & ~(post_steps > self.spec.max_post_steps))
-            return (passes + ~stop, post_steps, done, seen_tokens.at[passes].set(old),
-                    seen_post.at[passes].set(post_steps), carry._replace(bounded=bounded))
+            done = ~jnp.any(active) & ~jnp.any(edited) | was_done
+            return before_pass(passes + 1, post_steps, done, seen_tokens.at[passes].set(old),
+                               seen_post.at[passes].set(post_steps), carry)
 
-        state = (jnp.int32(0), jnp.int32(0), jnp.bool_(False), *history, carry)
-        passes, _, done, _, _, carry = jax.lax.while_loop(going, one_pass, state)
+        history = (jnp.zeros((bound, b), jnp.int32), jnp.zeros(bound, jnp.int32))
+        state = before_pass(jnp.int32(0), jnp.int32(0), jnp.bool_(False), *history, carry)
+        passes, _, done, _, _, carry = jax.lax.while_loop(lambda state: going(state[0], state[2], state[5]),
+                                                          one_pass, state)
         return carry._replace(bounded=carry.bounded + (denoised & ~done & (passes >= bound)))

@@ -1,7 +1,7 @@
 """The compiled block-diffusion loop in a bundle (LLaDA2, int4, its experts stacked on our routed kernels): for
-each decoder (2.0, 2.1's editing, speculation's drafts), `llada compile` bakes it with `run.sh`, and both give the
-bundle's host loop's tokens and passes (and XLA's tokens, W4A16; speculation, which the bundle's steps cannot
-mask, XLA's compiled loop's). A float checkpoint's refusal: `tests/test_llada2.py`."""
+each decoder (2.0, 2.1's editing, speculation's drafts), resident or streamed under a budget, `llada compile` bakes
+it with `run.sh`, and both give the bundle's host loop's tokens and passes (and XLA's tokens, W4A16; speculation,
+which the bundle's steps cannot mask, XLA's compiled loop's). A float checkpoint's refusal: `tests/test_llada2.py`."""
 
 from __future__ import annotations
 
@@ -21,11 +21,14 @@ from tests.test_llada2 import write_tiny as write_llada2
 from tests.test_moe import int4_llada2
 
 MAX_LEN = 32
-SETTINGS = {  # activations, then the decoder's flags
-    "LLaDA2.0": ("int8", dict(gen_length=12, block_length=8, steps=8, threshold=0.95)),
-    "LLaDA2.1": ("float", dict(gen_length=12, block_length=8, steps=8, threshold=0.7, editing_threshold=0.5)),
-    "LLaDA2.1+speculative": ("float", dict(gen_length=12, block_length=8, steps=8, threshold=0.7, editing_threshold=0.5,
-                                           lookahead=1, draft_threshold=0.3)),
+LLADA20 = dict(gen_length=12, block_length=8, steps=8, threshold=0.95)
+LLADA21 = dict(gen_length=12, block_length=8, steps=8, threshold=0.7, editing_threshold=0.5)
+SETTINGS = {  # activations, the decoder's flags, whether the program streams its weights under a budget
+    "LLaDA2.0": ("int8", LLADA20, False),
+    "LLaDA2.1": ("float", LLADA21, False),
+    "LLaDA2.1+speculative": ("float", dict(LLADA21, lookahead=1, draft_threshold=0.3), False),
+    "LLaDA2.0 streamed": ("float", LLADA20, True),
+    "LLaDA2.1 streamed": ("int8", LLADA21, True),
 }
 PROMPTS = st.lists(st.integers(0, CONFIG.embedding_size - 1).filter(lambda t: t != CONFIG.mask_token_id),
                    min_size=1, max_size=MAX_LEN - 12).map(np.array)  # canvases of 16 and 32 positions
@@ -48,12 +51,21 @@ def baked(request, tmp_path_factory):
     """(decoder, bundle, its generate function, the XLA model): the bundle `llada compile` writes for the
     decoder's flags."""
     decoder = request.param
-    _, checkpoint = int4_llada2(tmp_path_factory.mktemp("llada2"))  # skips without a C compiler for our kernels
-    activations, options = SETTINGS[decoder]
+    config, checkpoint = int4_llada2(tmp_path_factory.mktemp("llada2"))  # skips without a C compiler for our kernels
+    activations, options, streamed = SETTINGS[decoder]
     bundle = checkpoint.parent / "bundle"
+    budget = ["--device-memory-budget", str(_weight_bytes(checkpoint, config) - 1)] if streamed else []
     assert main(["compile", "--model", str(checkpoint), "--target", "host", "--out", str(bundle), "--max-len",
-                 str(MAX_LEN), "--activations", activations, *_flags(options)]) == 0
+                 str(MAX_LEN), "--activations", activations, *budget, *_flags(options)]) == 0
+    assert bool(json.loads((bundle / "manifest.json").read_text())["streamed"]) == streamed
     return decoder, bundle, bundle_runner(bundle)[2], llada_jax.load(checkpoint, activations=activations)
+
+
+def _weight_bytes(checkpoint, config) -> int:
+    from lowering.bundle_weights import weight_layout
+    from lowering.stage_ring import byte_size
+
+    return sum(map(byte_size, weight_layout(checkpoint, config).parameters))
 
 
 @pytest.mark.slow
@@ -61,7 +73,7 @@ def baked(request, tmp_path_factory):
 @given(prompt=PROMPTS)
 def test_the_bundles_block_loop_is_its_host_loop(baked, prompt):
     decoder, _, generate_bundled, model = baked
-    activations, options = SETTINGS[decoder]
+    activations, options, _ = SETTINGS[decoder]
     options = _decoding(options)
     compiled = generate_bundled(prompt, loop="compiled", **options)
     assert compiled.stats["loop"] == "compiled"

@@ -220,19 +220,23 @@ def _assert_same_tokens(generate, reference, **settings) -> None:
 def test_an_moe_bundle_on_our_routed_kernels_carries_the_decode_loop(tmp_path, capsys):
     """LLaDA-MoE, int4, its experts stacked on our routed kernels: the compiled decode loops and `run.sh` give the
     host loop's tokens (the routing groups pairs by expert with no sort: IREE 3.13's argsort in the loop misplaced
-    some). Its experts in loops (a float checkpoint), the loop is refused in one line."""
+    some). Its experts in loops (a float checkpoint), or its weights streamed under a budget, the loop is refused
+    in one line."""
     from llada_jax.bundle_runner import bundle_runner
     from llada_jax.cli import main
     from llada_jax.weights.quantize_checkpoint import quantize_checkpoint
     from lowering.bundle import compile_bundle
+    from lowering.bundle_weights import weight_layout
     from lowering.export import canvas_sizes
+    from lowering.stage_ring import byte_size
     from policies.compiled_loop import baked_loops
     from tests.test_decode_loop_bundle import host_iree_run_module, run_script
     from tests.test_families import LLADA_CONVENTIONS, MOE
 
     if own_kernels.available() is None:
         pytest.skip("no C compiler for our kernels")
-    source = write_checkpoint(tmp_path / "model", dataclasses.replace(MOE, mlp_hidden_size=32), std=0.3)
+    config = dataclasses.replace(MOE, mlp_hidden_size=32)
+    source = write_checkpoint(tmp_path / "model", config, std=0.3)
     checkpoint = quantize_checkpoint(source, tmp_path / "int4", QuantScheme(4, 32))
     settings = [("vanilla", 8), ("dual-cache", 4)]
     loops = tuple(baked_loops(policy, None, 8, 8, steps, canvas_sizes(16)) for policy, steps in settings)
@@ -248,6 +252,11 @@ def test_an_moe_bundle_on_our_routed_kernels_carries_the_decode_loop(tmp_path, c
             if policy == settings[0][0]:  # run.sh runs the first setting
                 proc = run_script(bundle, ",".join(map(str, prompt)), str(host_iree_run_module()))
                 assert proc.returncode == 0 and proc.stdout.splitlines()[-1] == ",".join(map(str, host))
-    assert main(["compile", "--model", str(source), "--target", "host", "--out", str(tmp_path / "float"),
-                 "--max-len", "16", "--gen-length", "8", "--block-length", "8"]) == 1
+    common = ["--target", "host", "--max-len", "16", "--gen-length", "8", "--block-length", "8"]
+    assert main(["compile", "--model", str(source), "--out", str(tmp_path / "float"), *common]) == 1
     assert "carries steps only (compile with --no-loop)" in capsys.readouterr().err
+    budget = str(sum(map(byte_size, weight_layout(checkpoint, config).parameters)) - 1)  # streamed: IREE 3.13 fails
+    assert main(["compile", "--model", str(checkpoint), "--out", str(tmp_path / "streamed"), *common,
+                 "--device-memory-budget", budget]) == 1
+    error = capsys.readouterr().err.strip()
+    assert "and resident" in error and len(error.splitlines()) == 1 and not (tmp_path / "streamed").exists()
