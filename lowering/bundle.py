@@ -248,12 +248,13 @@ def loop_refusal(config, layout: WeightLayout | None = None) -> str | None:
         return ("the compiled decode loop follows LLaDA's conventions, and this family's own (its confidence "
                 "filter, blocks begun with their first token) run on the host loop")
     routed = layout is not None and routed_experts(layout, config)
+    resident = layout is not None and not layout.streamed
     if config.block_causal and not routed:
         return ("IREE 3.13 runs the block-diffusion loop only where the experts are stacked on our routed kernels "
                 "(a 4- or 8-bit checkpoint in a CPU bundle: resident in its own archive, or streamed under a "
                 "budget); elsewhere it fails ('indirect buffer reference slot 0 is out of range'); XLA runs it "
                 "(--loop compiled)")
-    if config.n_experts and not config.block_causal and not (routed and not layout.streamed):
+    if config.n_experts and not config.block_causal and not (routed and resident):
         return ("IREE 3.13 fails on a sparse MoE's decode loop unless its experts are stacked on our routed kernels "
                 "and resident (it fails to compile, or the module crashes); a CPU bundle of a 4- or 8-bit checkpoint "
                 "with its weights copied and no budget carries the loop")

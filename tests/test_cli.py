@@ -9,6 +9,8 @@ from importlib.metadata import version
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from llada_jax.cli import main
 from llada_jax.system.errors import LladaError
@@ -261,3 +263,24 @@ def test_version_and_help_show_defaults(capsys):
     with pytest.raises(SystemExit):
         main(["eval", "gsm8k", "--help"])
     assert "(default: float32)" in " ".join(capsys.readouterr().out.split())
+
+
+@given(count=st.integers(0, 10**15), unit=st.sampled_from(["", "B", "kB", "MB", "GB", "KiB", "MiB", "GiB"]))
+def test_byte_counts_read_with_their_unit(count, unit):
+    """`--device-memory-budget 2GB` is 2e9 bytes, `1.5GiB` 1.5 * 2**30: exact, whole bytes."""
+    import argparse
+
+    from llada_jax.cli.flags import BYTE_UNITS, byte_count
+
+    assert byte_count(f"{count}{unit}") == count * BYTE_UNITS[unit.lower()]
+    assert byte_count(f"{count / 4}GiB") == count * 2**28
+    with pytest.raises(argparse.ArgumentTypeError):
+        byte_count(f"{count}.5")  # half a byte
+
+
+@pytest.mark.parametrize("command", ["compile", "generate"])
+@pytest.mark.parametrize("text", ["abc", "-5", "2XB", "1e", "nan", "inf", "1e999999999", ""])
+def test_a_bad_byte_count_is_a_usage_error(capsys, command, text):
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--device-memory-budget", text])
+    assert exit_.value.code == 2 and "expected a number of bytes" in capsys.readouterr().err.splitlines()[-1]

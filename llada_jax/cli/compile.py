@@ -9,6 +9,7 @@ from llada_jax.cli.flags import (
     add_model_flags,
     baked_setting,
     batch_sizes_arg,
+    byte_count,
     model_dir,
 )
 from llada_jax.cli.progress import stage_printer
@@ -47,8 +48,8 @@ def add_compile(commands) -> None:
     comp.add_argument("--window", type=int, default=128,
                       help="widest window step (block-diffusion models: the block, see --block-length)")
     comp.add_argument("--link-weights", action="store_true", help="point at the model's weights instead of copying")
-    comp.add_argument("--device-memory-budget", type=int, default=None, metavar="BYTES",
-                      help="add per-layer pieces and stream weights through this much device memory")
+    comp.add_argument("--device-memory-budget", type=byte_count, default=None, metavar="BYTES",
+                      help="add per-layer pieces and stream weights through this much device memory (2e9, 2GB, 1.5GiB)")
     comp.add_argument("--batch-sizes", type=batch_sizes_arg, default=(1,), metavar="N,N,...",
                       help="rows a step takes: a batch of prompts runs in steps of these sizes (1 always included)")
     add_data_tiling_flag(comp)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
+from decimal import Decimal
 from pathlib import Path
 
 from llada_jax.api import load
@@ -200,6 +202,22 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+BYTE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+              "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+BYTES = re.compile(r"\s*(\d+(?:\.\d*)?(?:e\d{1,2})?)\s*([a-z]*)\s*")
+
+
+def byte_count(text: str) -> int:
+    """An argparse type: a number of bytes, whole or with a unit (`2000000000`, `2e9`, `2GB`, `1.5GiB`)."""
+    match = BYTES.fullmatch(text.lower())
+    if match is None or match[2] not in BYTE_UNITS:
+        raise argparse.ArgumentTypeError(f"expected a number of bytes (2000000000, 2e9, 2GB or 1.5GiB), got {text!r}")
+    value = Decimal(match[1]) * BYTE_UNITS[match[2]]  # exact: 1.1kB is 1100
+    if value != value.to_integral_value():
+        raise argparse.ArgumentTypeError(f"expected a whole number of bytes, got {text!r}")
+    return int(value)
 
 
 def batch_sizes_arg(text: str) -> tuple[int, ...]:

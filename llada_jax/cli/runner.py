@@ -11,7 +11,7 @@ from typing import Sequence
 from llada_jax.api import generate
 from llada_jax.backends.select import OpenBundle, open_bundle
 from llada_jax.bundle_runner import generate_with_bundle
-from llada_jax.cli.flags import add_data_tiling_flag, load_model, model_dir
+from llada_jax.cli.flags import add_data_tiling_flag, byte_count, load_model, model_dir
 from llada_jax.model.config import read_config
 from llada_jax.system.errors import LladaError
 from llada_jax.weights.tokenizer import load_tokenizer
@@ -25,8 +25,9 @@ def add_runner_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bundle", default=None, help="run a compiled bundle (IREE) instead of a model directory")
     parser.add_argument("--backend", default="jax", choices=["jax", "iree-host", "iree-vulkan"],
                         help="what runs the steps (iree-*: compiled on first use and cached)")
-    parser.add_argument("--device-memory-budget", type=int, default=None, metavar="BYTES",
-                        help="device memory for weights + KV state; smaller than the weights: stage them per layer")
+    parser.add_argument("--device-memory-budget", type=byte_count, default=None, metavar="BYTES",
+                        help="device memory for weights + KV state (2e9, 2GB, 1.5GiB); smaller than the weights: "
+                             "stage them per layer")
     add_data_tiling_flag(parser)
 
 
