@@ -71,6 +71,15 @@ def write_checkpoint(out_dir: Path, config: LLaDAConfig = TINY, seed: int = 0, s
                    shard_bytes=shard_bytes)
 
 
+def bundle_weight_bytes(model_dir: Path) -> int:
+    """The bytes a bundle stores of `model_dir`'s weights: a device memory budget below them streams them."""
+    from llada_jax.model.config import read_config
+    from lowering.bundle_weights import weight_layout
+    from lowering.stage_ring import byte_size
+
+    return sum(map(byte_size, weight_layout(model_dir, read_config(model_dir)).parameters))
+
+
 def in_mapped_file(array) -> bool:
     """Whether a device array's buffer lies in a memory-mapped .safetensors file of this process (Linux)."""
     address = array.unsafe_buffer_pointer()

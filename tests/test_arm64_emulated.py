@@ -20,7 +20,7 @@ from lowering.bundle import compile_bundle
 from lowering.emulation import QEMU, SYSROOT, emulator_available, run_module, runtime_tools_dir
 from lowering.kernel_dispatch import target_compiler
 from lowering.targets import target
-from tests.conftest import TINY, require, write_checkpoint
+from tests.conftest import TINY, bundle_weight_bytes, require, write_checkpoint
 from tests.test_families import CONFIGS
 from tests.test_llada2 import CONFIG as LLADA2
 
@@ -104,19 +104,22 @@ def test_arm64_run_script_under_qemu_prints_the_host_ids(tiny_dir, tmp_path, too
         assert proc.stdout.splitlines()[-1] == ",".join(map(str, want))
 
 
-def test_arm64_block_loop_run_script_under_qemu_prints_the_host_bundles_ids(tmp_path, tools):
-    """LLaDA2 int4 on our routed kernels (sdot on aarch64): the aarch64 bundle's run.sh drives the compiled block
-    loop under qemu and prints what the host bundle's run.sh prints."""
+@pytest.mark.parametrize("streamed", [False, True], ids=["resident", "streamed"])
+def test_arm64_block_loop_run_script_under_qemu_prints_the_host_bundles_ids(tmp_path, tools, streamed):
+    """LLaDA2 int4 on our routed kernels (sdot on aarch64), its weights resident or streamed through a budget: the
+    aarch64 bundle's run.sh drives the compiled block loop under qemu and prints what the host bundle's prints."""
     from tests.test_decode_loop_bundle import host_iree_run_module
     from tests.test_moe import int4_llada2
 
     require(target_compiler(target("linux-arm64")) is not None, "a C compiler for aarch64 (gcc-aarch64-linux-gnu)")
-    _, checkpoint = int4_llada2(tmp_path)
-    setting = ["--gen-length", "12", "--block-length", "8", "--activations", "int8", "--max-len", "32"]
+    config, checkpoint = int4_llada2(tmp_path)
+    budget = ["--device-memory-budget", str(bundle_weight_bytes(checkpoint) - 1)] if streamed else []
+    setting = ["--gen-length", "12", "--block-length", "8", "--activations", "int8", "--max-len", "32", *budget]
     commands = {"linux-arm64": f"{QEMU} -L {SYSROOT} {tools / 'iree-run-module'}", "host": str(host_iree_run_module())}
     for name in commands:
         assert main(["compile", "--model", str(checkpoint), "--target", name, "--out", str(tmp_path / name),
                      *setting]) == 0
+        assert bool(json.loads((tmp_path / name / "manifest.json").read_text())["streamed"]) == streamed
     for ids in ("1,2,3,4,5", "7,8,9,10,11,12,13,14,15,16,17,18,19,20,21"):
         lines = []
         for name, command in commands.items():

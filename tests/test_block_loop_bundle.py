@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 import llada_jax
 from llada_jax.bundle_runner import bundle_runner
 from llada_jax.cli import main
+from tests.conftest import bundle_weight_bytes
 from tests.test_decode_loop_bundle import host_iree_run_module, run_script
 from tests.test_llada2 import CONFIG
 from tests.test_llada2 import write_tiny as write_llada2
@@ -54,18 +55,11 @@ def baked(request, tmp_path_factory):
     config, checkpoint = int4_llada2(tmp_path_factory.mktemp("llada2"))  # skips without a C compiler for our kernels
     activations, options, streamed = SETTINGS[decoder]
     bundle = checkpoint.parent / "bundle"
-    budget = ["--device-memory-budget", str(_weight_bytes(checkpoint, config) - 1)] if streamed else []
+    budget = ["--device-memory-budget", str(bundle_weight_bytes(checkpoint) - 1)] if streamed else []
     assert main(["compile", "--model", str(checkpoint), "--target", "host", "--out", str(bundle), "--max-len",
                  str(MAX_LEN), "--activations", activations, *budget, *_flags(options)]) == 0
     assert bool(json.loads((bundle / "manifest.json").read_text())["streamed"]) == streamed
     return decoder, bundle, bundle_runner(bundle)[2], llada_jax.load(checkpoint, activations=activations)
-
-
-def _weight_bytes(checkpoint, config) -> int:
-    from lowering.bundle_weights import weight_layout
-    from lowering.stage_ring import byte_size
-
-    return sum(map(byte_size, weight_layout(checkpoint, config).parameters))
 
 
 @pytest.mark.slow

@@ -21,11 +21,9 @@ from llada_jax.model.readout import ReadoutSpec, TokenBiases
 from llada_jax.system.errors import LladaError
 from lowering import bundle as bundle_mod
 from lowering.bundle import compile_bundle
-from lowering.bundle_weights import weight_layout
 from lowering.matmul_tiles import host_tiles
-from lowering.stage_ring import byte_size
 from lowering.targets import TARGETS
-from tests.conftest import BUNDLE_MAX_LEN, TINY, jax_backend, require, vulkan_available
+from tests.conftest import BUNDLE_MAX_LEN, TINY, bundle_weight_bytes, jax_backend, require, vulkan_available
 
 pytestmark = pytest.mark.slow  # IREE compiles or child processes: the full tier only
 
@@ -308,7 +306,7 @@ def test_data_tiled_bundle_decodes_as_jax(tiny_model, tiled_session, policy, thr
 def test_data_tiling_is_refused_where_it_cannot_help(tiny_dir, tmp_path, capsys):
     from llada_jax.cli import main
 
-    streams = sum(byte_size(p) for p in weight_layout(tiny_dir, TINY).parameters) - 1  # fits the streaming ring
+    streams = bundle_weight_bytes(tiny_dir) - 1  # fits the streaming ring
     for target, budget, message in (("vulkan", None, "for CPU targets"), ("host", streams, "needs resident weights")):
         with pytest.raises(LladaError, match=message):
             compile_bundle(tiny_dir, target, tmp_path / "b", max_len=8, window=8, device_memory_budget=budget,

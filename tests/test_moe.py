@@ -23,7 +23,7 @@ from llada_jax.kernels import xla as own_kernels
 from llada_jax.model import moe
 from llada_jax.quant.qlinear import to_device
 from llada_jax.quant.quantize import HostQuantized, QuantScheme, quantize_matrix
-from tests.conftest import write_checkpoint
+from tests.conftest import bundle_weight_bytes, write_checkpoint
 from tests.test_llada2 import CONFIG, REFERENCE_CONFIG
 
 D_MODEL, HIDDEN = 8, 4
@@ -193,10 +193,8 @@ def test_stacked_int4_experts_on_iree_code_are_declared_as_bytes_and_give_the_xl
 
 def _bundle(checkpoint, config, out, streamed: bool, **options):
     from lowering.bundle import compile_bundle
-    from lowering.bundle_weights import weight_layout
-    from lowering.stage_ring import byte_size
 
-    budget = sum(map(byte_size, weight_layout(checkpoint, config).parameters)) - 1 if streamed else None
+    budget = bundle_weight_bytes(checkpoint) - 1 if streamed else None
     return compile_bundle(checkpoint, "host", out, max_len=32, window=32, block_length=8,
                           device_memory_budget=budget, **options)
 
@@ -226,9 +224,7 @@ def test_an_moe_bundle_on_our_routed_kernels_carries_the_decode_loop(tmp_path, c
     from llada_jax.cli import main
     from llada_jax.weights.quantize_checkpoint import quantize_checkpoint
     from lowering.bundle import compile_bundle
-    from lowering.bundle_weights import weight_layout
     from lowering.export import canvas_sizes
-    from lowering.stage_ring import byte_size
     from policies.compiled_loop import baked_loops
     from tests.test_decode_loop_bundle import host_iree_run_module, run_script
     from tests.test_families import LLADA_CONVENTIONS, MOE
@@ -255,7 +251,7 @@ def test_an_moe_bundle_on_our_routed_kernels_carries_the_decode_loop(tmp_path, c
     common = ["--target", "host", "--max-len", "16", "--gen-length", "8", "--block-length", "8"]
     assert main(["compile", "--model", str(source), "--out", str(tmp_path / "float"), *common]) == 1
     assert "carries steps only (compile with --no-loop)" in capsys.readouterr().err
-    budget = str(sum(map(byte_size, weight_layout(checkpoint, config).parameters)) - 1)  # streamed: IREE 3.13 fails
+    budget = str(bundle_weight_bytes(checkpoint) - 1)  # streamed: IREE 3.13 fails on the loop
     assert main(["compile", "--model", str(checkpoint), "--out", str(tmp_path / "streamed"), *common,
                  "--device-memory-budget", budget]) == 1
     error = capsys.readouterr().err.strip()

@@ -16,16 +16,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import lowering.bundle as bundle_mod
-from llada_jax.model.config import read_config
 from llada_jax.quant.quantize import QuantScheme
 from llada_jax.system.errors import LladaError
 from llada_jax.weights.quantize_checkpoint import quantize_checkpoint
 from lowering.bundle import compile_bundle
 from lowering.bundle_weights import weight_layout
 from lowering.export import canvas_sizes
-from lowering.stage_ring import ALIGNMENT, byte_size, resident_bytes, ring_plan, stage_of
+from lowering.stage_ring import ALIGNMENT, resident_bytes, ring_plan, stage_of
 from policies.compiled_loop import baked_loops
-from tests.conftest import TINY, write_checkpoint
+from tests.conftest import TINY, bundle_weight_bytes, write_checkpoint
 
 # Sixteen layers and a small vocabulary: a stage is a small part of the weights, so 50% and 25% budgets stream.
 DEEP = dataclasses.replace(TINY, n_layers=16, vocab_size=128, embedding_size=128, mask_token_id=120,
@@ -37,11 +36,6 @@ SETTING = dict(gen_length=16, block_length=8, steps=16)
 @pytest.fixture(scope="module")
 def deep_dir(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("deep") / "model", DEEP, std=0.3)
-
-
-def weight_bytes(model_dir) -> int:
-    config = read_config(model_dir)
-    return sum(byte_size(p) for p in weight_layout(model_dir, config).parameters)
 
 
 def test_ring_plan_holds_each_stage_in_one_slot(deep_dir):
@@ -59,7 +53,7 @@ def test_ring_plan_holds_each_stage_in_one_slot(deep_dir):
         assert all(piece.offset % ALIGNMENT == 0 for piece in stage)
         assert all(end <= following.offset for end, following in zip(ends, stage[1:]))  # no overlap
         assert max(ends) <= plan.slot_bytes
-    assert resident_bytes(layout, DEEP) + sum(piece.length for s in plan.stages for piece in s) == weight_bytes(
+    assert resident_bytes(layout, DEEP) + sum(piece.length for s in plan.stages for piece in s) == bundle_weight_bytes(
         deep_dir)
 
 
@@ -70,11 +64,11 @@ def test_a_budget_the_ring_cannot_fit_is_refused_with_the_minimum(deep_dir, tmp_
     assert "\n" not in str(err.value) and not (tmp_path / "b").exists()
     with pytest.raises(LladaError, match="--data-tiling needs resident weights"):
         compile_bundle(deep_dir, "host", tmp_path / "b", max_len=16, window=8, data_tiling=True,
-                       device_memory_budget=weight_bytes(deep_dir) // 2)
+                       device_memory_budget=bundle_weight_bytes(deep_dir) // 2)
     vanilla = (baked_loops("vanilla", None, 8, 8, 8, canvas_sizes(16)),)
     with pytest.raises(LladaError, match="fails to compile a vanilla decode loop that streams its weights"):
         compile_bundle(deep_dir, "host", tmp_path / "b", max_len=16, window=8, loops=vanilla,
-                       device_memory_budget=weight_bytes(deep_dir) // 2)
+                       device_memory_budget=bundle_weight_bytes(deep_dir) // 2)
 
 
 def test_streamed_weights_are_not_declared_resident(deep_dir, monkeypatch, tmp_path):
@@ -83,7 +77,7 @@ def test_streamed_weights_are_not_declared_resident(deep_dir, monkeypatch, tmp_p
     modules = []
     monkeypatch.setattr(bundle_mod, "compile_module", lambda module, *a: modules.append(module) or 0.0)
     monkeypatch.setattr(bundle_mod, "_write_manifest", lambda *a: None)
-    for name, budget in (("a", weight_bytes(deep_dir) // 4), ("b", weight_bytes(deep_dir))):
+    for name, budget in (("a", bundle_weight_bytes(deep_dir) // 4), ("b", bundle_weight_bytes(deep_dir))):
         compile_bundle(deep_dir, "host", tmp_path / name, max_len=16, window=8, device_memory_budget=budget)
     declared = [line for line in modules[0].splitlines() if "#flow.parameter.named" in line]
     assert len(declared) == 2 and all("wte" in line or "ln_f" in line for line in declared)
@@ -98,7 +92,7 @@ def streamed_pair(deep_dir, tmp_path_factory):
     from llada_jax.cli import main
 
     out = tmp_path_factory.mktemp("pair")
-    for name, budget in (("resident", None), ("streamed", weight_bytes(deep_dir) // 4)):
+    for name, budget in (("resident", None), ("streamed", bundle_weight_bytes(deep_dir) // 4)):
         extra = ["--device-memory-budget", str(budget)] if budget else []
         assert main(["compile", "--model", str(deep_dir), "--target", "host", "--out", str(out / name),
                      "--max-len", "32", "--window", "16", *sum(([f"--{k.replace('_', '-')}", str(v)]
@@ -141,7 +135,7 @@ def test_run_script_streams_what_the_resident_bundle_generates(deep_dir, tmp_pat
     model = deep_dir if bits is None else quantize_checkpoint(
         deep_dir, tmp_path / "q", QuantScheme(bits, 32 if bits == 4 else None))
     ids = {}
-    for name, budget in (("resident", None), ("streamed", int(fraction * weight_bytes(model)))):
+    for name, budget in (("resident", None), ("streamed", int(fraction * bundle_weight_bytes(model)))):
         extra = ["--device-memory-budget", str(budget)] if budget else []
         assert main(["compile", "--model", str(model), "--target", "host", "--out", str(tmp_path / name),
                      "--max-len", "32", "--window", "16", "--activations", activations, "--gen-length", "16",
@@ -165,7 +159,7 @@ def test_streamed_arm64_run_script_under_qemu_prints_the_host_ids(deep_dir, tmp_
     tools = runtime_tools_dir(user_cache_dir("tools"))
     model = deep_dir if bits is None else quantize_checkpoint(deep_dir, tmp_path / "q", QuantScheme(bits, 32))
     activations = "float" if bits is None else "int8"
-    for target, name, budget in (("linux-arm64", "arm", weight_bytes(model) // 4), ("host", "host", None)):
+    for target, name, budget in (("linux-arm64", "arm", bundle_weight_bytes(model) // 4), ("host", "host", None)):
         extra = ["--device-memory-budget", str(budget)] if budget else []
         assert main(["compile", "--model", str(model), "--target", target, "--out", str(tmp_path / name),
                      "--max-len", "32", "--window", "16", "--gen-length", "16", "--block-length", "8", "--steps",
@@ -182,7 +176,7 @@ def test_a_deep_model_streams_the_resident_tokens(tmp_path):
 
     model = write_checkpoint(tmp_path / "model", dataclasses.replace(DEEP, n_layers=60), std=0.3)
     ids = {}
-    for name, budget in (("resident", None), ("streamed", weight_bytes(model) // 4)):
+    for name, budget in (("resident", None), ("streamed", bundle_weight_bytes(model) // 4)):
         extra = ["--device-memory-budget", str(budget)] if budget else []
         assert main(["compile", "--model", str(model), "--target", "host", "--out", str(tmp_path / name),
                      "--max-len", "32", "--window", "32", "--gen-length", "16", "--block-length", "16", "--steps", "16",
