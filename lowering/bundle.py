@@ -218,7 +218,7 @@ def _loop_specs(loops, max_len: int, streamed: bool) -> list:
     specs = list(dict.fromkeys(spec for baked in loops for spec in baked.specs))
     if any(spec.slots not in canvas_sizes(max_len) for spec in specs):
         raise LladaError(f"a decode loop's canvas is not one of this bundle's sizes {canvas_sizes(max_len)}")
-    if streamed and any(not isinstance(spec, BlockLoopSpec) and not spec.caches for spec in specs):  # blocks cache
+    if streamed and not all(spec.caches for spec in specs):
         raise LladaError("IREE 3.13 fails to compile a vanilla decode loop that streams its weights ('failed to solve "
                          "for timepoint coverage'): use --policy prefix-cache or dual-cache, or --no-loop")
     return specs

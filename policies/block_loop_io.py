@@ -39,6 +39,11 @@ class BlockLoopSpec:
     slots: int                # canvas positions: the prompt plus gen_length, in whole blocks, fit
 
     @property
+    def caches(self) -> bool:
+        """Always: finished blocks' K/V are cached (the uncached `vanilla` runs on the host loop only)."""
+        return True
+
+    @property
     def read_width(self) -> int:
         """Window rows read out per pass: the current block and its drafts."""
         return self.block_length * (1 + self.lookahead)
