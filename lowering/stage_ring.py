@@ -1,15 +1,19 @@
 """Weights streamed by the IREE program itself: a bundle whose weights exceed its device memory budget reads
-each stage (a decoder layer's tensors, or the LM head's) from the weights file into a ring of two device buffers
-when it is needed, so `iree-run-module` (and `run.sh`) runs it with no host code of ours.
+each stage (a decoder layer's tensors, or the LM head's) from the weights file into a ring of two device buffers,
+the next stage while one computes, so `iree-run-module` (and `run.sh`) runs it with no host code of ours.
 
 The steps are exported with a `llada_stage` custom call where each stage is needed (`llada_jax.model.staged`);
 `rewrite_stage_calls` replaces each call with a call to a function that:
-1. signals a fence when the activations entering the stage are computed (`hal.tensor.barrier`);
-2. reads the stage with `io_parameters.gather` into the slot the stage before did not use (that of the stage two
-   before), after that fence and the previous read;
-3. hands the stage's tensors to the step as `hal.tensor.import`s of the slot, waiting for its read.
-Reads do not overlap compute yet: prefetching the next stage while one computed gave wrong tokens
-(docs/iree-limits.md).
+1. signals a fence when the activations entering the stage are computed (`hal.tensor.barrier`): the stage before
+   has then finished with its slot;
+2. reads the stage into the slot the stage before did not use, after that fence and the previous read, unless the
+   call before already did (a chain: see 4);
+3. hands the stage's tensors to the step as `hal.tensor.import`s of the slot, waiting for its read;
+4. if the next call follows in the same region (the next layer of the same forward), reads that call's stage into
+   the other slot, after the fence of 1: that read overlaps this stage's compute.
+A chain's first call reads its own stage, so the order of calls across regions (a loop's passes, a step's
+branches) never matters; what it assumes is that the activations entering a call depend on everything the
+stages before it computed from the ring, as a forward's do.
 The weights file is the one the bundle binds to scope "model"; nothing is read at load but the resident tensors.
 """
 
@@ -32,6 +36,9 @@ CALL = re.compile(
     r"\((?P<operands>[^)]*)\) \{(?P<attributes>.*)\} : \((?P<types>[^)]*)\) -> \((?P<result_types>[^)]*)\)$",
     re.MULTILINE)
 STAGE_INDEX = re.compile(r"stage = (\d+) : i64")
+REGION_EDGE = re.compile(r"(\{|\(\{)[ \t]*$|^[ \t]*\}", re.MULTILINE)  # a region opens or closes
+FUNCTION = re.compile(r"^\s*func\.func (?:private |public )?@([\w$.-]+)\(", re.MULTILINE)
+FUNCTION_CALL = re.compile(r"\bcall @([\w$.-]+)\(")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,19 +114,51 @@ def resident_bytes(layout: WeightLayout, config) -> int:
 
 def rewrite_stage_calls(module_text: str, plan: RingPlan, prefix: str) -> tuple[str, list[str]]:
     """`module_text` with each `llada_stage` call replaced by a call to its fetch function (named `prefix` +
-    `fetch_<n>`); those functions."""
+    `fetch_<n>`); those functions. A call followed by another in the same region, with no region between them,
+    reads that next call's stage while its own computes (`_chains`)."""
+    matches = list(CALL.finditer(module_text))
+    follows = _chains(module_text, matches)
     functions: list[str] = []
-
-    def replace(match: re.Match) -> str:
-        stage = int(STAGE_INDEX.search(match["attributes"])[1])  # type: ignore[index]
-        name = f"{prefix}fetch_{len(functions)}"
+    pieces = []
+    for n, match in enumerate(matches):
+        stage = _stage(match)
+        name = f"{prefix}fetch_{n}"
         types = [t.strip() for t in match["types"].split(",")]
-        functions.append(_fetch_function(name, stage, types, plan))
+        following = _stage(matches[n + 1]) if follows[n] else None
+        functions.append(_fetch_function(name, stage, types, plan, n > 0 and follows[n - 1], following))
         x = match["operands"].split(",")[0].strip()
-        return (f"{match['indent']}{match['result']}:{match['count']} = util.call @{name}({x}) : ({types[0]}) -> "
-                f"({match['result_types']})")
+        pieces.append(f"{match['indent']}{match['result']}:{match['count']} = util.call @{name}({x}) : ({types[0]}) "
+                      f"-> ({match['result_types']})")
+    out, end = [], 0
+    for match, piece in zip(matches, pieces):
+        out += [module_text[end:match.start()], piece]
+        end = match.end()
+    return "".join([*out, module_text[end:]]), functions
 
-    return CALL.sub(replace, module_text), functions
+
+def _stage(match: re.Match) -> int:
+    return int(STAGE_INDEX.search(match["attributes"])[1])  # type: ignore[index]
+
+
+def _chains(module_text: str, matches: list[re.Match]) -> list[bool]:
+    """Per call: whether the next call runs right after it, as the next stage to need the ring: both in one
+    region (a function's body, a loop's), no region opened or closed between them, and no call between them to a
+    function that reads stages itself."""
+    readers = _stage_readers(module_text, matches)
+    def adjacent(a: re.Match, b: re.Match) -> bool:
+        between = module_text[a.end():b.start()]
+        return REGION_EDGE.search(between) is None and not readers & set(FUNCTION_CALL.findall(between))
+    return [adjacent(a, b) for a, b in zip(matches, matches[1:])] + [False]
+
+
+def _stage_readers(module_text: str, matches: list[re.Match]) -> set[str]:
+    """The functions whose bodies call for stages, directly or through the functions they call."""
+    starts = [(m.start(), m[1]) for m in FUNCTION.finditer(module_text)]
+    spans = {name: module_text[start:end] for (start, name), (end, _) in zip(starts, [*starts[1:], (None, "")])}
+    readers = {name for name, body in spans.items() if CALL.search(body)}
+    while grown := {name for name, body in spans.items() if readers & set(FUNCTION_CALL.findall(body))} - readers:
+        readers |= grown
+    return readers
 
 
 def ring_parts(plan: RingPlan) -> list[str]:
@@ -173,32 +212,53 @@ def _gather_function(index: int, pieces: tuple[Piece, ...]) -> list[str]:
             *_indent(body, 4), "  }"]
 
 
-def _fetch_function(name: str, stage: int, types: list[str], plan: RingPlan) -> str:
-    """One call site's fetch: the barrier on the activations, the stage read into the slot of the stage two before
-    after it, the tensors imported (see the module's docstring)."""
+def _fetch_function(name: str, stage: int, types: list[str], plan: RingPlan, prefetched: bool,
+                    following: int | None) -> str:
+    """One call site's fetch (see the module's docstring): the stage's tensors imported from its slot, read by the
+    call before (`prefetched`) or here; the `following` stage read into the other slot once the activations
+    entering this stage are computed."""
     pieces = plan.stages[stage]
     if len(pieces) != len(types) - 1:
         raise ValueError(f"stage {stage} takes {len(types) - 1} tensors; the ring plan has {len(pieces)}")
     body = [*_device(), "%c0 = arith.constant 0 : index", "%c1 = arith.constant 1 : index",
             '%done = hal.fence.create device(%device : !hal.device) flags("None") : !hal.fence',
             f"%x_done = hal.tensor.barrier join(%x : {types[0]}) => %done : !hal.fence",
-            "%current = util.global.load @__ring_current : index",  # the stage before's slot
+            "%current = util.global.load @__ring_current : index",  # the slot of the last read
             "%last_read = util.global.load @__ring_ready : !hal.fence",
             "%slot0 = util.global.load @__ring_slot0 : !hal.buffer",
-            "%slot1 = util.global.load @__ring_slot1 : !hal.buffer",
-            "%in_slot0 = arith.cmpi eq, %current, %c0 : index",
-            "%slot = arith.select %in_slot0, %slot1, %slot0 : !hal.buffer",
-            "%next_current = arith.subi %c1, %current : index",
-            '%after = hal.fence.join at([%done, %last_read]) flags("None") -> !hal.fence',
-            f"%ready = util.call @__ring_read_{stage}(%slot, %after) : (!hal.buffer, !hal.fence) -> !hal.fence",
-            "util.global.store %next_current, @__ring_current : index",
-            "util.global.store %ready, @__ring_ready : !hal.fence"]
+            "%slot1 = util.global.load @__ring_slot1 : !hal.buffer"]
+    if prefetched:
+        here, ready = "%current", "%last_read"
+    else:
+        here, ready = "%here", "%ready"
+        body += ["%here = arith.subi %c1, %current : index",
+                 '%after = hal.fence.join at([%done, %last_read]) flags("None") -> !hal.fence',
+                 *_read(stage, here, "%after", ready)]
+    body += [f"%in_slot0 = arith.cmpi eq, {here}, %c0 : index",
+             "%slot = arith.select %in_slot0, %slot0, %slot1 : !hal.buffer"]
+    last, fence = here, ready
+    if following is not None:
+        body += [f"%other = arith.subi %c1, {here} : index",
+                 f'%after_next = hal.fence.join at([%done, {ready}]) flags("None") -> !hal.fence',
+                 *_read(following, "%other", "%after_next", "%next_ready")]
+        last, fence = "%other", "%next_ready"
+    body += [f"util.global.store {last}, @__ring_current : index",
+             f"util.global.store {fence}, @__ring_ready : !hal.fence"]
     results = ["%x_done"]
     for i, (piece, tensor_type) in enumerate(zip(pieces, types[1:])):
         body += [f"%o{i} = arith.constant {piece.offset} : index", f"%l{i} = arith.constant {piece.length} : index",
                  f"%part{i} = hal.buffer.subspan<%slot : !hal.buffer>[%o{i}, %l{i}] : !hal.buffer",
-                 f"%w{i} = hal.tensor.import wait(%ready) => %part{i} : !hal.buffer -> {tensor_type}"]
+                 f"%w{i} = hal.tensor.import wait({ready}) => %part{i} : !hal.buffer -> {tensor_type}"]
         results.append(f"%w{i}")
     body.append(f"util.return {', '.join(results)} : {', '.join(types)}")
     return "\n".join([f"  util.func private @{name}(%x: {types[0]}) -> ({', '.join(types)}) {{",
                       *_indent(body, 4), "  }"])
+
+
+def _read(stage: int, slot_index: str, wait: str, signal: str) -> list[str]:
+    """`stage` read into the slot numbered `slot_index` after `wait`; `signal` its fence."""
+    name = signal.lstrip("%")
+    return [f"%{name}_is0 = arith.cmpi eq, {slot_index}, %c0 : index",
+            f"%{name}_slot = arith.select %{name}_is0, %slot0, %slot1 : !hal.buffer",
+            f"{signal} = util.call @__ring_read_{stage}(%{name}_slot, {wait}) : (!hal.buffer, !hal.fence) -> "
+            "!hal.fence"]

@@ -170,8 +170,8 @@ def test_streamed_arm64_run_script_under_qemu_prints_the_host_ids(deep_dir, tmp_
 
 @pytest.mark.slow
 def test_a_deep_model_streams_the_resident_tokens(tmp_path):
-    """60 layers: reading the next stage while one computed (into the slot of the stage before, once these
-    activations were ready) gave this model wrong tokens; each stage is now read when it is needed."""
+    """60 layers, each stage reading the next one while it computes: an earlier read-ahead, whose ring state ran
+    across calls and loop passes, gave this model wrong tokens (docs/iree-limits.md)."""
     from llada_jax.cli import main
 
     model = write_checkpoint(tmp_path / "model", dataclasses.replace(DEEP, n_layers=60), std=0.3)

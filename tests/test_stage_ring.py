@@ -1,0 +1,129 @@
+"""The ring's read schedule (`lowering.stage_ring.rewrite_stage_calls`): over any program of stage calls, nested
+in regions run any number of times, every call imports its own stage from a slot no read has overwritten since,
+and a call followed by another in its region reads that call's stage while it computes. The ring is simulated
+from the fetch functions' text: which stage each reads, into which slot, and which slot it imports."""
+
+from __future__ import annotations
+
+import re
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lowering.stage_ring import Piece, RingPlan, rewrite_stage_calls
+
+STAGES = 5
+PLAN = RingPlan(tuple((Piece((f"stage{i}.weight",), 0, 64),) for i in range(STAGES)))
+X, W = "tensor<1x4xf32>", "tensor<4x4xf32>"
+READ = re.compile(r"util\.call @__ring_read_(\d+)\(")
+
+
+def call_line(stage: int, value: int) -> str:
+    return (f"    %v{value}:2 = stablehlo.custom_call @llada_stage(%x, %w) {{api_version = 4 : i32, backend_config = "
+            f"{{stage = {stage} : i64}}, has_side_effect = true}} : ({X}, {W}) -> ({X}, {W})")
+
+
+# A program: stage calls, regions (a body run `times` times, as a loop's or a branch's would be) and calls to a
+# function (its body defined after the caller's, as JAX exports a nested function; it may hold stage calls).
+stage_calls = st.integers(0, STAGES - 1).map(lambda s: ("call", s))
+programs = st.recursive(
+    st.lists(stage_calls, min_size=1, max_size=4),
+    lambda inner: st.lists(st.one_of(stage_calls, st.tuples(st.just("region"), inner, st.integers(0, 3)),
+                                     st.tuples(st.just("function"), inner)), min_size=1, max_size=4),
+    max_leaves=12)
+
+
+def module(program) -> tuple[str, list[int], list]:
+    """MLIR-shaped text (a region as `stablehlo.while` prints it: `cond {` ... `} do {` ... `}`), the stage of
+    each call in text order, and the program with each call's site (its fetch function's number) and each
+    function call's body."""
+    lines: list[str] = []
+    calls: list[int] = []
+    pending: list = [("main", program, [])]
+    for name, body, sited in pending:  # grows as bodies call functions, each defined after its caller
+        lines.append(f"  func.func private @{name}(%x: {X}) -> {X} {{")
+        sited += render(body, lines, calls, pending)
+        lines.append("  }")
+    return "\n".join(lines), calls, pending[0][2]
+
+
+def render(program, lines: list[str], calls: list[int], pending: list) -> list:
+    sited: list = []
+    for item in program:
+        if item[0] == "call":
+            sited.append(("call", item[1], len(calls)))
+            calls.append(item[1])
+            lines.append(call_line(item[1], len(calls)))
+        elif item[0] == "region":
+            lines += [f"    %r = stablehlo.while(%i = %x) : {X}", "    cond {", "      stablehlo.return %c",
+                      "    } do {"]
+            sited.append(("region", render(item[1], lines, calls, pending), item[2]))
+            lines.append("    }")
+        else:
+            name = f"fn{len(pending)}"
+            pending.append((name, item[1], []))
+            sited.append(("region", pending[-1][2], 1))  # runs its body once, where it is called
+            lines.append(f"    %f = call @{name}(%x) : ({X}) -> {X}")
+    return sited
+
+
+def run(program, functions: list[str], state: dict, trace: list) -> None:
+    """Execute the program against the ring: `state` holds each slot's stage and the slot of the last read."""
+    for item in program:
+        if item[0] == "region":
+            for _ in range(item[2]):
+                run(item[1], functions, state, trace)
+        else:
+            slot = interpret(functions[item[2]], state)
+            trace.append((item[1], state[slot]))  # the stage called, the stage its slot holds while it computes
+
+
+def interpret(function: str, state: dict) -> int:
+    """Run a fetch function's slot arithmetic, reads and global store on `state`; the slot its tensors are
+    imported from."""
+    values: dict[str, int | bool] = {}
+    for line in function.splitlines():
+        line = line.strip()
+        if m := re.fullmatch(r"(%\w+) = util\.global\.load @__ring_current : index", line):
+            values[m[1]] = state["current"]
+        elif m := re.fullmatch(r"(%\w+) = arith\.subi %c1, (%\w+) : index", line):
+            values[m[1]] = 1 - values[m[2]]
+        elif m := re.fullmatch(r"(%\w+) = arith\.cmpi eq, (%\w+), %c0 : index", line):
+            values[m[1]] = values[m[2]] == 0
+        elif m := re.fullmatch(r"(%\w+) = arith\.select (%\w+), %slot0, %slot1 : !hal\.buffer", line):
+            values[m[1]] = 0 if values[m[2]] else 1
+        elif m := re.search(r"= util\.call @__ring_read_(\d+)\((%\w+),", line):
+            state[values[m[2]]] = int(m[1])
+            state["reads"] += 1
+        elif m := re.fullmatch(r"util\.global\.store (%\w+), @__ring_current : index", line):
+            state["current"] = values[m[1]]
+    imported = set(re.findall(r"hal\.buffer\.subspan<(%\w+) ", function))
+    assert len(imported) == 1
+    return int(values[imported.pop()])
+
+
+def reads(function: str) -> list[int]:
+    return [int(stage) for stage in READ.findall(function)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(program=programs)
+def test_every_call_imports_its_own_stage_and_a_chain_reads_ahead(program):
+    text, calls, sited = module(program)
+    rewritten, functions = rewrite_stage_calls(text, PLAN, "f__")
+    assert "llada_stage" not in rewritten and len(functions) == len(calls)
+    trace: list = []
+    state = {"current": 0, 0: None, 1: None, "reads": 0}
+    run(sited, functions, state, trace)
+    assert all(called == held for called, held in trace)
+    assert state["reads"] == len(trace)  # one read per call run: none repeated, none wasted
+
+
+def test_consecutive_calls_in_one_region_read_ahead_and_a_region_edge_breaks_the_chain():
+    helper = [("call", 3)]
+    program = [("call", 0), ("call", 1), ("call", 2), ("region", [("call", 3), ("call", 4)], 2), ("call", 0),
+               ("function", helper), ("call", 1)]
+    _, functions = rewrite_stage_calls(module(program)[0], PLAN, "f__")
+    # each call reads the next one's stage; a loop body's first call its own, as do the calls after the loop and
+    # after the function call, and the function's own (defined last)
+    assert [reads(f) for f in functions] == [[0, 1], [2], [], [3, 4], [], [0], [1], [3]]
