@@ -6,6 +6,9 @@ budget runs in its own process so its peak RSS is its own. Medians; nothing is a
 
     python -m eval.bench_swap [--backend jax|iree-host] [--policy vanilla|dual-cache] [--prompt-length 32] [--repeats 5]
 
+A bundle's program reads its own weights (`lowering.stage_ring`), so its rows have no copy counters; a budget a
+backend cannot run in is a row saying why.
+
 On a CPU "device" the copy into a staging slot is a memcpy that competes with compute for the same
 cores (an accelerator's DMA engine would not), so the slowdown shrinks as compute per streamed byte
 grows: a longer canvas (`--prompt-length`) or full-canvas steps (`vanilla`) hide more of it.
@@ -31,6 +34,7 @@ from llada_jax.model.config import LLaDAConfig
 from llada_jax.model.params import hf_shapes, init_params
 from llada_jax.model.shapes import bucket
 from llada_jax.staging.swap import kv_bytes
+from llada_jax.system.errors import LladaError
 from llada_jax.weights.checkpoint import save_hf
 from lowering.bundle_cache import cached_bundle
 
@@ -95,7 +99,10 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.one is not None:
         fraction = None if args.one == "resident" else float(args.one)
-        print(json.dumps(measure(fraction, args.backend, args.repeats, args.policy, args.prompt_length)))
+        try:
+            print(json.dumps(measure(fraction, args.backend, args.repeats, args.policy, args.prompt_length)))
+        except LladaError as error:  # a budget this backend cannot run in (a bundle's ring holds the whole head)
+            print(json.dumps({"budget_fraction": fraction, "refused": str(error)}))
         return
     model_dir()
     rows = []
@@ -111,9 +118,17 @@ def main(argv=None) -> None:
           f"{'RSS MiB':>9}")
     for row in rows:
         name = "resident" if row["budget_fraction"] is None else f"{row['budget_fraction']:.0%}"
+        if "refused" in row:
+            print(f"{name:<12}refused: {row['refused']}")
+            continue
         print(f"{name:<12}{row['median_s']:>10.3f}{row['median_s'] / resident:>13.2f}"
-              f"{row.get('bytes_staged', 0) / 2**20:>12.0f}{row.get('copy_seconds', 0):>9.3f}"
-              f"{row.get('hidden_fraction', 1.0):>8.2f}{row['peak_rss_mb']:>9.0f}")
+              f"{_column(row, 'bytes_staged', 12, '.0f', 2**20)}{_column(row, 'copy_seconds', 9, '.3f')}"
+              f"{_column(row, 'hidden_fraction', 8, '.2f')}{row['peak_rss_mb']:>9.0f}")
+
+
+def _column(row: dict, key: str, width: int, spec: str, unit: float = 1.0) -> str:
+    """A staging counter, or "-" where the run has none (resident, or a bundle whose program reads its own)."""
+    return f"{row[key] / unit:>{width}{spec}}" if key in row else f"{'-':>{width}}"
 
 
 if __name__ == "__main__":
