@@ -119,21 +119,17 @@ def rewrite_stage_calls(module_text: str, plan: RingPlan, prefix: str) -> tuple[
     matches = list(CALL.finditer(module_text))
     follows = _chains(module_text, matches)
     functions: list[str] = []
-    pieces = []
+    calls = []
     for n, match in enumerate(matches):
-        stage = _stage(match)
         name = f"{prefix}fetch_{n}"
         types = [t.strip() for t in match["types"].split(",")]
         following = _stage(matches[n + 1]) if follows[n] else None
-        functions.append(_fetch_function(name, stage, types, plan, n > 0 and follows[n - 1], following))
+        functions.append(_fetch_function(name, _stage(match), types, plan, n > 0 and follows[n - 1], following))
         x = match["operands"].split(",")[0].strip()
-        pieces.append(f"{match['indent']}{match['result']}:{match['count']} = util.call @{name}({x}) : ({types[0]}) "
-                      f"-> ({match['result_types']})")
-    out, end = [], 0
-    for match, piece in zip(matches, pieces):
-        out += [module_text[end:match.start()], piece]
-        end = match.end()
-    return "".join([*out, module_text[end:]]), functions
+        calls.append(f"{match['indent']}{match['result']}:{match['count']} = util.call @{name}({x}) : ({types[0]}) "
+                     f"-> ({match['result_types']})")
+    replacements = iter(calls)
+    return CALL.sub(lambda _: next(replacements), module_text), functions
 
 
 def _stage(match: re.Match) -> int:
@@ -144,14 +140,15 @@ def _chains(module_text: str, matches: list[re.Match]) -> list[bool]:
     """Per call: whether the next call runs right after it, as the next stage to need the ring: both in one
     region (a function's body, a loop's), no region opened or closed between them, and no call between them to a
     function that reads stages itself."""
-    readers = _stage_readers(module_text, matches)
+    readers = _stage_readers(module_text)
+
     def adjacent(a: re.Match, b: re.Match) -> bool:
         between = module_text[a.end():b.start()]
         return REGION_EDGE.search(between) is None and not readers & set(FUNCTION_CALL.findall(between))
     return [adjacent(a, b) for a, b in zip(matches, matches[1:])] + [False]
 
 
-def _stage_readers(module_text: str, matches: list[re.Match]) -> set[str]:
+def _stage_readers(module_text: str) -> set[str]:
     """The functions whose bodies call for stages, directly or through the functions they call."""
     starts = [(m.start(), m[1]) for m in FUNCTION.finditer(module_text)]
     spans = {name: module_text[start:end] for (start, name), (end, _) in zip(starts, [*starts[1:], (None, "")])}
