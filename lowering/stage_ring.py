@@ -36,7 +36,7 @@ CALL = re.compile(
     r"\((?P<operands>[^)]*)\) \{(?P<attributes>.*)\} : \((?P<types>[^)]*)\) -> \((?P<result_types>[^)]*)\)$",
     re.MULTILINE)
 STAGE_INDEX = re.compile(r"stage = (\d+) : i64")
-REGION_EDGE = re.compile(r"(\{|\(\{)[ \t]*$|^[ \t]*\}", re.MULTILINE)  # a region opens or closes
+REGION_EDGE = re.compile(r"\{[ \t]*$|^[ \t]*\}", re.MULTILINE)  # a region opens (`{`, `({`) or closes
 FUNCTION = re.compile(r"^\s*func\.func (?:private |public )?@([\w$.-]+)\(", re.MULTILINE)
 FUNCTION_CALL = re.compile(r"\bcall @([\w$.-]+)\(")
 
@@ -231,8 +231,7 @@ def _fetch_function(name: str, stage: int, types: list[str], plan: RingPlan, pre
         body += ["%here = arith.subi %c1, %current : index",
                  '%after = hal.fence.join at([%done, %last_read]) flags("None") -> !hal.fence',
                  *_read(stage, here, "%after", ready)]
-    body += [f"%in_slot0 = arith.cmpi eq, {here}, %c0 : index",
-             "%slot = arith.select %in_slot0, %slot0, %slot1 : !hal.buffer"]
+    body += _slot(here, "%slot")
     last, fence = here, ready
     if following is not None:
         body += [f"%other = arith.subi %c1, {here} : index",
@@ -254,8 +253,12 @@ def _fetch_function(name: str, stage: int, types: list[str], plan: RingPlan, pre
 
 def _read(stage: int, slot_index: str, wait: str, signal: str) -> list[str]:
     """`stage` read into the slot numbered `slot_index` after `wait`; `signal` its fence."""
-    name = signal.lstrip("%")
-    return [f"%{name}_is0 = arith.cmpi eq, {slot_index}, %c0 : index",
-            f"%{name}_slot = arith.select %{name}_is0, %slot0, %slot1 : !hal.buffer",
-            f"{signal} = util.call @__ring_read_{stage}(%{name}_slot, {wait}) : (!hal.buffer, !hal.fence) -> "
-            "!hal.fence"]
+    slot = f"{signal}_slot"
+    return [*_slot(slot_index, slot),
+            f"{signal} = util.call @__ring_read_{stage}({slot}, {wait}) : (!hal.buffer, !hal.fence) -> !hal.fence"]
+
+
+def _slot(index: str, buffer: str) -> list[str]:
+    """`buffer`: the ring's slot numbered `index` (0 or 1)."""
+    return [f"{buffer}_is0 = arith.cmpi eq, {index}, %c0 : index",
+            f"{buffer} = arith.select {buffer}_is0, %slot0, %slot1 : !hal.buffer"]

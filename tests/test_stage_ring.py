@@ -23,18 +23,19 @@ def call_line(stage: int, value: int) -> str:
             f"{{stage = {stage} : i64}}, has_side_effect = true}} : ({X}, {W}) -> ({X}, {W})")
 
 
-# A program: stage calls, regions (a body run `times` times, as a loop's or a branch's would be) and calls to a
+# A program: stage calls, regions (a body run `times` times, printed as a loop's or a branch's) and calls to a
 # function (its body defined after the caller's, as JAX exports a nested function; it may hold stage calls).
 stage_calls = st.integers(0, STAGES - 1).map(lambda s: ("call", s))
+FORMS = st.sampled_from(["while", "case"])
 programs = st.recursive(
     st.lists(stage_calls, min_size=1, max_size=4),
-    lambda inner: st.lists(st.one_of(stage_calls, st.tuples(st.just("region"), inner, st.integers(0, 3)),
+    lambda inner: st.lists(st.one_of(stage_calls, st.tuples(st.just("region"), inner, st.integers(0, 3), FORMS),
                                      st.tuples(st.just("function"), inner)), min_size=1, max_size=4),
     max_leaves=12)
 
 
 def module(program) -> tuple[str, list[int], list]:
-    """MLIR-shaped text (a region as `stablehlo.while` prints it: `cond {` ... `} do {` ... `}`), the stage of
+    """MLIR-shaped text (a region as `stablehlo.while` or `stablehlo.case` prints it), the stage of
     each call in text order, and the program with each call's site (its fetch function's number) and each
     function call's body."""
     lines: list[str] = []
@@ -54,11 +55,16 @@ def render(program, lines: list[str], calls: list[int], pending: list) -> list:
             sited.append(("call", item[1], len(calls)))
             calls.append(item[1])
             lines.append(call_line(item[1], len(calls)))
-        elif item[0] == "region":
+        elif item[0] == "region" and item[3] == "while":
             lines += [f"    %r = stablehlo.while(%i = %x) : {X}", "    cond {", "      stablehlo.return %c",
                       "    } do {"]
             sited.append(("region", render(item[1], lines, calls, pending), item[2]))
             lines.append("    }")
+        elif item[0] == "region":  # the body is the first branch; the second returns at once
+            lines.append('    %r = "stablehlo.case"(%i) ({')
+            sited.append(("region", render(item[1], lines, calls, pending), item[2]))
+            lines += ["      stablehlo.return %x", "    }, {", "      stablehlo.return %x",
+                      f"    }}) : (tensor<i32>) -> {X}"]
         else:
             name = f"fn{len(pending)}"
             pending.append((name, item[1], []))
@@ -121,9 +127,9 @@ def test_every_call_imports_its_own_stage_and_a_chain_reads_ahead(program):
 
 def test_consecutive_calls_in_one_region_read_ahead_and_a_region_edge_breaks_the_chain():
     helper = [("call", 3)]
-    program = [("call", 0), ("call", 1), ("call", 2), ("region", [("call", 3), ("call", 4)], 2), ("call", 0),
-               ("function", helper), ("call", 1)]
+    program = [("call", 0), ("call", 1), ("call", 2), ("region", [("call", 3), ("call", 4)], 2, "while"), ("call", 0),
+               ("function", helper), ("call", 1), ("region", [("call", 2)], 1, "case"), ("call", 4)]
     _, functions = rewrite_stage_calls(module(program)[0], PLAN, "f__")
     # each call reads the next one's stage; a loop body's first call its own, as do the calls after the loop and
-    # after the function call, and the function's own (defined last)
-    assert [reads(f) for f in functions] == [[0, 1], [2], [], [3, 4], [], [0], [1], [3]]
+    # after the function call, the branch's and the one after it, and the function's own (defined last)
+    assert [reads(f) for f in functions] == [[0, 1], [2], [], [3, 4], [], [0], [1], [2], [4], [3]]
