@@ -53,7 +53,8 @@ def _streams(config, layout: WeightLayout, budget: int | None) -> bool:
     needed = resident_bytes(layout, config) + ring_plan(layout, config).ring_bytes
     if budget < needed:
         raise LladaError(f"a device memory budget of {budget:,} bytes is too small for this model: streaming its "
-                         f"weights needs {needed:,} (the embedding and {SLOTS} stages: a layer's or the LM head's)")
+                         f"weights needs {needed:,} (the embedding and {SLOTS} stages, each a layer or a chunk of the "
+                         "LM head)")
     return True
 
 

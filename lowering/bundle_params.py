@@ -1,8 +1,9 @@
 """The params pytree a bundle's step computes with, from its named parameters as stored
 (`lowering.bundle_weights`): float tensors cast to the compute dtype, each quantized module a `QuantizedWeight`
 (offset values signed again; no hoisting barrier, which iree-compile could not schedule at LLaDA-8B's size). A
-streamed layout's layers and LM head are `Stage`s, which the forward fetches (`llada_jax.model.staged`); a
-streamed MoE layer's experts come stacked, each matrix kind one array `[E, ...]` (`lowering.stage_ring.Piece`)."""
+streamed layout's layers are `Stage`s, and its LM head a tuple of them (chunks of rows), which the forward fetches
+(`llada_jax.model.staged`); a streamed MoE layer's experts come stacked, each matrix kind one array `[E, ...]`
+(`lowering.stage_ring.Piece`)."""
 
 from __future__ import annotations
 
@@ -24,23 +25,28 @@ def params_of(weights, layout: WeightLayout, config: LLaDAConfig, compute_dtype,
     stored = {p.name: w for p, w in zip(layout.parameters, weights)}
     if not layout.streamed:
         return _resident(stored, layout, config, compute_dtype, activations)
-    stages = ring_plan(layout, config).stages  # the slots' order
+    plan = ring_plan(layout, config)
     resident = converted({p.name: stored[p.name] for p in layout.parameters if stage_of(p, config) is None},
                          layout, config, compute_dtype, activations)
     places = tensor_places(config)
 
     def staged(index: int) -> Stage:
-        firsts = [piece.keys[0] for piece in stages[index]]  # a stack's tensors convert as its first expert's would
+        pieces = plan.stages[index]
+        firsts = [piece.keys[0] for piece in pieces]  # a stack's tensors convert as its first expert's would
 
         def build(arrays):
             tensors = converted(dict(zip(firsts, arrays)), layout, config, compute_dtype, activations)
-            if index == config.n_layers:
+            if index >= config.n_layers:
                 return next(iter(tensors.values()))
             return {places[name][2]: tensor for name, tensor in tensors.items()}  # an expert's key: its stack's
-        return Stage(index, tuple(_stacked([stored[key] for key in piece.keys]) for piece in stages[index]), build)
+        if index < config.n_layers:
+            return Stage(index, tuple(_stacked([stored[key] for key in piece.keys]) for piece in pieces), build)
+        first = (index - config.n_layers) * plan.head_rows
+        return Stage(index, tuple(stored[key][first:first + plan.head_rows] for key in firsts), build)
 
+    head = tuple(staged(i) for i in range(config.n_layers, len(plan.stages)))
     return {"wte": resident[_named(places, "wte")], "ln_f": resident[_named(places, "ln_f")],
-            "blocks": [staged(i) for i in range(config.n_layers)], "lm_head": staged(config.n_layers)}
+            "blocks": [staged(i) for i in range(config.n_layers)], "lm_head": head}
 
 
 def _resident(stored: dict, layout: WeightLayout, config: LLaDAConfig, compute_dtype, activations: Activations):

@@ -1,5 +1,6 @@
 """Weights streamed by the IREE program itself: a bundle whose weights exceed its device memory budget reads
-each stage (a decoder layer's tensors, or the LM head's) from the weights file into a ring of two device buffers,
+each stage (a decoder layer's tensors, or a slice of the LM head's rows) from the weights file into a ring of two
+device buffers,
 the next stage while one computes, so `iree-run-module` (and `run.sh`) runs it with no host code of ours.
 
 The steps are exported with a `llada_stage` custom call where each stage is needed (`llada_jax.model.staged`);
@@ -27,6 +28,7 @@ from llada_jax.model.params import tensor_places
 from llada_jax.model.staged import TARGET
 from lowering.bundle_format import PARAMETER_SCOPE
 from lowering.bundle_weights import Parameter, WeightLayout, expert_stack
+from lowering.kernel_dispatch import ROWS_PER_WORKGROUP
 
 ALIGNMENT = 256  # bytes between a slot's tensors
 SLOTS = 2
@@ -49,16 +51,18 @@ class Piece:
     keys: tuple[str, ...]  # the parameters' names in the weights file, in the slot's order
     offset: int            # bytes into the slot
     length: int            # bytes, all of them
+    start: int = 0         # bytes into each parameter where its read begins (an LM head chunk's first row)
 
-    def reads(self) -> list[tuple[str, int, int]]:
-        """(key, offset, length) of each parameter's read."""
+    def reads(self) -> list[tuple[str, int, int, int]]:
+        """(key, start in the parameter, offset in the slot, length) of each parameter's read."""
         each = self.length // len(self.keys)
-        return [(key, self.offset + i * each, each) for i, key in enumerate(self.keys)]
+        return [(key, self.start, self.offset + i * each, each) for i, key in enumerate(self.keys)]
 
 
 @dataclasses.dataclass(frozen=True)
 class RingPlan:
     stages: tuple[tuple[Piece, ...], ...]  # per stage: its tensors, in the order the step takes them
+    head_rows: int = 0  # rows per LM head chunk: stage n_layers + c holds rows [c * head_rows, (c + 1) * head_rows)
 
     @property
     def slot_bytes(self) -> int:
@@ -70,7 +74,8 @@ class RingPlan:
 
 
 def stage_of(parameter: Parameter, config) -> int | None:
-    """The stage a parameter streams with (a layer's index, n_layers for the LM head), None if resident."""
+    """The stage a parameter streams with (a layer's index; n_layers for the LM head, whose rows the stages from
+    n_layers on hold in chunks), None if resident."""
     places = tensor_places(config)
     name = parameter.name if parameter.name in places else parameter.name.rsplit(".", 1)[0] + ".weight"
     place = places[name]
@@ -85,20 +90,43 @@ def byte_size(parameter: Parameter) -> int:
 
 def ring_plan(layout: WeightLayout, config) -> RingPlan:
     """Each stage's pieces laid out in a slot, in the layout's order (the order the steps take them); an MoE
-    matrix kind's experts are one piece, at its first expert's place."""
+    matrix kind's experts are one piece, at its first expert's place. The LM head is cut into chunks of rows no
+    larger than the largest layer (LLaDA-8B's is 2.4 layers, and the largest stage sets both slots' size)."""
     grouped: list[dict] = [{} for _ in range(config.n_layers + 1)]  # per stage: piece -> its parameters
     for parameter in layout.parameters:
         stage = stage_of(parameter, config)
         if stage is not None:
             grouped[stage].setdefault(_piece_of(parameter, config), []).append(parameter)
-    stages = []
-    for pieces in grouped:
-        laid: list[Piece] = []
-        for parameters in pieces.values():
-            offset = -(-(laid[-1].offset + laid[-1].length) // ALIGNMENT) * ALIGNMENT if laid else 0
-            laid.append(Piece(tuple(p.name for p in parameters), offset, sum(map(byte_size, parameters))))
-        stages.append(tuple(laid))
-    return RingPlan(tuple(stages))
+    layers = [_laid([(tuple(p.name for p in parameters), 0, sum(map(byte_size, parameters)))
+                     for parameters in pieces.values()]) for pieces in grouped[:-1]]
+    head = [parameters[0] for parameters in grouped[-1].values()]
+    rows = head_rows(head, max((s[-1].offset + s[-1].length for s in layers if s), default=0))
+    vocab = head[0].shape[0] if head else 0
+    chunks = [_laid([((p.name,), first * _row_bytes(p), min(rows, vocab - first) * _row_bytes(p)) for p in head])
+              for first in range(0, vocab, rows)]
+    return RingPlan(tuple(layers + chunks), rows)
+
+
+def head_rows(head: list[Parameter], layer_bytes: int) -> int:
+    """Rows per LM head chunk: as few chunks as keep each within `layer_bytes`, whole workgroups of our kernels."""
+    if not head:
+        return 0
+    vocab = head[0].shape[0]
+    chunks = max(1, -(-sum(map(byte_size, head)) // max(layer_bytes, 1)))
+    return min(vocab, -(-vocab // chunks // ROWS_PER_WORKGROUP) * ROWS_PER_WORKGROUP)
+
+
+def _row_bytes(parameter: Parameter) -> int:
+    return byte_size(parameter) // parameter.shape[0]
+
+
+def _laid(pieces: list[tuple[tuple[str, ...], int, int]]) -> tuple[Piece, ...]:
+    """(keys, start, length) pieces laid out back to back in a slot, each at an ALIGNMENT boundary."""
+    laid: list[Piece] = []
+    for keys, start, length in pieces:
+        offset = -(-(laid[-1].offset + laid[-1].length) // ALIGNMENT) * ALIGNMENT if laid else 0
+        laid.append(Piece(keys, offset, length, start))
+    return tuple(laid)
 
 
 def _piece_of(parameter: Parameter, config) -> str:
@@ -195,14 +223,14 @@ def _indent(lines: list[str], spaces: int) -> list[str]:
 def _gather_function(index: int, pieces: tuple[Piece, ...]) -> list[str]:
     """`@__ring_read_<index>(slot, wait) -> fence`: the stage's tensors read into `slot` after `wait`."""
     body = [*_device(), '%signal = hal.fence.create device(%device : !hal.device) flags("None") : !hal.fence',
-            "%zero = arith.constant 0 : i64",
             f'%scope = util.buffer.constant : !util.buffer = "{PARAMETER_SCOPE}"']
     reads = []
-    for i, (key, offset, length) in enumerate(read for piece in pieces for read in piece.reads()):
+    for i, (key, start, offset, length) in enumerate(read for piece in pieces for read in piece.reads()):
         body += [f'%key{i} = util.buffer.constant : !util.buffer = "{key}"',
+                 f"%start{i} = arith.constant {start} : i64",
                  f"%offset{i} = arith.constant {offset} : index",
                  f"%length{i} = arith.constant {length} : index"]
-        reads.append(f"  %scope::%key{i}[%zero] -> %slot[%offset{i} for %length{i}] : !hal.buffer")
+        reads.append(f"  %scope::%key{i}[%start{i}] -> %slot[%offset{i} for %length{i}] : !hal.buffer")
     body += ["io_parameters.gather<%device : !hal.device> affinity(%affinity) wait(%wait) signal(%signal) {",
              ",\n".join(reads), "}", "util.return %signal : !hal.fence"]
     return [f"  util.func private @__ring_read_{index}(%slot: !hal.buffer, %wait: !hal.fence) -> !hal.fence {{",

@@ -401,7 +401,7 @@ def test_a_streamed_stage_reads_each_expert_kind_back_to_back(checkpoint):
     layout = weight_layout(checkpoint, CONFIG)
     plan, places = ring_plan(layout, CONFIG), tensor_places(CONFIG)
     reads = [read for stage in plan.stages for piece in stage for read in piece.reads()]
-    assert sorted(key for key, _, _ in reads) == sorted(p.name for p in layout.parameters if places[p.name][0] in (
+    assert sorted(key for key, _, _, _ in reads) == sorted(p.name for p in layout.parameters if places[p.name][0] in (
         "blocks", "lm_head"))
     for layer, stage in enumerate(plan.stages[:CONFIG.n_layers]):
         stacks = [piece for piece in stage if len(piece.keys) > 1]
@@ -409,5 +409,5 @@ def test_a_streamed_stage_reads_each_expert_kind_back_to_back(checkpoint):
         for piece in stacks:
             assert [places[key][1:] for key in piece.keys] == [
                 (layer, places[piece.keys[0]][2], e) for e in range(CONFIG.n_experts)]
-            starts = [offset for _, offset, _ in piece.reads()]
+            starts = [offset for _, _, offset, _ in piece.reads()]
             assert starts == [piece.offset + e * piece.length // CONFIG.n_experts for e in range(CONFIG.n_experts)]

@@ -133,3 +133,34 @@ def test_consecutive_calls_in_one_region_read_ahead_and_a_region_edge_breaks_the
     # each call reads the next one's stage; a loop body's first call its own, as do the calls after the loop and
     # after the function call, the branch's and the one after it, and the function's own (defined last)
     assert [reads(f) for f in functions] == [[0, 1], [2], [], [3, 4], [], [0], [1], [2], [4], [3]]
+
+
+def test_each_lm_head_chunk_is_fetched_after_the_logits_of_the_chunk_before():
+    """A head chunk's fetch waits on what enters it, and the read it starts goes into the buffer the chunk before
+    computed from: so what enters a chunk is the chunk before's logits (the first: the hidden states), and the
+    logits join in chunk order."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from llada_jax.model.forward import head_logits
+    from llada_jax.model.staged import Stage
+
+    head = jnp.asarray(np.random.default_rng(0).standard_normal((13, 4)), jnp.float32)
+    chunks = tuple(Stage(7 + c, (head[first:first + 5],), lambda arrays: arrays[0]) for c, first in
+                   enumerate(range(0, 13, 5)))
+    jaxpr = jax.make_jaxpr(lambda hidden: head_logits({"lm_head": chunks}, hidden)[0])(jnp.ones((1, 2, 4)))
+    fetches = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "ffi_call"]
+    assert [dict(eqn.params["attributes"])["stage"] for eqn in fetches] == [7, 8, 9]
+    assert [eqn.invars[0].aval.shape for eqn in fetches] == [(1, 2, 4), (1, 2, 5), (1, 2, 5)]
+    assert all(fetches[c].invars[0] in _produced_from(jaxpr, fetches[c - 1].outvars) for c in (1, 2))
+    assert jaxpr.out_avals[0].shape == (1, 2, 13)
+
+
+def _produced_from(jaxpr, sources) -> set:
+    """The variables of `jaxpr` computed from `sources`."""
+    reached = set(sources)
+    for eqn in jaxpr.eqns:
+        if reached & {v for v in eqn.invars if hasattr(v, "aval") and not hasattr(v, "val")}:
+            reached |= set(eqn.outvars)
+    return reached

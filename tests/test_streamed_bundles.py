@@ -22,12 +22,13 @@ from llada_jax.weights.quantize_checkpoint import quantize_checkpoint
 from lowering.bundle import compile_bundle
 from lowering.bundle_weights import weight_layout
 from lowering.export import canvas_sizes
-from lowering.stage_ring import ALIGNMENT, resident_bytes, ring_plan, stage_of
+from lowering.stage_ring import ALIGNMENT, byte_size, resident_bytes, ring_plan, stage_of
 from policies.compiled_loop import baked_loops
 from tests.conftest import TINY, bundle_weight_bytes, write_checkpoint
 
-# Sixteen layers and a small vocabulary: a stage is a small part of the weights, so 50% and 25% budgets stream.
-DEEP = dataclasses.replace(TINY, n_layers=16, vocab_size=128, embedding_size=128, mask_token_id=120,
+# Sixteen layers: a stage is a small part of the weights, so 50% and 25% budgets stream. The LM head is twice a
+# layer, so it streams in three chunks of rows, the last one short (256, 256, 88).
+DEEP = dataclasses.replace(TINY, n_layers=16, vocab_size=600, embedding_size=600, mask_token_id=120,
                            eos_token_id=121, eot_token_id=122)
 POLICIES = ["vanilla", "prefix-cache", "dual-cache", "dual-cache+speculative:1:0.3+revision:0.5"]
 SETTING = dict(gen_length=16, block_length=8, steps=16)
@@ -41,11 +42,12 @@ def deep_dir(tmp_path_factory):
 def test_ring_plan_holds_each_stage_in_one_slot(deep_dir):
     layout = weight_layout(deep_dir, DEEP)
     plan = ring_plan(layout, DEEP)
-    assert len(plan.stages) == DEEP.n_layers + 1
-    staged = {key: index for index, stage in enumerate(plan.stages) for piece in stage for key in piece.keys}
+    assert len(plan.stages) == DEEP.n_layers + 3 and plan.head_rows == 256
+    staged = {key: min(index, DEEP.n_layers) for index, stage in enumerate(plan.stages) for piece in stage
+              for key in piece.keys}
     for parameter in layout.parameters:
-        stage = stage_of(parameter, DEEP)
-        assert staged.get(parameter.name) == stage  # layer i's tensors in stage i, the head last, the rest resident
+        stage = stage_of(parameter, DEEP)  # layer i's tensors in stage i, the head's in the chunks, the rest resident
+        assert staged.get(parameter.name) == stage
         if stage is None:
             assert parameter.name.startswith(("model.transformer.wte", "model.transformer.ln_f"))
     for stage in plan.stages:
@@ -55,6 +57,34 @@ def test_ring_plan_holds_each_stage_in_one_slot(deep_dir):
         assert max(ends) <= plan.slot_bytes
     assert resident_bytes(layout, DEEP) + sum(piece.length for s in plan.stages for piece in s) == bundle_weight_bytes(
         deep_dir)
+
+
+@settings(max_examples=60, deadline=None)
+@given(d_model=st.sampled_from([8, 16, 32, 64]), vocab=st.integers(1, 5000), layers=st.integers(1, 3),
+       hidden=st.sampled_from([16, 64, 256]), dtype=st.sampled_from(["float32", "bfloat16"]))
+def test_the_lm_head_streams_in_row_chunks_no_larger_than_a_layer(d_model, vocab, layers, hidden, dtype):
+    """The head's chunks read each head tensor once, row after row; each chunk is whole workgroups of rows (but
+    the last) and within a layer's bytes but for rounding up to a workgroup; no more chunks than that needs."""
+    from llada_jax.model.params import hf_shapes
+    from lowering.bundle_weights import Parameter, WeightLayout
+    from lowering.kernel_dispatch import ROWS_PER_WORKGROUP
+
+    config = dataclasses.replace(TINY, d_model=d_model, n_heads=2, n_kv_heads=2, n_layers=layers,
+                                 mlp_hidden_size=hidden, vocab_size=vocab, embedding_size=vocab, mask_token_id=0)
+    layout = WeightLayout(tuple(Parameter(name, shape, dtype) for name, shape in hf_shapes(config).items()), {})
+    plan = ring_plan(layout, config)
+    head = [p for p in layout.parameters if stage_of(p, config) == layers]
+    chunks, layer_bytes = plan.stages[layers:], max(sum(piece.length for piece in s) for s in plan.stages[:layers])
+    row_bytes = [byte_size(p) // vocab for p in head]
+    assert 1 <= len(chunks) <= -(-sum(map(byte_size, head)) // layer_bytes)
+    for c, chunk in enumerate(chunks):
+        rows = min(plan.head_rows, vocab - c * plan.head_rows)
+        assert rows > 0 and (rows % ROWS_PER_WORKGROUP == 0 or c == len(chunks) - 1 or rows == vocab)
+        assert [read[0] for piece in chunk for read in piece.reads()] == [p.name for p in head]
+        assert [(piece.start, piece.length) for piece in chunk] == [(c * plan.head_rows * b, rows * b)
+                                                                    for b in row_bytes]
+        assert sum(piece.length for piece in chunk) <= layer_bytes + ROWS_PER_WORKGROUP * sum(row_bytes)
+    assert (len(chunks) - 1) * plan.head_rows < vocab <= len(chunks) * plan.head_rows
 
 
 def test_a_budget_the_ring_cannot_fit_is_refused_with_the_minimum(deep_dir, tmp_path, monkeypatch):
@@ -126,8 +156,8 @@ def run_script(bundle, ids: str, command: str | None = None) -> str:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("bits, activations, fraction", [(None, "float", 0.5), (None, "float", 0.25),
-                                                         (8, "int8", 0.25), (4, "float", 0.5), (4, "int8", 0.25)],
-                         ids=["float-50%", "float-25%", "w8a8-25%", "w4a16-50%", "w4a8-25%"])
+                                                         (8, "int8", 0.25), (4, "float", 0.5), (4, "int8", 0.3)],
+                         ids=["float-50%", "float-25%", "w8a8-25%", "w4a16-50%", "w4a8-30%"])
 def test_run_script_streams_what_the_resident_bundle_generates(deep_dir, tmp_path, bits, activations, fraction):
     """No Python: `run.sh` of a streamed bundle prints the resident bundle's ids, float and quantized."""
     from llada_jax.cli import main
@@ -148,7 +178,7 @@ def test_run_script_streams_what_the_resident_bundle_generates(deep_dir, tmp_pat
 @pytest.mark.slow
 @pytest.mark.parametrize("bits", [None, 4], ids=["float", "w4a8"])
 def test_streamed_arm64_run_script_under_qemu_prints_the_host_ids(deep_dir, tmp_path, bits):
-    """The aarch64 bundle streamed at a quarter of its weights prints what the resident host bundle prints (W4A8:
+    """The aarch64 bundle streamed at a third of its weights prints what the resident host bundle prints (W4A8:
     our arm64 kernels on the streamed bytes)."""
     from llada_jax.cli import main
     from llada_jax.system.locations import user_cache_dir
@@ -159,7 +189,7 @@ def test_streamed_arm64_run_script_under_qemu_prints_the_host_ids(deep_dir, tmp_
     tools = runtime_tools_dir(user_cache_dir("tools"))
     model = deep_dir if bits is None else quantize_checkpoint(deep_dir, tmp_path / "q", QuantScheme(bits, 32))
     activations = "float" if bits is None else "int8"
-    for target, name, budget in (("linux-arm64", "arm", bundle_weight_bytes(model) // 4), ("host", "host", None)):
+    for target, name, budget in (("linux-arm64", "arm", bundle_weight_bytes(model) // 3), ("host", "host", None)):
         extra = ["--device-memory-budget", str(budget)] if budget else []
         assert main(["compile", "--model", str(model), "--target", target, "--out", str(tmp_path / name),
                      "--max-len", "32", "--window", "16", "--gen-length", "16", "--block-length", "8", "--steps",

@@ -22,7 +22,7 @@ from llada_jax.model.config import LLaDAConfig
 from llada_jax.model.kv_state import with_context_bias
 from llada_jax.model.layout import XLA_LAYOUT, Features, LayoutRule, rms_norm, swiglu
 from llada_jax.model.moe import sparse_mlp
-from llada_jax.model.staged import fetch
+from llada_jax.model.staged import fetch, fetch_each
 from llada_jax.quant.products import float_product
 from llada_jax.quant.qlinear import QuantizedWeight, quantized_linear, quantized_rows, stored_matmul
 
@@ -174,8 +174,20 @@ def head_logits(params: dict, hidden: jax.Array, layout_rule: LayoutRule = XLA_L
     """Vocabulary logits in float32 and the axis holding the vocabulary: `[B, W, E]` (axis 2), or `[E, B, W]`
     (axis 0) where a feature-major head leaves them for the readout (`Features.logits`). Float heads run in the
     layout `layout_rule` picks for this many rows (`llada_jax.model.layout`; on XLA the bench-size head on 32 rows
-    took 13.0 ms against 16.9 position-major), except bf16 heads on XLA, which run position-major."""
+    took 13.0 ms against 16.9 position-major), except bf16 heads on XLA, which run position-major. A head
+    streamed in chunks of rows (`llada_jax.model.staged`) gives each chunk's logits, joined position-major."""
+    if isinstance(params["lm_head"], tuple):
+        logits = fetch_each(params["lm_head"], hidden, lambda head, x: _moved(*_logits(head, x, layout_rule)))
+        return jnp.concatenate(logits, axis=2), 2
     head, hidden = fetch(params["lm_head"], hidden)
+    return _logits(head, hidden, layout_rule)
+
+
+def _moved(logits: jax.Array, vocab_axis: int) -> jax.Array:
+    return jnp.moveaxis(logits, vocab_axis, 2)
+
+
+def _logits(head, hidden: jax.Array, layout_rule: LayoutRule) -> tuple[jax.Array, int]:
     if isinstance(head, QuantizedWeight):
         return quantized_linear(hidden, head, dtype=jnp.float32), 2
     b, w, _ = hidden.shape
