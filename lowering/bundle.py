@@ -302,6 +302,7 @@ def _streamed(layout: WeightLayout, config) -> dict | None:
         return None
     plan = ring_plan(layout, config)
     return {"ring_bytes": plan.ring_bytes, "resident_bytes": resident_bytes(layout, config),
+            "embedding_streamed": layout.streams_embedding,
             "stage_bytes": [sum(piece.length for piece in stage) for stage in plan.stages]}
 
 

@@ -33,7 +33,7 @@ def bundle_layout(tgt, model_dir: Path, config, kernels: Kernels, activations: A
     check_activations(activations, layout.quantized, "own" if compiler else "compiler")
     if compiler:
         layout = with_kernels(layout, activations, config)
-    layout = dataclasses.replace(layout, signed=archive, streamed=_streams(config, layout, budget))
+    layout = _streaming(config, dataclasses.replace(layout, signed=archive), budget)
     stacked = archive and not layout.streamed and bool(config.n_experts)  # streamed, the ring stacks them
     if layout.streamed or stacked:
         layout = with_expert_bytes(layout, config)
@@ -43,19 +43,28 @@ def bundle_layout(tgt, model_dir: Path, config, kernels: Kernels, activations: A
     return compiler, layout
 
 
-def _streams(config, layout: WeightLayout, budget: int | None) -> bool:
-    """Whether the weights, as the bundle stores them, exceed the budget: then the program streams its layers and
-    head through a ring of stage-sized buffers (`lowering.stage_ring`), which must fit beside the rest."""
+def _streaming(config, layout: WeightLayout, budget: int | None) -> WeightLayout:
+    """The layout as the budget holds it: resident if it holds every weight, as the bundle stores them; else the
+    program streams its layers and head through a ring of stage-sized buffers (`lowering.stage_ring`) beside the
+    resident embedding; where those do not fit either, the embedding streams too (every pass reads all its rows,
+    where a step needs only its canvas's)."""
     if budget is not None and budget <= 0:
         raise LladaError(f"device memory budget must be a positive number of bytes, got {budget}")
     if budget is None or budget >= sum(byte_size(p) for p in layout.parameters):
-        return False
-    needed = resident_bytes(layout, config) + ring_plan(layout, config).ring_bytes
-    if budget < needed:
+        return layout
+    streamed = dataclasses.replace(layout, streamed=True)
+    if budget >= _needed(streamed, config):
+        return streamed
+    everything = dataclasses.replace(streamed, streams_embedding=True)
+    if budget < _needed(everything, config):
         raise LladaError(f"a device memory budget of {budget:,} bytes is too small for this model: streaming its "
-                         f"weights needs {needed:,} (the embedding and {SLOTS} stages, each a layer or a chunk of the "
-                         "LM head)")
-    return True
+                         f"weights needs {_needed(everything, config):,} ({SLOTS} stages, each a layer or a chunk of "
+                         "the LM head or the embedding)")
+    return everything
+
+
+def _needed(layout: WeightLayout, config) -> int:
+    return resident_bytes(layout, config) + ring_plan(layout, config).ring_bytes
 
 
 # A step holds a loop per expert per sparse layer where its experts are not stacked (resident in the checkpoint's

@@ -20,7 +20,7 @@ from lowering.bundle_format import PARAMETER_SCOPE
 from lowering.bundle_weights import WeightLayout
 from lowering.export import Function, weight_structs
 from lowering.kernel_dispatch import executable, rewrite_custom_calls
-from lowering.stage_ring import rewrite_stage_calls, ring_parts, ring_plan, stage_of
+from lowering.stage_ring import group_of, rewrite_stage_calls, ring_parts, ring_plan
 
 MLIR_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int32": "i32", "bool": "i1", "int8": "i8",
               "int4": "i4"}
@@ -85,7 +85,8 @@ def bundle_module(functions: list[Function], layout: WeightLayout, config, kerne
     (`lowering.kernel_dispatch.executable`)."""
     declared = layout.parameters if any(function.named_weights for function in functions) else ()
     plan = ring_plan(layout, config) if layout.streamed and declared else None
-    globals_ = [None if plan and stage_of(p, config) is not None else f"weight_{i}" for i, p in enumerate(declared)]
+    globals_ = [None if plan and group_of(p, layout, config) is not None else f"weight_{i}"
+                for i, p in enumerate(declared)]
     parts = ["module @llada_steps {"]
     for g, parameter, sds in zip(globals_, declared, weight_structs(layout)):
         if g:

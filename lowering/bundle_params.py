@@ -1,9 +1,9 @@
 """The params pytree a bundle's step computes with, from its named parameters as stored
 (`lowering.bundle_weights`): float tensors cast to the compute dtype, each quantized module a `QuantizedWeight`
 (offset values signed again; no hoisting barrier, which iree-compile could not schedule at LLaDA-8B's size). A
-streamed layout's layers are `Stage`s, and its LM head a tuple of them (chunks of rows), which the forward fetches
-(`llada_jax.model.staged`); a streamed MoE layer's experts come stacked, each matrix kind one array `[E, ...]`
-(`lowering.stage_ring.Piece`)."""
+streamed layout's layers are `Stage`s, and its LM head (and a streamed embedding) a tuple of them (chunks of rows),
+which the forward fetches (`llada_jax.model.staged`); a streamed MoE layer's experts come stacked, each matrix kind
+one array `[E, ...]` (`lowering.stage_ring.Piece`)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from llada_jax.model.staged import Stage
 from llada_jax.quant.qlinear import QuantizedWeight, offset_values, row_block_for
 from llada_jax.quant.quantize import Activations
 from lowering.bundle_weights import WeightLayout
-from lowering.stage_ring import ring_plan, stage_of
+from lowering.stage_ring import group_of, ring_plan
 
 
 def params_of(weights, layout: WeightLayout, config: LLaDAConfig, compute_dtype, activations: Activations) -> dict:
@@ -26,7 +26,7 @@ def params_of(weights, layout: WeightLayout, config: LLaDAConfig, compute_dtype,
     if not layout.streamed:
         return _resident(stored, layout, config, compute_dtype, activations)
     plan = ring_plan(layout, config)
-    resident = converted({p.name: stored[p.name] for p in layout.parameters if stage_of(p, config) is None},
+    resident = converted({p.name: stored[p.name] for p in layout.parameters if group_of(p, layout, config) is None},
                          layout, config, compute_dtype, activations)
     places = tensor_places(config)
 
@@ -41,12 +41,12 @@ def params_of(weights, layout: WeightLayout, config: LLaDAConfig, compute_dtype,
             return {places[name][2]: tensor for name, tensor in tensors.items()}  # an expert's key: its stack's
         if index < config.n_layers:
             return Stage(index, tuple(_stacked([stored[key] for key in piece.keys]) for piece in pieces), build)
-        first = (index - config.n_layers) * plan.head_rows
-        return Stage(index, tuple(stored[key][first:first + plan.head_rows] for key in firsts), build)
+        first, rows = plan.chunks[index - config.n_layers]
+        return Stage(index, tuple(stored[key][first:first + rows] for key in firsts), build)
 
-    head = tuple(staged(i) for i in range(config.n_layers, len(plan.stages)))
-    return {"wte": resident[_named(places, "wte")], "ln_f": resident[_named(places, "ln_f")],
-            "blocks": [staged(i) for i in range(config.n_layers)], "lm_head": head}
+    wte = tuple(staged(i) for i in plan.embedding) or resident[_named(places, "wte")]
+    return {"wte": wte, "ln_f": resident[_named(places, "ln_f")], "blocks": [staged(i) for i in range(config.n_layers)],
+            "lm_head": tuple(staged(i) for i in plan.head)}
 
 
 def _resident(stored: dict, layout: WeightLayout, config: LLaDAConfig, compute_dtype, activations: Activations):

@@ -49,6 +49,8 @@ class WeightLayout:
     # The layers' and the LM head's tensors are read by the program stage by stage under a device memory budget
     # (`lowering.stage_ring`), not held resident.
     streamed: bool = False
+    # Under a budget too small for the embedding beside the ring, it streams too, in chunks of rows.
+    streams_embedding: bool = False
     # A stack's name (`expert_stack`) -> its experts' tensors in the checkpoint, in expert order: an MoE matrix
     # kind's experts held as one parameter `[E, ...]` (`with_stacked_experts`).
     stacks: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)

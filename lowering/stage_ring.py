@@ -1,6 +1,6 @@
 """Weights streamed by the IREE program itself: a bundle whose weights exceed its device memory budget reads
-each stage (a decoder layer's tensors, or a slice of the LM head's rows) from the weights file into a ring of two
-device buffers,
+each stage (a decoder layer's tensors, or a slice of the LM head's rows, or under the smallest budgets of the
+embedding's) from the weights file into a ring of two device buffers,
 the next stage while one computes, so `iree-run-module` (and `run.sh`) runs it with no host code of ours.
 
 The steps are exported with a `llada_stage` custom call where each stage is needed (`llada_jax.model.staged`);
@@ -62,7 +62,10 @@ class Piece:
 @dataclasses.dataclass(frozen=True)
 class RingPlan:
     stages: tuple[tuple[Piece, ...], ...]  # per stage: its tensors, in the order the step takes them
-    head_rows: int = 0  # rows per LM head chunk: stage n_layers + c holds rows [c * head_rows, (c + 1) * head_rows)
+    # (first row, rows) of each stage from n_layers on: chunks of the LM head's rows, then of the embedding's
+    chunks: tuple[tuple[int, int], ...] = ()
+    head: range = range(0)       # the LM head's stages
+    embedding: range = range(0)  # the embedding's stages (none: it is resident)
 
     @property
     def slot_bytes(self) -> int:
@@ -73,15 +76,15 @@ class RingPlan:
         return SLOTS * self.slot_bytes
 
 
-def stage_of(parameter: Parameter, config) -> int | None:
-    """The stage a parameter streams with (a layer's index; n_layers for the LM head, whose rows the stages from
-    n_layers on hold in chunks), None if resident."""
+def group_of(parameter: Parameter, layout: WeightLayout, config) -> int | str | None:
+    """What a parameter streams with: its layer's index, "lm_head", or "wte" where the layout streams the
+    embedding (both in chunks of rows); None: it stays resident."""
     places = tensor_places(config)
     name = parameter.name if parameter.name in places else parameter.name.rsplit(".", 1)[0] + ".weight"
     place = places[name]
     if place[0] == "blocks":
         return place[1]
-    return config.n_layers if place[0] == "lm_head" else None
+    return place[0] if place[0] == "lm_head" or (place[0] == "wte" and layout.streams_embedding) else None
 
 
 def byte_size(parameter: Parameter) -> int:
@@ -90,30 +93,39 @@ def byte_size(parameter: Parameter) -> int:
 
 def ring_plan(layout: WeightLayout, config) -> RingPlan:
     """Each stage's pieces laid out in a slot, in the layout's order (the order the steps take them); an MoE
-    matrix kind's experts are one piece, at its first expert's place. The LM head is cut into chunks of rows no
-    larger than the largest layer (LLaDA-8B's is 2.4 layers, and the largest stage sets both slots' size)."""
-    grouped: list[dict] = [{} for _ in range(config.n_layers + 1)]  # per stage: piece -> its parameters
+    matrix kind's experts are one piece, at its first expert's place. The LM head (and a streamed embedding) is
+    cut into chunks of rows no larger than the largest layer (LLaDA-8B's head is 2.4 layers, and the largest
+    stage sets both slots' size)."""
+    grouped: dict = {}  # group (`group_of`) -> piece -> its parameters
     for parameter in layout.parameters:
-        stage = stage_of(parameter, config)
-        if stage is not None:
-            grouped[stage].setdefault(_piece_of(parameter, config), []).append(parameter)
+        group = group_of(parameter, layout, config)
+        if group is not None:
+            grouped.setdefault(group, {}).setdefault(_piece_of(parameter, config), []).append(parameter)
     layers = [_laid([(tuple(p.name for p in parameters), 0, sum(map(byte_size, parameters)))
-                     for parameters in pieces.values()]) for pieces in grouped[:-1]]
-    head = [parameters[0] for parameters in grouped[-1].values()]
-    rows = head_rows(head, max((s[-1].offset + s[-1].length for s in layers if s), default=0))
-    vocab = head[0].shape[0] if head else 0
-    chunks = [_laid([((p.name,), first * _row_bytes(p), min(rows, vocab - first) * _row_bytes(p)) for p in head])
-              for first in range(0, vocab, rows)]
-    return RingPlan(tuple(layers + chunks), rows)
+                     for parameters in grouped[layer].values()]) for layer in range(config.n_layers)]
+    layer_bytes = max((s[-1].offset + s[-1].length for s in layers if s), default=0)
+    head, embedding = (_row_chunks([ps[0] for ps in grouped.get(part, {}).values()], layer_bytes)
+                       for part in ("lm_head", "wte"))
+    chunks, first_embedding = head + embedding, config.n_layers + len(head)
+    return RingPlan(tuple(layers + [stage for stage, _ in chunks]), tuple(rows for _, rows in chunks),
+                    range(config.n_layers, first_embedding), range(first_embedding, first_embedding + len(embedding)))
 
 
-def head_rows(head: list[Parameter], layer_bytes: int) -> int:
-    """Rows per LM head chunk: as few chunks as keep each within `layer_bytes`, whole workgroups of our kernels."""
-    if not head:
-        return 0
-    vocab = head[0].shape[0]
-    chunks = max(1, -(-sum(map(byte_size, head)) // max(layer_bytes, 1)))
-    return min(vocab, -(-vocab // chunks // ROWS_PER_WORKGROUP) * ROWS_PER_WORKGROUP)
+def _row_chunks(matrices: list[Parameter], layer_bytes: int) -> list[tuple[tuple[Piece, ...], tuple[int, int]]]:
+    """Matrices of as many rows each (the head's tensors, or the embedding's) in chunks of rows: each chunk's
+    pieces and its (first row, rows)."""
+    if not matrices:
+        return []
+    total, step = matrices[0].shape[0], chunk_rows(matrices, layer_bytes)
+    return [(_laid([((p.name,), first * _row_bytes(p), rows * _row_bytes(p)) for p in matrices]), (first, rows))
+            for first in range(0, total, step) for rows in [min(step, total - first)]]
+
+
+def chunk_rows(matrices: list[Parameter], layer_bytes: int) -> int:
+    """Rows per chunk: as few chunks as keep each within `layer_bytes`, whole workgroups of our kernels."""
+    total = matrices[0].shape[0]
+    chunks = max(1, -(-sum(map(byte_size, matrices)) // max(layer_bytes, 1)))
+    return min(total, -(-total // chunks // ROWS_PER_WORKGROUP) * ROWS_PER_WORKGROUP)
 
 
 def _row_bytes(parameter: Parameter) -> int:
@@ -136,8 +148,8 @@ def _piece_of(parameter: Parameter, config) -> str:
 
 
 def resident_bytes(layout: WeightLayout, config) -> int:
-    """Bytes of the weights that stay resident (the embedding and the final norm)."""
-    return sum(byte_size(p) for p in layout.parameters if stage_of(p, config) is None)
+    """Bytes of the weights that stay resident (the final norm, and the embedding unless it streams)."""
+    return sum(byte_size(p) for p in layout.parameters if group_of(p, layout, config) is None)
 
 
 def rewrite_stage_calls(module_text: str, plan: RingPlan, prefix: str) -> tuple[str, list[str]]:

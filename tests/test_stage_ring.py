@@ -164,3 +164,31 @@ def _produced_from(jaxpr, sources) -> set:
         if reached & {v for v in eqn.invars if hasattr(v, "aval") and not hasattr(v, "val")}:
             reached |= set(eqn.outvars)
     return reached
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 40), cuts=st.lists(st.integers(1, 39), max_size=4), seed=st.integers(0, 99))
+def test_tables_in_row_chunks_give_the_whole_tables_rows_and_logits(rows, cuts, seed):
+    """An embedding streamed in chunks of rows gives each token its row, and a head in chunks the whole head's
+    logits, for any cut of the rows (each chunk's stage read run as its build on the stored tensors)."""
+    from unittest import mock
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    import llada_jax.model.staged as staged
+    from llada_jax.model.forward import embed, head_logits
+
+    rng = np.random.default_rng(seed)
+    table = jnp.asarray(rng.standard_normal((rows, 8)), jnp.float32)
+    bounds = sorted({0, rows, *(c for c in cuts if c < rows)})
+    chunks = tuple(staged.Stage(c, (table[a:b],), lambda arrays: arrays[0]) for c, (a, b) in
+                   enumerate(zip(bounds, bounds[1:])))
+    tokens = jnp.asarray(rng.integers(0, rows, (2, 5)), jnp.int32)
+    hidden = jnp.asarray(rng.standard_normal((2, 5, 8)), jnp.float32)
+    with mock.patch.object(staged, "fetch", lambda part, x: (part.build(part.stored), x)):
+        got_rows = embed(chunks, tokens, jnp.float32)
+        got_logits = head_logits({"lm_head": chunks}, hidden)
+    np.testing.assert_array_equal(got_rows, embed(table, tokens, jnp.float32))
+    want = head_logits({"lm_head": table}, hidden)
+    np.testing.assert_allclose(got_logits[0], jnp.moveaxis(want[0], want[1], 2), rtol=1e-5, atol=1e-5)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 
 import numpy as np
@@ -22,7 +23,7 @@ from llada_jax.weights.quantize_checkpoint import quantize_checkpoint
 from lowering.bundle import compile_bundle
 from lowering.bundle_weights import weight_layout
 from lowering.export import canvas_sizes
-from lowering.stage_ring import ALIGNMENT, byte_size, resident_bytes, ring_plan, stage_of
+from lowering.stage_ring import ALIGNMENT, ITEM_BYTES, byte_size, group_of, resident_bytes, ring_plan
 from policies.compiled_loop import baked_loops
 from tests.conftest import TINY, bundle_weight_bytes, write_checkpoint
 
@@ -42,13 +43,14 @@ def deep_dir(tmp_path_factory):
 def test_ring_plan_holds_each_stage_in_one_slot(deep_dir):
     layout = weight_layout(deep_dir, DEEP)
     plan = ring_plan(layout, DEEP)
-    assert len(plan.stages) == DEEP.n_layers + 3 and plan.head_rows == 256
-    staged = {key: min(index, DEEP.n_layers) for index, stage in enumerate(plan.stages) for piece in stage
-              for key in piece.keys}
+    assert len(plan.stages) == DEEP.n_layers + 3 and plan.chunks == ((0, 256), (256, 256), (512, 88))
+    assert plan.head == range(DEEP.n_layers, DEEP.n_layers + 3) and not plan.embedding
+    staged = {key: "lm_head" if index in plan.head else index for index, stage in enumerate(plan.stages)
+              for piece in stage for key in piece.keys}
     for parameter in layout.parameters:
-        stage = stage_of(parameter, DEEP)  # layer i's tensors in stage i, the head's in the chunks, the rest resident
-        assert staged.get(parameter.name) == stage
-        if stage is None:
+        group = group_of(parameter, layout, DEEP)  # layer i's tensors in stage i, the head's in its chunks
+        assert staged.get(parameter.name) == group
+        if group is None:
             assert parameter.name.startswith(("model.transformer.wte", "model.transformer.ln_f"))
     for stage in plan.stages:
         ends = [piece.offset + piece.length for piece in stage]
@@ -61,30 +63,37 @@ def test_ring_plan_holds_each_stage_in_one_slot(deep_dir):
 
 @settings(max_examples=60, deadline=None)
 @given(d_model=st.sampled_from([8, 16, 32, 64]), vocab=st.integers(1, 5000), layers=st.integers(1, 3),
-       hidden=st.sampled_from([16, 64, 256]), dtype=st.sampled_from(["float32", "bfloat16"]))
-def test_the_lm_head_streams_in_row_chunks_no_larger_than_a_layer(d_model, vocab, layers, hidden, dtype):
-    """The head's chunks read each head tensor once, row after row; each chunk is whole workgroups of rows (but
-    the last) and within a layer's bytes but for rounding up to a workgroup; no more chunks than that needs."""
+       hidden=st.sampled_from([16, 64, 256]), dtype=st.sampled_from(["float32", "bfloat16"]), embedding=st.booleans())
+def test_the_lm_head_streams_in_row_chunks_no_larger_than_a_layer(d_model, vocab, layers, hidden, dtype, embedding):
+    """The head's chunks (and a streamed embedding's) read each of its tensors once, row after row; each chunk is
+    whole workgroups of rows (but the last) and within a layer's bytes but for rounding up to a workgroup; no more
+    chunks than that needs. Only the final norm stays resident when the embedding streams."""
     from llada_jax.model.params import hf_shapes
     from lowering.bundle_weights import Parameter, WeightLayout
     from lowering.kernel_dispatch import ROWS_PER_WORKGROUP
 
     config = dataclasses.replace(TINY, d_model=d_model, n_heads=2, n_kv_heads=2, n_layers=layers,
                                  mlp_hidden_size=hidden, vocab_size=vocab, embedding_size=vocab, mask_token_id=0)
-    layout = WeightLayout(tuple(Parameter(name, shape, dtype) for name, shape in hf_shapes(config).items()), {})
+    layout = WeightLayout(tuple(Parameter(name, shape, dtype) for name, shape in hf_shapes(config).items()), {},
+                          streamed=True, streams_embedding=embedding)
     plan = ring_plan(layout, config)
-    head = [p for p in layout.parameters if stage_of(p, config) == layers]
-    chunks, layer_bytes = plan.stages[layers:], max(sum(piece.length for piece in s) for s in plan.stages[:layers])
-    row_bytes = [byte_size(p) // vocab for p in head]
-    assert 1 <= len(chunks) <= -(-sum(map(byte_size, head)) // layer_bytes)
-    for c, chunk in enumerate(chunks):
-        rows = min(plan.head_rows, vocab - c * plan.head_rows)
-        assert rows > 0 and (rows % ROWS_PER_WORKGROUP == 0 or c == len(chunks) - 1 or rows == vocab)
-        assert [read[0] for piece in chunk for read in piece.reads()] == [p.name for p in head]
-        assert [(piece.start, piece.length) for piece in chunk] == [(c * plan.head_rows * b, rows * b)
-                                                                    for b in row_bytes]
-        assert sum(piece.length for piece in chunk) <= layer_bytes + ROWS_PER_WORKGROUP * sum(row_bytes)
-    assert (len(chunks) - 1) * plan.head_rows < vocab <= len(chunks) * plan.head_rows
+    layer_bytes = max(s[-1].offset + s[-1].length for s in plan.stages[:layers])  # a layer's extent in a slot
+    assert resident_bytes(layout, config) == (1 + (not embedding) * vocab) * d_model * ITEM_BYTES[dtype]
+    for part, stages in (("lm_head", plan.head), ("wte", plan.embedding)):
+        matrices = [p for p in layout.parameters if group_of(p, layout, config) == part]
+        assert bool(stages) == bool(matrices) == (part == "lm_head" or embedding)
+        if not matrices:
+            continue
+        row_bytes = [byte_size(p) // vocab for p in matrices]
+        assert 1 <= len(stages) <= -(-sum(map(byte_size, matrices)) // layer_bytes)
+        assert sum(plan.chunks[i - layers][1] for i in stages) == vocab
+        for c, index in enumerate(stages):
+            first, rows = plan.chunks[index - layers]
+            assert first == c * plan.chunks[stages[0] - layers][1]
+            assert rows > 0 and (rows % ROWS_PER_WORKGROUP == 0 or c == len(stages) - 1 or rows == vocab)
+            assert [read[0] for piece in plan.stages[index] for read in piece.reads()] == [p.name for p in matrices]
+            assert [(p.start, p.length) for p in plan.stages[index]] == [(first * b, rows * b) for b in row_bytes]
+            assert sum(p.length for p in plan.stages[index]) <= layer_bytes + ROWS_PER_WORKGROUP * sum(row_bytes)
 
 
 def test_a_budget_the_ring_cannot_fit_is_refused_with_the_minimum(deep_dir, tmp_path, monkeypatch):
@@ -154,24 +163,37 @@ def run_script(bundle, ids: str, command: str | None = None) -> str:
     return proc.stdout.splitlines()[-1]
 
 
+def smallest_budget(model, activations: str, out) -> int:
+    """The smallest device memory budget a bundle of `model` accepts: the one its refusal names."""
+    with pytest.raises(LladaError) as refused:
+        compile_bundle(model, "host", out, max_len=32, window=16, activations=activations, device_memory_budget=1)
+    return int(re.search(r"needs ([\d,]+)", str(refused.value))[1].replace(",", ""))  # type: ignore[index]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("bits, activations, fraction", [(None, "float", 0.5), (None, "float", 0.25),
-                                                         (8, "int8", 0.25), (4, "float", 0.5), (4, "int8", 0.3)],
-                         ids=["float-50%", "float-25%", "w8a8-25%", "w4a16-50%", "w4a8-30%"])
+                                                         (8, "int8", 0.25), (4, "float", 0.5), (4, "int8", 0.3),
+                                                         (None, "float", None), (4, "int8", None)],
+                         ids=["float-50%", "float-25%", "w8a8-25%", "w4a16-50%", "w4a8-30%", "float-least",
+                              "w4a8-least"])
 def test_run_script_streams_what_the_resident_bundle_generates(deep_dir, tmp_path, bits, activations, fraction):
-    """No Python: `run.sh` of a streamed bundle prints the resident bundle's ids, float and quantized."""
+    """No Python: `run.sh` of a streamed bundle prints the resident bundle's ids, float and quantized; at the
+    smallest budget accepted (`least`) the embedding streams too."""
     from llada_jax.cli import main
 
     model = deep_dir if bits is None else quantize_checkpoint(
         deep_dir, tmp_path / "q", QuantScheme(bits, 32 if bits == 4 else None))
+    least = smallest_budget(model, activations, tmp_path / "refused")
     ids = {}
-    for name, budget in (("resident", None), ("streamed", int(fraction * bundle_weight_bytes(model)))):
+    for name, budget in (("resident", None), ("streamed", least if fraction is None else
+                                                          int(fraction * bundle_weight_bytes(model)))):
         extra = ["--device-memory-budget", str(budget)] if budget else []
         assert main(["compile", "--model", str(model), "--target", "host", "--out", str(tmp_path / name),
                      "--max-len", "32", "--window", "16", "--activations", activations, "--gen-length", "16",
                      "--block-length", "8", "--steps", "16", *extra]) == 0
         ids[name] = [run_script(tmp_path / name, prompt) for prompt in ("1,2,3", "9,8,7,6,5,4,3,2,1,0,11")]
-    assert json.loads((tmp_path / "streamed" / "manifest.json").read_text())["streamed"] is not None
+    streamed = json.loads((tmp_path / "streamed" / "manifest.json").read_text())["streamed"]
+    assert streamed["embedding_streamed"] == (fraction is None) and streamed["ring_bytes"] <= least
     assert ids["streamed"] == ids["resident"]
 
 

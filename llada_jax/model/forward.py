@@ -13,6 +13,8 @@ D model width, E embedding (vocab) size, N layers.
 
 from __future__ import annotations
 
+import functools
+import itertools
 from typing import NamedTuple
 
 import jax
@@ -160,7 +162,12 @@ def shift_rows(hidden: jax.Array) -> jax.Array:
 
 
 def embed(table, tokens: jax.Array, dtype) -> jax.Array:
-    """Embedding rows `[B, W, D]` in the compute `dtype` (the norm gains' dtype)."""
+    """Embedding rows `[B, W, D]` in the compute `dtype` (the norm gains' dtype). A table streamed in chunks of
+    rows (`llada_jax.model.staged`): each chunk gives the rows of the tokens it holds, zeros elsewhere."""
+    if isinstance(table, tuple):
+        firsts = [0, *itertools.accumulate(chunk.stored[0].shape[0] for chunk in table)]
+        parts = fetch_each(table, tokens, lambda chunk, ids, c: _rows_held(chunk, ids - firsts[c], dtype))
+        return functools.reduce(jnp.add, parts)
     if isinstance(table, QuantizedWeight):
         return quantized_rows(table, tokens, dtype)
     # XLA rewrites convert(gather(table)) as gather(convert(table)); fused, that converts only the rows
@@ -170,6 +177,12 @@ def embed(table, tokens: jax.Array, dtype) -> jax.Array:
     return table[tokens]
 
 
+
+def _rows_held(chunk, ids: jax.Array, dtype) -> jax.Array:
+    """`embed` of the rows `ids` that `chunk` holds (0 <= id < its rows), zeros for the others."""
+    held = (ids >= 0) & (ids < chunk.shape[0])
+    return jnp.where(held[..., None], embed(chunk, jnp.where(held, ids, 0), dtype), jnp.zeros((), dtype))
+
 def head_logits(params: dict, hidden: jax.Array, layout_rule: LayoutRule = XLA_LAYOUT) -> tuple[jax.Array, int]:
     """Vocabulary logits in float32 and the axis holding the vocabulary: `[B, W, E]` (axis 2), or `[E, B, W]`
     (axis 0) where a feature-major head leaves them for the readout (`Features.logits`). Float heads run in the
@@ -177,7 +190,7 @@ def head_logits(params: dict, hidden: jax.Array, layout_rule: LayoutRule = XLA_L
     took 13.0 ms against 16.9 position-major), except bf16 heads on XLA, which run position-major. A head
     streamed in chunks of rows (`llada_jax.model.staged`) gives each chunk's logits, joined position-major."""
     if isinstance(params["lm_head"], tuple):
-        logits = fetch_each(params["lm_head"], hidden, lambda head, x: _moved(*_logits(head, x, layout_rule)))
+        logits = fetch_each(params["lm_head"], hidden, lambda head, x, _: _moved(*_logits(head, x, layout_rule)))
         return jnp.concatenate(logits, axis=2), 2
     head, hidden = fetch(params["lm_head"], hidden)
     return _logits(head, hidden, layout_rule)

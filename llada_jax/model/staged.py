@@ -1,8 +1,8 @@
 """Weights streamed inside a compiled program (IREE bundles under a device memory budget, `lowering.stage_ring`).
 
-A stage is one decoder layer's stored tensors, or a chunk of the LM head's rows. In the params pytree such a layer
-is a `Stage` rather than arrays, and such a head a tuple of them; the forward calls `fetch` where it needs one, with
-the activations that enter it.
+A stage is one decoder layer's stored tensors, or a chunk of the LM head's rows (or the embedding's). In the params
+pytree such a layer is a `Stage` rather than arrays, and such a head or embedding a tuple of them; the forward
+calls `fetch` where it needs one, with the activations that enter it.
 `fetch` emits one custom call, `llada_stage`, on those activations and the stage's stored tensors, returning
 both: the bundle builder replaces it with a read of the stage from the weights file into a ring of device
 buffers, ordered after those activations. XLA never runs it.
@@ -45,15 +45,15 @@ def fetch(part: Any, x: jax.Array) -> tuple[Any, jax.Array]:
     return part.build(tuple(out[1:])), out[0]
 
 
-def fetch_each(parts: tuple[Stage, ...], x: jax.Array, compute: Callable[[Any, jax.Array], jax.Array]) -> list:
-    """`compute(part, x)` for each part (an LM head's chunks), each fetched after the result before it: the read
-    two chunks on, into the same buffer, waits for it."""
+def fetch_each(parts: tuple[Stage, ...], x: jax.Array, compute: Callable[[Any, jax.Array, int], jax.Array]) -> list:
+    """`compute(part, x, index)` for each part (an LM head's or an embedding's chunks), each fetched after the
+    result before it: the read two chunks on, into the same buffer, waits for it."""
     results: list = []
-    for part in parts:
+    for index, part in enumerate(parts):
         built, entered = fetch(part, results[-1] if results else x)
         if results:
             results[-1] = entered
         else:
             x = entered
-        results.append(compute(built, x))
+        results.append(compute(built, x, index))
     return results
