@@ -145,7 +145,8 @@ def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, 
     """Compile every step for canvases up to `max_len`, windows up to `window` and each of `batch_sizes` rows (a
     batch of prompts runs in steps of these sizes) into a bundle; `block_length`: on a block-diffusion model, only
     the steps its decoder takes with blocks of this length (other models: ignored; None: every shape). With a device
-    memory budget smaller than the weights, the program streams its layers and LM head (`lowering.stage_ring`).
+    memory budget smaller than the weights, the program streams its layers and LM head (and, if it must, the
+    embedding: `lowering.stage_ring`).
     `loops`: decoding settings whose compiled decode loops go beside the steps, with a `run.sh` that runs the first
     one without Python. A quantized checkpoint's integers are bound as they are stored (`lowering.bundle_weights`);
     `activations="int8"` runs its int8 per-channel layers as W8A8 matmuls. `data_tiling`: IREE's data tiling on a

@@ -80,9 +80,9 @@ def _wrapper(function: Function, layout: WeightLayout, weight_globals: list[str 
 
 def bundle_module(functions: list[Function], layout: WeightLayout, config, kernel_objects: dict | None = None) -> str:
     """One module holding every function, the weights declared once as named parameters (if a function reads
-    them), except a streamed layout's layers and head, which the program reads stage by stage
-    (`lowering.stage_ring`); our kernels' calls dispatched to their executable, linking `kernel_objects`
-    (`lowering.kernel_dispatch.executable`)."""
+    them), except what a streamed layout streams (its layers, head and maybe embedding), which the program reads
+    stage by stage (`lowering.stage_ring`); our kernels' calls dispatched to their executable, linking
+    `kernel_objects` (`lowering.kernel_dispatch.executable`)."""
     declared = layout.parameters if any(function.named_weights for function in functions) else ()
     plan = ring_plan(layout, config) if layout.streamed and declared else None
     globals_ = [None if plan and group_of(p, layout, config) is not None else f"weight_{i}"

@@ -51,7 +51,7 @@ class Piece:
     keys: tuple[str, ...]  # the parameters' names in the weights file, in the slot's order
     offset: int            # bytes into the slot
     length: int            # bytes, all of them
-    start: int = 0         # bytes into each parameter where its read begins (an LM head chunk's first row)
+    start: int = 0         # bytes into each parameter where its read begins (a chunk's first row)
 
     def reads(self) -> list[tuple[str, int, int, int]]:
         """(key, start in the parameter, offset in the slot, length) of each parameter's read."""
@@ -116,12 +116,12 @@ def _row_chunks(matrices: list[Parameter], layer_bytes: int) -> list[tuple[tuple
     pieces and its (first row, rows)."""
     if not matrices:
         return []
-    total, step = matrices[0].shape[0], chunk_rows(matrices, layer_bytes)
+    total, step = matrices[0].shape[0], _chunk_rows(matrices, layer_bytes)
     return [(_laid([((p.name,), first * _row_bytes(p), rows * _row_bytes(p)) for p in matrices]), (first, rows))
             for first in range(0, total, step) for rows in [min(step, total - first)]]
 
 
-def chunk_rows(matrices: list[Parameter], layer_bytes: int) -> int:
+def _chunk_rows(matrices: list[Parameter], layer_bytes: int) -> int:
     """Rows per chunk: as few chunks as keep each within `layer_bytes`, whole workgroups of our kernels."""
     total = matrices[0].shape[0]
     chunks = max(1, -(-sum(map(byte_size, matrices)) // max(layer_bytes, 1)))

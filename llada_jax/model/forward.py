@@ -177,11 +177,11 @@ def embed(table, tokens: jax.Array, dtype) -> jax.Array:
     return table[tokens]
 
 
-
 def _rows_held(chunk, ids: jax.Array, dtype) -> jax.Array:
     """`embed` of the rows `ids` that `chunk` holds (0 <= id < its rows), zeros for the others."""
     held = (ids >= 0) & (ids < chunk.shape[0])
     return jnp.where(held[..., None], embed(chunk, jnp.where(held, ids, 0), dtype), jnp.zeros((), dtype))
+
 
 def head_logits(params: dict, hidden: jax.Array, layout_rule: LayoutRule = XLA_LAYOUT) -> tuple[jax.Array, int]:
     """Vocabulary logits in float32 and the axis holding the vocabulary: `[B, W, E]` (axis 2), or `[E, B, W]`
