@@ -94,8 +94,7 @@ def byte_size(parameter: Parameter) -> int:
 def ring_plan(layout: WeightLayout, config) -> RingPlan:
     """Each stage's pieces laid out in a slot, in the layout's order (the order the steps take them); an MoE
     matrix kind's experts are one piece, at its first expert's place. The LM head (and a streamed embedding) is
-    cut into chunks of rows no larger than the largest layer (LLaDA-8B's head is 2.4 layers, and the largest
-    stage sets both slots' size)."""
+    cut into chunks of rows no larger than the largest layer: the largest stage sets both slots' size."""
     grouped: dict = {}  # group (`group_of`) -> piece -> its parameters
     for parameter in layout.parameters:
         group = group_of(parameter, layout, config)
