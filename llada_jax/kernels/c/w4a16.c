@@ -47,7 +47,9 @@ ALWAYS_INLINE void float_tile(const llk_weights* w, const float* x, float* out, 
  * positions at a time (independent FMA chains; each broadcast feeds ROW_VECTORS FMAs), and the dequantization is
  * paid once per chunk of positions, not per register tile. */
 #define ROW_VECTORS 2
-#define GROUP (LANE_REGISTERS / (2 * ROW_VECTORS)) /* half the registers hold accumulators */
+/* Positions per register tile: 16 registers (AVX2) hold 6 x 2 accumulators beside the 2 weight vectors and the
+ * broadcast (half of them, 8 FMA chains, are too few for two FMA pipes of 4-cycle latency); 32 hold 8 x 2. */
+#define GROUP (LANE_REGISTERS == 16 ? 6 : 8)
 #define CHUNK (16384 / (ROWS * 4)) /* positions whose accumulators take 16 KB of L1 */
 #define ROWS (ROW_VECTORS * LANES)
 
@@ -80,6 +82,27 @@ ALWAYS_INLINE void group_products(lane_floats wf[ROW_VECTORS][LLK_BLOCK], const 
     for (int v = 0; v < ROW_VECTORS; v++) acc[p][v] = sums[p][v];
 }
 
+/* n positions in ceil(n / GROUP) groups of nearly equal size: a short last group would leave the FMA pipes
+ * waiting on too few chains. */
+ALWAYS_INLINE void chunk_products(lane_floats wf[ROW_VECTORS][LLK_BLOCK], const float* x, int64_t columns,
+                                  lane_floats (*acc)[ROW_VECTORS], int64_t n) {
+  int64_t groups = (n + GROUP - 1) / GROUP;
+  for (int64_t g = 0, p = 0; g < groups; g++) {
+    int64_t size = (n - p) / (groups - g);
+    if (size == GROUP) {
+      group_products(wf, x + p * columns, columns, acc + p, GROUP);
+    } else if (size == GROUP - 1) {
+      group_products(wf, x + p * columns, columns, acc + p, GROUP - 1);
+    } else {
+      int64_t q = p;
+      if (size & 4) group_products(wf, x + q * columns, columns, acc + q, 4), q += 4;
+      if (size & 2) group_products(wf, x + q * columns, columns, acc + q, 2), q += 2;
+      if (size & 1) group_products(wf, x + q * columns, columns, acc + q, 1);
+    }
+    p += size;
+  }
+}
+
 static void float_lanes(const llk_weights* w, const float* x, float* out, int64_t row, int64_t p0, int64_t n) {
   int64_t columns = w->columns;
   lane_floats acc[CHUNK][ROW_VECTORS];
@@ -88,10 +111,7 @@ static void float_lanes(const llk_weights* w, const float* x, float* out, int64_
   for (int64_t b = 0; b < columns / LLK_BLOCK; b++) {
     lane_floats wf[ROW_VECTORS][LLK_BLOCK];
     for (int v = 0; v < ROW_VECTORS; v++) dequantized_block(w, row + v * LANES, b, wf[v]);
-    const float* xb = x + p0 * columns + b * LLK_BLOCK;
-    int64_t p = 0;
-    for (; p + GROUP <= n; p += GROUP) group_products(wf, xb + p * columns, columns, acc + p, GROUP);
-    for (; p < n; p++) group_products(wf, xb + p * columns, columns, acc + p, 1);
+    chunk_products(wf, x + p0 * columns + b * LLK_BLOCK, columns, acc, n);
   }
   for (int64_t p = 0; p < n; p++)
     for (int v = 0; v < ROW_VECTORS; v++) lane_store(out + (p0 + p) * w->rows + row + v * LANES, acc[p][v]);
