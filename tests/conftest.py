@@ -80,6 +80,11 @@ def bundle_weight_bytes(model_dir: Path) -> int:
     return sum(map(byte_size, weight_layout(model_dir, read_config(model_dir)).parameters))
 
 
+def cli_flags(options: dict) -> list[str]:
+    """Command-line flags of keyword options: gen_length=16 -> --gen-length 16."""
+    return [part for name, value in options.items() for part in (f"--{name.replace('_', '-')}", str(value))]
+
+
 def in_mapped_file(array) -> bool:
     """Whether a device array's buffer lies in a memory-mapped .safetensors file of this process (Linux)."""
     address = array.unsafe_buffer_pointer()

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import llada_jax
 from llada_jax.bundle_runner import bundle_runner
 from llada_jax.cli import main
-from tests.conftest import bundle_weight_bytes
+from tests.conftest import bundle_weight_bytes, cli_flags
 from tests.test_decode_loop_bundle import host_iree_run_module, run_script
 from tests.test_llada2 import CONFIG
 from tests.test_llada2 import write_tiny as write_llada2
@@ -43,10 +43,6 @@ def _decoding(flags: dict) -> dict:
     return options
 
 
-def _flags(options: dict) -> list[str]:
-    return [part for name, value in options.items() for part in (f"--{name.replace('_', '-')}", str(value))]
-
-
 @pytest.fixture(scope="module", params=list(SETTINGS))
 def baked(request, tmp_path_factory):
     """(decoder, bundle, its generate function, the XLA model): the bundle `llada compile` writes for the
@@ -57,7 +53,7 @@ def baked(request, tmp_path_factory):
     bundle = checkpoint.parent / "bundle"
     budget = ["--device-memory-budget", str(bundle_weight_bytes(checkpoint) - 1)] if streamed else []
     assert main(["compile", "--model", str(checkpoint), "--target", "host", "--out", str(bundle), "--max-len",
-                 str(MAX_LEN), "--activations", activations, *budget, *_flags(options)]) == 0
+                 str(MAX_LEN), "--activations", activations, *budget, *cli_flags(options)]) == 0
     assert bool(json.loads((bundle / "manifest.json").read_text())["streamed"]) == streamed
     return decoder, bundle, bundle_runner(bundle)[2], llada_jax.load(checkpoint, activations=activations)
 

@@ -28,7 +28,7 @@ from lowering.bundle_weights import weight_layout
 from lowering.export import canvas_sizes
 from lowering.stage_ring import ALIGNMENT, ITEM_BYTES, byte_size, group_of, resident_bytes, ring_plan
 from policies.compiled_loop import baked_loops
-from tests.conftest import TINY, bundle_weight_bytes, write_checkpoint
+from tests.conftest import TINY, bundle_weight_bytes, cli_flags, write_checkpoint
 
 # Sixteen layers: a stage is a small part of the weights, so 50% and 25% budgets stream. The LM head is twice a
 # layer, so it streams in three chunks of rows, the last one short (256, 256, 88).
@@ -128,11 +128,6 @@ def test_streamed_weights_are_not_declared_resident(deep_dir, monkeypatch, tmp_p
         weight_layout(deep_dir, DEEP).parameters)
 
 
-def flags(setting: dict) -> list[str]:
-    """The command-line flags of a generation setting: gen_length=16 -> --gen-length 16."""
-    return [word for key, value in setting.items() for word in (f"--{key.replace('_', '-')}", str(value))]
-
-
 class Bundles:
     """The module's bundles of the DEEP model, keyed by the checkpoint's bits (None: float), the activations, the
     target and the budget (None: resident)."""
@@ -157,7 +152,7 @@ class Bundles:
             extra = ["--device-memory-budget", str(budget)] if budget else []
             assert main(["compile", "--model", str(self.model(bits)), "--target", target, "--out", str(out),
                          "--max-len", "32", "--window", "16", "--activations", activations,
-                         *flags(SETTING), *extra]) == 0
+                         *cli_flags(SETTING), *extra]) == 0
             self.built[key] = out
         return self.built[key]
 
@@ -210,7 +205,7 @@ def xla_ids(capsys, model, ids: str, setting: dict) -> str:
     from llada_jax.cli import main
 
     capsys.readouterr()
-    assert main(["generate", "--model", str(model), "--prompt-ids", ids, "--json", *flags(setting)]) == 0
+    assert main(["generate", "--model", str(model), "--prompt-ids", ids, "--json", *cli_flags(setting)]) == 0
     return ",".join(map(str, json.loads(capsys.readouterr().out)["output_ids"]))
 
 
@@ -259,5 +254,5 @@ def test_a_deep_model_streams_the_xla_tokens(tmp_path, capsys):
     setting = dict(gen_length=16, block_length=16, steps=16)
     assert main(["compile", "--model", str(model), "--target", "host", "--out", str(tmp_path / "streamed"),
                  "--max-len", "32", "--window", "32", "--device-memory-budget", str(bundle_weight_bytes(model) // 4),
-                 *flags(setting)]) == 0
+                 *cli_flags(setting)]) == 0
     assert run_script(tmp_path / "streamed", "1,2,3,4,5") == xla_ids(capsys, model, "1,2,3,4,5", setting)
