@@ -86,6 +86,12 @@ def dims(tensor_type: str) -> list[int]:
     return [int(d) for d in tensor_type[len("tensor<"):-1].split("x")[:-1]]
 
 
+def activation_shape(tensor_type: str) -> tuple[int, int]:
+    """(positions, columns) of a kernel's activations: int8 ones `[R, I]`, float ones block-major `[I/32, R, 32]`."""
+    shape = dims(tensor_type)
+    return (shape[1], shape[0] * shape[2]) if len(shape) == 3 else (shape[0], shape[1])
+
+
 def element_type(tensor_type: str) -> str:
     return tensor_type[len("tensor<"):-1].split("x")[-1]
 
@@ -100,7 +106,7 @@ def rewrite_custom_calls(module_text: str) -> tuple[str, int]:
         kind, indent, name = match["kind"] + (match["routed"] or ""), match["indent"], f"%llk{count}"
         types = [t.strip() for t in match["types"].split(",")]
         config = dict(item.split(" = ") for item in match["config"].split(", "))
-        positions, columns = dims(types[0])
+        positions, columns = activation_shape(types[0])
         scale_type = types[-2] if match["routed"] else types[-1]
         *experts, rows, groups = dims(scale_type)  # a routed call's scales are stacked: [E, O, G]
         bits = int(config.get("bits", "4 : i64").split(" ")[0])

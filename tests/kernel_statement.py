@@ -79,7 +79,7 @@ SCHEMES = ("w4a8", "w8a8", "w4a16")  # kernel_runner.c's numbering
 @dataclasses.dataclass(frozen=True)
 class Call:
     """One kernel call's operands as the kernels take them: the weights' bytes and scales, then the int8
-    activations (values, scales, sums) or the float ones in block order."""
+    activations (values, scales, sums) or the float ones, block-major, in block order."""
     scheme: str
     positions: int
     rows: int
@@ -99,7 +99,7 @@ def prepare(scheme: str, x: np.ndarray, stored: np.ndarray, scales: np.ndarray, 
     (float32 or bfloat16 `[O, G]`)."""
     positions, columns = x.shape
     if scheme == "w4a16":
-        activations = (block_order(x.astype(F32), True).reshape(positions, columns),)
+        activations = (block_order(x.astype(F32), True).transpose(1, 0, 2),)  # block-major [I/32, R, 32]
     else:
         activations = quantize_activations(x, scheme == "w4a8")
     arrays = tuple(np.ascontiguousarray(a) for a in (stored, scales, *activations))
@@ -128,7 +128,8 @@ def run(library: Path, scheme: str, x: np.ndarray, stored: np.ndarray, scales: n
     if scheme == "w4a16":
         for begin, end in halves(call.rows):
             lib.llk_w4a16(ctypes.byref(w), ctypes.c_void_p(_ptr(activations[0])), ctypes.c_int64(call.positions),
-                          ctypes.c_void_p(_ptr(out)), ctypes.c_int64(begin), ctypes.c_int64(end))
+                          ctypes.c_int64(call.positions), ctypes.c_void_p(_ptr(out)), ctypes.c_int64(begin),
+                          ctypes.c_int64(end))
         return out
     a = Int8Activations(*map(_ptr, activations), call.positions)
     for begin, end in halves(call.rows):

@@ -1,7 +1,8 @@
 """Activations as the kernels read them (`c/kernels.h`), prepared by ordinary array code in the step itself, so
-XLA and IREE bundles hand the kernels the same int8 values: blocks of 32 columns, for 4-bit weights each block's
-even columns first (the nibbles' order); for int8 kernels, q = rint(x * (1 / d)) with d = max|x| x (1 / 127) per block
-(llama.cpp's Q8_0 rule), and each block's sum."""
+XLA and IREE bundles hand the kernels the same values: blocks of 32 columns, for 4-bit weights each block's even
+columns first (the nibbles' order); float ones block-major (a block of every position contiguous); for int8
+kernels, q = rint(x * (1 / d)) with d = max|x| x (1 / 127) per block (llama.cpp's Q8_0 rule), and each block's
+sum."""
 
 from __future__ import annotations
 
@@ -22,6 +23,12 @@ def block_order(x: jax.Array, nibbles: bool) -> jax.Array:
         return x
     positions, columns = x.shape
     return x.reshape(positions, columns // BLOCK, BLOCK // 2, 2).swapaxes(-1, -2).reshape(positions, columns)
+
+
+def float_blocks(x: jax.Array) -> jax.Array:
+    """Float x `[R, I]` as W4A16 reads it: block-major `[I/32, R, 32]` float32, each block's even columns first."""
+    positions, columns = x.shape
+    return block_order(x.astype(jnp.float32), True).reshape(positions, columns // BLOCK, BLOCK).swapaxes(0, 1)
 
 
 def quantized(x: jax.Array, nibbles: bool) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -73,8 +73,8 @@ def _kernel_call(x: jax.Array, stored: jax.Array, scale: jax.Array, scheme: str,
     out = jax.ShapeDtypeStruct((x.shape[0], scale.shape[-2]), jnp.float32)
     nibbles = scheme != "w8a8"
     if scheme == "w4a16":
-        ordered = activations.block_order(x.astype(jnp.float32), nibbles)
-        return jax.ffi.ffi_call(f"llada_float{variant}_matmul", out)(ordered, stored, scale, *extra, group=group,
+        blocks = activations.float_blocks(x)
+        return jax.ffi.ffi_call(f"llada_float{variant}_matmul", out)(blocks, stored, scale, *extra, group=group,
                                                                      **attributes)
     values, block_scales, sums = activations.quantized(x, nibbles)
     return jax.ffi.ffi_call(f"llada_int8{variant}_matmul", out)(values, block_scales, sums, stored, scale, *extra,

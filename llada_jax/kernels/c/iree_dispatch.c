@@ -45,7 +45,7 @@ void llk_iree_float(BUFFER(const float, ordered), BUFFER(const int8_t, weights),
                     size_t scale_bf16, size_t workgroup) {
   llk_weights w = weights_of(AT(weights), scales_at(scales, scales_offset, scale_bf16), columns, rows, group,
                              scale_bf16);
-  llk_w4a16(&w, AT(ordered), (int64_t)positions, AT(out), (int64_t)(workgroup * LLK_IREE_ROWS),
+  llk_w4a16(&w, AT(ordered), (int64_t)positions, (int64_t)positions, AT(out), (int64_t)(workgroup * LLK_IREE_ROWS),
             last_row(workgroup, rows));
 }
 
@@ -67,6 +67,6 @@ void llk_iree_float_routed(BUFFER(const float, ordered), BUFFER(const int8_t, we
                            size_t columns, size_t rows, size_t group, size_t scale_bf16, size_t workgroup) {
   llk_weights w = weights_of(AT(weights), scales_at(scales, scales_offset, scale_bf16), columns, rows, group,
                              scale_bf16);
-  llk_routed_w4a16(&w, AT(starts), (int64_t)experts, AT(ordered), AT(out), (int64_t)(workgroup * LLK_IREE_ROWS),
-                   last_row(workgroup, rows));
+  llk_routed_w4a16(&w, AT(starts), (int64_t)experts, AT(ordered), (int64_t)positions, AT(out),
+                   (int64_t)(workgroup * LLK_IREE_ROWS), last_row(workgroup, rows));
 }

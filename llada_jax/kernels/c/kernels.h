@@ -7,7 +7,8 @@
  * Activations enter prepared in blocks of 32 columns (`llada_jax/kernels/activations.py`, in the exported
  * program itself): for 4-bit weights each block's even columns first, then odd (the nibbles' order);
  *   int8 (W4A8, W8A8): per block q = rint(x * (1 / d)), d = max|x| * (1 / 127), and sum(q);
- *   float (W4A16): the values themselves.
+ *   float (W4A16): the values themselves, block-major [I/32, R, 32]: block b of every position is contiguous
+ *   (position-major rows I x 4 bytes apart aliased in the caches' sets: 4096 x 12288 ran 2-3x slower).
  * Kernels write output rows [o_begin, o_end) of every position: callers split O over their threads.
  * No libc: these files link into IREE's dispatch executables as well as the XLA plugin. */
 #ifndef LLADA_KERNELS_H
@@ -39,14 +40,15 @@ const char* llk_isa(void);
 
 void llk_w4a8(const llk_weights* w, const llk_int8_activations* a, float* out, int64_t o_begin, int64_t o_end);
 void llk_w8a8(const llk_weights* w, const llk_int8_activations* a, float* out, int64_t o_begin, int64_t o_end);
-void llk_w4a16(const llk_weights* w, const float* ordered, int64_t positions, float* out, int64_t o_begin,
-               int64_t o_end);
+/* `blocks` [I/32, total, 32]; the call computes its first `positions` positions. */
+void llk_w4a16(const llk_weights* w, const float* blocks, int64_t positions, int64_t total, float* out,
+               int64_t o_begin, int64_t o_end);
 
 /* A sparse MoE's experts stacked (`routed.c`): `w` describes expert 0's matrix, the next expert's follows it (its
  * weights and its scales each); the activations' and out's rows [starts[e], starts[e + 1]) are expert e's. */
 void llk_routed_int8(const llk_weights* w, int64_t bits, const int32_t* starts, int64_t experts,
                      const llk_int8_activations* a, float* out, int64_t o_begin, int64_t o_end);
-void llk_routed_w4a16(const llk_weights* w, const int32_t* starts, int64_t experts, const float* ordered,
-                      float* out, int64_t o_begin, int64_t o_end);
+void llk_routed_w4a16(const llk_weights* w, const int32_t* starts, int64_t experts, const float* blocks,
+                      int64_t positions, float* out, int64_t o_begin, int64_t o_end);
 
 #endif

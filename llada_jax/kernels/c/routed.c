@@ -28,12 +28,12 @@ void llk_routed_int8(const llk_weights* w, int64_t bits, const int32_t* starts, 
   }
 }
 
-void llk_routed_w4a16(const llk_weights* w, const int32_t* starts, int64_t experts, const float* ordered,
-                      float* out, int64_t o_begin, int64_t o_end) {
+void llk_routed_w4a16(const llk_weights* w, const int32_t* starts, int64_t experts, const float* blocks,
+                      int64_t positions, float* out, int64_t o_begin, int64_t o_end) {
   for (int64_t e = 0; e < experts; e++) {
     int64_t first = starts[e], count = starts[e + 1] - starts[e];
     if (count <= 0) continue;
     llk_weights x = expert(w, 4, e);
-    llk_w4a16(&x, ordered + first * w->columns, count, out + first * w->rows, o_begin, o_end);
+    llk_w4a16(&x, blocks + first * LLK_BLOCK, count, positions, out + first * w->rows, o_begin, o_end);
   }
 }

@@ -12,8 +12,8 @@
 #define TILE_POSITIONS 4
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
-ALWAYS_INLINE void float_tile(const llk_weights* w, const float* x, float* out, int64_t o, int64_t r,
-                              const int nr, const int nc) {
+ALWAYS_INLINE void float_tile(const llk_weights* w, const float* x, int64_t total, float* out, int64_t o,
+                              int64_t r, const int nr, const int nc) {
   int64_t columns = w->columns, groups = w->columns / w->group;
   fvec acc[TILE_ROWS][TILE_POSITIONS];
   for (int i = 0; i < nr; i++)
@@ -31,7 +31,7 @@ ALWAYS_INLINE void float_tile(const llk_weights* w, const float* x, float* out, 
         wf[i] = nibble_floats(w->weights + (o + i) * (columns / 2) + b * (LLK_BLOCK / 2), k, scale[i],
                               minus8scale[i]);
       for (int j = 0; j < nc; j++) {
-        fvec xv = floadu(x + (r + j) * columns + b * LLK_BLOCK + k * FLANES);
+        fvec xv = floadu(x + (b * total + r + j) * LLK_BLOCK + k * FLANES);
         for (int i = 0; i < nr; i++) acc[i][j] = fmadd(wf[i], xv, acc[i][j]);
       }
     }
@@ -67,15 +67,15 @@ ALWAYS_INLINE void dequantized_block(const llk_weights* w, int64_t row, int64_t 
   }
 }
 
-/* `acc[0..n)` += the block's weights times positions' block values `x` (rows `columns` apart), n <= GROUP. */
-ALWAYS_INLINE void group_products(lane_floats wf[ROW_VECTORS][LLK_BLOCK], const float* x, int64_t columns,
+/* `acc[0..n)` += the block's weights times n consecutive positions' values of the block `x`, n <= GROUP. */
+ALWAYS_INLINE void group_products(lane_floats wf[ROW_VECTORS][LLK_BLOCK], const float* x,
                                   lane_floats (*acc)[ROW_VECTORS], const int n) {
   lane_floats sums[GROUP][ROW_VECTORS];
   for (int p = 0; p < n; p++)
     for (int v = 0; v < ROW_VECTORS; v++) sums[p][v] = acc[p][v];
   for (int k = 0; k < LLK_BLOCK; k++)
     for (int p = 0; p < n; p++) {
-      lane_floats value = lane_splat(x[p * columns + k]);
+      lane_floats value = lane_splat(x[p * LLK_BLOCK + k]);
       for (int v = 0; v < ROW_VECTORS; v++) sums[p][v] = lane_fmadd(wf[v][k], value, sums[p][v]);
     }
   for (int p = 0; p < n; p++)
@@ -84,26 +84,27 @@ ALWAYS_INLINE void group_products(lane_floats wf[ROW_VECTORS][LLK_BLOCK], const 
 
 /* n positions in ceil(n / GROUP) groups of nearly equal size: a short last group would leave the FMA pipes
  * waiting on too few chains. */
-ALWAYS_INLINE void chunk_products(lane_floats wf[ROW_VECTORS][LLK_BLOCK], const float* x, int64_t columns,
+ALWAYS_INLINE void chunk_products(lane_floats wf[ROW_VECTORS][LLK_BLOCK], const float* x,
                                   lane_floats (*acc)[ROW_VECTORS], int64_t n) {
   int64_t groups = (n + GROUP - 1) / GROUP;
   for (int64_t g = 0, p = 0; g < groups; g++) {
     int64_t size = (n - p) / (groups - g);
     if (size == GROUP) {
-      group_products(wf, x + p * columns, columns, acc + p, GROUP);
+      group_products(wf, x + p * LLK_BLOCK, acc + p, GROUP);
     } else if (size == GROUP - 1) {
-      group_products(wf, x + p * columns, columns, acc + p, GROUP - 1);
+      group_products(wf, x + p * LLK_BLOCK, acc + p, GROUP - 1);
     } else {
       int64_t q = p;
-      if (size & 4) group_products(wf, x + q * columns, columns, acc + q, 4), q += 4;
-      if (size & 2) group_products(wf, x + q * columns, columns, acc + q, 2), q += 2;
-      if (size & 1) group_products(wf, x + q * columns, columns, acc + q, 1);
+      if (size & 4) group_products(wf, x + q * LLK_BLOCK, acc + q, 4), q += 4;
+      if (size & 2) group_products(wf, x + q * LLK_BLOCK, acc + q, 2), q += 2;
+      if (size & 1) group_products(wf, x + q * LLK_BLOCK, acc + q, 1);
     }
     p += size;
   }
 }
 
-static void float_lanes(const llk_weights* w, const float* x, float* out, int64_t row, int64_t p0, int64_t n) {
+static void float_lanes(const llk_weights* w, const float* x, int64_t total, float* out, int64_t row, int64_t p0,
+                        int64_t n) {
   int64_t columns = w->columns;
   lane_floats acc[CHUNK][ROW_VECTORS];
   for (int64_t p = 0; p < n; p++)
@@ -111,38 +112,38 @@ static void float_lanes(const llk_weights* w, const float* x, float* out, int64_
   for (int64_t b = 0; b < columns / LLK_BLOCK; b++) {
     lane_floats wf[ROW_VECTORS][LLK_BLOCK];
     for (int v = 0; v < ROW_VECTORS; v++) dequantized_block(w, row + v * LANES, b, wf[v]);
-    chunk_products(wf, x + p0 * columns + b * LLK_BLOCK, columns, acc, n);
+    chunk_products(wf, x + (b * total + p0) * LLK_BLOCK, acc, n);
   }
   for (int64_t p = 0; p < n; p++)
     for (int v = 0; v < ROW_VECTORS; v++) lane_store(out + (p0 + p) * w->rows + row + v * LANES, acc[p][v]);
 }
 
 /* Rows [o_begin, o_begin + k ROWS) in lanes; returns where they end. */
-static int64_t lanes_w4a16(const llk_weights* w, const float* x, int64_t positions, float* out, int64_t o_begin,
-                           int64_t o_end) {
+static int64_t lanes_w4a16(const llk_weights* w, const float* x, int64_t positions, int64_t total, float* out,
+                           int64_t o_begin, int64_t o_end) {
   int64_t end = o_begin + (o_end - o_begin) / ROWS * ROWS;
   for (int64_t row = o_begin; row < end; row += ROWS)
     for (int64_t p = 0; p < positions; p += CHUNK)
-      float_lanes(w, x, out, row, p, positions - p < CHUNK ? positions - p : CHUNK);
+      float_lanes(w, x, total, out, row, p, positions - p < CHUNK ? positions - p : CHUNK);
   return end;
 }
 #endif
 
-void llk_w4a16(const llk_weights* w, const float* ordered, int64_t positions, float* out, int64_t o_begin,
-               int64_t o_end) {
+void llk_w4a16(const llk_weights* w, const float* blocks, int64_t positions, int64_t total, float* out,
+               int64_t o_begin, int64_t o_end) {
 #if defined(LLK_FLOAT_LANES)
-  o_begin = lanes_w4a16(w, ordered, positions, out, o_begin, o_end);
+  o_begin = lanes_w4a16(w, blocks, positions, total, out, o_begin, o_end);
 #endif
   int64_t whole_rows = o_begin + (o_end - o_begin) / TILE_ROWS * TILE_ROWS;
   int64_t whole_positions = positions / TILE_POSITIONS * TILE_POSITIONS;
   for (int64_t o = o_begin; o < whole_rows; o += TILE_ROWS) {
     for (int64_t r = 0; r < whole_positions; r += TILE_POSITIONS)
-      float_tile(w, ordered, out, o, r, TILE_ROWS, TILE_POSITIONS);
-    for (int64_t r = whole_positions; r < positions; r++) float_tile(w, ordered, out, o, r, TILE_ROWS, 1);
+      float_tile(w, blocks, total, out, o, r, TILE_ROWS, TILE_POSITIONS);
+    for (int64_t r = whole_positions; r < positions; r++) float_tile(w, blocks, total, out, o, r, TILE_ROWS, 1);
   }
   for (int64_t o = whole_rows; o < o_end; o++) {
     for (int64_t r = 0; r < whole_positions; r += TILE_POSITIONS)
-      float_tile(w, ordered, out, o, r, 1, TILE_POSITIONS);
-    for (int64_t r = whole_positions; r < positions; r++) float_tile(w, ordered, out, o, r, 1, 1);
+      float_tile(w, blocks, total, out, o, r, 1, TILE_POSITIONS);
+    for (int64_t r = whole_positions; r < positions; r++) float_tile(w, blocks, total, out, o, r, 1, 1);
   }
 }

@@ -17,6 +17,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 using Matrix = ffi::Buffer<ffi::F32, 2>;
+using Blocks = ffi::Buffer<ffi::F32, 3>;  // float activations, block-major [I/32, R, 32]
 using Bytes = ffi::Buffer<ffi::S8, 2>;  // the weights' bytes as stored
 using Int8s = ffi::Buffer<ffi::S8, 2>;
 using Int32s = ffi::Buffer<ffi::S32, 2>;
@@ -76,14 +77,14 @@ ffi::Error Int8Matmul(ffi::ThreadPool pool, Int8s values, Matrix block_scales, I
   return ffi::Error::Success();
 }
 
-ffi::Error FloatMatmul(ffi::ThreadPool pool, Matrix ordered, Bytes weights, ffi::AnyBuffer scales,
+ffi::Error FloatMatmul(ffi::ThreadPool pool, Blocks ordered, Bytes weights, ffi::AnyBuffer scales,
                        ffi::Result<Matrix> out, int64_t group) {
-  const int64_t positions = ordered.dimensions()[0], columns = ordered.dimensions()[1];
+  const int64_t positions = ordered.dimensions()[1], columns = ordered.dimensions()[0] * LLK_BLOCK;
   if (auto error = Check(columns, 4, group, weights, scales); error.failure()) return error;
   llk_weights w = Weights(weights, scales, columns, group, false);
   float* result = out->typed_data();
   const float* x = ordered.typed_data();
-  ParallelRows(pool, w.rows, [&](int64_t b, int64_t e) { llk_w4a16(&w, x, positions, result, b, e); });
+  ParallelRows(pool, w.rows, [&](int64_t b, int64_t e) { llk_w4a16(&w, x, positions, positions, result, b, e); });
   return ffi::Error::Success();
 }
 
@@ -123,16 +124,17 @@ ffi::Error RoutedInt8Matmul(ffi::ThreadPool pool, Int8s values, Matrix block_sca
   return ffi::Error::Success();
 }
 
-ffi::Error RoutedFloatMatmul(ffi::ThreadPool pool, Matrix ordered, Stack stack, ffi::AnyBuffer scales, Starts starts,
+ffi::Error RoutedFloatMatmul(ffi::ThreadPool pool, Blocks ordered, Stack stack, ffi::AnyBuffer scales, Starts starts,
                              ffi::Result<Matrix> out, int64_t group) {
-  const int64_t positions = ordered.dimensions()[0], columns = ordered.dimensions()[1];
+  const int64_t positions = ordered.dimensions()[1], columns = ordered.dimensions()[0] * LLK_BLOCK;
   if (auto error = CheckStack(columns, 4, group, stack, scales, starts, positions); error.failure()) return error;
   llk_weights w = StackWeights(stack, scales, columns, group);
   const int32_t* s = starts.typed_data();
   int64_t experts = stack.dimensions()[0];
   float* result = out->typed_data();
   const float* x = ordered.typed_data();
-  ParallelRows(pool, w.rows, [&](int64_t b, int64_t e) { llk_routed_w4a16(&w, s, experts, x, result, b, e); });
+  ParallelRows(pool, w.rows,
+               [&](int64_t b, int64_t e) { llk_routed_w4a16(&w, s, experts, x, positions, result, b, e); });
   return ffi::Error::Success();
 }
 
@@ -154,7 +156,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LladaInt8Matmul, Int8Matmul,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LladaFloatMatmul, FloatMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<Matrix>()
+                                  .Arg<Blocks>()
                                   .Arg<Bytes>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<Matrix>()
@@ -176,7 +178,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LladaRoutedInt8Matmul, RoutedInt8Matmul,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LladaRoutedFloatMatmul, RoutedFloatMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<Matrix>()
+                                  .Arg<Blocks>()
                                   .Arg<Stack>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<Starts>()
