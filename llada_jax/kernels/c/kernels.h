@@ -8,7 +8,7 @@
  * program itself): for 4-bit weights each block's even columns first, then odd (the nibbles' order);
  *   int8 (W4A8, W8A8): per block q = rint(x * (1 / d)), d = max|x| * (1 / 127), and sum(q);
  *   float (W4A16): the values themselves, block-major [I/32, R, 32]: block b of every position is contiguous
- *   (position-major rows I x 4 bytes apart aliased in the caches' sets: 4096 x 12288 ran 2-3x slower).
+ *   (position-major rows, I x 4 bytes apart, fall into the same few cache sets; docs/kernels.md).
  * Kernels write output rows [o_begin, o_end) of every position: callers split O over their threads.
  * No libc: these files link into IREE's dispatch executables as well as the XLA plugin. */
 #ifndef LLADA_KERNELS_H
