@@ -87,9 +87,9 @@ def dims(tensor_type: str) -> list[int]:
 
 
 def activation_shape(tensor_type: str) -> tuple[int, int]:
-    """(positions, columns) of a kernel's activations: int8 ones `[R, I]`, float ones block-major `[I/32, R, 32]`."""
-    shape = dims(tensor_type)
-    return (shape[1], shape[0] * shape[2]) if len(shape) == 3 else (shape[0], shape[1])
+    """(positions, columns) of a kernel's activations, block-major `[I/32, R, 32]`."""
+    blocks, positions, width = dims(tensor_type)
+    return positions, blocks * width
 
 
 def element_type(tensor_type: str) -> str:

@@ -1,7 +1,7 @@
 /* One kernel call read from a file, its output written to another: how the kernels' tests reach builds this
  * Python cannot load (arm64, under qemu-aarch64). The input (`kernel_statement.Call`): an int64 header {scheme
  * (0 w4a8, 1 w8a8, 2 w4a16), positions, rows, columns, group, scale_bf16, signed8}, the weights' bytes, their
- * scales, then the int8 activations (values, float32 scales, int32 sums) or the float32 ones (block-major). Rows
+ * scales, then the int8 activations (values, float32 scales, int32 sums) or the float32 ones, block-major. Rows
  * go in two calls, as threads would; rows no call writes stay NaN. Prints the build's ISA path. */
 #include <stdio.h>
 #include <stdlib.h>
@@ -38,7 +38,7 @@ int main(int argc, char** argv) {
     for (int k = 0; k < 2; k++) llk_w4a16(&w, x, positions, positions, out, split[k], split[k + 1]);
   } else {
     llk_int8_activations a = {take(in, positions * columns), take(in, positions * blocks * 4),
-                              take(in, positions * blocks * 4), positions};
+                              take(in, positions * blocks * 4), positions, positions};
     for (int k = 0; k < 2; k++) (scheme == 0 ? llk_w4a8 : llk_w8a8)(&w, &a, out, split[k], split[k + 1]);
   }
   fclose(in);

@@ -23,7 +23,7 @@ class Weights(ctypes.Structure):
 
 class Int8Activations(ctypes.Structure):
     _fields_ = [("values", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("sums", ctypes.c_void_p),
-                ("positions", ctypes.c_int64)]
+                ("positions", ctypes.c_int64), ("total", ctypes.c_int64)]
 
 
 def block_order(x: np.ndarray, nibbles: bool) -> np.ndarray:
@@ -79,7 +79,7 @@ SCHEMES = ("w4a8", "w8a8", "w4a16")  # kernel_runner.c's numbering
 @dataclasses.dataclass(frozen=True)
 class Call:
     """One kernel call's operands as the kernels take them: the weights' bytes and scales, then the int8
-    activations (values, scales, sums) or the float ones, block-major, in block order."""
+    activations (values, scales, sums) or the float ones, all block-major, in block order."""
     scheme: str
     positions: int
     rows: int
@@ -99,9 +99,10 @@ def prepare(scheme: str, x: np.ndarray, stored: np.ndarray, scales: np.ndarray, 
     (float32 or bfloat16 `[O, G]`)."""
     positions, columns = x.shape
     if scheme == "w4a16":
-        activations = (block_order(x.astype(F32), True).transpose(1, 0, 2),)  # block-major [I/32, R, 32]
+        activations = (block_order(x.astype(F32), True),)
     else:
         activations = quantize_activations(x, scheme == "w4a8")
+    activations = tuple(a.swapaxes(0, 1) for a in activations)  # block-major: [I/32, R, 32] and [I/32, R]
     arrays = tuple(np.ascontiguousarray(a) for a in (stored, scales, *activations))
     return Call(scheme, positions, stored.shape[0], columns, columns // scales.shape[1], scales.dtype != F32,
                 signed8, arrays)
@@ -131,7 +132,7 @@ def run(library: Path, scheme: str, x: np.ndarray, stored: np.ndarray, scales: n
                           ctypes.c_int64(call.positions), ctypes.c_void_p(_ptr(out)), ctypes.c_int64(begin),
                           ctypes.c_int64(end))
         return out
-    a = Int8Activations(*map(_ptr, activations), call.positions)
+    a = Int8Activations(*map(_ptr, activations), call.positions, call.positions)
     for begin, end in halves(call.rows):
         getattr(lib, f"llk_{scheme}")(ctypes.byref(w), ctypes.byref(a), ctypes.c_void_p(_ptr(out)),
                                       ctypes.c_int64(begin), ctypes.c_int64(end))

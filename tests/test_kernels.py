@@ -203,7 +203,7 @@ def test_the_step_prepares_activations_exactly_as_stated(data, nibbles):
     got = activations.quantized(jnp.asarray(x), nibbles)
     want = statement.quantize_activations(x, nibbles)
     for a, b in zip(got, want):
-        np.testing.assert_array_equal(np.asarray(a).reshape(b.shape), b)
+        np.testing.assert_array_equal(np.asarray(a).swapaxes(0, 1), b)  # block-major as the kernels read
     ordered = activations.block_order(jnp.asarray(x), nibbles)
     np.testing.assert_array_equal(np.asarray(ordered), statement.block_order(x, nibbles).reshape(x.shape))
 

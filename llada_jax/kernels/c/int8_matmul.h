@@ -37,8 +37,8 @@ ALWAYS_INLINE void int8_tile(const llk_weights* w, const llk_int8_activations* a
       ws[i] = fsplat(scale_at(w->scales, (o + i) * groups + b / per_group, w->scale_bf16));
     }
     for (int j = 0; j < nc; j++) {
-      int64_t at = (r + j) * blocks + b;
-      const int8_t* values = a->values + (r + j) * w->columns + b * LLK_BLOCK;
+      int64_t at = llk_at(a, r + j, b);
+      const int8_t* values = a->values + at * LLK_BLOCK;
       ivec init = init_lane(-offset * a->sums[at]);
       fvec as = fsplat(a->scales[at]);
       for (int i = 0; i < nr; i++) {

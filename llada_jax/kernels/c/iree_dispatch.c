@@ -32,7 +32,7 @@ void llk_iree_int8(BUFFER(const int8_t, values), BUFFER(const float, block_scale
                    size_t positions, size_t columns, size_t rows, size_t group, size_t scale_bf16, size_t workgroup) {
   llk_weights w = weights_of(AT(weights), scales_at(scales, scales_offset, scale_bf16), columns, rows, group,
                              scale_bf16);
-  llk_int8_activations a = {AT(values), AT(block_scales), AT(sums), (int64_t)positions};
+  llk_int8_activations a = {AT(values), AT(block_scales), AT(sums), (int64_t)positions, (int64_t)positions};
   int64_t begin = (int64_t)(workgroup * LLK_IREE_ROWS), end = last_row(workgroup, rows);
   if (bits == 4)
     llk_w4a8(&w, &a, AT(out), begin, end);
@@ -57,7 +57,7 @@ void llk_iree_int8_routed(BUFFER(const int8_t, values), BUFFER(const float, bloc
                           size_t rows, size_t group, size_t scale_bf16, size_t workgroup) {
   llk_weights w = weights_of(AT(weights), scales_at(scales, scales_offset, scale_bf16), columns, rows, group,
                              scale_bf16);
-  llk_int8_activations a = {AT(values), AT(block_scales), AT(sums), (int64_t)positions};
+  llk_int8_activations a = {AT(values), AT(block_scales), AT(sums), (int64_t)positions, (int64_t)positions};
   llk_routed_int8(&w, (int64_t)bits, AT(starts), (int64_t)experts, &a, AT(out),
                   (int64_t)(workgroup * LLK_IREE_ROWS), last_row(workgroup, rows));
 }

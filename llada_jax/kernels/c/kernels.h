@@ -7,8 +7,9 @@
  * Activations enter prepared in blocks of 32 columns (`llada_jax/kernels/activations.py`, in the exported
  * program itself): for 4-bit weights each block's even columns first, then odd (the nibbles' order);
  *   int8 (W4A8, W8A8): per block q = rint(x * (1 / d)), d = max|x| * (1 / 127), and sum(q);
- *   float (W4A16): the values themselves, block-major [I/32, R, 32]: block b of every position is contiguous
- *   (position-major rows, I x 4 bytes apart, fall into the same few cache sets; docs/kernels.md).
+ *   float (W4A16): the values themselves.
+ * Both block-major, [I/32, R, 32] (per-block scalars [I/32, R]): block b of every position is contiguous
+ * (position-major rows, I bytes or I x 4 bytes apart, fall into the same few cache sets; docs/kernels.md).
  * Kernels write output rows [o_begin, o_end) of every position: callers split O over their threads.
  * No libc: these files link into IREE's dispatch executables as well as the XLA plugin. */
 #ifndef LLADA_KERNELS_H
@@ -29,11 +30,15 @@ typedef struct {
 } llk_weights;
 
 typedef struct {
-  const int8_t* values;  /* [R, I], per block in the weights' order */
-  const float* scales;   /* [R, I / 32] */
-  const int32_t* sums;   /* [R, I / 32] */
-  int64_t positions;     /* R */
+  const int8_t* values;  /* [I/32, total, 32], per block in the weights' order */
+  const float* scales;   /* [I/32, total] */
+  const int32_t* sums;   /* [I/32, total] */
+  int64_t positions;     /* R: the call computes positions [0, R) */
+  int64_t total;         /* positions per block: a block's stride */
 } llk_int8_activations;
+
+/* Where block b of position p lies in the activations' per-block arrays (its values: that times 32). */
+static inline int64_t llk_at(const llk_int8_activations* a, int64_t p, int64_t b) { return b * a->total + p; }
 
 /* Which instructions this build's kernels use (a static string naming the ISA path). */
 const char* llk_isa(void);

@@ -49,9 +49,10 @@ static inline __attribute__((always_inline)) void pair_tile(const llk_weights* w
       pair_operands(block_weights(w, row, b, bits), block_weights(w, row + 1, b, bits), rows[i]);
       row_scales[i] = row_pair(scale_at(w->scales, row * groups + group, w->scale_bf16),
                                scale_at(w->scales, (row + 1) * groups + group, w->scale_bf16));
-      pair_operands(position_block(a->values + at * w->columns + b * LLK_BLOCK),
-                    position_block(a->values + (at + 1) * w->columns + b * LLK_BLOCK), positions[i]);
-      position_scales[i] = position_pair(a->scales[at * blocks + b], a->scales[(at + 1) * blocks + b]);
+      int64_t first = llk_at(a, at, b), second = llk_at(a, at + 1, b);
+      pair_operands(position_block(a->values + first * LLK_BLOCK), position_block(a->values + second * LLK_BLOCK),
+                    positions[i]);
+      position_scales[i] = position_pair(a->scales[first], a->scales[second]);
     }
     for (int i = 0; i < 2; i++)
       for (int j = 0; j < 2; j++) {

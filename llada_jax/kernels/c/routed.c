@@ -14,13 +14,11 @@ static llk_weights expert(const llk_weights* w, int64_t bits, int64_t e) {
 
 void llk_routed_int8(const llk_weights* w, int64_t bits, const int32_t* starts, int64_t experts,
                      const llk_int8_activations* a, float* out, int64_t o_begin, int64_t o_end) {
-  int64_t blocks = w->columns / LLK_BLOCK;
   for (int64_t e = 0; e < experts; e++) {
     int64_t first = starts[e], count = starts[e + 1] - starts[e];
     if (count <= 0) continue;
     llk_weights x = expert(w, bits, e);
-    llk_int8_activations rows = {a->values + first * w->columns, a->scales + first * blocks,
-                                 a->sums + first * blocks, count};
+    llk_int8_activations rows = {a->values + first * LLK_BLOCK, a->scales + first, a->sums + first, count, a->total};
     if (bits == 4)
       llk_w4a8(&x, &rows, out + first * w->rows, o_begin, o_end);
     else

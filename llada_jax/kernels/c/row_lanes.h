@@ -176,8 +176,8 @@ static inline __attribute__((always_inline)) void lane_chunk(const llk_weights* 
     lane_weights(w, row, b, bits, wv);
     if (b % per_group == 0) scales = lane_scales(w, row, b / per_group);
     for (int64_t p = p0; p < p1; p++) {
-      int64_t at = p * blocks + b;
-      lane_ints sum = lane_dot(-offset * a->sums[at], wv, a->values + p * w->columns + b * LLK_BLOCK, bits);
+      int64_t at = llk_at(a, p, b);
+      lane_ints sum = lane_dot(-offset * a->sums[at], wv, a->values + at * LLK_BLOCK, bits);
       acc[p - p0] = lane_accumulate(acc[p - p0], sum, scales, a->scales[at]);
     }
   }

@@ -19,8 +19,8 @@ namespace {
 using Matrix = ffi::Buffer<ffi::F32, 2>;
 using Blocks = ffi::Buffer<ffi::F32, 3>;  // float activations, block-major [I/32, R, 32]
 using Bytes = ffi::Buffer<ffi::S8, 2>;  // the weights' bytes as stored
-using Int8s = ffi::Buffer<ffi::S8, 2>;
-using Int32s = ffi::Buffer<ffi::S32, 2>;
+using Int8s = ffi::Buffer<ffi::S8, 3>;  // int8 activations, block-major [I/32, R, 32]
+using Int32s = ffi::Buffer<ffi::S32, 2>;  // per block [I/32, R], as the int8 activations' scales (a Matrix)
 using Stack = ffi::Buffer<ffi::S8, 3>;  // a sparse MoE's experts' bytes, stacked
 using Starts = ffi::Buffer<ffi::S32, 1>;  // expert e's rows: [starts[e], starts[e + 1])
 
@@ -67,10 +67,10 @@ ffi::Error Check(int64_t columns, int64_t bits, int64_t group, Bytes& weights, f
 
 ffi::Error Int8Matmul(ffi::ThreadPool pool, Int8s values, Matrix block_scales, Int32s sums, Bytes weights,
                       ffi::AnyBuffer scales, ffi::Result<Matrix> out, int64_t bits, int64_t group, bool signed8) {
-  const int64_t positions = values.dimensions()[0], columns = values.dimensions()[1];
+  const int64_t positions = values.dimensions()[1], columns = values.dimensions()[0] * LLK_BLOCK;
   if (auto error = Check(columns, bits, group, weights, scales); error.failure()) return error;
   llk_weights w = Weights(weights, scales, columns, group, signed8);
-  llk_int8_activations a = {values.typed_data(), block_scales.typed_data(), sums.typed_data(), positions};
+  llk_int8_activations a = {values.typed_data(), block_scales.typed_data(), sums.typed_data(), positions, positions};
   auto kernel = bits == 4 ? llk_w4a8 : llk_w8a8;
   float* result = out->typed_data();
   ParallelRows(pool, w.rows, [&](int64_t b, int64_t e) { kernel(&w, &a, result, b, e); });
@@ -113,10 +113,10 @@ ffi::Error CheckStack(int64_t columns, int64_t bits, int64_t group, Stack& stack
 ffi::Error RoutedInt8Matmul(ffi::ThreadPool pool, Int8s values, Matrix block_scales, Int32s sums, Stack stack,
                             ffi::AnyBuffer scales, Starts starts, ffi::Result<Matrix> out, int64_t bits,
                             int64_t group) {
-  const int64_t positions = values.dimensions()[0], columns = values.dimensions()[1];
+  const int64_t positions = values.dimensions()[1], columns = values.dimensions()[0] * LLK_BLOCK;
   if (auto error = CheckStack(columns, bits, group, stack, scales, starts, positions); error.failure()) return error;
   llk_weights w = StackWeights(stack, scales, columns, group);
-  llk_int8_activations a = {values.typed_data(), block_scales.typed_data(), sums.typed_data(), positions};
+  llk_int8_activations a = {values.typed_data(), block_scales.typed_data(), sums.typed_data(), positions, positions};
   const int32_t* s = starts.typed_data();
   int64_t experts = stack.dimensions()[0];
   float* result = out->typed_data();
