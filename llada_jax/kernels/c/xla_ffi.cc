@@ -20,7 +20,7 @@ using Matrix = ffi::Buffer<ffi::F32, 2>;
 using Blocks = ffi::Buffer<ffi::F32, 3>;  // float activations, block-major [I/32, R, 32]
 using Bytes = ffi::Buffer<ffi::S8, 2>;  // the weights' bytes as stored
 using Int8s = ffi::Buffer<ffi::S8, 3>;  // int8 activations, block-major [I/32, R, 32]
-using Int32s = ffi::Buffer<ffi::S32, 2>;  // per block [I/32, R], as the int8 activations' scales (a Matrix)
+using Int32s = ffi::Buffer<ffi::S32, 2>;  // the int8 activations' block sums, [I/32, R] like their scales
 using Stack = ffi::Buffer<ffi::S8, 3>;  // a sparse MoE's experts' bytes, stacked
 using Starts = ffi::Buffer<ffi::S32, 1>;  // expert e's rows: [starts[e], starts[e + 1])
 
