@@ -28,12 +28,17 @@ DISPATCH_SOURCE = "iree_dispatch.c"
 OBJECT_FLAGS = ("-O3", "-std=c11", "-ffreestanding", "-fPIC", "-fvisibility=hidden", "-fno-plt", "-fdata-sections",
                 "-ffunction-sections", "-fno-stack-protector", "-Wall")
 ROWS_PER_WORKGROUP = 64  # LLK_IREE_ROWS in c/iree_dispatch.c
+BLOCKS_PER_WORKGROUP = 8  # LLK_IREE_BLOCKS: of the activations' preparation
 EXECUTABLE = "llada_kernels"
 CUSTOM_CALL = re.compile(
     r"^(?P<indent>\s*)(?P<result>%[\w#]+) = stablehlo\.custom_call @llada_(?P<kind>int8|float)(?P<routed>_routed)?"
     r"_matmul"
     r"\((?P<operands>[^)]*)\) \{mhlo\.backend_config = \{(?P<config>[^}]*)\}.*\} : "
     r"\((?P<types>[^)]*)\) -> (?P<result_type>tensor<[^>]*>)$", re.MULTILINE)
+ACTIVATIONS_CALL = re.compile(
+    r"^(?P<indent>\s*)(?P<result>%[\w#]+(?::\d+)?) = stablehlo\.custom_call @llada_(?P<kind>int8|float)_activations"
+    r"\((?P<operand>%[\w#]+)\) \{mhlo\.backend_config = \{(?P<config>[^}]*)\}.*\} : "
+    r"\((?P<type>tensor<[^>]*>)\) -> (?P<result_types>\(.*\)|tensor<[^>]*>)$", re.MULTILINE)
 
 
 def kernel_compiler(tgt: Target, layout: WeightLayout, kernels: Kernels) -> list[str] | None:
@@ -97,7 +102,8 @@ def element_type(tensor_type: str) -> str:
 
 
 def rewrite_custom_calls(module_text: str) -> tuple[str, int]:
-    """`module_text` with each of our kernels' custom calls a `flow.dispatch` to `@llada_kernels`, and how many."""
+    """`module_text` with each of our kernels' custom calls (the matmuls and the activations' preparation) a
+    `flow.dispatch` to `@llada_kernels`, and how many."""
     count = 0
 
     def dispatch(match: re.Match) -> str:
@@ -105,22 +111,46 @@ def rewrite_custom_calls(module_text: str) -> tuple[str, int]:
         count += 1
         kind, indent, name = match["kind"] + (match["routed"] or ""), match["indent"], f"%llk{count}"
         types = [t.strip() for t in match["types"].split(",")]
-        config = dict(item.split(" = ") for item in match["config"].split(", "))
+        config = _config(match["config"])
         positions, columns = activation_shape(types[0])
         scale_type = types[-2] if match["routed"] else types[-1]
         *experts, rows, groups = dims(scale_type)  # a routed call's scales are stacked: [E, O, G]
         bits = int(config.get("bits", "4 : i64").split(" ")[0])
         indices = ([bits] if match["kind"] == "int8" else []) + experts + [
             positions, columns, rows, columns // groups, int(element_type(scale_type) == "bf16")]
-        lines = [f"{indent}{name}_{i} = arith.constant {value} : index" for i, value in enumerate(indices)]
-        index_names = [f"{name}_{i}" for i in range(len(indices))]
-        operands = [o.strip() for o in match["operands"].split(",")] + index_names
-        lines.append(f"{indent}{match['result']} = flow.dispatch @{EXECUTABLE}::@{kind}[{name}_{len(indices) - 3}]"
-                     f"({', '.join(operands)}) : ({', '.join(types + ['index'] * len(indices))}) -> "
-                     f"{match['result_type']}")
-        return "\n".join(lines)
+        operands = [o.strip() for o in match["operands"].split(",")]
+        return _flow_dispatch(indent, name, match["result"], kind, operands, types, indices, len(indices) - 3,
+                              match["result_type"])
 
-    return CUSTOM_CALL.sub(dispatch, module_text), count
+    def prepare(match: re.Match) -> str:
+        nonlocal count
+        count += 1
+        kind, name, config = f"{match['kind']}_activations", f"%llk{count}", _config(match["config"])
+        feature_major = config["feature_major"] == "true"
+        positions, columns = dims(match["type"])[::-1] if feature_major else dims(match["type"])
+        nibbles = [int(config["nibbles"] == "true")] if "nibbles" in config else []
+        indices = [positions, columns, int(feature_major), *nibbles, columns // 32]
+        return _flow_dispatch(match["indent"], name, match["result"], kind, [match["operand"]], [match["type"]],
+                              indices, len(indices) - 1, match["result_types"])
+
+    module_text = CUSTOM_CALL.sub(dispatch, module_text)
+    return ACTIVATIONS_CALL.sub(prepare, module_text), count
+
+
+def _config(text: str) -> dict[str, str]:
+    """A custom call's `mhlo.backend_config` items, `bits = 4 : i64` -> {"bits": "4 : i64"}."""
+    return dict(item.split(" = ") for item in text.split(", "))
+
+
+def _flow_dispatch(indent: str, name: str, result: str, kind: str, operands: list[str], types: list[str],
+                   indices: list[int], workload: int, result_types: str) -> str:
+    """`result = flow.dispatch` of export `kind` on `operands` then `indices` as index constants, its workload
+    the index at `workload`."""
+    lines = [f"{indent}{name}_{i} = arith.constant {value} : index" for i, value in enumerate(indices)]
+    arguments = ", ".join(operands + [f"{name}_{i}" for i in range(len(indices))])
+    lines.append(f"{indent}{result} = flow.dispatch @{EXECUTABLE}::@{kind}[{name}_{workload}]({arguments}) : "
+                 f"({', '.join(types + ['index'] * len(indices))}) -> {result_types}")
+    return "\n".join(lines)
 
 
 def executable(objects: dict[str, list[Path]]) -> str:
@@ -131,46 +161,61 @@ def executable(objects: dict[str, list[Path]]) -> str:
                        for fmt, paths in objects.items())
     return "\n".join([f"  stream.executable private @{EXECUTABLE} attributes {{",
                       "    hal.executable.objects = #hal.executable.objects<{", keyed, "    }>", "  } {",
-                      *(_export(kind) for kind in EXPORTS), "    builtin.module {",
-                      *(_function(kind, *EXPORTS[kind]) for kind in EXPORTS), "    }", "  }"])
+                      *(_export(kind, EXPORTS[kind][2]) for kind in EXPORTS), "    builtin.module {",
+                      *(_function(kind, *EXPORTS[kind][:2]) for kind in EXPORTS), "    }", "  }"])
 
 
-# Each export's buffers (name, element type) and leading index operands, in the C entry point's order
-# (`c/iree_dispatch.c`); the routed ones take stacked experts and each expert's first row (`c/routed.c`).
+# Each export's buffers (name, element type), index operands and workgroup size, in the C entry point's order
+# (`c/iree_dispatch.c`); the routed ones take stacked experts and each expert's first row (`c/routed.c`). A
+# matmul's workgroups split its weight rows, a preparation's its activations' blocks.
 INT8_BUFFERS = (("values", "i8"), ("block_scales", "f32"), ("sums", "i32"), ("weights", "i8"), ("scales", "i8"))
 FLOAT_BUFFERS = (("ordered", "f32"), ("weights", "i8"), ("scales", "i8"))
 STARTS, OUT = ("starts", "i32"), ("out", "f32")
-EXPORTS = {"int8": ((*INT8_BUFFERS, OUT), ("bits",)), "float": ((*FLOAT_BUFFERS, OUT), ()),
-           "int8_routed": ((*INT8_BUFFERS, STARTS, OUT), ("bits", "experts")),
-           "float_routed": ((*FLOAT_BUFFERS, STARTS, OUT), ("experts",))}
 INDICES = ("positions", "columns", "rows", "group", "scale_bf16")
+PREPARED = ("positions", "columns", "feature_major")
+EXPORTS = {"int8": ((*INT8_BUFFERS, OUT), ("bits", *INDICES), ROWS_PER_WORKGROUP),
+           "float": ((*FLOAT_BUFFERS, OUT), INDICES, ROWS_PER_WORKGROUP),
+           "int8_routed": ((*INT8_BUFFERS, STARTS, OUT), ("bits", "experts", *INDICES), ROWS_PER_WORKGROUP),
+           "float_routed": ((*FLOAT_BUFFERS, STARTS, OUT), ("experts", *INDICES), ROWS_PER_WORKGROUP),
+           "int8_activations": ((("x", "f32"), *INT8_BUFFERS[:3]), (*PREPARED, "nibbles", "blocks"),
+                                BLOCKS_PER_WORKGROUP),
+           "float_activations": ((("x", "f32"), FLOAT_BUFFERS[0]), (*PREPARED, "blocks"), BLOCKS_PER_WORKGROUP)}
 
 
-def _export(kind: str) -> str:
-    """The workgroup count: one per ROWS_PER_WORKGROUP weight rows (the dispatch's workload)."""
+def _export(kind: str, per_workgroup: int) -> str:
+    """The workgroup count: one per `per_workgroup` of the dispatch's workload."""
     return "\n".join([
-        f"    stream.executable.export public @{kind} workgroups(%rows: index) -> (index, index, index) {{",
-        f"      %x = affine.apply affine_map<()[s0] -> (s0 ceildiv {ROWS_PER_WORKGROUP})>()[%rows]",
+        f"    stream.executable.export public @{kind} workgroups(%workload: index) -> (index, index, index) {{",
+        f"      %x = affine.apply affine_map<()[s0] -> (s0 ceildiv {per_workgroup})>()[%workload]",
         "      %c1 = arith.constant 1 : index",
         "      stream.return %x, %c1, %c1 : index, index, index",
         "    }"])
 
 
-def _function(kind: str, buffers: tuple, leading: tuple[str, ...]) -> str:
+def _function(kind: str, buffers: tuple, indices: tuple[str, ...]) -> str:
     """The exported function: each binding as a 1-D memref of its elements, then the C entry point's call."""
-    indices = (*leading, *INDICES)
     c_types = ", ".join([f"memref<?x{element}>" for _, element in buffers] + ["index"] * (len(indices) + 1))
     bindings = ", ".join(f"%{name}: !stream.binding" for name, _ in buffers)
     operands = ", ".join(f"%{name}: index" for name in indices)
     lines = [f"      func.func private @llk_iree_{kind}({c_types}) attributes {{hal.import.static}}",
              f"      func.func @{kind}({bindings}, {operands}) {{",
-             *(f"        {line}" for line in _sizes(kind)),
+             *(f"        {line}" for line in (_prepared_sizes(kind) if "blocks" in indices else _sizes(kind))),
              "        %workgroup = hal.interface.workgroup.id[0] : index"]
     lines += [f"        %{name}_m = stream.binding.subspan %{name}[%c0] : !stream.binding -> "
               f"memref<?x{element}>{{%{name}_size}}" for name, element in buffers]
     arguments = ", ".join([f"%{name}_m" for name, _ in buffers] + [f"%{name}" for name in indices] + ["%workgroup"])
     lines += [f"        func.call @llk_iree_{kind}({arguments}) : ({c_types}) -> ()", "        return", "      }"]
     return "\n".join(lines)
+
+
+def _prepared_sizes(kind: str) -> list[str]:
+    """Each binding's element count in an activations' preparation."""
+    lines = ["%c0 = arith.constant 0 : index", "%x_size = arith.muli %positions, %columns : index"]
+    if kind.startswith("float"):
+        return lines + ["%ordered_size = arith.addi %x_size, %c0 : index"]
+    return lines + ["%values_size = arith.addi %x_size, %c0 : index",
+                    "%block_scales_size = arith.muli %positions, %blocks : index",
+                    "%sums_size = arith.addi %block_scales_size, %c0 : index"]
 
 
 def _sizes(kind: str) -> list[str]:

@@ -34,10 +34,12 @@ def block_order(x: np.ndarray, nibbles: bool) -> np.ndarray:
 
 def quantize_activations(x: np.ndarray, nibbles: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """int8 values `[R, I/32, 32]` (block order), scales and sums `[R, I/32]`: q = rint(x * (1/d)),
-    d = max|x| x float32(1/127), all in float32."""
+    d = max|x| x float32(1/127), all in float32 (1/d taken as 0 where d is 0 or 1/d is not finite)."""
     blocks = block_order(x.astype(F32), nibbles)
     d = (np.abs(blocks).max(-1) * F32(1 / 127)).astype(F32)
-    inverse = np.divide(F32(1), d, out=np.zeros_like(d), where=d > 0)
+    with np.errstate(divide="ignore", over="ignore"):
+        inverse = np.divide(F32(1), d, out=np.zeros_like(d), where=d > 0)
+    inverse[~np.isfinite(inverse)] = 0
     q = np.rint(blocks * inverse[..., None]).astype(np.int8)
     return q, d, q.astype(np.int32).sum(-1, dtype=np.int32)
 

@@ -197,15 +197,17 @@ def test_w4a16_rows_in_lanes_give_the_same_bits_on_x86_and_arm64(arm64_bundle_ke
 
 
 @settings(max_examples=30)
-@given(data=st.data(), nibbles=st.booleans())
-def test_the_step_prepares_activations_exactly_as_stated(data, nibbles):
+@given(data=st.data(), nibbles=st.booleans(), feature_major=st.booleans())
+def test_the_step_prepares_activations_exactly_as_stated(data, nibbles, feature_major):
+    """Our preparation (`c/activations.c`) from either layout, bit for bit the statement's, block-major."""
+    kernels_on_xla()
     x, _, _ = draw_problem(data, 4)
-    got = activations.quantized(jnp.asarray(x), nibbles)
-    want = statement.quantize_activations(x, nibbles)
-    for a, b in zip(got, want):
-        np.testing.assert_array_equal(np.asarray(a).swapaxes(0, 1), b)  # block-major as the kernels read
-    ordered = activations.block_order(jnp.asarray(x), nibbles)
-    np.testing.assert_array_equal(np.asarray(ordered), statement.block_order(x, nibbles).reshape(x.shape))
+    held = jnp.asarray(x.T.copy() if feature_major else x)
+    got = jax.jit(lambda h: activations.quantized(h, nibbles, feature_major))(held)
+    for a, b in zip(got, statement.quantize_activations(x, nibbles)):
+        np.testing.assert_array_equal(np.asarray(a).swapaxes(0, 1), b)
+    ordered = jax.jit(lambda h: activations.float_blocks(h, feature_major))(held)
+    np.testing.assert_array_equal(np.asarray(ordered).swapaxes(0, 1), statement.block_order(x, True))
 
 
 @pytest.mark.parametrize("bits, scheme", [(4, "w4a8"), (8, "w8a8")])

@@ -16,7 +16,7 @@ from llada_jax.system.host_cpu import cpu_flags
 from llada_jax.system.locations import user_cache_dir
 
 SOURCE_DIR = Path(__file__).resolve().parent / "c"
-KERNEL_SOURCES = ("w4a8.c", "w4a16.c", "w8a8.c", "routed.c")
+KERNEL_SOURCES = ("activations.c", "w4a8.c", "w4a16.c", "w8a8.c", "routed.c")
 HEADERS = ("kernels.h", "simd.h", "stored_blocks.h", "int8_matmul.h", "row_lanes.h", "pair_tiles.h")
 XLA_SHIM = "xla_ffi.cc"
 # Freestanding C (no libc: the same files link into IREE's executables); strict IEEE float (no contraction

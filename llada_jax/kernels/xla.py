@@ -1,6 +1,6 @@
 """The kernels on XLA's CPU path: FFI custom calls, `out[R, O] = x[R, I] @ W.T`, for the weights' schemes W4A8,
-W4A16 and W8A8 (`c/kernels.h`). XLA's own code stays the fallback (no compiler, another device,
-a layout the kernels do not take) and the GPU path."""
+W4A16 and W8A8 (`c/kernels.h`), each on activations our own call prepares (`activations`). XLA's own code stays
+the fallback (no compiler, another device, a layout the kernels do not take) and the GPU path."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from llada_jax.kernels import activations
 from llada_jax.kernels.build import find_toolchain, xla_library
 from llada_jax.system.errors import LladaError
 
-TARGETS = {"llada_int8_matmul": "LladaInt8Matmul", "llada_float_matmul": "LladaFloatMatmul",
+TARGETS = {"llada_int8_activations": "LladaInt8Activations", "llada_float_activations": "LladaFloatActivations",
+           "llada_int8_matmul": "LladaInt8Matmul", "llada_float_matmul": "LladaFloatMatmul",
            "llada_int8_routed_matmul": "LladaRoutedInt8Matmul", "llada_float_routed_matmul": "LladaRoutedFloatMatmul"}
 
 
@@ -50,10 +51,12 @@ def _note_once(message: str) -> None:
     print(message, file=sys.stderr)
 
 
-def matmul(x: jax.Array, stored: jax.Array, scale: jax.Array, scheme: str, signed8: bool = False) -> jax.Array:
-    """x `[R, I]` @ W.T `[R, O]` float32, W's bytes `stored` `[O, I * bits / 8]` as `c/kernels.h` reads them and
-    its scales `[O, G]` (float32 or bfloat16); x prepared for the kernel here (`activations`)."""
-    return _kernel_call(x, stored, scale, scheme, "", (), {} if scheme == "w4a16" else {"signed8": signed8})
+def matmul(x: jax.Array, stored: jax.Array, scale: jax.Array, scheme: str, signed8: bool = False,
+           feature_major: bool = False) -> jax.Array:
+    """x `[R, I]` (`[I, R]` when `feature_major`) @ W.T `[R, O]` float32, W's bytes `stored` `[O, I * bits / 8]` as
+    `c/kernels.h` reads them and its scales `[O, G]` (float32 or bfloat16); x prepared for the kernel here."""
+    attributes = {} if scheme == "w4a16" else {"signed8": signed8}
+    return _kernel_call(x, stored, scale, scheme, "", (), attributes, feature_major)
 
 
 def routed_matmul(x: jax.Array, stored: jax.Array, scale: jax.Array, scheme: str, starts: jax.Array) -> jax.Array:
@@ -64,19 +67,20 @@ def routed_matmul(x: jax.Array, stored: jax.Array, scale: jax.Array, scheme: str
 
 
 def _kernel_call(x: jax.Array, stored: jax.Array, scale: jax.Array, scheme: str, variant: str, extra: tuple,
-                 attributes: dict) -> jax.Array:
+                 attributes: dict, feature_major: bool = False) -> jax.Array:
     """The kernel's custom call (`TARGETS`: `llada_{int8|float}{variant}_matmul`) on x prepared for it, the
     weights' operands, then `extra` operands."""
-    group = np.int64(x.shape[1] // scale.shape[-1])
+    positions, columns = x.shape[::-1] if feature_major else x.shape
+    group = np.int64(columns // scale.shape[-1])
     if stored.dtype != jnp.int8:  # bytes: a signless i8 tensor in StableHLO (held so: nothing to hoist)
         stored = jax.lax.bitcast_convert_type(stored, jnp.int8)
-    out = jax.ShapeDtypeStruct((x.shape[0], scale.shape[-2]), jnp.float32)
+    out = jax.ShapeDtypeStruct((positions, scale.shape[-2]), jnp.float32)
     nibbles = scheme != "w8a8"
     if scheme == "w4a16":
-        blocks = activations.float_blocks(x)
+        blocks = activations.float_blocks(x, feature_major)
         return jax.ffi.ffi_call(f"llada_float{variant}_matmul", out)(blocks, stored, scale, *extra, group=group,
                                                                      **attributes)
-    values, block_scales, sums = activations.quantized(x, nibbles)
+    values, block_scales, sums = activations.quantized(x, nibbles, feature_major)
     return jax.ffi.ffi_call(f"llada_int8{variant}_matmul", out)(values, block_scales, sums, stored, scale, *extra,
                                                                 bits=np.int64(4 if nibbles else 8), group=group,
                                                                 **attributes)
@@ -85,6 +89,5 @@ def _kernel_call(x: jax.Array, stored: jax.Array, scale: jax.Array, scheme: str,
 def linear(x: jax.Array, stored: jax.Array, scale: jax.Array, scheme: str, columns: bool = False) -> jax.Array:
     """x `[..., I]` @ W.T by `matmul`, which takes positions as rows; with `columns`, x is feature-major `[I, R]`
     and the result W @ x `[O, R]` (`llada_jax.model.layout`)."""
-    positions = x.T if columns else x.reshape(-1, x.shape[-1])
-    out = matmul(positions, stored, scale, scheme)
+    out = matmul(x if columns else x.reshape(-1, x.shape[-1]), stored, scale, scheme, feature_major=columns)
     return out.T if columns else out.reshape(*x.shape[:-1], out.shape[-1])

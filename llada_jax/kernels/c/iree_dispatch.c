@@ -1,11 +1,13 @@
 /* The kernels as IREE dispatch functions, linked into a bundle's executables (`lowering/kernel_dispatch.py`):
- * each workgroup computes LLK_IREE_ROWS weight rows of every position. IREE passes each buffer as a 1-D memref
- * descriptor (base pointer, aligned pointer, offset in elements, size, stride) and index operands as size_t. */
+ * each workgroup of a matmul computes LLK_IREE_ROWS weight rows of every position, each of a preparation
+ * LLK_IREE_BLOCKS blocks of the activations. IREE passes each buffer as a 1-D memref descriptor (base pointer,
+ * aligned pointer, offset in elements, size, stride) and index operands as size_t. */
 #include <stddef.h>
 
 #include "kernels.h"
 
 #define LLK_IREE_ROWS 64
+#define LLK_IREE_BLOCKS 8
 #define BUFFER(type, name) \
   type *name##_base, type *name, size_t name##_offset, size_t name##_size, size_t name##_stride
 #define AT(name) (name + name##_offset)
@@ -69,4 +71,23 @@ void llk_iree_float_routed(BUFFER(const float, ordered), BUFFER(const int8_t, we
                              scale_bf16);
   llk_routed_w4a16(&w, AT(starts), (int64_t)experts, AT(ordered), (int64_t)positions, AT(out),
                    (int64_t)(workgroup * LLK_IREE_ROWS), last_row(workgroup, rows));
+}
+
+static int64_t last_block(size_t workgroup, size_t blocks) {
+  size_t end = (workgroup + 1) * LLK_IREE_BLOCKS;
+  return (int64_t)(end < blocks ? end : blocks);
+}
+
+void llk_iree_int8_activations(BUFFER(const float, x), BUFFER(int8_t, values), BUFFER(float, block_scales),
+                               BUFFER(int32_t, sums), size_t positions, size_t columns, size_t feature_major,
+                               size_t nibbles, size_t blocks, size_t workgroup) {
+  llk_float_input in = {AT(x), (int64_t)positions, (int64_t)columns, (int32_t)feature_major, (int32_t)nibbles};
+  llk_int8_blocks(&in, AT(values), AT(block_scales), AT(sums), (int64_t)(workgroup * LLK_IREE_BLOCKS),
+                  last_block(workgroup, blocks));
+}
+
+void llk_iree_float_activations(BUFFER(const float, x), BUFFER(float, ordered), size_t positions, size_t columns,
+                                size_t feature_major, size_t blocks, size_t workgroup) {
+  llk_float_input in = {AT(x), (int64_t)positions, (int64_t)columns, (int32_t)feature_major, 1};
+  llk_float_blocks(&in, AT(ordered), (int64_t)(workgroup * LLK_IREE_BLOCKS), last_block(workgroup, blocks));
 }

@@ -4,8 +4,8 @@
  *   4-bit: bytes [O, I/2], value(o, 2j) = (b & 15) - 8, value(o, 2j+1) = (b >> 4) - 8;
  *   8-bit: bytes [O, I], value = b - 128 (`signed8` = 0) or the byte read as int8 (`signed8` = 1).
  *   Scales [O, I / group] float32 (`scale_bf16` = 0) or bfloat16 (1); group a multiple of 32.
- * Activations enter prepared in blocks of 32 columns (`llada_jax/kernels/activations.py`, in the exported
- * program itself): for 4-bit weights each block's even columns first, then odd (the nibbles' order);
+ * Activations enter prepared in blocks of 32 columns (`activations.c`, its own call in the exported program):
+ * for 4-bit weights each block's even columns first, then odd (the nibbles' order);
  *   int8 (W4A8, W8A8): per block q = rint(x * (1 / d)), d = max|x| * (1 / 127), and sum(q);
  *   float (W4A16): the values themselves.
  * Both block-major, [I/32, R, 32] (per-block scalars [I/32, R]): block b of every position is contiguous
@@ -39,6 +39,21 @@ typedef struct {
 
 /* Where block b of position p lies in the activations' per-block arrays (its values: that times 32). */
 static inline int64_t llk_at(const llk_int8_activations* a, int64_t p, int64_t b) { return b * a->total + p; }
+
+/* Float32 activations as a step holds them, to prepare for the kernels (`activations.c`). */
+typedef struct {
+  const float* x;        /* [R, I] position-major, or [I, R] feature-major */
+  int64_t positions;     /* R */
+  int64_t columns;       /* I, a multiple of 32 */
+  int32_t feature_major;
+  int32_t nibbles;       /* for 4-bit weights: each block's even columns first */
+} llk_float_input;
+
+/* Blocks [b_begin, b_end) of every position: float ones [I/32, R, 32], or int8 ones with their scales and sums
+ * (`llk_int8_activations` with total = R). Callers split the blocks over their threads. */
+void llk_float_blocks(const llk_float_input* in, float* blocks, int64_t b_begin, int64_t b_end);
+void llk_int8_blocks(const llk_float_input* in, int8_t* values, float* scales, int32_t* sums, int64_t b_begin,
+                     int64_t b_end);
 
 /* Which instructions this build's kernels use (a static string naming the ISA path). */
 const char* llk_isa(void);

@@ -1,5 +1,5 @@
-// The kernels as XLA FFI custom calls on CPU (`llada_jax.kernels.xla`): activations come prepared by the step
-// (`activations.py`); the weight rows are split in chunks over XLA's intra-op thread pool.
+// The kernels as XLA FFI custom calls on CPU (`llada_jax.kernels.xla`): the activations' preparation
+// (`activations.c`, its blocks split over XLA's intra-op thread pool) and the matmuls (their weight rows split).
 #include <atomic>
 #include <cstdint>
 #include <functional>
@@ -62,6 +62,35 @@ ffi::Error Check(int64_t columns, int64_t bits, int64_t group, Bytes& weights, f
   if (columns % LLK_BLOCK || group % LLK_BLOCK || columns % group || weights.dimensions()[1] * 8 != columns * bits ||
       scales.dimensions().size() != 2 || scales.dimensions()[0] != rows || scales.dimensions()[1] * group != columns)
     return ffi::Error::InvalidArgument("llada kernels: shapes do not match the quantized layout");
+  return ffi::Error::Success();
+}
+
+// The float32 activations `x` as `c/kernels.h` describes them: [R, I], or [I, R] when `feature_major`.
+llk_float_input Input(Matrix& x, bool feature_major, bool nibbles) {
+  auto d = x.dimensions();
+  return {x.typed_data(), feature_major ? d[1] : d[0], feature_major ? d[0] : d[1], feature_major, nibbles};
+}
+
+ffi::Error Int8Activations(ffi::ThreadPool pool, Matrix x, ffi::Result<Int8s> values, ffi::Result<Matrix> scales,
+                           ffi::Result<Int32s> sums, bool feature_major, bool nibbles) {
+  llk_float_input in = Input(x, feature_major, nibbles);
+  if (in.columns % LLK_BLOCK || values->dimensions()[0] * LLK_BLOCK != in.columns ||
+      values->dimensions()[1] != in.positions)
+    return ffi::Error::InvalidArgument("llada kernels: activations do not match their blocks");
+  int8_t* q = values->typed_data();
+  float* d = scales->typed_data();
+  int32_t* s = sums->typed_data();
+  ParallelRows(pool, in.columns / LLK_BLOCK, [&](int64_t b, int64_t e) { llk_int8_blocks(&in, q, d, s, b, e); });
+  return ffi::Error::Success();
+}
+
+ffi::Error FloatActivations(ffi::ThreadPool pool, Matrix x, ffi::Result<Blocks> blocks, bool feature_major) {
+  llk_float_input in = Input(x, feature_major, true);
+  if (in.columns % LLK_BLOCK || blocks->dimensions()[0] * LLK_BLOCK != in.columns ||
+      blocks->dimensions()[1] != in.positions)
+    return ffi::Error::InvalidArgument("llada kernels: activations do not match their blocks");
+  float* out = blocks->typed_data();
+  ParallelRows(pool, in.columns / LLK_BLOCK, [&](int64_t b, int64_t e) { llk_float_blocks(&in, out, b, e); });
   return ffi::Error::Success();
 }
 
@@ -139,6 +168,23 @@ ffi::Error RoutedFloatMatmul(ffi::ThreadPool pool, Blocks ordered, Stack stack, 
 }
 
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LladaInt8Activations, Int8Activations,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Matrix>()
+                                  .Ret<Int8s>()
+                                  .Ret<Matrix>()
+                                  .Ret<Int32s>()
+                                  .Attr<bool>("feature_major")
+                                  .Attr<bool>("nibbles"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LladaFloatActivations, FloatActivations,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Matrix>()
+                                  .Ret<Blocks>()
+                                  .Attr<bool>("feature_major"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LladaInt8Matmul, Int8Matmul,
                               ffi::Ffi::Bind()
