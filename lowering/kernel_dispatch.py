@@ -1,11 +1,12 @@
 """Our kernels inside IREE bundles (`llada_jax/kernels/c`), through IREE's custom dispatch support.
 
 The mechanism: the step is exported with our kernels as XLA FFI custom calls (`llada_jax.kernels.xla`, the same
-program XLA runs); the bundle builder rewrites each `stablehlo.custom_call @llada_*_matmul` into a `flow.dispatch`
-of one `stream.executable` whose functions call the kernels' dispatch entry points (`c/iree_dispatch.c`),
-declared `hal.import.static` and linked from an object file compiled for the bundle's target
-(`hal.executable.objects`). IREE keeps scheduling, threading (one workgroup per 64 weight rows), buffers, the
-compiled loop and the parameter weights; only the quantized matmuls are ours. Chosen over the other routes:
+program XLA runs); the bundle builder rewrites each `stablehlo.custom_call @llada_*_matmul` and
+`@llada_*_activations` into a `flow.dispatch` of one `stream.executable` whose functions call the kernels' dispatch
+entry points (`c/iree_dispatch.c`), declared `hal.import.static` and linked from an object file compiled for the
+bundle's target (`hal.executable.objects`). IREE keeps scheduling, threading (one workgroup per 64 weight rows or
+8 activation blocks), buffers, the compiled loop and the parameter weights; only the quantized matmuls and their
+activations' preparation are ours. Chosen over the other routes:
 a plugin (`--executable_plugin`) would be a second file `run.sh` must find at run time, and a pattern that
 IREE matches would need its transform dialect to recognise the dequantization, the fusion it cannot do."""
 
