@@ -19,6 +19,7 @@ from collections import Counter
 from pathlib import Path
 
 from llada_jax.kernels.build import KERNEL_SOURCES, SOURCE_DIR, check_runs_here, compile_object, find_toolchain
+from llada_jax.kernels.schemes import BLOCK
 from llada_jax.quant.choice import KERNELS, Kernels
 from llada_jax.system.errors import LladaError
 from lowering.bundle_weights import WeightLayout
@@ -130,7 +131,7 @@ def rewrite_custom_calls(module_text: str) -> tuple[str, int]:
         feature_major = config["feature_major"] == "true"
         positions, columns = dims(match["type"])[::-1] if feature_major else dims(match["type"])
         nibbles = [int(config["nibbles"] == "true")] if "nibbles" in config else []
-        indices = [positions, columns, int(feature_major), *nibbles, columns // 32]
+        indices = [positions, columns, int(feature_major), *nibbles, columns // BLOCK]
         return _flow_dispatch(match["indent"], name, match["result"], kind, [match["operand"]], [match["type"]],
                               indices, len(indices) - 1, match["result_types"])
 
@@ -200,7 +201,8 @@ def _function(kind: str, buffers: tuple, indices: tuple[str, ...]) -> str:
     operands = ", ".join(f"%{name}: index" for name in indices)
     lines = [f"      func.func private @llk_iree_{kind}({c_types}) attributes {{hal.import.static}}",
              f"      func.func @{kind}({bindings}, {operands}) {{",
-             *(f"        {line}" for line in (_prepared_sizes(kind) if "blocks" in indices else _sizes(kind))),
+             *(f"        {line}" for line in (_prepared_sizes(kind) if kind.endswith("_activations") else
+                                               _sizes(kind))),
              "        %workgroup = hal.interface.workgroup.id[0] : index"]
     lines += [f"        %{name}_m = stream.binding.subspan %{name}[%c0] : !stream.binding -> "
               f"memref<?x{element}>{{%{name}_size}}" for name, element in buffers]

@@ -151,3 +151,51 @@ def run_program(command: list[str], scheme: str, x: np.ndarray, stored: np.ndarr
         request.write_bytes(b"".join(a.tobytes() for a in (call.header(), *call.arrays)))
         done = subprocess.run([*command, str(request), str(answer)], capture_output=True, text=True, check=True)
         return np.fromfile(answer, F32).reshape(call.positions, call.rows), done.stdout.strip()
+
+
+class FloatInput(ctypes.Structure):
+    _fields_ = [("x", ctypes.c_void_p), ("positions", ctypes.c_int64), ("columns", ctypes.c_int64),
+                ("feature_major", ctypes.c_int32), ("nibbles", ctypes.c_int32)]
+
+
+def preparation_shapes(positions: int, columns: int) -> list[tuple[tuple[int, ...], type]]:
+    """What `c/activations.c` writes for int8 kernels: values `[I/32, R, 32]`, scales and sums `[I/32, R]`."""
+    blocks = columns // BLOCK
+    return [((blocks, positions, BLOCK), np.int8), ((blocks, positions), F32), ((blocks, positions), np.int32)]
+
+
+def prepare_with_library(library: Path, x: np.ndarray, feature_major: bool, nibbles: bool,
+                         int8: bool) -> list[np.ndarray]:
+    """The library's preparation (`c/activations.c`) of float32 x `[R, I]`, held feature-major `[I, R]` when asked,
+    its blocks in two calls: the int8 values, scales and sums, or the float blocks `[I/32, R, 32]`."""
+    lib = ctypes.CDLL(str(library))
+    positions, columns = x.shape
+    held = np.ascontiguousarray(x.T if feature_major else x, F32)
+    given = FloatInput(_ptr(held), positions, columns, int(feature_major), int(nibbles))
+    shapes = preparation_shapes(positions, columns) if int8 else [((columns // BLOCK, positions, BLOCK), F32)]
+    outs = [np.zeros(shape, dtype) for shape, dtype in shapes]
+    blocks = columns // BLOCK
+    for begin, end in ((0, blocks // 2), (blocks // 2, blocks)):
+        function = lib.llk_int8_blocks if int8 else lib.llk_float_blocks
+        function(ctypes.byref(given), *(ctypes.c_void_p(_ptr(out)) for out in outs), ctypes.c_int64(begin),
+                 ctypes.c_int64(end))
+    return outs
+
+
+def prepare_with_program(command: list[str], x: np.ndarray, feature_major: bool, nibbles: bool,
+                         int8: bool) -> list[np.ndarray]:
+    """`prepare_with_library` through `kernel_runner.c` built for another CPU (`command`, e.g. under qemu)."""
+    positions, columns = x.shape
+    held = np.ascontiguousarray(x.T if feature_major else x, F32)
+    header = np.array([3, positions, 0, columns, feature_major, nibbles, int8], np.int64)
+    shapes = preparation_shapes(positions, columns) if int8 else [((columns // BLOCK, positions, BLOCK), F32)]
+    with tempfile.TemporaryDirectory() as work:
+        request, answer = Path(work) / "call.bin", Path(work) / "out.bin"
+        request.write_bytes(header.tobytes() + held.tobytes())
+        subprocess.run([*command, str(request), str(answer)], capture_output=True, text=True, check=True)
+        data, outs = answer.read_bytes(), []
+        for shape, dtype in shapes:
+            count = int(np.prod(shape))
+            outs.append(np.frombuffer(data, dtype, count).reshape(shape))
+            data = data[count * np.dtype(dtype).itemsize:]
+        return outs

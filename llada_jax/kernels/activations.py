@@ -11,22 +11,24 @@ import jax.numpy as jnp
 from llada_jax.kernels.schemes import BLOCK
 
 
-def _shape(x: jax.Array, feature_major: bool) -> tuple[int, int]:
-    """(blocks, positions) of x `[R, I]`, or `[I, R]` when `feature_major`."""
+def positions_columns(x: jax.Array, feature_major: bool) -> tuple[int, int]:
+    """(R, I) of x `[R, I]`, or of x `[I, R]` when `feature_major`."""
     positions, columns = x.shape[::-1] if feature_major else x.shape
-    return columns // BLOCK, positions
+    return positions, columns
 
 
 def float_blocks(x: jax.Array, feature_major: bool = False) -> jax.Array:
     """x as W4A16 reads it: `[I/32, R, 32]` float32, each block's even columns first."""
-    blocks, positions = _shape(x, feature_major)
+    positions, columns = positions_columns(x, feature_major)
+    blocks = columns // BLOCK
     out = jax.ShapeDtypeStruct((blocks, positions, BLOCK), jnp.float32)
     return jax.ffi.ffi_call("llada_float_activations", out)(x.astype(jnp.float32), feature_major=feature_major)
 
 
 def quantized(x: jax.Array, nibbles: bool, feature_major: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(int8 values `[I/32, R, 32]` in block order, float32 scales `[I/32, R]`, int32 sums `[I/32, R]`) of x."""
-    blocks, positions = _shape(x, feature_major)
+    positions, columns = positions_columns(x, feature_major)
+    blocks = columns // BLOCK
     out = (jax.ShapeDtypeStruct((blocks, positions, BLOCK), jnp.int8),
            jax.ShapeDtypeStruct((blocks, positions), jnp.float32), jax.ShapeDtypeStruct((blocks, positions), jnp.int32))
     values, scales, sums = jax.ffi.ffi_call("llada_int8_activations", out)(

@@ -70,7 +70,7 @@ def _kernel_call(x: jax.Array, stored: jax.Array, scale: jax.Array, scheme: str,
                  attributes: dict, feature_major: bool = False) -> jax.Array:
     """The kernel's custom call (`TARGETS`: `llada_{int8|float}{variant}_matmul`) on x prepared for it, the
     weights' operands, then `extra` operands."""
-    positions, columns = x.shape[::-1] if feature_major else x.shape
+    positions, columns = activations.positions_columns(x, feature_major)
     group = np.int64(columns // scale.shape[-1])
     if stored.dtype != jnp.int8:  # bytes: a signless i8 tensor in StableHLO (held so: nothing to hoist)
         stored = jax.lax.bitcast_convert_type(stored, jnp.int8)

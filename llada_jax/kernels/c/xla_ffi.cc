@@ -71,12 +71,17 @@ llk_float_input Input(Matrix& x, bool feature_major, bool nibbles) {
   return {x.typed_data(), feature_major ? d[1] : d[0], feature_major ? d[0] : d[1], feature_major, nibbles};
 }
 
+// Blocks [I/32, R, ...] of the activations `in`, as the preparation writes them.
+ffi::Error CheckBlocks(const llk_float_input& in, ffi::Span<const int64_t> blocks) {
+  if (in.columns % LLK_BLOCK || blocks[0] * LLK_BLOCK != in.columns || blocks[1] != in.positions)
+    return ffi::Error::InvalidArgument("llada kernels: activations do not match their blocks");
+  return ffi::Error::Success();
+}
+
 ffi::Error Int8Activations(ffi::ThreadPool pool, Matrix x, ffi::Result<Int8s> values, ffi::Result<Matrix> scales,
                            ffi::Result<Int32s> sums, bool feature_major, bool nibbles) {
   llk_float_input in = Input(x, feature_major, nibbles);
-  if (in.columns % LLK_BLOCK || values->dimensions()[0] * LLK_BLOCK != in.columns ||
-      values->dimensions()[1] != in.positions)
-    return ffi::Error::InvalidArgument("llada kernels: activations do not match their blocks");
+  if (auto error = CheckBlocks(in, values->dimensions()); error.failure()) return error;
   int8_t* q = values->typed_data();
   float* d = scales->typed_data();
   int32_t* s = sums->typed_data();
@@ -86,9 +91,7 @@ ffi::Error Int8Activations(ffi::ThreadPool pool, Matrix x, ffi::Result<Int8s> va
 
 ffi::Error FloatActivations(ffi::ThreadPool pool, Matrix x, ffi::Result<Blocks> blocks, bool feature_major) {
   llk_float_input in = Input(x, feature_major, true);
-  if (in.columns % LLK_BLOCK || blocks->dimensions()[0] * LLK_BLOCK != in.columns ||
-      blocks->dimensions()[1] != in.positions)
-    return ffi::Error::InvalidArgument("llada kernels: activations do not match their blocks");
+  if (auto error = CheckBlocks(in, blocks->dimensions()); error.failure()) return error;
   float* out = blocks->typed_data();
   ParallelRows(pool, in.columns / LLK_BLOCK, [&](int64_t b, int64_t e) { llk_float_blocks(&in, out, b, e); });
   return ffi::Error::Success();
