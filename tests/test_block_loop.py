@@ -39,6 +39,7 @@ def assert_same_run(host, compiled):
         assert ours.confidence == pytest.approx(theirs.confidence, rel=1e-5, abs=1e-6)
 
 
+@pytest.mark.slow
 @settings(max_examples=24, deadline=None)
 @given(prompt=PROMPTS, block=st.sampled_from([2, 4]), gen=st.sampled_from([5, 8]), lookahead=st.sampled_from([0, 2]),
        editing=st.sampled_from([None, 0.2, 0.6]), threshold=st.sampled_from([None, 0.3, 0.7]),

@@ -133,6 +133,7 @@ def test_llada_1_5_loads_as_llada(tmp_path):
     assert config.family == "llada" and config.n_layers == 32 and not config.n_experts
 
 
+@pytest.mark.slow
 def test_staged_runs_give_the_resident_tokens(family_model, family_dir, tmp_path):
     """Every family streams its layers through a budget smaller than its weights (an MoE layer with every
     expert's matrices in its stage), float and int8 alike, with the resident model's tokens."""

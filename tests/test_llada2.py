@@ -383,6 +383,7 @@ def test_a_block_bundle_holds_every_step_its_decoder_takes(model, block_bundle, 
             == llada_jax.generate(model, prompt, **options).output_ids.tolist())
 
 
+@pytest.mark.slow
 def test_a_batch_decodes_each_prompt_as_alone(model):
     prompts = [np.arange(3), np.arange(1, 12), np.arange(5, 13)]
     options = dict(gen_length=10, block_length=4, steps=4, threshold=0.3, editing_threshold=0.4, policy="dual-cache")

@@ -36,6 +36,7 @@ def tiny(tmp_path_factory) -> Tiny:
     return Tiny(checkpoint, llada_jax.load(checkpoint), float64_weights(checkpoint))
 
 
+@pytest.mark.slow
 @settings(max_examples=25)
 @given(prompt=PROMPTS, block=st.sampled_from([2, 4, 8]), gen=st.integers(1, 16), lookahead=st.integers(1, 3),
        draft=st.sampled_from([0.05, 0.3, 0.9]), editing=st.sampled_from([None, 0.3]),
@@ -90,6 +91,7 @@ def test_a_layered_model_puts_its_stages_on_the_device_once(layered_model):
         assert stats["bytes_staged"] == 0 and stats["pinned_stages"] == len(layered_model.staged.stages)
 
 
+@pytest.mark.slow
 @settings(max_examples=15)
 @given(prompt=PROMPTS, block=st.sampled_from([4, 8]), gen=st.integers(1, 12), editing=st.sampled_from([None, 0.3]),
        policy=st.sampled_from(["dual-cache", "vanilla"]))
