@@ -158,9 +158,12 @@ class FloatInput(ctypes.Structure):
                 ("feature_major", ctypes.c_int32), ("nibbles", ctypes.c_int32)]
 
 
-def preparation_shapes(positions: int, columns: int) -> list[tuple[tuple[int, ...], type]]:
-    """What `c/activations.c` writes for int8 kernels: values `[I/32, R, 32]`, scales and sums `[I/32, R]`."""
+def preparation_shapes(positions: int, columns: int, int8: bool) -> list[tuple[tuple[int, ...], type]]:
+    """What `c/activations.c` writes: for int8 kernels values `[I/32, R, 32]`, scales and sums `[I/32, R]`; for
+    W4A16 the float blocks `[I/32, R, 32]`."""
     blocks = columns // BLOCK
+    if not int8:
+        return [((blocks, positions, BLOCK), F32)]
     return [((blocks, positions, BLOCK), np.int8), ((blocks, positions), F32), ((blocks, positions), np.int32)]
 
 
@@ -172,11 +175,10 @@ def prepare_with_library(library: Path, x: np.ndarray, feature_major: bool, nibb
     positions, columns = x.shape
     held = np.ascontiguousarray(x.T if feature_major else x, F32)
     given = FloatInput(_ptr(held), positions, columns, int(feature_major), int(nibbles))
-    shapes = preparation_shapes(positions, columns) if int8 else [((columns // BLOCK, positions, BLOCK), F32)]
+    shapes = preparation_shapes(positions, columns, int8)
     outs = [np.zeros(shape, dtype) for shape, dtype in shapes]
-    blocks = columns // BLOCK
+    blocks, function = columns // BLOCK, lib.llk_int8_blocks if int8 else lib.llk_float_blocks
     for begin, end in ((0, blocks // 2), (blocks // 2, blocks)):
-        function = lib.llk_int8_blocks if int8 else lib.llk_float_blocks
         function(ctypes.byref(given), *(ctypes.c_void_p(_ptr(out)) for out in outs), ctypes.c_int64(begin),
                  ctypes.c_int64(end))
     return outs
@@ -188,7 +190,7 @@ def prepare_with_program(command: list[str], x: np.ndarray, feature_major: bool,
     positions, columns = x.shape
     held = np.ascontiguousarray(x.T if feature_major else x, F32)
     header = np.array([3, positions, 0, columns, feature_major, nibbles, int8], np.int64)
-    shapes = preparation_shapes(positions, columns) if int8 else [((columns // BLOCK, positions, BLOCK), F32)]
+    shapes = preparation_shapes(positions, columns, int8)
     with tempfile.TemporaryDirectory() as work:
         request, answer = Path(work) / "call.bin", Path(work) / "out.bin"
         request.write_bytes(header.tobytes() + held.tobytes())
