@@ -24,6 +24,7 @@ from llada_jax.bundle_runner import generate_with_bundle
 from llada_jax.model.config import LLaDAConfig
 from llada_jax.model.params import init_params
 from llada_jax.model.readout import ReadoutSpec, TokenBiases
+from llada_jax.system.atomic import write_once
 from llada_jax.system.locations import default_model_dir
 from llada_jax.training.tasks import held_out
 from llada_jax.weights.checkpoint import save_hf
@@ -47,9 +48,8 @@ def bench_model_dir(cache: Path, config: LLaDAConfig = BENCH_CONFIG) -> Path:
     """A random-weights checkpoint of `config`, written once per shape."""
     out = cache / (f"bench-d{config.d_model}-l{config.n_layers}-h{config.mlp_hidden_size}"
                    f"-v{config.embedding_size}")
-    if not (out / "config.json").is_file():
-        save_hf(init_params(config, seed=0), config, out)
-    return out
+    return write_once(out, lambda out: (out / "config.json").is_file(),
+                      lambda: save_hf(init_params(config, seed=0), config, out))
 
 
 def step_rows(jax_b, iree_b, config, slots: int, widths: list[int], repeats: int) -> list[dict]:

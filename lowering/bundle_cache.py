@@ -10,6 +10,7 @@ from llada_jax.kernels.build import HEADERS, KERNEL_SOURCES
 from llada_jax.model.config import read_config
 from llada_jax.quant.choice import Kernels
 from llada_jax.quant.quantize import Activations
+from llada_jax.system.atomic import write_once
 from llada_jax.system.locations import user_cache_dir
 from lowering.bundle import check_batch_sizes, checked_block_length, compile_bundle, iree_version, loop_refusal
 from lowering.bundle_format import FORMAT_VERSION, MANIFEST, sha256
@@ -44,12 +45,10 @@ def cached_bundle(model_dir, target: str, *, dtype: str = "float32", max_len: in
                       "kernel_flags": kernel_build.flags if kernel_build else None},
                      sort_keys=True)
     out = user_cache_dir("bundles") / hashlib.sha256(key.encode()).hexdigest()[:20]
-    if not (out / MANIFEST).is_file():
-        compile_bundle(model_dir, target, out, max_len=max_len, window=window, dtype=dtype, copy_weights=False,
-                       device_memory_budget=device_memory_budget, loops=loops, batch_sizes=batch_sizes,
-                       activations=activations, data_tiling=data_tiling, progress=progress, kernels=kernels,
-                       block_length=block_length)
-    return out
+    return write_once(out, lambda out: (out / MANIFEST).is_file(), lambda: compile_bundle(
+        model_dir, target, out, max_len=max_len, window=window, dtype=dtype, copy_weights=False,
+        device_memory_budget=device_memory_budget, loops=loops, batch_sizes=batch_sizes, activations=activations,
+        data_tiling=data_tiling, progress=progress, kernels=kernels, block_length=block_length))
 
 
 # The source files that decide what a bundle computes: a change to any of them compiles a new bundle.

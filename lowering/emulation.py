@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from llada_jax.system.atomic import atomic_dir, write_once
 from llada_jax.system.errors import LladaError
 
 QEMU = "qemu-aarch64-static"
@@ -29,23 +30,21 @@ def runtime_tools_dir(cache: Path) -> Path:
 
     iree = version("iree-base-runtime")
     tools = cache / f"iree-runtime-aarch64-{iree}"
-    if (tools / "iree-run-module").is_file():
-        return tools
-    with tempfile.TemporaryDirectory() as download:
+    return write_once(tools, lambda tools: (tools / "iree-run-module").is_file(), lambda: _download_tools(iree, tools))
+
+
+def _download_tools(iree: str, tools: Path) -> None:
+    with tempfile.TemporaryDirectory() as download, atomic_dir(tools, "download-runtime-tools") as staging:
         subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
                         "--python-version", "3.11", "--implementation", "cp", "--platform", "manylinux_2_28_aarch64",
                         "--dest", download, f"iree-base-runtime=={iree}"], check=True, capture_output=True)
         wheel = next(Path(download).glob("*.whl"))
-        staging = Path(tempfile.mkdtemp(dir=cache.parent if cache.parent.exists() else None))
         with zipfile.ZipFile(wheel) as archive:
             for name in archive.namelist():
                 if name.startswith("iree/_runtime_libs/iree-"):
                     target = staging / Path(name).name
                     target.write_bytes(archive.read(name))
                     target.chmod(0o755)
-        tools.parent.mkdir(parents=True, exist_ok=True)
-        shutil.move(str(staging), tools)
-    return tools
 
 
 def emulator_available() -> bool:

@@ -28,6 +28,30 @@ TINY = LLaDAConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, mlp_hidden_s
                    mask_token_id=500, eos_token_id=501, eot_token_id=502)
 
 
+# A test worker's peak memory: JAX with its compiled steps, an IREE compile, a child `run.sh` or server.
+WORKER_MEMORY = 4 << 30
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto` (pyproject's addopts): one worker a core, as many as the available memory holds; the
+    variable PYTEST_XDIST_AUTO_NUM_WORKERS, as in pytest-xdist, sets the number instead."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cores, available_memory() // WORKER_MEMORY))
+
+
+def available_memory() -> int:
+    """MemAvailable (Linux); the physical memory where the system does not say."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) << 10
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 @pytest.fixture(autouse=True, scope="module")
 def release_compiled_steps():
     """Drop every compiled executable after each test file. Each one the process holds keeps its code

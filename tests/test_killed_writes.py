@@ -253,3 +253,35 @@ def test_one_run_writes_a_results_file_at_a_time(tmp_path):
     with RowWriter(tmp_path / "unused.jsonl"):
         pass
     assert not (tmp_path / "unused.jsonl").exists()  # created by the writer, left empty: removed
+
+
+# Each racer enters its write, waits until both have (the start time given), then publishes.
+RACER = """
+import sys, time
+from pathlib import Path
+from llada_jax.system.atomic import atomic_dir, write_once
+out, meet, name = Path(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+wrote = []
+def write():
+    wrote.append(name)
+    with atomic_dir(out, "race") as staging:
+        (staging / "entry").write_text(name)
+        time.sleep(max(0.0, meet - time.time()))
+write_once(out, lambda out: (out / "entry").is_file(), write)
+print(bool(wrote), (out / "entry").read_text())
+"""
+
+
+@pytest.mark.slow
+def test_two_processes_writing_one_cache_entry_both_get_the_first_published(tmp_path):
+    """Concurrent writers of the same cache entry (two `llada generate --backend iree` compiling one bundle, two
+    test workers fetching the arm64 tools): both succeed, one copy is kept whole, the other leaves no scratch."""
+    out, meet = tmp_path / "entry", time.time() + 8
+    racers = [subprocess.Popen([sys.executable, "-c", RACER, str(out), str(meet), name], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True) for name in ("a", "b")]
+    results = [racer.communicate(timeout=120) for racer in racers]
+    assert [racer.returncode for racer in racers] == [0, 0], [err for _, err in results]
+    kept = (out / "entry").read_text()
+    assert sorted(stdout.split()[0] for stdout, _ in results) == ["True", "True"]  # both raced into their write
+    assert {stdout.split()[1] for stdout, _ in results} == {kept}
+    assert sorted(p.name for p in out.iterdir()) == sorted([MARKER, "entry"]) and not scratch_of(out)

@@ -30,8 +30,9 @@ def previous_output(path: Path) -> str | None:
     return record.get("command") if isinstance(record, dict) else None
 
 
-def check_output_dir(out_dir: Path, command: str, inputs=(), force: bool = False) -> None:
-    """Refuse, in one line, a target whose writing could destroy something the user has."""
+def check_output_dir(out_dir: Path, command: str, inputs=(), force: bool = False) -> bool:
+    """Refuse, in one line, a target whose writing could destroy something the user has; say whether it holds an
+    earlier output that the write replaces."""
     out_dir = Path(out_dir)
     target = out_dir.resolve()
     for source in inputs:
@@ -40,17 +41,18 @@ def check_output_dir(out_dir: Path, command: str, inputs=(), force: bool = False
             raise LladaError(f"{out_dir} {'is' if target == source else 'contains'} this command's input {source}; "
                              "choose an output directory of its own")
     if not out_dir.exists() and not out_dir.is_symlink():
-        return
+        return False
     if out_dir.is_symlink() or not out_dir.is_dir():
         raise LladaError(f"{out_dir} exists and is not a directory; refusing to replace it")
     if not any(out_dir.iterdir()):
-        return
+        return False
     writer = previous_output(out_dir)
     if writer != command:
         what = f"an output of `{writer}`" if writer else "not an output of this command"
         raise LladaError(f"{out_dir} is not empty and is {what}; refusing to replace it (choose a new directory)")
     if not force:
         raise LladaError(f"{out_dir} holds an earlier output of `{command}`; pass --force to replace it")
+    return True
 
 
 @contextlib.contextmanager
@@ -67,19 +69,36 @@ def atomic_dir(out_dir: Path, command: str, inputs=(), force: bool = False):
         yield staging
         (staging / MARKER).write_text(json.dumps({"command": command}) + "\n")
         publish_permissions(staging)
-        check_output_dir(out_dir, command, inputs, force)
-        replace_dir(staging, out_dir, command)
+        replacing = check_output_dir(out_dir, command, inputs, force)
+        replace_dir(staging, out_dir, command, replacing)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
 
 
-def replace_dir(staging: Path, out_dir: Path, command: str) -> None:
-    """Move the complete `staging` directory to `out_dir`; an existing `out_dir` (checked by the caller) is
-    swapped out only once the new one is complete, so a reader sees the old or the new directory, never a mix.
-    The old one waits in a scratch sibling, which a later run removes if this one is killed first."""
-    if not out_dir.exists():
-        os.replace(staging, out_dir)
+def write_once(out: Path, complete, write) -> Path:
+    """A cache entry written at most once: `write()` (an atomic write of `out`) unless `complete(out)`. When
+    another process publishes the same entry first, the atomic write refuses to replace it; that entry is kept and
+    this one's copy, still in scratch, is discarded."""
+    if not complete(out):
+        try:
+            write()
+        except LladaError:
+            if not complete(out):
+                raise
+    return out
+
+
+def replace_dir(staging: Path, out_dir: Path, command: str, replacing: bool) -> None:
+    """Move the complete `staging` directory to `out_dir`. An earlier output (`replacing`, checked by the caller)
+    is swapped out only once the new one is complete, so a reader sees the old or the new directory, never a mix;
+    it waits in a scratch sibling, which a later run removes if this one is killed first. Otherwise the rename
+    fails, rather than replace it, on whatever another process put at `out_dir` since the check."""
+    if not replacing:
+        try:
+            os.rename(staging, out_dir)  # onto nothing or an empty directory; refused on anything else
+        except OSError as error:
+            raise LladaError(f"{out_dir} was written by another process meanwhile; it is left as it is") from error
         return
     old = Path(tempfile.mkdtemp(prefix=scratch_prefix(out_dir, command), dir=out_dir.parent))
     os.replace(out_dir, old / "replaced")
