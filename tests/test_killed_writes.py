@@ -255,19 +255,25 @@ def test_one_run_writes_a_results_file_at_a_time(tmp_path):
     assert not (tmp_path / "unused.jsonl").exists()  # created by the writer, left empty: removed
 
 
-# Each racer enters its write, waits until both have (the start time given), then publishes.
+# Each racer fills its copy, checks the target when both have (at `meet`), and publishes a second later: both
+# checks see no entry, so the second publisher finds the first's in place.
 RACER = """
 import sys, time
 from pathlib import Path
-from llada_jax.system.atomic import atomic_dir, write_once
+from llada_jax.system import atomic
 out, meet, name = Path(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+publish = atomic.replace_dir
+def later(*args):
+    time.sleep(max(0.0, meet + 1 - time.time()))
+    publish(*args)
+atomic.replace_dir = later
 wrote = []
 def write():
     wrote.append(name)
-    with atomic_dir(out, "race") as staging:
+    with atomic.atomic_dir(out, "race") as staging:
         (staging / "entry").write_text(name)
         time.sleep(max(0.0, meet - time.time()))
-write_once(out, lambda out: (out / "entry").is_file(), write)
+atomic.write_once(out, lambda out: (out / "entry").is_file(), write)
 print(bool(wrote), (out / "entry").read_text())
 """
 
