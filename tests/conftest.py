@@ -13,7 +13,9 @@ from safetensors import safe_open
 
 from llada_jax.model.config import LLaDAConfig
 from llada_jax.model.params import init_params
+from llada_jax.system.host_cpu import usable_threads
 from llada_jax.weights.checkpoint import save_hf
+from llada_jax.weights.memory_plan import available_memory
 
 # Steps compile on first use, and session fixtures are deliberately shared across examples.
 settings.register_profile("llada", deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -37,19 +39,8 @@ def pytest_xdist_auto_num_workers(config) -> int:
     variable PYTEST_XDIST_AUTO_NUM_WORKERS, as in pytest-xdist, sets the number instead."""
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(cores, available_memory() // WORKER_MEMORY))
-
-
-def available_memory() -> int:
-    """MemAvailable (Linux); the physical memory where the system does not say."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) << 10
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    cores, memory = usable_threads(), available_memory()
+    return max(1, min(cores, cores if memory is None else memory // WORKER_MEMORY))
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -98,6 +98,8 @@ def replace_dir(staging: Path, out_dir: Path, command: str, replacing: bool) -> 
         try:
             os.rename(staging, out_dir)  # onto nothing or an empty directory; refused on anything else
         except OSError as error:
+            if not (out_dir.exists() or out_dir.is_symlink()):
+                raise
             raise LladaError(f"{out_dir} was written by another process meanwhile; it is left as it is") from error
         return
     old = Path(tempfile.mkdtemp(prefix=scratch_prefix(out_dir, command), dir=out_dir.parent))
