@@ -106,12 +106,17 @@ def cli(*argv: str) -> list[str]:
     return [sys.executable, "-m", "llada_jax.cli", *argv]
 
 
+# SIGINT as a terminal delivers it, even when the tests run as a background job (whose shell ignores SIGINT); a
+# launcher that execs, not a preexec_fn, which would fork this multithreaded process
+SIGINT_AS_A_TERMINAL = [sys.executable, "-c", "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                        "os.execv(sys.argv[1], sys.argv[1:])"]
+
+
 def kill_once_writing(argv: list[str], target: Path, signum: int, delay: float) -> subprocess.CompletedProcess:
     """Run `argv`, send `signum` `delay` seconds after its scratch copy of `target` appears (or on exit)."""
     known = set(scratch_of(target))
-    # SIGINT as a terminal delivers it, even when the tests run as a background job (whose shell ignores SIGINT)
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen([*SIGINT_AS_A_TERMINAL, *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
     deadline = time.monotonic() + 300
     while proc.poll() is None and not set(scratch_of(target)) - known and time.monotonic() < deadline:
         time.sleep(0.002)

@@ -8,9 +8,9 @@ import hashlib
 import os
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
+from llada_jax.system.atomic import scratch_dir
 from llada_jax.system.errors import LladaError
 from llada_jax.system.host_cpu import cpu_flags
 from llada_jax.system.locations import user_cache_dir
@@ -97,14 +97,13 @@ def _key(sources: list[Path], *facts: object) -> str:
 
 
 def _build_shared(toolchain: Toolchain, arch: tuple[str, ...], xla_include_dir: Path | None, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".build-", dir=out.parent) as scratch:
-        objects = [compile_object([toolchain.cc, *C_FLAGS, *arch], SOURCE_DIR / name, Path(scratch))
+    with scratch_dir(out, "build-kernels") as scratch:
+        objects = [compile_object([toolchain.cc, *C_FLAGS, *arch], SOURCE_DIR / name, scratch)
                    for name in KERNEL_SOURCES]
         if xla_include_dir:
             objects.append(compile_object([toolchain.cxx, *CXX_FLAGS, *arch, f"-I{xla_include_dir}"],
-                                    SOURCE_DIR / XLA_SHIM, Path(scratch)))
-        linked = Path(scratch) / out.name
+                                          SOURCE_DIR / XLA_SHIM, scratch))
+        linked = scratch / out.name
         _run([toolchain.cxx, "-shared", "-o", str(linked), *map(str, objects)])
         os.replace(linked, out)  # atomic: a reader sees no library or a whole one
 

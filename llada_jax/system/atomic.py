@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 from llada_jax.system.errors import LladaError
+from llada_jax.system.interrupts import signals_deferred
 from llada_jax.system.scratch import remove_stale_scratch, scratch_prefix
 
 MARKER = ".llada-output.json"
@@ -64,16 +65,36 @@ def atomic_dir(out_dir: Path, command: str, inputs=(), force: bool = False):
     check_output_dir(out_dir, command, inputs, force)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_scratch(out_dir)
-    staging = Path(tempfile.mkdtemp(prefix=scratch_prefix(out_dir, command), dir=out_dir.parent))
+    staging = None
     try:
+        with signals_deferred():  # a signal between the mkdir and the assignment would leave it unknown here
+            staging = Path(tempfile.mkdtemp(prefix=scratch_prefix(out_dir, command), dir=out_dir.parent))
         yield staging
         (staging / MARKER).write_text(json.dumps({"command": command}) + "\n")
         publish_permissions(staging)
         replacing = check_output_dir(out_dir, command, inputs, force)
         replace_dir(staging, out_dir, command, replacing)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        if staging is not None:
+            remove_scratch(staging)
         raise
+
+
+@contextlib.contextmanager
+def scratch_dir(target: Path, command: str):
+    """Yield a scratch sibling of `target` for the files a write of it needs on the way; it is removed when the
+    block ends, and by a later write of `target` if this process is killed first."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_scratch(target)
+    path = None
+    try:
+        with signals_deferred():
+            path = Path(tempfile.mkdtemp(prefix=scratch_prefix(target, command), dir=target.parent))
+        yield path
+    finally:
+        if path is not None:
+            remove_scratch(path)
 
 
 def write_once(out: Path, complete, write) -> Path:
@@ -101,11 +122,35 @@ def replace_dir(staging: Path, out_dir: Path, command: str, replacing: bool) -> 
             if not (out_dir.exists() or out_dir.is_symlink()):
                 raise
             raise LladaError(f"{out_dir} was written by another process meanwhile; it is left as it is") from error
-        return
-    old = Path(tempfile.mkdtemp(prefix=scratch_prefix(out_dir, command), dir=out_dir.parent))
-    os.replace(out_dir, old / "replaced")
-    os.replace(staging, out_dir)
-    shutil.rmtree(old, ignore_errors=True)
+    else:
+        _swap(staging, out_dir, command)
+
+
+def _swap(staging: Path, out_dir: Path, command: str) -> None:
+    """`staging` in the place of the earlier output at `out_dir`, which is then removed."""
+    old = None
+    try:
+        with signals_deferred():  # the earlier output is never left moved aside without the new one in place
+            old = Path(tempfile.mkdtemp(prefix=scratch_prefix(out_dir, command), dir=out_dir.parent))
+            os.replace(out_dir, old / "replaced")
+            try:
+                os.replace(staging, out_dir)
+            except OSError:
+                os.replace(old / "replaced", out_dir)
+                raise
+    finally:
+        if old is not None:
+            remove_scratch(old)
+
+
+def remove_scratch(path: Path | str) -> None:
+    """Remove this run's scratch `path` whole: a signal arriving meanwhile waits until it is gone."""
+    path = Path(path)
+    with signals_deferred():
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def _umask() -> int:
@@ -139,8 +184,10 @@ def atomic_write_bytes(path: Path, data: bytes, command: str) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_scratch(path)
-    handle, staging = tempfile.mkstemp(prefix=scratch_prefix(path, command), dir=path.parent)
+    staging = None
     try:
+        with signals_deferred():  # as in atomic_dir: the file is never made without its name being known
+            handle, staging = tempfile.mkstemp(prefix=scratch_prefix(path, command), dir=path.parent)
         with os.fdopen(handle, "wb") as out:
             out.write(data)
             out.flush()
@@ -148,5 +195,6 @@ def atomic_write_bytes(path: Path, data: bytes, command: str) -> None:
         os.chmod(staging, 0o666 & ~_umask())  # mkstemp's file is private
         os.replace(staging, path)
     except BaseException:
-        Path(staging).unlink(missing_ok=True)
+        if staging is not None:
+            remove_scratch(staging)
         raise

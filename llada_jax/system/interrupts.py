@@ -35,6 +35,29 @@ def _raise_terminated(signum, frame) -> None:
     raise Terminated()
 
 
+@contextlib.contextmanager
+def signals_deferred():
+    """SIGINT and SIGTERM that arrive inside the block are held and delivered, to the handlers in force before,
+    when it ends: a step that creates something and records where (a scratch directory, the swap of an output)
+    is never cut between the two, so the cleanup blocks know about everything there is to remove. Outside the
+    main thread no signal handler runs, so there is nothing to hold."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = {signum: signal.signal(signum, lambda number, frame: held.append(number)) for signum in _HELD}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for signum in dict.fromkeys(held):
+            signal.raise_signal(signum)
+
+
+_HELD = (signal.SIGINT, signal.SIGTERM)
+
+
 def run_interruptible(prog: str, work: Callable[[], object]) -> int:
     """`work()` with SIGTERM raising: 0, or after a one-line message, 130 (SIGINT) or 143 (SIGTERM). Other
     errors pass through to the caller."""
