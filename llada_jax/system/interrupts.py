@@ -45,7 +45,8 @@ def signals_deferred():
         yield
         return
     held: list[int] = []
-    previous = {signum: signal.signal(signum, lambda number, frame: held.append(number)) for signum in _HELD}
+    previous = {signum: signal.signal(signum, lambda number, frame: held.append(number)) for signum in _HELD
+                if signal.getsignal(signum) is not None}  # None: a handler set outside Python, not ours to restore
     try:
         yield
     finally:
