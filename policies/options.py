@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 
@@ -48,6 +49,8 @@ class GenerationOptions:
             if not any(_is_a(value, kind) for kind in allowed):
                 names = " or ".join(_name(kind) for kind in allowed)
                 raise LladaError(f"generation option {field.name} must be {names}, got {value!r}")
+            if isinstance(value, (float, np.floating)) and not math.isfinite(value):  # inf sampling: noise
+                raise LladaError(f"generation option {field.name} must be a finite number, got {value}")
         if self.seed < 0:
             raise LladaError(f"generation option seed must be >= 0, got {self.seed}")
 

@@ -53,6 +53,7 @@ BAD_INPUTS = {
     "threshold zero": (replace(VALID, "--threshold", "0"), "threshold must be in (0, 1]"),
     "threshold above one": (replace(VALID, "--threshold", "1.5"), "threshold must be in (0, 1]"),
     "negative temperature": (replace(VALID, "--temperature", "-1"), "temperature must be >= 0"),
+    "infinite temperature": (replace(VALID, "--temperature", "inf"), "temperature must be a finite number"),
     "unknown remasking": (replace(VALID, "--remasking", "lowest"), "unknown remasking"),
     "unknown dtype": (VALID + ["--dtype", "float8"], "unknown dtype"),
     "bad id list": (replace(VALID, "--prompt-ids", "1,x"), "comma-separated integers"),

@@ -219,6 +219,8 @@ def test_a_model_that_predicts_the_mask_token_ends_each_block(tmp_path, policy, 
     (dict(gen_length=8, block_length=8, steps=8, temperature="hot"), "temperature must be a number, got 'hot'"),
     (dict(gen_length=8, block_length=8, steps=8, threshold="a"), "threshold must be a number or None, got 'a'"),
     (dict(gen_length=8, block_length=8, steps=8, seed=-1), "generation option seed must be >= 0, got -1"),
+    (dict(gen_length=8, block_length=8, steps=8, temperature=float("inf")), "temperature must be a finite number"),
+    (dict(gen_length=8, block_length=8, steps=8, cfg_scale=np.float32("nan")), "cfg_scale must be a finite number"),
 ])
 def test_unknown_or_missing_options_are_one_line_errors(tiny_model, options, message):
     with pytest.raises(LladaError, match=re.escape(message)) as error:

@@ -266,6 +266,8 @@ def test_serve_takes_the_model_positionally_or_by_flag_once(capsys, tmp_path, mo
     assert f"{tmp_path / 'nowhere'} does not exist" in capsys.readouterr().err
     assert main(["serve", str(tmp_path), "--model", str(tmp_path), "--port", port]) == 1
     assert "either positionally or with --model" in capsys.readouterr().err
+    assert main(["serve", "--temperature", "inf", "--port", port]) == 1
+    assert "--temperature and --cfg-scale must be finite numbers >= 0" in capsys.readouterr().err
     monkeypatch.setenv("LLADA_API_KEY", " ")
     assert main(["serve", "--port", port]) == 1
     assert "must not be empty" in capsys.readouterr().err

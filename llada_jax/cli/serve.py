@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import os
 import socket
 import sys
@@ -27,8 +28,8 @@ def serving_defaults(args, config) -> Defaults:
     if not config.block_causal:
         Schedule(args.gen_length, args.block_length, decoding["steps"])
     DecoderSetting(decoding["policy"], decoding["threshold"])
-    if args.temperature < 0 or args.cfg_scale < 0:
-        raise LladaError("--temperature and --cfg-scale must be >= 0")
+    if not all(0 <= value < math.inf for value in (args.temperature, args.cfg_scale)):
+        raise LladaError("--temperature and --cfg-scale must be finite numbers >= 0")
     block_options = tuple((name, decoding[name]) for name in BLOCK_OPTIONS if name in decoding)
     return Defaults(args.gen_length, args.block_length, decoding["steps"], args.temperature, args.cfg_scale,
                     args.remasking, decoding["policy"], decoding["threshold"], args.seed, args.forbid_eos,
