@@ -149,3 +149,21 @@ def test_a_held_signal_reaches_the_earlier_handler_when_the_block_ends(handler, 
         reached.append(type(stop))
     assert reached == ["end of block"] + ([raised] if raised else [])
     assert signal.getsignal(signal.SIGINT) is handler
+
+
+def test_a_signal_while_the_handlers_are_set_back_leaves_every_one_back(monkeypatch):
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    terminate, set_handler = signal.getsignal(signal.SIGTERM), signal.signal
+
+    def set_then_interrupt(signum, handler):  # a second Ctrl-C just as SIGINT's handler is back
+        previous = set_handler(signum, handler)
+        if signum == signal.SIGINT and handler is signal.default_int_handler:
+            signal.raise_signal(signal.SIGINT)
+        return previous
+
+    with pytest.raises(KeyboardInterrupt):
+        with signals_deferred():
+            monkeypatch.setattr(signal, "signal", set_then_interrupt)
+    monkeypatch.undo()
+    assert signal.getsignal(signal.SIGTERM) is terminate
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -50,13 +50,21 @@ def signals_deferred():
     try:
         yield
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+        _restore(list(previous.items()))
         for signum in dict.fromkeys(held):
             signal.raise_signal(signum)
 
 
 _HELD = (signal.SIGINT, signal.SIGTERM)
+
+
+def _restore(handlers: list) -> None:
+    """Each (signal, handler) set back, even when a signal that reaches a handler already back raises."""
+    if handlers:
+        try:
+            signal.signal(*handlers[0])
+        finally:
+            _restore(handlers[1:])
 
 
 def run_interruptible(prog: str, work: Callable[[], object]) -> int:
