@@ -63,38 +63,33 @@ def atomic_dir(out_dir: Path, command: str, inputs=(), force: bool = False):
     `check_output_dir` runs before anything is written and again just before the swap."""
     out_dir = Path(out_dir)
     check_output_dir(out_dir, command, inputs, force)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_scratch(out_dir)
-    staging = None
-    try:
-        with signals_deferred():  # a signal between the mkdir and the assignment would leave it unknown here
-            staging = Path(tempfile.mkdtemp(prefix=scratch_prefix(out_dir, command), dir=out_dir.parent))
+    with scratch_dir(out_dir, command) as staging:  # renamed into place, or removed when the block fails
         yield staging
         (staging / MARKER).write_text(json.dumps({"command": command}) + "\n")
         publish_permissions(staging)
         replacing = check_output_dir(out_dir, command, inputs, force)
         replace_dir(staging, out_dir, command, replacing)
-    except BaseException:
-        if staging is not None:
-            remove_scratch(staging)
-        raise
 
 
 @contextlib.contextmanager
 def scratch_dir(target: Path, command: str):
     """Yield a scratch sibling of `target` for the files a write of it needs on the way; it is removed when the
-    block ends, and by a later write of `target` if this process is killed first."""
+    block ends (unless the block moved it), and by a later write of `target` if this process is killed first."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_scratch(target)
     path = None
     try:
-        with signals_deferred():
-            path = Path(tempfile.mkdtemp(prefix=scratch_prefix(target, command), dir=target.parent))
+        with signals_deferred():  # a signal between the mkdir and the assignment would leave it unknown here
+            path = _new_scratch_dir(target, command)
         yield path
     finally:
         if path is not None:
             remove_scratch(path)
+
+
+def _new_scratch_dir(target: Path, command: str) -> Path:
+    return Path(tempfile.mkdtemp(prefix=scratch_prefix(target, command), dir=target.parent))
 
 
 def write_once(out: Path, complete, write) -> Path:
@@ -131,7 +126,7 @@ def _swap(staging: Path, out_dir: Path, command: str) -> None:
     old = None
     try:
         with signals_deferred():  # the earlier output is never left moved aside without the new one in place
-            old = Path(tempfile.mkdtemp(prefix=scratch_prefix(out_dir, command), dir=out_dir.parent))
+            old = _new_scratch_dir(out_dir, command)
             os.replace(out_dir, old / "replaced")
             try:
                 os.replace(staging, out_dir)
