@@ -35,6 +35,9 @@ def check_token_ids(ids, config: LLaDAConfig, what: str, allow_mask: bool) -> np
     ids = np.asarray(ids)
     if ids.size == 0:
         raise LladaError(f"{what} is empty")
+    if ids.dtype == object and all(isinstance(i, int) and not isinstance(i, bool) for i in ids.flat):
+        raise LladaError(f"{what} holds token id {max(ids.flat, key=abs)} outside the vocabulary "
+                         f"[0, {config.embedding_size})")  # Python ints beyond int64
     if not np.issubdtype(ids.dtype, np.integer):
         raise LladaError(f"{what} must be integer token ids, got dtype {ids.dtype}")
     bad = (ids < 0) | (ids >= config.embedding_size)

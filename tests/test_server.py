@@ -202,11 +202,16 @@ def test_stop_sequences_cut_the_answer(client):
 
 
 @pytest.mark.slow
-def test_max_tokens_rounds_up_to_whole_blocks(client, embedded):
-    out = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": QUESTIONS[0]}],
-                                         max_tokens=17)  # three blocks of 8
-    assert out.choices[0].message.content == alone(embedded, QUESTIONS[0], gen_length=24, steps=24)
-    assert out.choices[0].message.content != alone(embedded, QUESTIONS[0], gen_length=16, steps=16)
+def test_max_tokens_cuts_an_answer_generated_in_whole_blocks(client, embedded):
+    """17 tokens asked in blocks of 16: the canvas has two blocks and the answer is its first 17 tokens (the
+    tiny vocabulary spells a character a token), streamed or not."""
+    two_blocks = alone(embedded, QUESTIONS[0], gen_length=32, block_length=16, steps=32)
+    assert two_blocks == "0 1 2 3 4 5 6 7 8 9"
+    ask = dict(max_tokens=17, extra_body={"block_length": 16})
+    out = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": QUESTIONS[0]}], **ask)
+    assert out.choices[0].message.content == two_blocks[:17] and out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == 17
+    assert streamed_chat(client, QUESTIONS[0], **ask)[:2] == (two_blocks[:17], "length")
 
 
 BAD_REQUESTS = [

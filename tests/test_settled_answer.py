@@ -1,6 +1,6 @@
 """Streaming text as it settles: whatever order tokens are committed in, the pieces streamed add up to the
-final answer, which is the decoded answer cut at its first EOS / EoT and then at its first stop sequence;
-under revision nothing is streamed before the end."""
+final answer, which is the decoded answer cut to the tokens asked for, at its first EOS / EoT and then at its
+first stop sequence; under revision nothing is streamed before the end."""
 
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ ENDS = end_ids(CONFIG)
 WORDS = [CONFIG.eos_token_id, CONFIG.eot_token_id] + list(range(8, 40))
 
 
-def reference(ids: list[int], stops: tuple[str, ...]) -> tuple[str, str]:
+def reference(ids: list[int], stops: tuple[str, ...], limit: int | None = None) -> tuple[str, str]:
     """(text, finish reason) computed plainly from the whole answer."""
+    ids = ids[:limit]
     ended = next((index for index, token in enumerate(ids) if token in ENDS), None)
     text = TOKENIZER.decode(ids if ended is None else ids[:ended])
     cuts = [text.find(stop) for stop in stops if stop in text]
@@ -30,14 +31,15 @@ def reference(ids: list[int], stops: tuple[str, ...]) -> tuple[str, str]:
 
 
 @settings(max_examples=200, deadline=None)
-@given(ids=st.lists(st.sampled_from(WORDS), min_size=1, max_size=24), data=st.data(), revisable=st.booleans())
-def test_streamed_pieces_add_up_to_the_answer(ids, data, revisable):
+@given(ids=st.lists(st.sampled_from(WORDS), min_size=1, max_size=24), data=st.data(), revisable=st.booleans(),
+       limit=st.none() | st.integers(1, 24))
+def test_streamed_pieces_add_up_to_the_answer(ids, data, revisable, limit):
     order = data.draw(st.permutations(range(len(ids))))
     text = TOKENIZER.decode(ids)
     stops = tuple(data.draw(st.lists(st.sampled_from([text[i:j] for i in range(len(text))
                                                       for j in range(i + 1, min(len(text), i + 4) + 1)] or ["zz"]),
                                      max_size=2)))
-    answer = SettledAnswer(TOKENIZER, CONFIG.mask_token_id, ENDS, stops, revisable)
+    answer = SettledAnswer(TOKENIZER, CONFIG.mask_token_id, ENDS, stops, revisable, limit)
     canvas = np.full(len(ids), CONFIG.mask_token_id)
     streamed = ""
     for position in order:  # commit one token at a time, in the drawn order
@@ -49,8 +51,9 @@ def test_streamed_pieces_add_up_to_the_answer(ids, data, revisable):
             break
     delta, settled = answer.update(canvas, final=True)
     streamed += delta
-    assert (streamed, settled.finish_reason) == reference(ids, stops)
+    assert (streamed, settled.finish_reason) == reference(ids, stops, limit)
     assert TOKENIZER.decode(ids[: settled.tokens]).startswith(streamed)
+    assert settled.tokens <= (limit or len(ids))
 
 
 def test_a_stop_found_early_waits_for_a_longer_one_that_could_begin_before_it():

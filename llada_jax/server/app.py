@@ -1,10 +1,11 @@
 """The OpenAI-compatible HTTP server (FastAPI on uvicorn): `/v1/completions`, `/v1/chat/completions`
 (streamed as server-sent events with `stream=true`), `/v1/models` and `/health`.
 
-Errors come as OpenAI error bodies: 400 for a bad field (named in `param`), 401 for a missing or wrong API
-key (when the server has one), 404 for an unknown model, 429 when every row runs and the queue is full, 500
-when a generation fails. Fields the API does not have are ignored with a logged warning. A client that goes
-away cancels its generations at their next step.
+Errors come as OpenAI error bodies: 400 for a bad field (named in `param`, also for a request that asks for
+more generations than the server holds), 401 for a missing or wrong API key (when the server has one), 404 for
+an unknown model, 413 for a body over `guards.MAX_BODY_BYTES`, 429 when every row runs and the queue is full,
+500 when a generation fails. Fields the API does not have are ignored with a logged warning. Prompts are
+tokenized off the event loop. A client that goes away cancels its generations at their next step.
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ from typing import Sequence
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from llada_jax.server.engine import Busy, Engine
+from llada_jax.server.guards import BodyLimit, OneLineErrors
 from llada_jax.server.protocol import ChatRequest, CompletionRequest
-from llada_jax.server.requests import RequestError, Served, jobs_of
+from llada_jax.server.requests import RequestError, Served, check_model, jobs_of
 from llada_jax.server.responses import DONE, Response, error_body, sse
 from llada_jax.server.runs import Run, Update
 
@@ -42,7 +45,11 @@ def create_app(served: Served, engine: Engine, api_key: str | None = None) -> Fa
     _add_error_handlers(app)
     if api_key:
         _require_api_key(app, api_key)
+    app.add_middleware(OneLineErrors)
+    app.add_middleware(BodyLimit)  # the outermost: a body too large is refused before anything reads it
     started = int(time.time())
+    model_card = {"id": served.name, "object": "model", "created": started, "owned_by": "llada-jax",
+                  "max_model_len": served.context}
 
     @app.get("/health")
     async def health():
@@ -50,8 +57,12 @@ def create_app(served: Served, engine: Engine, api_key: str | None = None) -> Fa
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": served.name, "object": "model", "created": started,
-                                            "owned_by": "llada-jax", "max_model_len": served.context}]}
+        return {"object": "list", "data": [model_card]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        check_model(served, model)
+        return model_card
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -68,11 +79,11 @@ async def _answer(served: Served, engine: Engine, body, request: Request, chat: 
     unknown = body.unknown_fields()
     if unknown:
         log.warning("ignoring fields the API does not have: %s", ", ".join(unknown))
-    jobs = jobs_of(served, body)
+    jobs = await run_in_threadpool(jobs_of, served, body, engine.capacity)  # tokenizing may take a while
     run = Run(engine, jobs, served.tokenizer, body.canvas)
-    response = Response(served.name, chat, sum(job.prompt_tokens for job in jobs[:: body.n]))
+    response = Response(served.name, chat, sum(job.prompt_tokens for job in jobs[:: body.n]), body.include_usage)
     if body.stream:
-        return EventStream(_stream(run, response, body.include_usage, request), run)
+        return EventStream(_stream(run, response, request), run)
     texts: list[str] = [""] * len(jobs)
     lasts: list[Update | None] = [None] * len(jobs)
     async for update in run.updates(poll=request.is_disconnected):
@@ -100,7 +111,7 @@ class EventStream(StreamingResponse):
             self.run.cancel()
 
 
-async def _stream(run: Run, response: Response, include_usage: bool, request: Request):
+async def _stream(run: Run, response: Response, request: Request):
     """The SSE body: the chat role, then each settled piece of text per choice, usage, [DONE]. A failed
     generation ends the stream with an error event (the `openai` client raises it)."""
     for chunk in response.opening(len(run.jobs)):
@@ -112,19 +123,20 @@ async def _stream(run: Run, response: Response, include_usage: bool, request: Re
             return
         tokens += update.tokens if update.last else 0
         yield response.chunk(update)
-    if include_usage:
+    if response.include_usage:
         yield response.usage_chunk(tokens)
     yield DONE
 
 
 def _require_api_key(app: FastAPI, api_key: str) -> None:
-    expected = f"Bearer {api_key}".encode()
+    expected = api_key.encode()
 
     @app.middleware("http")
     async def authorize(request: Request, call_next):
         if request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "").encode()
-            if not secrets.compare_digest(given, expected):
+            given = request.headers.get("authorization", "")
+            scheme, _, key = given.strip().partition(" ")
+            if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip().encode(), expected):
                 message = "a wrong API key" if given else "no API key (send it as the bearer token)"
                 return JSONResponse(error_body(f"the request carries {message}", "invalid_request_error", None,
                                                "invalid_api_key"), status_code=401)
@@ -150,12 +162,6 @@ def _add_error_handlers(app: FastAPI) -> None:
         kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
         return JSONResponse(error_body(str(error.detail), kind), status_code=error.status_code)
 
-    @app.exception_handler(Exception)
-    async def internal(_request, error: Exception):  # a defect: logged with its traceback, answered in one line
-        log.error("request failed", exc_info=error)
-        return JSONResponse(error_body(f"internal error: {type(error).__name__}: {error}", "server_error"),
-                            status_code=500)
-
 
 def _validation_message(errors: Sequence[dict]) -> tuple[str, str, str | None]:
     """(message, kind, param) of the first bad field."""
@@ -164,12 +170,14 @@ def _validation_message(errors: Sequence[dict]) -> tuple[str, str, str | None]:
         return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}", \
             "invalid_request_error", None
     location = [str(part) for part in first["loc"][1:]] if first["loc"][:1] == ("body",) else []
+    named = getattr(first.get("ctx", {}).get("error"), "param", None)  # a rule across fields names its field
+    location += [named] if named else []
+    message = first["msg"].removeprefix("Value error, ")
     if not location:
-        return f"the request body is invalid: {first['msg']}", "invalid_request_error", None
+        return f"the request body is invalid: {message}", "invalid_request_error", None
     param = location[0]
     if len(location) > 1 and _type_tag(location[1]):  # pydantic names a union's alternatives in the location
         return f"{param}: {UNION_HINTS.get(param, 'has the wrong type')}", "invalid_request_error", param
-    message = first["msg"].removeprefix("Value error, ")
     if first.get("type") == "missing":
         message = "field required"
     return f"{'.'.join(part for part in location if not _type_tag(part))}: {message}", "invalid_request_error", param

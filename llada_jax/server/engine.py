@@ -66,6 +66,11 @@ class Engine:
         self.cancelled = 0  # generations cancelled before they finished (`Ticket.cancel`: a client went away)
 
     @property
+    def capacity(self) -> int:
+        """The most generations it holds at once, running and waiting."""
+        return self.max_batch + self.max_queue
+
+    @property
     def load(self) -> dict:
         """Generations running and waiting now."""
         with self._cond:

@@ -1,9 +1,10 @@
-"""The OpenAI request bodies the server takes, as pydantic models: types and ranges are checked here, so a
-bad field is a 400 naming it before anything runs. Fields of the OpenAI API that LLaDA cannot honour are
-accepted at their neutral value (what clients send routinely: `response_format` text, `tool_choice`
-none/auto without tools, `store` false, ...) and otherwise refused as unsupported, never silently answered
-without them. Fields the API does not have are ignored (`unknown_fields` names them for a logged warning),
-as vLLM does.
+"""The OpenAI request bodies the server takes, as pydantic models: types and ranges are checked here, so a bad field
+is a 400 naming it before anything runs. Types are strict, as OpenAI's API checks them (`"5"` is not an integer,
+`true` is not a number, NaN is no temperature); `null` stands for a field's default. Fields of the OpenAI API
+that LLaDA cannot honour are accepted at their neutral value (what clients send routinely: `response_format`
+text, `tool_choice` none/auto without tools, `store` false, ...) and otherwise refused as unsupported, never
+silently answered without them. Fields the API does not have are ignored (`unknown_fields` names them for a
+logged warning), as vLLM does.
 
 Extension fields (the `openai` client sends them with `extra_body`): `block_length`, `steps`, `policy`
 (`POLICY[@THRESHOLD]`, as `llada generate --policy`), `threshold`, `cfg_scale`, `remasking`, and `canvas`
@@ -20,15 +21,36 @@ MAX_STOPS = 4
 MAX_CHOICES = 8
 
 
+class FieldError(ValueError):
+    """A rule over the whole body broken by one field, `param` (pydantic locates such errors at the body)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
 def _neutral(name: str, value, neutral: tuple) -> None:
     if value not in neutral:
         raise ValueError(f"{name} is unsupported by llada-jax (accepted only at its neutral value); leave it unset")
 
 
 class Lenient(BaseModel):
-    """A body part that keeps unknown fields aside (`model_extra`) instead of refusing them."""
+    """A body part that keeps unknown fields aside (`model_extra`) instead of refusing them; its text holds
+    characters only (JSON can spell a lone UTF-16 surrogate, which no tokenizer or encoder takes)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _characters(self):
+        for name in type(self).model_fields:
+            for text in _texts(getattr(self, name)):
+                if not text.isascii():
+                    try:
+                        text.encode("utf-8")
+                    except UnicodeEncodeError as error:
+                        raise FieldError(name, f"holds {text[error.start]!r}, a lone UTF-16 surrogate, which is "
+                                               "not a character") from None
+        return self
 
     def unknown_fields(self, prefix: str = "") -> list[str]:
         names = [prefix + name for name in self.model_extra or {}]
@@ -55,6 +77,18 @@ class ResponseFormat(Lenient):
         if kind != "text":
             raise ValueError(f"{kind!r} is unsupported by llada-jax (structured output); use 'text' or leave it unset")
         return kind
+
+
+def _texts(value) -> list[str]:
+    """The strings in a field's value (nested lists included; nested models check their own)."""
+    if isinstance(value, str):
+        return [value]
+    return [text for part in value for text in _texts(part)] if isinstance(value, list) else []
+
+
+def _null_is_default(cls, value, info):
+    """OpenAI's API takes `null` for a field's default."""
+    return cls.model_fields[info.field_name].default if value is None else value
 
 
 SERVICE_TIERS = (None, "auto", "default")
@@ -88,6 +122,8 @@ class GenerationFields(Lenient):
     cfg_scale: float | None = Field(None, ge=0.0, le=100.0)
     remasking: Literal["low_confidence", "random"] | None = None
     canvas: bool = False
+
+    _defaults = field_validator("n", "stream", "canvas", mode="before")(classmethod(_null_is_default))
 
     @field_validator("stop")
     @classmethod
@@ -133,7 +169,7 @@ class GenerationFields(Lenient):
     @model_validator(mode="after")
     def _stream_options(self):
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed with stream=true")
+            raise FieldError("stream_options", "only allowed with stream=true")
         return self
 
     @property
@@ -148,6 +184,8 @@ class CompletionRequest(GenerationFields):
     best_of: int | None = None
     suffix: str | None = None
 
+    _echo_default = field_validator("echo", mode="before")(classmethod(_null_is_default))
+
     @field_validator("prompt")
     @classmethod
     def _prompt(cls, prompt):
@@ -157,10 +195,16 @@ class CompletionRequest(GenerationFields):
             raise ValueError("a prompt must not be empty")
         return prompt
 
-    @field_validator("echo", "logprobs", "suffix")
+    @field_validator("echo", "suffix")
     @classmethod
     def _unsupported(cls, value, info):
-        _neutral(info.field_name, value, (None, False, 0))
+        _neutral(info.field_name, value, (None, False, ""))
+        return value
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, value):
+        _neutral("logprobs", None if value is None else "any", (None,))  # even 0 asks for the chosen tokens'
         return value
 
     @field_validator("best_of")
@@ -176,14 +220,22 @@ class CompletionRequest(GenerationFields):
         return list(cast(list[str] | list[list[int]], self.prompt))
 
 
-class TextPart(Lenient):
-    type: Literal["text"]
-    text: str
+class ContentPart(Lenient):
+    type: str
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self):
+        if self.type != "text":
+            raise ValueError(f"content parts of type {self.type!r} are unsupported by llada-jax (text only)")
+        if self.text is None:
+            raise ValueError("a text part needs its text")
+        return self
 
 
 class Message(Lenient):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
+    content: list[ContentPart] | str | None = None  # the list first: its errors are the ones worth reporting
     name: str | None = None
     tool_calls: list | None = None
     refusal: str | None = None
@@ -194,8 +246,15 @@ class Message(Lenient):
         _neutral("tool_calls", value or None, (None,))
         return value
 
+    @model_validator(mode="after")
+    def _has_content(self):
+        if self.content is None:  # OpenAI's API takes none only beside tool calls, which are not supported
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content or [])
+        parts = self.content if isinstance(self.content, list) else []
+        return self.content if isinstance(self.content, str) else "".join(part.text or "" for part in parts)
 
 
 class ChatRequest(GenerationFields):
@@ -243,7 +302,7 @@ class ChatRequest(GenerationFields):
     @model_validator(mode="after")
     def _length(self):
         if self.max_tokens is not None and self.max_completion_tokens is not None:
-            raise ValueError("give max_tokens or max_completion_tokens, not both")
+            raise FieldError("max_completion_tokens", "give max_tokens or max_completion_tokens, not both")
         return self
 
     @property

@@ -1,6 +1,7 @@
 """From a validated request body to the generations it asks for: the prompt's tokens, the answer length
-in whole blocks, the decoder setting, and one `Prepared` generation per choice. Every error is a
-`RequestError` naming the field at fault, raised before anything runs."""
+in whole blocks (the answer is cut to the tokens asked for), the decoder setting, and one `Prepared`
+generation per choice. Every error is a `RequestError` naming the field at fault, raised before anything
+runs; what can be refused without tokenizing (too many generations, a text too long to fit) is refused first."""
 
 from __future__ import annotations
 
@@ -88,10 +89,19 @@ class Job:
     prompt_tokens: int
 
 
-def check_model(served: Served, request: GenerationFields) -> None:
-    if request.model != served.name:
-        raise RequestError(f"The model `{request.model}` does not exist (this server serves `{served.name}`).",
+def check_model(served: Served, model: str) -> None:
+    if model != served.name:
+        raise RequestError(f"The model `{model}` does not exist (this server serves `{served.name}`).",
                            "model", status=404, code="model_not_found")
+
+
+def check_count(request: CompletionRequest | ChatRequest, capacity: int) -> None:
+    """A request for more generations than the server holds (running and waiting) could never run: that is the
+    request's fault (400), not the server's load (429, which clients retry)."""
+    prompts = len(request.prompts()) if isinstance(request, CompletionRequest) else 1
+    if prompts * request.n > capacity:
+        raise RequestError(f"the request asks for {prompts * request.n} generations ({prompts} prompts x n={request.n})"
+                           f"; this server holds at most {capacity} at once", "n" if prompts == 1 else "prompt")
 
 
 def prompts_of(served: Served, request: CompletionRequest | ChatRequest) -> list[np.ndarray]:
@@ -108,10 +118,19 @@ def prompts_of(served: Served, request: CompletionRequest | ChatRequest) -> list
 
 
 def _encoded(served: Served, text: str) -> np.ndarray:
+    most = served.context * served.tokenizer.longest_token_chars * TEXT_MARGIN
+    if len(text) > most:
+        raise LladaError(f"the prompt's {len(text)} characters cannot fit the model's context of {served.context} "
+                         "tokens")
     ids = np.array(served.tokenizer.encode(text), np.int64)
     if ids.size == 0:
         raise LladaError("the prompt encodes to no tokens")
     return check_token_ids(ids, served.config, "the prompt", allow_mask=False)
+
+
+# A token covers at most the vocabulary's longest token of normalized text; a normalizer (NFC) composes at most a
+# few characters into one. Text longer than that bound is refused before the tokenizer spends time and memory on it.
+TEXT_MARGIN = 4
 
 
 def answer_length(served: Served, request: GenerationFields, asked: int | None, prompt_len: int) -> tuple[int, int]:
@@ -129,7 +148,7 @@ def answer_length(served: Served, request: GenerationFields, asked: int | None, 
         raise RequestError(f"This model's maximum context length is {served.context} tokens. However, you requested "
                            f"{prompt_len + gen_length} tokens ({prompt_len} in the prompt, {gen_length} for max "
                            f"tokens={asked} in whole blocks of {block}). Please reduce the length of the prompt or "
-                           "the completion.", "max_tokens")
+                           "the completion.", "max_tokens" if room >= block else _prompt_field(request))
     return gen_length, block
 
 
@@ -150,9 +169,10 @@ def decoder_of(served: Served, request: GenerationFields) -> tuple[str, float | 
     return setting.policy, setting.threshold if setting.threshold is not None else request.threshold
 
 
-def jobs_of(served: Served, request: CompletionRequest | ChatRequest) -> list[Job]:
-    """Every choice the request asks for (`n` per prompt), validated and ready to run."""
-    check_model(served, request)
+def jobs_of(served: Served, request: CompletionRequest | ChatRequest, capacity: int) -> list[Job]:
+    """Every choice the request asks for (`n` per prompt), validated and ready to run; at most `capacity`."""
+    check_model(served, request.model)
+    check_count(request, capacity)
     asked = request.answer_tokens if isinstance(request, ChatRequest) else request.max_tokens
     policy, threshold = decoder_of(served, request)
     defaults = served.defaults
@@ -171,7 +191,7 @@ def jobs_of(served: Served, request: CompletionRequest | ChatRequest) -> list[Jo
                     confidence_eos_eot_inf=defaults.confidence_eos_eot_inf, limit=served.limit,
                     **dict(defaults.block_options)))
             answer = SettledAnswer(served.tokenizer, served.config.mask_token_id, end_ids(served.config),
-                                   tuple(request.stop or ()), prepared.revisable)
+                                   tuple(request.stop or ()), prepared.revisable, asked)
             jobs.append(Job(len(jobs), prepared, answer, len(prompt)))
     return jobs
 

@@ -14,11 +14,13 @@ from llada_jax.server.runs import Update
 
 @dataclasses.dataclass
 class Response:
-    """One request's response: `chat` or text completion, its id and creation time."""
+    """One request's response: `chat` or text completion, its id and creation time. With `include_usage` a
+    stream's chunks carry `usage`: null until the last (OpenAI's form)."""
 
     model: str
     chat: bool
     prompt_tokens: int
+    include_usage: bool = False
     id: str = ""
     created: int = 0
 
@@ -69,7 +71,7 @@ class Response:
         return sse({**self._head(True), "choices": [], "usage": self.usage(completion_tokens)})
 
     def _chunk(self, choice: dict) -> str:
-        return sse({**self._head(True), "choices": [choice]})
+        return sse({**self._head(True), "choices": [choice], **({"usage": None} if self.include_usage else {})})
 
 
 def sse(body: dict | str) -> str:

@@ -17,6 +17,7 @@ from llada_jax.system.errors import LladaError
 from policies.step_batcher import Cancelled
 
 log = logging.getLogger("llada.serve")
+POLL_S = 0.5  # how often a run asks whether its client is still there
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,16 +62,18 @@ class Run:
         self._loop.call_soon_threadsafe(self._queue.put_nowait, update)
 
     async def updates(self, poll: Callable | None = None) -> AsyncIterator[Update]:
-        """Every update until each job's last; `poll()` (async, every half second without one) returning
-        True cancels the run (a client that went away). Leaving early cancels what still runs."""
-        remaining = len(self.jobs)
+        """Every update until each job's last; `poll()` (async, every `POLL_S` however many updates come)
+        returning True cancels the run (a client that went away). Leaving early cancels what still runs."""
+        remaining, polled = len(self.jobs), self._loop.time()
         try:
             while remaining:
-                try:
-                    update = await asyncio.wait_for(self._queue.get(), 0.5)
-                except asyncio.TimeoutError:
-                    if poll is not None and await poll():
+                if poll is not None and self._loop.time() - polled >= POLL_S:
+                    if await poll():
                         return
+                    polled = self._loop.time()
+                try:
+                    update = await asyncio.wait_for(self._queue.get(), POLL_S)
+                except asyncio.TimeoutError:
                     continue
                 remaining -= update.last
                 yield update

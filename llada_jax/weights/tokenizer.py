@@ -31,12 +31,20 @@ class Tokenizer:
         encoding = self.backend.encode(text, add_special_tokens=True)
         unknown = getattr(self.backend.model, "unk_token", None)
         unknown_id = self.backend.token_to_id(unknown) if unknown else None
+        if unknown_id is None or unknown_id not in encoding.ids:
+            return encoding.ids
         for token_id, (start, end) in zip(encoding.ids, encoding.offsets):
             if unknown_id is not None and token_id == unknown_id and end > start and text[start:end] != unknown:
                 char = text[start:end][:1]
                 raise LladaError(f"the model's vocabulary has no token for {char!r} (U+{ord(char):04X}), "
                                  "the first such character of the text")
         return encoding.ids
+
+    @functools.cached_property
+    def longest_token_chars(self) -> int:
+        """The most characters of (normalized) text one token covers: a byte-level token's text spells a byte
+        per character, a piece's at least one per character."""
+        return max(len(token) for token in self.backend.get_vocab(with_added_tokens=True))
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
