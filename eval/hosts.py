@@ -71,9 +71,7 @@ def merge(out: Path, force: bool = False) -> list[dict]:
     rows: dict[int, dict] = {}
     run = None
     for path in part_files(out):
-        for row in read_rows(path):
-            if not isinstance(row.get("index"), int) or not isinstance(row.get("run"), dict):
-                raise LladaError(f"{path}: a row without an index and run setting is no `llada eval` results row")
+        for row in read_rows(path):  # a results file's rows each hold an index and their run setting
             run = row["run"] if run is None else run
             if row["run"] != run:
                 raise LladaError(f"{path}: row {row.get('index')} comes from another run setting than the other parts")

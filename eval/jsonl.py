@@ -1,6 +1,8 @@
 """Resumable JSONL results: every row is flushed and fsynced as it is written, so a run killed at any
 moment leaves complete rows plus at most one truncated last line, which the next run drops (and says so).
-One run writes a results file at a time (an exclusive lock), so no row is written twice."""
+One run writes a results file at a time (an exclusive lock), so no row is written twice. A results row is a
+JSON object with an integer `index` first and the `run` setting it was made under: a file with any other
+line is the user's, and no command reads on into it, appends to it or cuts it."""
 
 from __future__ import annotations
 
@@ -14,10 +16,10 @@ from pathlib import Path
 from llada_jax.system.errors import LladaError
 
 
-def read_rows(path: Path | None) -> list[dict]:
-    """The complete rows of results file `path` (none if it does not exist); a truncated last row is cut off
-    the file. A file that is not a results file (a line that is not a row with an `index`) is refused
-    untouched: it is the user's, not this command's."""
+def read_rows(path: Path | None, cut_partial: bool = False) -> list[dict]:
+    """The complete rows of results file `path` (none if it does not exist); a truncated last row is left
+    out, and with `cut_partial` (a run about to append) cut off the file. A file that is not a results file
+    is refused untouched: it is the user's, not this command's."""
     if path is None or not Path(path).exists():
         return []
     try:
@@ -28,9 +30,9 @@ def read_rows(path: Path | None) -> list[dict]:
     complete, tail = data[: data.rfind(b"\n") + 1], data[data.rfind(b"\n") + 1:]
     rows = [_results_row(line, number, path) for number, line in enumerate(complete.split(b"\n"), start=1)
             if line.strip()]
-    if tail.strip() and not tail.startswith(ROW_START):
+    if tail.strip() and not _partial_row(tail):
         raise LladaError(f"{path}: the last line is not a results row; not a results file (use a new --out file)")
-    if tail:
+    if tail and cut_partial:
         with open(path, "r+b") as handle:
             handle.truncate(len(complete))
         print(f"llada: {path}: dropped its last row, cut off by a killed run ({len(tail)} bytes); "
@@ -41,12 +43,24 @@ def read_rows(path: Path | None) -> list[dict]:
 ROW_START = b'{"index": '  # how every row this module writes begins (rows are built with their index first)
 
 
+def _partial_row(tail: bytes) -> bool:
+    """A last line without its newline that a killed run left: the start of a row, cut short of valid JSON
+    (a whole object there was written by someone else: this module writes a row and its newline at once)."""
+    if not tail.startswith(ROW_START):
+        return False
+    try:
+        json.loads(tail)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return True
+    return False
+
+
 def _results_row(line: bytes, number: int, path) -> dict:
     try:
         row = json.loads(line)
     except (json.JSONDecodeError, UnicodeDecodeError):
         row = None
-    if not isinstance(row, dict) or "index" not in row:
+    if not (isinstance(row, dict) and type(row.get("index")) is int and isinstance(row.get("run"), dict)):
         raise LladaError(f"{path}:{number}: not a results row; not a results file (use a new --out file)")
     return row
 
@@ -106,6 +120,8 @@ class RowWriter:
     def write(self, row: dict) -> None:
         if self.handle is None:
             return
+        if type(row.get("index")) is not int or not isinstance(row.get("run"), dict):
+            raise ValueError("a results row needs an integer index and its run setting")  # a defect, not input
         row = {"index": row["index"], **row}  # index first (ROW_START): a truncated row is recognisable as one
         self.handle.write(json.dumps(row) + "\n")
         self.handle.flush()
@@ -138,7 +154,7 @@ def finished_rows(path: Path | None, key: str, expected: dict, run: dict | None 
     run setting (`run`, where the row has one) differs, means the file belongs to another run, which is an
     error (mixing them would corrupt the results)."""
     done = {}
-    for row in read_rows(path):
+    for row in read_rows(path, cut_partial=True):
         index = row.get("index")
         if index not in expected:
             continue

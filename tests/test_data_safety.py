@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from eval.jsonl import RowWriter, read_rows
+from eval.jsonl import RowWriter, finished_rows, read_rows
 from eval.scale_checkpoint import main as scale_main
 from llada_jax.cli import main
 from llada_jax.system.atomic import MARKER, previous_output
@@ -154,22 +154,39 @@ def test_training_refuses_a_folder_that_holds_no_run(tmp_path):
     assert snapshot(folder) == before
 
 
-def test_results_files_never_take_over_the_users_file(tmp_path):
-    notes = tmp_path / "notes.txt"
-    for text in ("a line of mine", "{\"a\": 1}\n{\"b\": 2}", "one\ntwo\n"):
-        notes.write_text(text)
-        with pytest.raises(LladaError, match="not a results file"):
-            read_rows(notes)
-        assert notes.read_text() == text
+# Files of the user's that look like results: rows with an index (but no run setting), a last line without its
+# newline that is a whole object, a single such line.
+LOOKALIKES = ['{"index": 0, "a": 1}\n{"index": 1, "b": 2}', '{"index": 7, "x": 1}', '{"index": 0, "a": 1}\n']
+
+
+@pytest.mark.parametrize("text", ["a line of mine", "{\"a\": 1}\n{\"b\": 2}", "one\ntwo\n", *LOOKALIKES])
+def test_results_files_never_take_over_the_users_file(tmp_path, text):
+    notes = tmp_path / "notes.jsonl"
+    notes.write_text(text)
+    with pytest.raises(LladaError, match="not a results"):
+        finished_rows(notes, "key", {0: "a"}, {"suite": "gsm8k"})  # what a resuming run reads first
+    assert notes.read_text() == text
+
+
+@pytest.mark.parametrize("text", LOOKALIKES)
+def test_eval_never_appends_to_or_merges_over_a_users_file(capsys, tmp_path, text):
+    notes = tmp_path / "notes.jsonl"
+    notes.write_text(text)
+    refused(capsys, ["eval", "merge", str(notes)], "not a results")
+    refused(capsys, ["eval", "gsm8k", "--limit", "1", "--gen-length", "8", "--out", str(notes)], "not a results")
+    assert notes.read_text() == text
 
 
 def test_a_row_cut_by_a_kill_is_dropped_and_the_run_resumes(tmp_path):
     out = tmp_path / "results.jsonl"
+    run = {"suite": "gsm8k"}
     with RowWriter(out) as writer:
-        writer.write({"key": "a", "index": 0})
+        writer.write({"key": "a", "index": 0, "run": run})
     with open(out, "ab") as handle:
         handle.write(b'{"index": 1, "key": "b')  # killed mid-row
-    assert read_rows(out) == [{"index": 0, "key": "a"}]
+    whole = [{"index": 0, "key": "a", "run": run}]
+    assert read_rows(out) == whole and not out.read_bytes().endswith(b"\n")  # reading alone changes nothing
+    assert finished_rows(out, "key", {0: "a", 1: "b"}, run) == {0: whole[0]}  # a run resuming cuts it
     assert out.read_bytes().endswith(b"\n")
 
 

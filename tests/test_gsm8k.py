@@ -98,23 +98,23 @@ def test_data_without_final_answer_is_an_error(tmp_path):
 
 
 def test_truncated_last_row_is_dropped_and_cut_from_the_file(tmp_path):
-    path = tmp_path / "rows.jsonl"
+    path, run = tmp_path / "rows.jsonl", {"suite": "s"}
+    rows = [{"index": 0, "key": "a", "run": run}, {"index": 1, "key": "b", "run": run}]
     with RowWriter(path) as writer:
-        writer.write({"index": 0, "key": "a"})
-        writer.write({"index": 1, "key": "b"})
+        for row in rows:
+            writer.write(row)
     whole = path.read_bytes()
     path.write_bytes(whole + b'{"index": 2, "ke')
-    assert read_rows(path) == [{"index": 0, "key": "a"}, {"index": 1, "key": "b"}]
+    assert read_rows(path) == rows
+    assert finished_rows(path, "key", {0: "a", 1: "b", 2: "c"}) == {0: rows[0], 1: rows[1]}
     assert path.read_bytes() == whole
-    done = finished_rows(path, "key", {0: "a", 1: "b", 2: "c"})
-    assert done == {0: {"index": 0, "key": "a"}, 1: {"index": 1, "key": "b"}}
     with pytest.raises(LladaError, match="row 1 was written for a different key"):
         finished_rows(path, "key", {0: "a", 1: "other"})
 
 
 def test_corrupt_complete_row_is_an_error(tmp_path):
     path = tmp_path / "rows.jsonl"
-    path.write_text('{"index": 0}\nnot json\n{"index": 2}\n')
+    path.write_text('{"index": 0, "run": {}}\nnot json\n{"index": 2, "run": {}}\n')
     with pytest.raises(LladaError, match="rows.jsonl:2: not a results row"):
         read_rows(path)
 

@@ -74,7 +74,7 @@ def test_merge_refuses_empty_parts_and_foreign_rows(tmp_path):
     with pytest.raises(LladaError, match="the part files hold no rows yet"):
         merge(out)
     HostShare(1, 2).part(out).write_text(json.dumps({"index": 1, "correct": True}) + "\n")
-    with pytest.raises(LladaError, match="no `llada eval` results row"):
+    with pytest.raises(LladaError, match="not a results row"):
         merge(out)
     assert not out.exists()
 

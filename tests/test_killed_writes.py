@@ -251,10 +251,10 @@ def test_one_run_writes_a_results_file_at_a_time(tmp_path):
 
     out = tmp_path / "results.jsonl"
     with RowWriter(out) as first:
-        first.write({"index": 0})
+        first.write({"index": 0, "run": {}})
         with pytest.raises(LladaError, match="being written by another run"):
             RowWriter(out)
-    assert out.read_text() == '{"index": 0}\n'
+    assert out.read_text() == '{"index": 0, "run": {}}\n'
     with RowWriter(tmp_path / "unused.jsonl"):
         pass
     assert not (tmp_path / "unused.jsonl").exists()  # created by the writer, left empty: removed
