@@ -68,7 +68,20 @@ class SafetensorsFile:
         entries = {}
         for name, entry in header.items():
             entries[name] = self._entry(name, entry, size - 8 - length)
+        self._check_tiling(entries, size - 8 - length)
         return entries, 8 + length, metadata if isinstance(metadata, dict) else None
+
+    def _check_tiling(self, entries: dict, data_size: int) -> None:
+        """The byte ranges cover the data section exactly, end to end, as the format (and HF's reader) requires:
+        two tensors sharing bytes would load as each other's weights."""
+        end = 0
+        for name, (_, _, start, stop) in sorted(entries.items(), key=lambda item: item[1][2:]):
+            if start != end:
+                raise self._bad(f"tensor {name}'s bytes {'overlap another' if start < end else 'leave a hole'} "
+                                f"(they start at {start}, the tensor before ends at {end})")
+            end = stop
+        if end != data_size:
+            raise self._bad(f"the tensors cover {end} of the data section's {data_size} bytes")
 
     def _entry(self, name: str, entry, data_size: int):
         try:
