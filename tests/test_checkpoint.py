@@ -161,6 +161,37 @@ def test_checkpoint_faults_give_one_line_errors(tmp_path, sharded_bf16_dir, faul
     assert FAULTS[fault] in message and "\n" not in message
 
 
+# config.json values that used to load as something else (or be ignored): each is refused, naming the field.
+CONFIG_FAULTS = [
+    ({"d_model": 32.5}, "field d_model must be an integer, got 32.5"),
+    ({"d_model": "32"}, "field d_model must be an integer, got '32'"),
+    ({"n_heads": True}, "field n_heads must be an integer, got True"),
+    ({"rope_theta": float("inf")}, "field rope_theta must be a finite number, got inf"),
+    ({"rms_norm_eps": float("nan")}, "field rms_norm_eps must be a finite number, got nan"),
+    ({"eos_token_id": -1}, "eos_token_id must be a token id >= 0, got -1"),
+    ({"clip_qkv": 8.0}, "clip_qkv=8.0 is not supported"),
+    ({"layer_norm_with_affine": False}, "layer_norm_with_affine=False is not supported"),
+    ({"bias_for_layer_norm": True}, "bias_for_layer_norm=True is not supported"),
+    ({"rope_full_precision": False}, "rope_full_precision=False is not supported"),
+]
+
+
+@pytest.mark.parametrize("change,words", CONFIG_FAULTS, ids=[next(iter(case[0])) + str(index)
+                                                            for index, case in enumerate(CONFIG_FAULTS)])
+def test_config_values_of_the_wrong_type_or_an_unsupported_variant_are_refused(tmp_path, change, words):
+    model_dir = write_checkpoint(tmp_path / "model")
+    edit_json(model_dir / "config.json", lambda c: c.update(change))
+    with pytest.raises(LladaError) as err:
+        llada_jax.load(model_dir)
+    assert words in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_integral_floats_and_nulls_read_as_their_values(tmp_path):
+    model_dir = write_checkpoint(tmp_path / "model")
+    edit_json(model_dir / "config.json", lambda c: c.update(d_model=float(c["d_model"]), clip_qkv=None))
+    assert type(llada_jax.load(model_dir).config.d_model) is int
+
+
 def test_single_file_truncation_is_caught(tmp_path):
     model_dir = write_checkpoint(tmp_path / "single")
     weights = model_dir / "model.safetensors"

@@ -112,8 +112,8 @@ BAD_FIELDS = [
     ("llada-moe", {"attention_bias": True}, "attention_bias"),
     ("llada-moe", {"num_experts_per_tok": 9}, "experts per token"),
     ("llada-moe", {"eos_token_id": None}, "eos_token_id"),
-    ("llada-moe", {"rope_theta": "fast"}, "malformed value"),
-    ("dream", {"num_key_value_heads": [4]}, "malformed value"),
+    ("llada-moe", {"rope_theta": "fast"}, "rope_theta must be a finite number, got 'fast'"),
+    ("dream", {"num_key_value_heads": [4]}, "num_key_value_heads must be an integer, got"),
 ]
 
 

@@ -1,21 +1,61 @@
-"""Reading the transformers-style config.json fields the Qwen2-like families share (Dream, LLaDA-MoE)."""
+"""Reading config.json fields: typed values for every family (an integer is an integer, not `"128"`, `true`
+or `128.9`; a number is finite), and the transformers-style fields the Qwen2-like families share (Dream,
+LLaDA-MoE)."""
 
 from __future__ import annotations
 
+import math
+
 from llada_jax.system.errors import LladaError
+
+REQUIRED = object()  # a field without a default
+
+
+def whole(raw: dict, name: str, default=REQUIRED) -> int:
+    """Integer field `name` (a float with no fraction counts); absent or null: `default`, else an error."""
+    value = raw.get(name)
+    if value is None:
+        if default is REQUIRED:
+            raise LladaError(f"config.json lacks required field {name}")
+        return default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise LladaError(f"config.json field {name} must be an integer, got {value!r}")
+    return value
+
+
+def real(raw: dict, name: str, default: float) -> float:
+    """Finite number field `name`; absent or null: `default`."""
+    value = raw.get(name)
+    if value is None:
+        return float(default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise LladaError(f"config.json field {name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def flag(raw: dict, name: str, default: bool) -> bool:
+    """Boolean field `name`; absent or null: `default`."""
+    value = raw.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise LladaError(f"config.json field {name} must be true or false, got {value!r}")
+    return value
 
 
 def integers(raw: dict, *names: str) -> list[int]:
     """The named integer fields, each required (one-line errors)."""
-    values = []
-    for name in names:
-        if name not in raw or raw[name] is None:
-            raise LladaError(f"config.json lacks required field {name}")
-        value = raw[name]
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise LladaError(f"config.json field {name} must be an integer, got {value!r}")
-        values.append(value)
-    return values
+    return [whole(raw, name) for name in names]
+
+
+def end_of_text(raw: dict, default: int | None) -> int:
+    """`eos_token_id`: transformers allows a list, whose first ends an answer."""
+    eos = raw.get("eos_token_id", default)
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    return whole({"eos_token_id": eos}, "eos_token_id")
 
 
 def require(raw: dict, field: str, allowed: tuple, architecture: str) -> None:
@@ -33,24 +73,20 @@ def shared_fields(raw: dict, architecture: str, mask_id: int) -> dict:
     for field, allowed in (("hidden_act", ("silu",)), ("rope_scaling", (None,)), ("tie_word_embeddings", (False,)),
                            ("use_sliding_window", (False,))):
         require(raw, field, allowed, architecture)
-    eos = raw.get("eos_token_id")
-    if isinstance(eos, list):  # transformers allows several; the first ends an answer
-        eos = eos[0] if eos else None
-    if not isinstance(eos, int):
-        raise LladaError(f"config.json field eos_token_id must be a token id, got {eos!r}")
+    eos = end_of_text(raw, None)
     return dict(
         d_model=d_model,
         n_layers=n_layers,
         n_heads=n_heads,
-        n_kv_heads=int(raw.get("num_key_value_heads") or n_heads),
+        n_kv_heads=whole(raw, "num_key_value_heads", n_heads),
         vocab_size=vocab,
         embedding_size=vocab,
-        max_sequence_length=int(raw.get("max_position_embeddings", 4096)),
-        rope_theta=float(raw.get("rope_theta", 10000.0)),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        mask_token_id=int(raw.get("mask_token_id", mask_id)),
+        max_sequence_length=whole(raw, "max_position_embeddings", 4096),
+        rope_theta=real(raw, "rope_theta", 10000.0),
+        rms_norm_eps=real(raw, "rms_norm_eps", 1e-6),
+        mask_token_id=whole(raw, "mask_token_id", mask_id),
         eos_token_id=eos,
-        eot_token_id=int(raw.get("eot_token_id", eos)),
+        eot_token_id=whole(raw, "eot_token_id", eos),
     )
 
 

@@ -4,6 +4,7 @@ Bidirectional llama blocks without biases, a separate LM head, no logits shift."
 
 from __future__ import annotations
 
+from llada_jax.families.hf_fields import real, whole
 from llada_jax.system.errors import LladaError
 
 NAME = "llada"
@@ -28,6 +29,10 @@ REQUIRED_VALUES = {
     "scale_logits": False,
     "input_emb_norm": False,
     "attention_layer_norm": False,
+    "layer_norm_with_affine": True,
+    "bias_for_layer_norm": False,
+    "rope_full_precision": True,
+    "clip_qkv": None,   # the reference clamps q, k and v to +-clip_qkv: any other value is refused
 }
 # Decoding conventions of the family's reference code: no confidence filter, blocks begun by their rule.
 CONFIDENCE_TOP_K = None
@@ -45,33 +50,26 @@ def config_fields(raw: dict) -> dict:
     for field, wanted in REQUIRED_VALUES.items():
         if field in raw and raw[field] is not None and raw[field] != wanted:
             raise LladaError(f"config field {field}={raw[field]!r} is not supported (need {wanted!r})")
-    try:
-        d_model, n_layers, n_heads = int(raw["d_model"]), int(raw["n_layers"]), int(raw["n_heads"])
-    except KeyError as missing:
-        raise LladaError(f"config.json lacks required field {missing.args[0]}") from None
-    except (TypeError, ValueError):
-        raise LladaError("config.json fields d_model, n_layers and n_heads must be integers") from None
-    vocab_size = int(raw.get("vocab_size") or raw.get("embedding_size") or 0)
+    d_model, n_layers, n_heads = whole(raw, "d_model"), whole(raw, "n_layers"), whole(raw, "n_heads")
+    vocab_size = whole(raw, "vocab_size", 0) or whole(raw, "embedding_size", 0)
     if not vocab_size:
         raise LladaError("config.json lacks both vocab_size and embedding_size")
-    n_kv_heads = raw.get("n_kv_heads")
-    if n_kv_heads is None:
-        n_kv_heads = 1 if raw.get("multi_query_attention") else n_heads
+    multi_query = raw.get("multi_query_attention")
     return dict(
         family=NAME,
         d_model=d_model,
         n_layers=n_layers,
         n_heads=n_heads,
-        n_kv_heads=int(n_kv_heads),
-        mlp_hidden_size=int(raw.get("mlp_hidden_size") or int(raw.get("mlp_ratio", 4)) * d_model),
+        n_kv_heads=whole(raw, "n_kv_heads", 1 if multi_query else n_heads),
+        mlp_hidden_size=whole(raw, "mlp_hidden_size", 0) or whole(raw, "mlp_ratio", 4) * d_model,
         vocab_size=vocab_size,
-        embedding_size=int(raw.get("embedding_size") or vocab_size),
-        max_sequence_length=int(raw.get("max_sequence_length", 4096)),
-        rope_theta=float(raw.get("rope_theta", 10000.0)),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
-        mask_token_id=int(raw.get("mask_token_id", MASK_ID)),
-        eos_token_id=int(raw.get("eos_token_id", EOS_ID)),
-        eot_token_id=int(raw.get("eot_token_id", EOT_ID)),
+        embedding_size=whole(raw, "embedding_size", 0) or vocab_size,
+        max_sequence_length=whole(raw, "max_sequence_length", 4096),
+        rope_theta=real(raw, "rope_theta", 10000.0),
+        rms_norm_eps=real(raw, "rms_norm_eps", 1e-5),
+        mask_token_id=whole(raw, "mask_token_id", MASK_ID),
+        eos_token_id=whole(raw, "eos_token_id", EOS_ID),
+        eot_token_id=whole(raw, "eot_token_id", EOT_ID),
     )
 
 
@@ -95,9 +93,6 @@ def hf_config(config) -> dict:
         "mask_token_id": config.mask_token_id,
         "eos_token_id": config.eos_token_id,
         "pad_token_id": config.eos_token_id,
-        "layer_norm_with_affine": True,
-        "bias_for_layer_norm": False,
-        "rope_full_precision": True,
     }
 
 

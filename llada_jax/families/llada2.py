@@ -12,7 +12,7 @@ Attention is block-causal (a block sees itself and earlier blocks): its decoders
 
 from __future__ import annotations
 
-from llada_jax.families.hf_fields import integers, require
+from llada_jax.families.hf_fields import end_of_text, flag, integers, real, require, whole
 from llada_jax.system.errors import LladaError
 
 NAME = "llada2"
@@ -45,17 +45,17 @@ def config_fields(raw: dict) -> dict:
             raise LladaError("config.json lacks use_bias (the reference defaults it to true: a bias on "
                              "attention.dense, which LLaDA2 checkpoints do not have)")
         require(raw, field, allowed, ARCHITECTURE)
-    head_dim = raw.get("head_dim") or d_model // n_heads
+    head_dim = whole(raw, "head_dim", 0) or d_model // n_heads
     if head_dim * n_heads != d_model:
         raise LladaError(f"config head_dim={head_dim} x num_attention_heads={n_heads} != hidden_size={d_model}; "
                          f"{ARCHITECTURE} with a separate head width is not supported")
-    rotary_dim = int(head_dim * float(raw.get("partial_rotary_factor", 0.5)))
+    rotary_dim = int(head_dim * real(raw, "partial_rotary_factor", 0.5))
     if rotary_dim <= 0 or rotary_dim % 2:
         raise LladaError(f"config partial_rotary_factor gives {rotary_dim} rotary dims; need an even number > 0")
-    dense_layers = int(raw.get("first_k_dense_replace") or 0)
+    dense_layers = whole(raw, "first_k_dense_replace", 0)
     (moe_hidden,) = integers(raw, "moe_intermediate_size")
     dense_hidden = integers(raw, "intermediate_size")[0] if dense_layers else 0
-    groups, kept = int(raw.get("n_group", 8)), int(raw.get("topk_group", 4))
+    groups, kept = whole(raw, "n_group", 8), whole(raw, "topk_group", 4)
     if groups < 1 or experts % groups or not 1 <= kept <= groups or per_token > kept * experts // groups:
         raise LladaError(f"config n_group={groups}, topk_group={kept} do not fit num_experts={experts} and "
                          f"num_experts_per_tok={per_token}")
@@ -63,23 +63,19 @@ def config_fields(raw: dict) -> dict:
         raise LladaError(f"config n_group={groups} leaves fewer than 2 experts per group (a group scores its top 2)")
     if not 0 <= dense_layers <= n_layers:
         raise LladaError(f"config first_k_dense_replace={dense_layers} is outside [0, {n_layers}]")
-    eos = raw.get("eos_token_id", EOS_ID)
-    if isinstance(eos, list):  # transformers allows several; the first ends an answer
-        eos = eos[0] if eos else None
-    if not isinstance(eos, int):
-        raise LladaError(f"config.json field eos_token_id must be a token id, got {eos!r}")
+    eos = end_of_text(raw, EOS_ID)
     return dict(
         family=NAME, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
-        n_kv_heads=int(raw.get("num_key_value_heads") or n_heads), vocab_size=vocab, embedding_size=vocab,
-        max_sequence_length=int(raw.get("max_position_embeddings", 16384)),
-        rope_theta=float(raw.get("rope_theta", 10000.0)), rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
-        mask_token_id=int(raw.get("mask_token_id", MASK_ID)), eos_token_id=int(eos),
-        eot_token_id=int(raw.get("eot_token_id", eos)), qk_norm=bool(raw.get("use_qk_norm", True)),
+        n_kv_heads=whole(raw, "num_key_value_heads", n_heads), vocab_size=vocab, embedding_size=vocab,
+        max_sequence_length=whole(raw, "max_position_embeddings", 16384),
+        rope_theta=real(raw, "rope_theta", 10000.0), rms_norm_eps=real(raw, "rms_norm_eps", 1e-5),
+        mask_token_id=whole(raw, "mask_token_id", MASK_ID), eos_token_id=eos,
+        eot_token_id=whole(raw, "eot_token_id", eos), qk_norm=flag(raw, "use_qk_norm", True),
         rotary_dim=rotary_dim, mlp_hidden_size=moe_hidden, n_experts=experts,
         experts_per_token=per_token, dense_layers=dense_layers, dense_hidden_size=dense_hidden,
-        shared_expert_size=moe_hidden * int(raw.get("num_shared_experts") or 0),
+        shared_expert_size=moe_hidden * whole(raw, "num_shared_experts", 0),
         router="sigmoid-grouped", expert_groups=groups, groups_kept=kept,
-        routed_scaling=float(raw.get("routed_scaling_factor", 2.5)), block_causal=True)
+        routed_scaling=real(raw, "routed_scaling_factor", 2.5), block_causal=True)
 
 
 def hf_config(config) -> dict:

@@ -8,7 +8,7 @@ renormalisation, SwiGLU experts, no shared expert. Its reference code ignores `n
 
 from __future__ import annotations
 
-from llada_jax.families.hf_fields import attention_names, integers, require, shared_config, shared_fields
+from llada_jax.families.hf_fields import attention_names, flag, integers, require, shared_config, shared_fields
 from llada_jax.system.errors import LladaError
 
 NAME = "llada-moe"
@@ -33,7 +33,7 @@ def config_fields(raw: dict) -> dict:
         raise LladaError(f"config field moe_layer_freq={freq!r} is not supported for {ARCHITECTURE} "
                          "(every layer a sparse MoE layer: a list of 1s, one per layer)")
     return dict(shared_fields(raw, ARCHITECTURE, MASK_ID), family=NAME, mlp_hidden_size=hidden,
-                qk_norm=bool(raw.get("qk_layernorm", True)), n_experts=experts, experts_per_token=per_token)
+                qk_norm=flag(raw, "qk_layernorm", True), n_experts=experts, experts_per_token=per_token)
 
 
 def hf_config(config) -> dict:

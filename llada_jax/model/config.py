@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 from llada_jax import families
@@ -51,8 +52,11 @@ class LLaDAConfig:
     def __post_init__(self):
         for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "mlp_hidden_size",
                      "vocab_size", "embedding_size", "max_sequence_length"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+            if type(getattr(self, name)) is not int or getattr(self, name) <= 0:
                 raise LladaError(f"config field {name} must be a positive integer, got {getattr(self, name)!r}")
+        for name in ("mask_token_id", "eos_token_id", "eot_token_id"):  # EOS / EoT may lie past a small vocabulary
+            if type(getattr(self, name)) is not int or getattr(self, name) < 0:
+                raise LladaError(f"config field {name} must be a token id >= 0, got {getattr(self, name)!r}")
         if self.d_model % self.n_heads:
             raise LladaError(f"config d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:
@@ -65,8 +69,9 @@ class LLaDAConfig:
         if not 0 <= self.mask_token_id < self.embedding_size:
             raise LladaError(f"config mask_token_id={self.mask_token_id} is outside the embedding "
                              f"(size {self.embedding_size})")
-        if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
-            raise LladaError("config rope_theta and rms_norm_eps must be positive")
+        if not (0 < self.rope_theta < math.inf and 0 < self.rms_norm_eps < math.inf):
+            raise LladaError(f"config rope_theta and rms_norm_eps must be finite and positive, got {self.rope_theta} "
+                             f"and {self.rms_norm_eps}")
         if self.family not in families.BY_NAME:
             raise LladaError(f"unknown model family {self.family!r}; choose one of {', '.join(families.BY_NAME)}")
         if not 0 <= self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
