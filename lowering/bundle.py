@@ -27,7 +27,16 @@ from llada_jax.system.errors import LladaError
 from llada_jax.weights.checkpoint import compute_dtype
 from llada_jax.weights.tokenizer import eot_id_from_files
 from llada_jax.weights.weights_io import INDEX_FILE, weight_files
-from lowering.bundle_format import ARCHIVE, FORMAT_VERSION, MANIFEST, TOKENIZER_FILES, VMFB, sha256
+from lowering.bundle_format import (
+    ARCHIVE,
+    FORMAT_VERSION,
+    MANIFEST,
+    MANIFEST_DIGEST,
+    TOKENIZER_FILES,
+    VMFB,
+    manifest_digest,
+    sha256,
+)
 from lowering.bundle_layout import bundle_layout
 from lowering.bundle_module import bundle_module
 from lowering.bundle_weights import WeightLayout, routed_experts, write_archive
@@ -239,6 +248,7 @@ def _functions(specs, loop_specs, config, compute, layout, activations: Activati
 def _write_manifest(staging: Path, manifest: dict) -> None:
     """The manifest, with the sha256 of every file written so far."""
     manifest["files"] = {p.name: sha256(p) for p in sorted(staging.iterdir()) if p.is_file()}
+    manifest[MANIFEST_DIGEST] = manifest_digest(manifest)
     (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
 
 

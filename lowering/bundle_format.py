@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 from pathlib import Path
 from typing import Literal
 
@@ -13,14 +14,16 @@ PARAMETER_SCOPE = "model"  # IREE parameter scope the weights are bound under
 MANIFEST = "manifest.json"
 VMFB = "steps.vmfb"
 ARCHIVE = "weights.irpa"  # a CPU bundle's copied weights, as one IREE parameter archive
-FORMAT_VERSION = 10  # 2: staged pieces take one argument per weight tensor; 3: the head is staged in vocabulary
+FORMAT_VERSION = 11  # 2: staged pieces take one argument per weight tensor; 3: the head is staged in vocabulary
 # chunks; 4: quantized parameters, and whether the weights stream recorded as "staged"; 5: full and window
 # steps give hidden rows, `read` steps the readout on the rows a decoder uses; 6: `read` takes those rows'
 # indices (the block's masks), not the first row of a slice; 7: resident CPU bundles copy their weights as
 # one parameter archive, quantized integers signed; 8: decode loops run on the bundle's own driver (their
 # cached decoders' first pass peeled out of the step loop); 9: quantized matmuls run our kernels, linked into the
 # vmfb, their weights declared and archived as the bytes stored (the manifest's "kernels"); 10: under a budget the
-# program streams its layers and head itself (the manifest's "streamed"), no per-layer pieces
+# program streams its layers and head itself (the manifest's "streamed"), no per-layer pieces; 11: the manifest
+# carries its own checksum ("manifest_sha256")
+MANIFEST_DIGEST = "manifest_sha256"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
@@ -51,11 +54,20 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def manifest_digest(manifest: dict) -> str:
+    """The sha256 of the manifest's fields other than the digest itself, in a canonical spelling."""
+    fields = {key: value for key, value in manifest.items() if key != MANIFEST_DIGEST}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+
 def check_files(bundle_dir: Path, manifest: dict) -> None:
-    """Every file the manifest lists exists with its recorded sha256."""
+    """The manifest is as written (its own checksum) and every file it lists exists with its recorded sha256: an
+    edited manifest (a field removed, a config changed) would otherwise skip checks or run another model."""
     if manifest.get("format") != FORMAT_VERSION:
         raise LladaError(f"{bundle_dir}: bundle format {manifest.get('format')} is not {FORMAT_VERSION}; recompile it")
-    for name, digest in manifest.get("files", {}).items():
+    if manifest.get(MANIFEST_DIGEST) != manifest_digest(manifest):
+        raise LladaError(f"{bundle_dir}: {MANIFEST} does not match its checksum (corrupt or edited); recompile it")
+    for name, digest in manifest["files"].items():
         path = bundle_dir / name
         if not path.is_file():
             raise LladaError(f"{bundle_dir}: bundle file {name} is missing")

@@ -21,6 +21,7 @@ from llada_jax.model.readout import ReadoutSpec, TokenBiases
 from llada_jax.system.errors import LladaError
 from lowering import bundle as bundle_mod
 from lowering.bundle import compile_bundle
+from lowering.bundle_format import MANIFEST_DIGEST, manifest_digest
 from lowering.matmul_tiles import host_tiles
 from lowering.targets import TARGETS
 from tests.conftest import BUNDLE_MAX_LEN, TINY, bundle_weight_bytes, jax_backend, require, vulkan_available
@@ -224,15 +225,24 @@ def corrupt_vmfb(path):
     (path / "steps.vmfb").write_bytes(bytes(data))
 
 
-def other_iree(path):
-    manifest = json.loads((path / "manifest.json").read_text())
-    manifest["iree_version"] = "1.0.0"
-    (path / "manifest.json").write_text(json.dumps(manifest))
+def edited_manifest(edit, digest: bool):
+    """A fault: the manifest edited, its checksum recomputed (`digest`, as another compiler would write it) or not."""
+    def fault(path):
+        manifest = json.loads((path / "manifest.json").read_text())
+        edit(manifest)
+        if digest:
+            manifest[MANIFEST_DIGEST] = manifest_digest(manifest)
+        (path / "manifest.json").write_text(json.dumps(manifest))
+    return fault
 
 
 @pytest.mark.parametrize("fault, message", [
     (corrupt_vmfb, "steps.vmfb does not match its checksum"),
-    (other_iree, "compiled with IREE 1.0.0"),
+    (edited_manifest(lambda m: m.update(iree_version="1.0.0"), digest=True), "compiled with IREE 1.0.0"),
+    (edited_manifest(lambda m: m.pop("files"), digest=False), "manifest.json does not match its checksum"),
+    (edited_manifest(lambda m: m["model_config"].update(mask_token_id=3), digest=False), "does not match its checksum"),
+    (edited_manifest(lambda m: m.pop("steps"), digest=False), "does not match its checksum"),
+    (lambda p: (p / "manifest.json").write_text("[]"), "not a bundle manifest"),
     (lambda p: (p / "weights.irpa").unlink(), "weights.irpa is missing"),
     (lambda p: (p / "manifest.json").unlink(), "is not a bundle"),
 ])

@@ -112,6 +112,8 @@ def load_bundle(path, expected_target: str | None = None) -> Bundle:
         manifest = json.loads(manifest_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise LladaError(f"{manifest_path} is not valid JSON") from None
+    if not isinstance(manifest, dict):
+        raise LladaError(f"{manifest_path} is not a bundle manifest (not a JSON object)")
     runtime_version = version("iree-base-runtime")
     if manifest.get("iree_version") != runtime_version:
         raise LladaError(f"bundle was compiled with IREE {manifest.get('iree_version')} but this runtime is "
