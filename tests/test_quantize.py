@@ -315,6 +315,11 @@ def spec_with(**changes) -> dict:
     (spec_with(input_activations={"num_bits": 8}), "stored activation quantization is not supported"),
     (spec_with(weights={"num_bits": 8, "strategy": "tensor"}), "weight strategy 'tensor' is not supported"),
     ({"quantization_config": {"quant_method": "gptq"}}, "only compressed-tensors checkpoints"),
+    (spec_with(targets=["re:(unclosed"]), "target 're:(unclosed' is not a valid pattern"),
+    (spec_with(targets=[7]), "a target must be a module name"),
+    (spec_with(targets="Linear"), "targets must be a list"),
+    ({"quantization_config": {**spec_with()["quantization_config"], "config_groups": [1]}},
+     "config_groups must be an object"),
 ])
 def test_unsupported_quantization_configs(spec, fragment):
     one_line_error(lambda: quantized_modules(spec, TINY), fragment)

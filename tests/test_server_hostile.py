@@ -70,7 +70,7 @@ BAD = [  # (path, body, the field, words of the message)
     ("completions", {"model": NAME, "prompt": "sort 1", "stream_options": {}}, "stream_options",
      "stream_options: only allowed with stream=true"),
     ("completions", {"model": NAME, "prompt": ["sort 1", "sort 2"], "n": 8}, "prompt", "16 generations"),
-    ("completions", {"model": NAME, "prompt": "a" * 20_000}, "prompt", "cannot fit the model's context"),
+    ("completions", {"model": NAME, "prompt": "a" * 20_000}, "prompt", "cannot fit a context of 256 tokens"),
     ("completions", {"model": NAME, "prompt": "a" * 300, "max_tokens": 8}, "prompt", "maximum context length is 256"),
     ("chat/completions", {**CHAT, "max_tokens": 8, "max_completion_tokens": 8}, "max_completion_tokens",
      "not both"),

@@ -62,6 +62,14 @@ def test_a_template_that_raises_is_a_one_line_error():
         render_chat_template(template, [{"role": "assistant", "content": "x"}], {})
 
 
+@pytest.mark.parametrize("template, words", [("{{ 1/0 }}", "ZeroDivisionError"),
+                                             ("{% for i in range(10**12) %}{% endfor %}", "OverflowError"),
+                                             ("{{ messages.pop() }}", "access to attribute 'pop'")])
+def test_a_template_that_fails_at_any_step_is_a_one_line_error(template, words):
+    with pytest.raises(LladaError, match=f"chat template failed: {words}"):
+        render_chat_template(template, [{"role": "user", "content": "x"}], {})
+
+
 def test_real_instruct_eot_id_is_read_from_added_tokens():
     assert eot_id_from_files(LLADA_8B_DIR) == 126348
 
@@ -100,6 +108,37 @@ def test_missing_chat_template_is_a_clear_error(char_model_dir):
         load_tokenizer(char_model_dir).chat_prompt("hi")
 
 
+@pytest.mark.parametrize("file, change, words", [
+    ("tokenizer_config.json", [], "expected a JSON object"),
+    ("special_tokens_map.json", [], "expected a JSON object"),
+    ("tokenizer_config.json", {"chat_template": 123}, "chat_template must be a template's text"),
+    ("tokenizer_config.json", {"chat_template": ["x"]}, None),  # no default among the named: none
+    ("tokenizer_config.json", {"added_tokens_decoder": [1, 2]}, "added_tokens_decoder must map token ids"),
+    ("tokenizer_config.json", {"added_tokens_decoder": {"abc": {"content": "<|eot_id|>"}}}, "not a token id"),
+])
+def test_malformed_tokenizer_files_are_one_line_errors(char_model_dir, file, change, words):
+    path = char_model_dir / file
+    path.write_text(json.dumps(change if isinstance(change, list) else {**json.loads(path.read_text()), **change}))
+
+    def read():
+        return eot_id_from_files(char_model_dir), load_tokenizer(char_model_dir)
+
+    if words is None:
+        assert read()[1].chat_template is None
+        return
+    with pytest.raises(LladaError, match=words) as caught:
+        read()
+    assert "\n" not in str(caught.value)
+
+
+def test_text_far_too_long_for_the_context_is_refused_before_tokenizing(char_model_dir):
+    tokenizer = load_tokenizer(char_model_dir)
+    bound = 4 * tokenizer.longest_token_chars * 8
+    assert len(tokenizer.encode("a" * bound, limit=8)) == bound  # within the bound: tokenized (and too long)
+    with pytest.raises(LladaError, match=f"the text \\({bound + 1} characters\\) cannot fit a context of 8 tokens"):
+        tokenizer.encode("a" * (bound + 1), limit=8)
+
+
 def test_corrupt_tokenizer_json_is_a_clear_error(char_model_dir):
     (char_model_dir / "tokenizer.json").write_text("{}")
     with pytest.raises(LladaError, match="cannot load tokenizer"):
@@ -122,3 +161,11 @@ def test_embedded_model_refuses_unrepresentable_prompt_in_one_line(capsys):
     assert captured.out == "" and captured.err.count("\n") == 1
     assert captured.err == ("llada: error: the model's vocabulary has no token for 'é' (U+00E9), "
                             "the first such character of the text\n")
+
+
+def test_a_prompt_far_too_long_for_the_model_is_refused_in_one_line(capsys):
+    from llada_jax.cli import main
+
+    assert main(["generate", "--no-visual", "a" * 20_000]) == 1  # the embedded model: 256 tokens
+    assert capsys.readouterr().err == ("llada: error: the text (20000 characters) cannot fit a context of 256 "
+                                       "tokens\n")

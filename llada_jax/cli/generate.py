@@ -31,12 +31,13 @@ def add_prompt_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
 
 
-def prompt_ids(args, tokenizer) -> np.ndarray:
+def prompt_ids(args, tokenizer, limit: int) -> np.ndarray:
+    """The prompt's ids; text far too long for a context of `limit` tokens is refused before tokenizing."""
     if (args.prompt is None) == (args.prompt_ids is None):
         raise LladaError("give exactly one of a prompt text (positional or --prompt) and --prompt-ids")
     if args.prompt_ids is not None:
         return ids_from_text(args.prompt_ids, "--prompt-ids")
-    return encoded(args.prompt, args.chat, tokenizer)
+    return encoded(args.prompt, args.chat, tokenizer, limit)
 
 
 def ids_from_text(text: str, what: str) -> np.ndarray:
@@ -46,13 +47,13 @@ def ids_from_text(text: str, what: str) -> np.ndarray:
         raise LladaError(f"{what} must be comma-separated integers, got {text.strip()!r}") from None
 
 
-def encoded(text: str, chat: bool, tokenizer) -> np.ndarray:
+def encoded(text: str, chat: bool, tokenizer, limit: int) -> np.ndarray:
     if tokenizer is None:
         raise LladaError("this model has no tokenizer.json; give token ids instead of text")
-    return np.array(tokenizer.encode(tokenizer.chat_prompt(text) if chat else text), np.int64)
+    return np.array(tokenizer.encode(tokenizer.chat_prompt(text) if chat else text, limit), np.int64)
 
 
-def file_prompts(args, tokenizer) -> list[np.ndarray]:
+def file_prompts(args, tokenizer, limit: int) -> list[np.ndarray]:
     """--prompt-file: one prompt per non-empty line, text (or comma-separated ids with --ids)."""
     try:
         lines = [line.rstrip("\n") for line in open(args.prompt_file, encoding="utf-8") if line.strip()]
@@ -62,7 +63,7 @@ def file_prompts(args, tokenizer) -> list[np.ndarray]:
         raise LladaError(f"--prompt-file {args.prompt_file} holds no prompt")
     if args.ids:
         return [ids_from_text(line, f"line {number} of {args.prompt_file}") for number, line in enumerate(lines, 1)]
-    return [encoded(line, args.chat, tokenizer) for line in lines]
+    return [encoded(line, args.chat, tokenizer, limit) for line in lines]
 
 
 def compile_timing(args):
@@ -74,7 +75,7 @@ def compile_timing(args):
 
 def cmd_generate_file(args, config, tokenizer, run) -> None:
     """Every prompt of --prompt-file, --batch-size at a time: one line (text, or JSON with --json) each."""
-    prompts = file_prompts(args, tokenizer)
+    prompts = file_prompts(args, tokenizer, config.max_sequence_length)
     for start in range(0, len(prompts), args.batch_size):
         batch = prompts[start: start + args.batch_size]
         for result in run(batch, **decoding_kwargs(args, config)):
@@ -103,7 +104,7 @@ def cmd_generate(args) -> None:
     config, tokenizer, run = generation_runner(args, loop_settings(args), batch_sizes=batch_sizes)
     if args.prompt_file is not None:
         return cmd_generate_file(args, config, tokenizer, run)
-    ids = prompt_ids(args, tokenizer)
+    ids = prompt_ids(args, tokenizer, config.max_sequence_length)
     live = sys.stderr.isatty() and not args.json and not args.no_visual and args.loop != "compiled"
     canvas = LiveCanvas(tokenizer, config.special_ids_in_vocab(config.eos_token_id, config.eot_token_id))
     with compile_timing(args) as clock:
@@ -129,7 +130,7 @@ def cmd_generate(args) -> None:
 def cmd_trace(args) -> None:
     check_png_target(args.out, "llada trace", args.force)  # before the model loads
     config, tokenizer, run = generation_runner(args)
-    ids = prompt_ids(args, tokenizer)
+    ids = prompt_ids(args, tokenizer, config.max_sequence_length)
     result = run(ids, **decoding_kwargs(args, config))
     assert not isinstance(result, list), "one prompt gives one result"
     pieces = [(tokenizer.decode([int(t)]) or "\u00b7") if tokenizer else str(int(t)) for t in result.output_ids]

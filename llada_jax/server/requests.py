@@ -118,19 +118,10 @@ def prompts_of(served: Served, request: CompletionRequest | ChatRequest) -> list
 
 
 def _encoded(served: Served, text: str) -> np.ndarray:
-    most = served.context * served.tokenizer.longest_token_chars * TEXT_MARGIN
-    if len(text) > most:
-        raise LladaError(f"the prompt's {len(text)} characters cannot fit the model's context of {served.context} "
-                         "tokens")
-    ids = np.array(served.tokenizer.encode(text), np.int64)
+    ids = np.array(served.tokenizer.encode(text, limit=served.context), np.int64)
     if ids.size == 0:
         raise LladaError("the prompt encodes to no tokens")
     return check_token_ids(ids, served.config, "the prompt", allow_mask=False)
-
-
-# A token covers at most the vocabulary's longest token of normalized text; a normalizer (NFC) composes at most a
-# few characters into one. Text longer than that bound is refused before the tokenizer spends time and memory on it.
-TEXT_MARGIN = 4
 
 
 def answer_length(served: Served, request: GenerationFields, asked: int | None, prompt_len: int) -> tuple[int, int]:

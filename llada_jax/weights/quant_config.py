@@ -68,19 +68,40 @@ def quantized_modules(hf_config: dict, config: LLaDAConfig) -> dict[str, QuantSc
     if spec.get("format", FORMAT) != FORMAT:
         raise LladaError(f"{where}: format {spec.get('format')!r} is not supported (only {FORMAT})")
     modules = _matrices(config)
-    ignored = set(spec.get("ignore") or [])
+    ignored, groups = spec.get("ignore") or [], spec.get("config_groups") or {}
+    if not isinstance(groups, dict) or not _strings(ignored):
+        raise LladaError(f"{where}: config_groups must be an object of groups and ignore a list of module names")
     schemes = {}
-    for group_name, group in (spec.get("config_groups") or {}).items():
+    for group_name, group in groups.items():
         scheme = _group_scheme(group, f"{where} group {group_name}")
+        targets = [_target(target, f"{where} group {group_name}") for target in group.get("targets", [])]
         for module in modules:
-            if module not in ignored and any(_matches(t, module, config) for t in group.get("targets", [])):
+            if module not in ignored and any(_matches(t, module, config) for t in targets):
                 schemes[module] = scheme
     return schemes
+
+
+def _strings(value) -> bool:
+    return isinstance(value, list) and all(isinstance(item, str) for item in value)
+
+
+def _target(target, where: str):
+    """A module name, "Linear", or `re:PATTERN` compiled (a bad pattern is the checkpoint's error)."""
+    if not isinstance(target, str):
+        raise LladaError(f"{where}: a target must be a module name or 're:PATTERN', got {target!r}")
+    if not target.startswith("re:"):
+        return target
+    try:
+        return re.compile(target[3:])
+    except re.error as err:
+        raise LladaError(f"{where}: target {target!r} is not a valid pattern ({err})") from None
 
 
 def _group_scheme(group, where: str) -> QuantScheme:
     if not isinstance(group, dict) or not isinstance(group.get("weights"), dict):
         raise LladaError(f"{where}: needs a 'weights' object")
+    if not isinstance(group.get("targets", []), list):
+        raise LladaError(f"{where}: targets must be a list")
     if group.get("input_activations") or group.get("output_activations"):
         raise LladaError(f"{where}: stored activation quantization is not supported (weights only)")
     args = group["weights"]
@@ -92,9 +113,9 @@ def _group_scheme(group, where: str) -> QuantScheme:
     return QuantScheme(args.get("num_bits"), args.get("group_size") if strategy == "group" else None)
 
 
-def _matches(target: str, module: str, config: LLaDAConfig) -> bool:
-    if target.startswith("re:"):
-        return re.match(target[3:], module) is not None
+def _matches(target: str | re.Pattern, module: str, config: LLaDAConfig) -> bool:
+    if isinstance(target, re.Pattern):
+        return target.match(module) is not None
     return target in (module, "Linear") and (target != "Linear" or module != module_of(config, ("wte",)))
 
 

@@ -16,6 +16,9 @@ if TYPE_CHECKING:  # loaded with the first tokenizer (see load_tokenizer), not b
     from tokenizers import Tokenizer as HFTokenizer
 
 EOT_TOKEN = "<|eot_id|>"
+# A token covers at most the vocabulary's longest token of normalized text, and a normalizer (NFC) composes at most
+# a few characters into one: text longer than that bound cannot fit, and is refused before tokenizing it.
+TEXT_MARGIN = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,10 +27,14 @@ class Tokenizer:
     chat_template: str | None
     special_tokens: dict          # role -> token text: bos_token, eos_token, ...
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, limit: int | None = None) -> list[int]:
         """Token ids as HF's `tokenizer(text)["input_ids"]` gives them (post-processor applied). Text the
         vocabulary cannot represent is refused, naming its first character: a tokenizer with an unknown
-        token would silently encode another prompt (byte-level BPE, like LLaDA-8B's, represents all)."""
+        token would silently encode another prompt (byte-level BPE, like LLaDA-8B's, represents all). With
+        `limit` (a context's tokens), text far too long for it is refused before the tokenizer spends seconds
+        and gigabytes on it."""
+        if limit is not None and len(text) > limit * self.longest_token_chars * TEXT_MARGIN:
+            raise LladaError(f"the text ({len(text)} characters) cannot fit a context of {limit} tokens")
         encoding = self.backend.encode(text, add_special_tokens=True)
         unknown = getattr(self.backend.model, "unk_token", None)
         unknown_id = self.backend.token_to_id(unknown) if unknown else None
@@ -121,11 +128,13 @@ def render_chat_template(template: str, messages: list[dict], special_tokens: di
     """Render a jinja chat template with the variables transformers passes (no tools, no documents)."""
     from jinja2 import TemplateError
 
+    template_code = _compiled_template(template)
     try:
-        return _compiled_template(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                   tools=None, documents=None, **special_tokens)
-    except TemplateError as err:
-        raise LladaError(f"chat template failed: {err}") from None
+        return template_code.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                    tools=None, documents=None, **special_tokens)
+    except Exception as err:  # the checkpoint's template is code: any error it raises is the template's
+        detail = str(err) if isinstance(err, TemplateError) else f"{type(err).__name__}: {err}"
+        raise LladaError(f"chat template failed: {detail}") from None
 
 
 def _token_text(value) -> str | None:
@@ -146,13 +155,19 @@ def read_special_tokens(model_dir: Path) -> tuple[dict, str | None]:
             data = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise LladaError(f"{path}: not valid JSON ({err})") from None
+        if not isinstance(data, dict):
+            raise LladaError(f"{path}: expected a JSON object")
         for key in ("bos_token", "eos_token", "pad_token", "unk_token", "mask_token"):
             text = _token_text(data.get(key))
             if text is not None:
                 special[key] = text
         template = data.get("chat_template", template)
     if isinstance(template, list):  # HF allows a list of named templates
-        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                        None)
+    if template is not None and not isinstance(template, str):
+        raise LladaError(f"{model_dir}: chat_template must be a template's text or a list of named templates, "
+                         f"got {type(template).__name__}")
     return special, template
 
 
@@ -164,9 +179,13 @@ def eot_id_from_files(model_dir: Path) -> int | None:
     try:
         added = json.loads(path.read_text()).get("added_tokens_decoder", {})
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-        return None
+        return None  # not a JSON object: reading the tokenizer refuses the file in one line
+    if not isinstance(added, dict):
+        raise LladaError(f"{path}: added_tokens_decoder must map token ids to tokens")
     for token_id, entry in added.items():
         if isinstance(entry, dict) and entry.get("content") == EOT_TOKEN:
+            if not token_id.isdigit():
+                raise LladaError(f"{path}: added_tokens_decoder names {EOT_TOKEN} with id {token_id!r}, not a token id")
             return int(token_id)
     return None
 
