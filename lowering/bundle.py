@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from llada_jax.families import host_loop_conventions
-from llada_jax.model.config import read_config, read_hf_dict
+from llada_jax.model.config import checked_model_dir, read_config, read_hf_dict
 from llada_jax.quant.choice import Kernels
 from llada_jax.quant.quantize import Activations
 from llada_jax.system.atomic import atomic_dir, check_output_dir
@@ -273,9 +273,7 @@ def loop_refusal(config, layout: WeightLayout | None = None) -> str | None:
 
 
 def _checked_config(model_dir: Path, max_len: int, window: int):
-    if not model_dir.is_dir():
-        raise LladaError(f"model directory {model_dir} does not exist")
-    config = read_config(model_dir, eot_token_id=eot_id_from_files(model_dir))
+    config = read_config(checked_model_dir(model_dir), eot_token_id=eot_id_from_files(model_dir))
     if not 0 < max_len <= config.max_sequence_length:
         raise LladaError(f"--max-len must be in [1, {config.max_sequence_length}], got {max_len}")
     if window <= 0:

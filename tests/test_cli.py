@@ -69,15 +69,27 @@ def test_bad_input_is_one_line_error(capsys, tiny_dir, case):
     assert err.startswith("llada: error: ") and expected in err and err.count("\n") == 1
 
 
-@pytest.mark.parametrize("model_dir", ["missing", "empty"])
-def test_missing_or_corrupt_model_dir(capsys, tmp_path, model_dir):
+@pytest.mark.parametrize("model_dir, words", [("missing", "does not exist"), ("empty", "no model.safetensors"),
+                                              ("file", "is a file, not a model directory")])
+def test_missing_or_corrupt_model_dir(capsys, tmp_path, model_dir, words):
     path = tmp_path / model_dir
     if model_dir == "empty":
         path.mkdir()
         (path / "config.json").write_text(json.dumps(TINY.to_hf_dict()))
+    if model_dir == "file":
+        path.write_text("not a directory")
     code, _, err = run(capsys, "--model", str(path), *VALID)
-    assert code == 1 and err.count("\n") == 1
-    assert ("does not exist" if model_dir == "missing" else "no model.safetensors") in err
+    assert code == 1 and err.count("\n") == 1 and words in err
+
+
+@pytest.mark.parametrize("argv", [["generate", "--model", "", "hi"], ["generate", "--bundle", "", "hi"],
+                                  ["quantize", "--out", "", "--bits", "4"],
+                                  ["compile", "--out", "", "--target", "host"], ["train", "--out", ""],
+                                  ["eval", "gsm8k", "--out", ""], ["serve", ""]])
+def test_an_empty_path_is_refused_not_read_as_the_default_or_the_current_directory(capsys, argv):
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2 and "must name a path, got an empty string" in capsys.readouterr().err
 
 
 def test_xla_runtime_error_is_one_line(capsys, tiny_dir, monkeypatch):

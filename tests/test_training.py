@@ -72,6 +72,25 @@ def test_resuming_with_other_settings_is_refused(tmp_path):
         train(tmp_path / "run", SETTINGS, CONFIG, progress=False)
 
 
+@pytest.mark.parametrize("damage, words", [
+    (lambda run: (run / "run.json").write_text("{bad"), "run.json is not valid JSON"),
+    (lambda run: (run / "run.json").write_text("[]"), "run.json holds no run's settings and config"),
+    (lambda run: (run / "run.json").write_text('{"settings": {}}'), "run.json holds no run's settings and config"),
+    (lambda run: [path.unlink() for path in (run / "checkpoints" / "1").rglob("*") if path.is_file()],
+     "checkpoint 1 of the run cannot be restored"),
+])
+def test_a_damaged_run_is_refused_in_one_line_by_resuming_and_exporting(tmp_path, damage, words):
+    run = tmp_path / "run"
+    settings = dataclasses.replace(SETTINGS, steps=1, checkpoint_every=1)
+    train(run, settings, CONFIG, progress=False)
+    damage(run)
+    for attempt in (lambda: train(run, settings, CONFIG, progress=False),
+                    lambda: training.export_latest(run, tmp_path / "exported")):
+        with pytest.raises(llada_jax.LladaError, match=words) as caught:
+            attempt()
+        assert "\n" not in str(caught.value)
+
+
 def test_stopping_early_then_continuing_equals_one_run(tmp_path):
     straight = train(tmp_path / "straight", SETTINGS, CONFIG, progress=False)
     train(tmp_path / "staged", SETTINGS, CONFIG, progress=False, stop_at=3)

@@ -11,6 +11,7 @@ from llada_jax.cli.flags import (
     batch_sizes_arg,
     byte_count,
     model_dir,
+    path_arg,
 )
 from llada_jax.cli.progress import stage_printer
 from llada_jax.model.config import read_config
@@ -42,7 +43,7 @@ def add_compile(commands) -> None:
     comp = commands.add_parser("compile", help="compile a model's steps into an IREE bundle for a target")
     add_model_flags(comp)
     comp.add_argument("--target", required=True, help=", ".join(TARGETS))
-    comp.add_argument("--out", required=True, help="new bundle directory to write (atomically)")
+    comp.add_argument("--out", required=True, type=path_arg, help="new bundle directory to write (atomically)")
     comp.add_argument("--force", action="store_true", help="replace an earlier bundle in --out")
     comp.add_argument("--max-len", type=int, default=128, help="longest canvas (prompt + gen-length)")
     comp.add_argument("--window", type=int, default=128,

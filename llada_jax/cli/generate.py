@@ -17,6 +17,7 @@ from llada_jax.cli.flags import (
     add_model_flags,
     decoding_kwargs,
     loop_settings,
+    path_arg,
     policy_arg,
 )
 from llada_jax.cli.runner import add_runner_flags, generation_runner
@@ -160,7 +161,7 @@ def add_trace(commands) -> None:
     add_prompt_flags(trace)
     add_model_flags(trace)
     add_runner_flags(trace)
-    trace.add_argument("--out", required=True, help="PNG file to write (never over a file of yours)")
+    trace.add_argument("--out", required=True, type=path_arg, help="PNG file to write (never over a file of yours)")
     trace.add_argument("--force", action="store_true", help="replace an earlier `llada trace` PNG at --out")
     add_decoding_flags(trace)
     trace.set_defaults(run=cmd_trace)

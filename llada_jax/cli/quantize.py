@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from llada_jax.cli.flags import model_dir
+from llada_jax.cli.flags import model_dir, path_arg
 from llada_jax.model.config import read_config
 from llada_jax.quant.quantize import BITS, GROUP_SIZES, QuantScheme
 from llada_jax.weights.quant_config import EDGE_SCHEME, default_group_size
@@ -20,8 +20,8 @@ def cmd_quantize(args) -> None:
 
 def add_quantize(commands) -> None:
     quant = commands.add_parser("quantize", help="write an int8 / int4 copy of a checkpoint (compressed-tensors)")
-    quant.add_argument("--model", help="HF LLaDA directory (default: the embedded tiny model)")
-    quant.add_argument("--out", required=True,
+    quant.add_argument("--model", type=path_arg, help="HF LLaDA directory (default: the embedded tiny model)")
+    quant.add_argument("--out", required=True, type=path_arg,
                        help="new directory to write (atomically); never the model's own or one holding it")
     quant.add_argument("--force", action="store_true", help="replace an earlier `llada quantize` output in --out")
     quant.add_argument("--bits", type=int, choices=BITS, required=True,

@@ -11,7 +11,7 @@ from typing import Sequence
 from llada_jax.api import generate
 from llada_jax.backends.select import OpenBundle, open_bundle
 from llada_jax.bundle_runner import generate_with_bundle
-from llada_jax.cli.flags import add_data_tiling_flag, byte_count, load_model, model_dir
+from llada_jax.cli.flags import add_data_tiling_flag, byte_count, load_model, model_dir, path_arg
 from llada_jax.model.config import read_config
 from llada_jax.system.errors import LladaError
 from llada_jax.weights.tokenizer import load_tokenizer
@@ -22,7 +22,8 @@ from policies.compiled_loop import baked_loops
 
 def add_runner_flags(parser: argparse.ArgumentParser) -> None:
     """What runs the steps: see `generation_runner`."""
-    parser.add_argument("--bundle", default=None, help="run a compiled bundle (IREE) instead of a model directory")
+    parser.add_argument("--bundle", default=None, type=path_arg,
+                        help="run a compiled bundle (IREE) instead of a model directory")
     parser.add_argument("--backend", default="jax", choices=["jax", "iree-host", "iree-vulkan"],
                         help="what runs the steps (iree-*: compiled on first use and cached)")
     parser.add_argument("--device-memory-budget", type=byte_count, default=None, metavar="BYTES",

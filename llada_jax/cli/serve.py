@@ -9,7 +9,7 @@ import socket
 import sys
 
 from llada_jax.backends.select import OpenBundle, select_backend
-from llada_jax.cli.flags import add_decoding_flags, add_model_flags, decoding_kwargs, model_dir
+from llada_jax.cli.flags import add_decoding_flags, add_model_flags, decoding_kwargs, model_dir, path_arg
 from llada_jax.cli.runner import add_runner_flags, opened_source
 from llada_jax.model.shapes import bucket
 from llada_jax.server.engine import Engine
@@ -110,7 +110,8 @@ def cmd_serve(args) -> None:
 def add_serve(commands) -> None:
     """`llada serve`."""
     serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming)")
-    serve.add_argument("model_path", nargs="?", metavar="MODEL", help="HF LLaDA directory (the same as --model)")
+    serve.add_argument("model_path", nargs="?", metavar="MODEL", type=path_arg,
+                       help="HF LLaDA directory (the same as --model)")
     add_model_flags(serve)
     add_runner_flags(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")

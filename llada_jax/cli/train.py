@@ -3,6 +3,7 @@ exported."""
 
 from __future__ import annotations
 
+from llada_jax.cli.flags import path_arg
 from llada_jax.training.train import (
     TrainSettings,
     embedded_model_config,
@@ -26,7 +27,8 @@ def cmd_train(args) -> None:
 def add_train(commands) -> None:
     """`llada train`."""
     tr = commands.add_parser("train", help="train the embedded tiny model on the task suite (resumable)")
-    tr.add_argument("--out", required=True, help="run directory (checkpoints; the model lands in OUT/model)")
+    tr.add_argument("--out", required=True, type=path_arg,
+                    help="run directory (checkpoints; the model lands in OUT/model)")
     tr.add_argument("--steps", type=int, default=24_000, help="length of the LR schedule")
     tr.add_argument("--batch", type=int, default=64)
     tr.add_argument("--lr", type=float, default=1e-3)

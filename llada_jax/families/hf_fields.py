@@ -8,14 +8,12 @@ import math
 
 from llada_jax.system.errors import LladaError
 
-REQUIRED = object()  # a field without a default
 
-
-def whole(raw: dict, name: str, default=REQUIRED) -> int:
-    """Integer field `name` (a float with no fraction counts); absent or null: `default`, else an error."""
+def whole(raw: dict, name: str, default: int | None = None) -> int:
+    """Integer field `name` (a float with no fraction counts); absent or null: `default`, or an error without one."""
     value = raw.get(name)
     if value is None:
-        if default is REQUIRED:
+        if default is None:
             raise LladaError(f"config.json lacks required field {name}")
         return default
     if isinstance(value, float) and value.is_integer():

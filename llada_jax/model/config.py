@@ -118,6 +118,16 @@ def read_config(model_dir: Path, eot_token_id: int | None = None) -> LLaDAConfig
     return LLaDAConfig.from_hf_dict(read_hf_dict(model_dir), eot_token_id=eot_token_id)
 
 
+def checked_model_dir(path) -> Path:
+    """`path` as a model directory, or a one-line error saying what it is instead."""
+    model_dir = Path(path)
+    if not model_dir.exists():
+        raise LladaError(f"model directory {model_dir} does not exist")
+    if not model_dir.is_dir():
+        raise LladaError(f"{model_dir} is a file, not a model directory (config.json, weights, tokenizer)")
+    return model_dir
+
+
 def read_hf_dict(model_dir: Path) -> dict:
     """`model_dir/config.json` as a dict (one-line errors for a missing or malformed file)."""
     path = Path(model_dir) / "config.json"

@@ -27,7 +27,7 @@ from llada_jax.model.config import LLaDAConfig
 from llada_jax.model.forward import forward, lm_logits
 from llada_jax.model.kv_state import HIDDEN
 from llada_jax.model.params import init_params
-from llada_jax.system.atomic import check_output_dir
+from llada_jax.system.atomic import atomic_write_bytes, check_output_dir
 from llada_jax.system.errors import LladaError
 from llada_jax.training.tasks import held_out, training_examples
 from llada_jax.weights import char_tokenizer
@@ -191,7 +191,7 @@ def _train_loop(manager, params, opt_state, tokenizer, excluded, settings: Train
     start = 0
     if manager.latest_step() is not None:
         start = manager.latest_step()
-        restored = manager.restore(start, args=ocp.args.StandardRestore({"params": params, "opt": opt_state}))
+        restored = _restore(manager, start, ocp.args.StandardRestore({"params": params, "opt": opt_state}))
         params, opt_state = restored["params"], restored["opt"]
     bar = tqdm(range(start, stop), initial=start, total=stop, disable=not progress, desc="train", unit="step")
     smoothed, began = None, time.perf_counter()
@@ -218,14 +218,36 @@ def export_latest(run_dir: Path, out_dir: Path, force: bool = False) -> tuple[Pa
     if not (run_dir / "run.json").is_file():
         raise LladaError(f"{run_dir} is not a training run directory (no run.json)")
     check_output_dir(out_dir, TRAIN_COMMAND, (run_dir,), force)  # before restoring the checkpoint
-    record = json.loads((run_dir / "run.json").read_text())
-    config = LLaDAConfig.from_hf_dict(record["config"])
+    config = LLaDAConfig.from_hf_dict(_run_record(run_dir)["config"])
     with ocp.CheckpointManager(run_dir / "checkpoints") as manager:
         step = manager.latest_step()
         if step is None:
             raise LladaError(f"{run_dir} has no checkpoint yet")
-        restored = manager.restore(step, args=ocp.args.StandardRestore())
+        restored = _restore(manager, step, ocp.args.StandardRestore())
     return export_model(restored["params"], config, out_dir, run_dir, force=force), step
+
+
+def _restore(manager, step: int, args):
+    """Checkpoint `step`, or a one-line error: orbax raises whatever its reader meets in a damaged checkpoint."""
+    try:
+        return manager.restore(step, args=args)
+    except Exception as err:  # noqa: BLE001 - any failure here means the files on disk are not a checkpoint
+        detail = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise LladaError(f"checkpoint {step} of the run cannot be restored ({detail[:200]}); it is damaged: move "
+                         "it aside to resume from the one before") from None
+
+
+def _run_record(run_dir: Path) -> dict:
+    """run.json: the run's settings and model config."""
+    path = run_dir / "run.json"
+    try:
+        record = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise LladaError(f"{path} is not valid JSON; it is not a run this command wrote") from None
+    if not (isinstance(record, dict) and isinstance(record.get("settings"), dict)
+            and isinstance(record.get("config"), dict)):
+        raise LladaError(f"{path} holds no run's settings and config; it is not a run this command wrote")
+    return record
 
 
 def _check_run_settings(run_dir: Path, settings: TrainSettings, config: LLaDAConfig) -> None:
@@ -233,9 +255,9 @@ def _check_run_settings(run_dir: Path, settings: TrainSettings, config: LLaDACon
     record = {"settings": dataclasses.asdict(settings), "config": config.to_hf_dict()}
     path = run_dir / "run.json"
     if path.exists():
-        if json.loads(path.read_text()) != json.loads(json.dumps(record)):
+        if _run_record(run_dir) != json.loads(json.dumps(record)):
             raise LladaError(f"{run_dir} holds a run with other settings; use a new --out directory")
     elif any(run_dir.iterdir()):
         raise LladaError(f"{run_dir} is not empty and holds no training run (no run.json); use a new --out directory")
     else:
-        path.write_text(json.dumps(record, indent=2) + "\n")
+        atomic_write_bytes(path, (json.dumps(record, indent=2) + "\n").encode(), TRAIN_COMMAND)

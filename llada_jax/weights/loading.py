@@ -16,7 +16,7 @@ import numpy as np
 from jax.sharding import Mesh
 from tqdm import tqdm
 
-from llada_jax.model.config import LLaDAConfig, read_config
+from llada_jax.model.config import LLaDAConfig, checked_model_dir, read_config
 from llada_jax.model.mesh import MODEL, check_fits_model_axis
 from llada_jax.model.moe import kernels_take_experts
 from llada_jax.model.params import hf_shapes
@@ -83,9 +83,7 @@ def load(path, dtype: str = "float32", device_memory_budget: int | None = None, 
     `check_weights` first scans every tensor for NaN/Inf (a pass over all weights). With a `mesh`
     (`llada_jax.model.mesh.MeshSpec(...).build()`), the weights are sharded over its model axis (replicated over
     its data axis) and every step's rows are split over its data axis."""
-    model_dir = Path(path)
-    if not model_dir.is_dir():
-        raise LladaError(f"model directory {model_dir} does not exist")
+    model_dir = checked_model_dir(path)
     compute_dtype(dtype)
     if device_memory_budget is not None and device_memory_budget <= 0:
         raise LladaError(f"device memory budget must be a positive number of bytes, got {device_memory_budget}")
