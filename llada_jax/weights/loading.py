@@ -31,9 +31,11 @@ from llada_jax.weights.quant_config import default_group_size, planned_modules
 from llada_jax.weights.tokenizer import Tokenizer, eot_id_from_files, load_tokenizer
 from llada_jax.weights.weights_io import (
     check_finite_weights,
+    check_names,
     checkpoint_quantization,
     iter_tensors,
     stored_scale_itemsize,
+    weight_files,
 )
 
 LOAD_BAR_BYTES = 1 << 30  # a load that takes seconds or more shows a progress bar
@@ -95,6 +97,7 @@ def load(path, dtype: str = "float32", device_memory_budget: int | None = None, 
     if check_weights:
         check_finite_weights(model_dir, config)
     quantized = checkpoint_quantization(model_dir, config)
+    check_names(weight_files(model_dir), config, model_dir, quantized)  # a config that is not these weights' fails fast
     kernels = kernels_in_use(kernels, quantized, mesh, activations, dtype)
     check_activations(activations, quantized, kernels)
     model = Model(config, None, tokenizer, dtype, model_dir, device_memory_budget, activations=activations,
