@@ -336,3 +336,14 @@ def test_compile_timeout_is_settable_and_checked_first(tiny_dir, tmp_path, monke
     with pytest.raises(LladaError, match=r"iree-compile took longer than 0.001 s and was stopped"):
         compile_bundle(tiny_dir, "host", tmp_path / "b", max_len=8, window=8)
     assert not (tmp_path / "b").exists() and not list(tmp_path.glob(".b.*"))  # no partial bundle left
+
+
+def test_a_decoder_wider_than_the_bundles_windows_is_told_how_to_fit(tiny_dir, tmp_path, capsys):
+    from llada_jax.cli import main
+
+    bundle = compile_bundle(tiny_dir, "host", tmp_path / "narrow", max_len=16, window=8)
+    assert main(["generate", "--bundle", str(bundle), "--no-visual", "--gen-length", "8", "--prompt-ids", "3,4,5"]) == 1
+    assert capsys.readouterr().err == (
+        "llada: error: the decoder needs a window of 16 positions on a canvas of 16, and this bundle's windows are "
+        "[8] wide: compile it with --window 16 or more, or run a decoder with narrower windows (a smaller "
+        "--block-length, no lookahead)\n")

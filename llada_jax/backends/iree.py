@@ -154,7 +154,13 @@ class IreeBackend(Backend):
             raise LladaError("a bundle's window steps attend bidirectionally: windows of several diffusion blocks "
                              "run on XLA")
         batch, width = window_ids.shape
-        out = self._call(StepSpec("window", batch, state.slots, width).name, state.keys, state.values,
+        name = StepSpec("window", batch, state.slots, width).name
+        if name not in self.bundle.steps:
+            widths = sorted({step["width"] for step in self.bundle.manifest["steps"] if step["kind"] == "window"})
+            raise LladaError(f"the decoder needs a window of {width} positions on a canvas of {state.slots}, and this "
+                             f"bundle's windows are {widths or 'none'} wide: compile it with --window {width} or more, "
+                             "or run a decoder with narrower windows (a smaller --block-length, no lookahead)")
+        out = self._call(name, state.keys, state.values,
                          kv_state.visible_bias(state, visible), np.asarray(window_ids, np.int32),
                          np.asarray(window_pos, np.int32), np.asarray(window_valid, np.int32))
         return self._output(out, batch, width, reads)
