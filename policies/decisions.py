@@ -68,8 +68,9 @@ def block_going(any_masked, step, steps_per_block: int, stops_when_filled: bool,
 
 
 def speculative_width(block_length: int, asked: int, slots: int) -> int:
-    """Slots of a block-only window widened to hold drafts too: `asked`, else twice the block, as a shape bucket."""
-    return bucket(asked or 2 * block_length, slots)
+    """Slots of a block-only window widened to hold drafts too: `asked`, else twice the block, as a shape bucket;
+    never wider than the canvas (a block over half of it leaves fewer positions to draft than a block)."""
+    return bucket(min(asked or 2 * block_length, slots), slots)
 
 
 def drafts_taken(xp, drafting, room):

@@ -53,6 +53,19 @@ def test_drafts_are_committed_once_inside_the_canvas_and_lookahead(tiny_model, b
     assert (result.output_ids != TINY.mask_token_id).all()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("length", [40, 64])
+def test_a_block_over_half_the_canvas_drafts_within_it_on_either_loop(tiny_model, length):
+    """Twice the block is wider than the canvas: the window is the canvas (it asked for a shape past the canvas
+    and failed), and the host and compiled loops agree."""
+    options = dict(gen_length=length, block_length=length, steps=length, policy="dual-cache+speculative", threshold=0.9)
+    runs = [llada_jax.generate(tiny_model, prompt(3), loop=loop, **options) for loop in ("host", "compiled")]
+    assert runs[0].output_ids.tolist() == runs[1].output_ids.tolist() and runs[0].nfe == runs[1].nfe
+    committed = [p for r in runs[0].trace for p in r.positions]
+    assert len(committed) == len(set(committed)) == length
+    assert all(r.shape_width <= len(prompt(3)) + 2 * length for r in runs[0].trace)
+
+
 def test_speculation_fills_idle_window_slots(tiny_model):
     """Over dual-cache the window doubles and drafts occupy what the current block no longer needs."""
     options = dict(gen_length=32, block_length=8, steps=32)
