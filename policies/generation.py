@@ -146,6 +146,8 @@ def prepare_generation(config: LLaDAConfig, prompt_ids, options: GenerationOptio
                    if options.confidence_eos_eot_inf else ())
     top_k = family.CONFIDENCE_TOP_K if options.top_k is None else options.top_k
     sampler = Sampler(float(options.temperature), options.remasking, unconfident, top_k, options.top_p)
+    if "revision" in parse_policy(policy)[1] and sampler.readout_kind != "argmax":
+        raise LladaError("revision re-scores with argmax readouts: use temperature 0 (and no confidence top-k)")
     cfg = options.cfg_scale > 0.0
     forbid = config.special_ids_in_vocab(config.eos_token_id) if options.logits_eos_inf else ()
     slots = bucket(total, config.max_sequence_length)

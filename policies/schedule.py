@@ -20,6 +20,8 @@ from policies.decisions import fixed_commits, scheduled_count, threshold_commits
 from policies.dream_schedule import DreamSchedule, FirstTokenFirst
 from policies.rule import Rule
 
+MAX_COUNT = 2**31 - 1
+
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
@@ -32,8 +34,10 @@ class Schedule:
     def __post_init__(self):
         for name in ("gen_length", "block_length", "steps"):
             value = getattr(self, name)
-            if not isinstance(value, (int, np.integer)) or value <= 0:
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
                 raise LladaError(f"{name} must be a positive integer, got {value!r}")
+            if value > MAX_COUNT:  # the compiled loops count in int32
+                raise LladaError(f"{name}={value} is more than this decoder counts ({MAX_COUNT})")
         if self.gen_length % self.block_length:
             raise LladaError(f"gen_length={self.gen_length} is not a multiple of block_length={self.block_length}")
         if self.steps < self.num_blocks:

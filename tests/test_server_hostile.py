@@ -79,6 +79,12 @@ BAD = [  # (path, body, the field, words of the message)
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, "messages", "'image_url' are unsupported"),
     ("chat/completions", {"model": NAME, "messages": [{"role": "user", "content": [{"type": "text"}]}]},
      "messages", "a text part needs its text"),
+    ("chat/completions", {"model": NAME, "messages": [{"role": "user", "content": ""}] * 4097}, "messages",
+     "at most 4096 items"),
+    ("chat/completions", {**CHAT, "steps": 10**12}, "steps", "more than the answer's 32 tokens"),
+    ("chat/completions", {**CHAT, "block_length": 1000}, "block_length", "longer than the model's context of 256"),
+    ("chat/completions", {**CHAT, "policy": "dual-cache+revision", "temperature": 0.5}, None,
+     "revision re-scores with argmax readouts"),
 ]
 
 
@@ -94,6 +100,32 @@ def test_nan_is_no_temperature_and_null_is_a_default(server):
     assert status == 400 and "temperature: Input should be a finite number" in error["error"]["message"]
     status, answer = post(server, "/v1/chat/completions", {**CHAT, "n": None, "stream": None})
     assert status == 200 and answer["choices"][0]["message"]["content"] == "0 1 2 3 4 5 6 7 8 9"
+
+
+def test_a_body_that_is_not_a_json_object_says_so(server):
+    for body in (b"", b"null", b"[1]"):
+        status, error = post(server, "/v1/completions", body)
+        assert status == 400 and "must be a JSON object" in error["error"]["message"], error
+
+
+def test_unseeded_sampling_varies_and_a_seed_repeats(server):
+    ask = {**CHAT, "temperature": 100}
+    texts = [post(server, "/v1/chat/completions", ask)[1]["choices"][0]["message"]["content"] for _ in range(3)]
+    assert len(set(texts)) > 1
+    seeded = [post(server, "/v1/chat/completions", {**ask, "seed": 5})[1]["choices"][0]["message"]["content"]
+              for _ in range(2)]
+    assert seeded[0] == seeded[1]
+
+
+def test_health_and_models_answer_head_requests(server):
+    connection = connect(server)
+    try:
+        for path in ("/health", "/v1/models"):
+            connection.request("HEAD", path)
+            response = connection.getresponse()
+            assert response.status == 200 and response.read() == b""
+    finally:
+        connection.close()
 
 
 def test_the_model_is_retrieved_by_its_id(server):

@@ -124,4 +124,4 @@ def add_serve(commands) -> None:
                        "LLADA_API_KEY if set, else none)")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_decoding_flags(serve)
-    serve.set_defaults(run=cmd_serve)
+    serve.set_defaults(run=cmd_serve, seed=None)  # without --seed, a request without one samples afresh

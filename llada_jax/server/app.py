@@ -51,11 +51,11 @@ def create_app(served: Served, engine: Engine, api_key: str | None = None) -> Fa
     model_card = {"id": served.name, "object": "model", "created": started, "owned_by": "llada-jax",
                   "max_model_len": served.context}
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         return {"status": "ok", "model": served.name, **engine.load}
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models():
         return {"object": "list", "data": [model_card]}
 
@@ -174,6 +174,8 @@ def _validation_message(errors: Sequence[dict]) -> tuple[str, str, str | None]:
     location += [named] if named else []
     message = first["msg"].removeprefix("Value error, ")
     if not location:
+        if first.get("type") in ("missing", "model_attributes_type", "dict_type", "model_type"):
+            message = "it must be a JSON object (Content-Type: application/json)"
         return f"the request body is invalid: {message}", "invalid_request_error", None
     param = location[0]
     if len(location) > 1 and _type_tag(location[1]):  # pydantic names a union's alternatives in the location

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 MAX_STOPS = 4
 MAX_CHOICES = 8
+MAX_MESSAGES = 4096  # more never fit a context (each renders its role's tokens); bounds validating on the event loop
 
 
 class FieldError(ValueError):
@@ -258,7 +259,7 @@ class Message(Lenient):
 
 
 class ChatRequest(GenerationFields):
-    messages: list[Message] = Field(min_length=1)
+    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: Any = None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import secrets
 
 import numpy as np
 
@@ -54,7 +55,7 @@ class Defaults:
     remasking: Remasking = "low_confidence"
     policy: str = "vanilla"
     threshold: float | None = None
-    seed: int = 0
+    seed: int | None = None     # None: a request without a seed draws one (sampling varies, as OpenAI's does)
     logits_eos_inf: bool = False
     confidence_eos_eot_inf: bool = False
     block_options: tuple = ()   # block diffusion's (name, value) options (LLaDA2), as `llada serve` was given them
@@ -128,6 +129,9 @@ def answer_length(served: Served, request: GenerationFields, asked: int | None, 
     """(gen_length, block_length): the answer rounded up to whole blocks, within the model's context. When
     the request gives no length: the server's, shortened (in whole blocks) to the room the prompt leaves."""
     block = request.block_length or served.defaults.block_length
+    if block > served.context:
+        raise RequestError(f"block_length={block} is longer than the model's context of {served.context} tokens",
+                           "block_length")
     room = served.context - prompt_len
     if asked is None:
         if room < block:
@@ -167,6 +171,8 @@ def jobs_of(served: Served, request: CompletionRequest | ChatRequest, capacity: 
     asked = request.answer_tokens if isinstance(request, ChatRequest) else request.max_tokens
     policy, threshold = decoder_of(served, request)
     defaults = served.defaults
+    seed = _given(request.seed, defaults.seed)
+    seed = secrets.randbelow(2**62) if seed is None else seed
     jobs = []
     for prompt in prompts_of(served, request):
         gen_length, block = answer_length(served, request, asked, len(prompt))
@@ -178,7 +184,7 @@ def jobs_of(served: Served, request: CompletionRequest | ChatRequest, capacity: 
                     temperature=_given(request.temperature, defaults.temperature),
                     cfg_scale=_given(request.cfg_scale, defaults.cfg_scale),
                     remasking=request.remasking or defaults.remasking, policy=policy, threshold=threshold,
-                    seed=_given(request.seed, defaults.seed) + choice, logits_eos_inf=defaults.logits_eos_inf,
+                    seed=seed + choice, logits_eos_inf=defaults.logits_eos_inf,
                     confidence_eos_eot_inf=defaults.confidence_eos_eot_inf, limit=served.limit,
                     **dict(defaults.block_options)))
             answer = SettledAnswer(served.tokenizer, served.config.mask_token_id, end_ids(served.config),
@@ -191,6 +197,11 @@ def request_steps(served: Served, request: GenerationFields, gen_length: int, bl
     """The request's steps, else the server's pace (its tokens per step); on a block-diffusion model steps count
     per block, as its reference samplers count them."""
     defaults = served.defaults
+    most = block if served.config.block_causal else gen_length  # a step beyond one per token commits nothing
+    if request.steps is not None and request.steps > most:
+        raise RequestError(f"steps={request.steps} is more than the answer's {most} tokens"
+                           f"{' per block' if served.config.block_causal else ''} (one step commits one token at "
+                           "least; more would run idle)", "steps")
     if served.config.block_causal:
         return request.steps or defaults.steps
     steps = request.steps or (gen_length // block) * max(1, round(block / defaults.tokens_per_step))
