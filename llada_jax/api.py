@@ -24,6 +24,7 @@ def logits(model: Model, ids, block_length: int | None = None, context_ids=None)
     block-causal model (LLaDA2) needs `block_length`: its attention sees the own block and earlier ones; with
     `context_ids` `[B, L]`, each block of `ids` sees the earlier blocks of `context_ids` instead (a noised sequence
     against its clean one, as block diffusion's training bound reads it)."""
+    _check_model(model)
     ids = check_token_ids(ids, model.config, "ids", allow_mask=True)
     if ids.ndim != 2:
         raise LladaError(f"ids must have shape [batch, length], got {list(ids.shape)}")
@@ -61,4 +62,10 @@ def generate(model: Model, prompt_ids, **options):
     `loop` (see `policies.generation.run_generation`). Returns a `policies.loop.Result`;
     for a batch of prompts (a list of sequences, or `[N, L]`), a list of them, each row as its prompt alone
     decodes."""
+    _check_model(model)
     return run_generation(functools.partial(select_backend, model), model.config, prompt_ids, **options)
+
+
+def _check_model(model) -> None:
+    if not isinstance(model, Model):
+        raise LladaError(f"expected a model from llada_jax.load, got {type(model).__name__}")

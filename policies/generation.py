@@ -32,7 +32,11 @@ LOOPS = ("auto", "host", "compiled")
 
 def check_token_ids(ids, config: LLaDAConfig, what: str, allow_mask: bool) -> np.ndarray:
     """Integer ids inside the vocabulary (and, for prompts, not the mask token)."""
-    ids = np.asarray(ids)
+    try:
+        ids = np.asarray(ids)
+    except ValueError:  # numpy refuses ragged nesting
+        raise LladaError(f"{what} must be token ids, or rows of them of one length (a list of rows for a batch of "
+                         "different lengths)") from None
     if ids.size == 0:
         raise LladaError(f"{what} is empty")
     if ids.dtype == object and all(isinstance(i, int) and not isinstance(i, bool) for i in ids.flat):
@@ -227,6 +231,8 @@ def run_generation(make_backend: Callable, config: LLaDAConfig, prompt_ids, *, o
     `FIRST_TOKEN_BLOCKS`, as Fast-dLLM's Dream decoder does). `loop`: "auto" runs the compiled decode loop
     where the setting and backend offer it (one prompt, no live `on_step`), "host" the host loop, "compiled"
     insists on the compiled one."""
+    if on_step is not None and not callable(on_step):
+        raise LladaError(f"on_step must be a function of (canvas, record), got {on_step!r}")
     prepared = prepare_generation(config, prompt_ids, GenerationOptions.of(options))
     prompts = prepared.prompts
     spec = _check_loop(loop, prepared.loop_spec, on_step, len(prompts) > 1)

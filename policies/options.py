@@ -46,6 +46,9 @@ class GenerationOptions:
         hints = typing.get_type_hints(type(self))
         for field in dataclasses.fields(self):
             value, allowed = getattr(self, field.name), _alternatives(hints[field.name])
+            if isinstance(value, np.generic):  # a numpy scalar is its Python value from here on
+                value = value.item()
+                object.__setattr__(self, field.name, value)
             if not any(_is_a(value, kind) for kind in allowed):
                 names = " or ".join(_name(kind) for kind in allowed)
                 raise LladaError(f"generation option {field.name} must be {names}, got {value!r}")
@@ -53,6 +56,12 @@ class GenerationOptions:
                 raise LladaError(f"generation option {field.name} must be a finite number, got {value}")
         if self.seed < 0:
             raise LladaError(f"generation option seed must be >= 0, got {self.seed}")
+        if self.limit is not None and self.limit <= 0:
+            raise LladaError(f"generation option limit must be a positive length, got {self.limit}")
+        if self.policy == "":
+            raise LladaError("generation option policy must name a decoder (None: the family's default)")
+        if self.cfg_scale > MAX_CFG_SCALE:  # the guided logits overflow long before, and no model uses such a scale
+            raise LladaError(f"generation option cfg_scale must be at most {MAX_CFG_SCALE}, got {self.cfg_scale}")
 
     @classmethod
     def of(cls, options: dict) -> "GenerationOptions":
@@ -69,6 +78,7 @@ class GenerationOptions:
         return cls(**options)
 
 
+MAX_CFG_SCALE = 100.0
 BLOCK_OPTIONS = ("minimal_topk", "editing_threshold", "max_post_steps", "num_to_transfer")
 
 

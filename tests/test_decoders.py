@@ -221,8 +221,35 @@ def test_a_model_that_predicts_the_mask_token_ends_each_block(tmp_path, policy, 
     (dict(gen_length=8, block_length=8, steps=8, seed=-1), "generation option seed must be >= 0, got -1"),
     (dict(gen_length=8, block_length=8, steps=8, temperature=float("inf")), "temperature must be a finite number"),
     (dict(gen_length=8, block_length=8, steps=8, cfg_scale=np.float32("nan")), "cfg_scale must be a finite number"),
+    (dict(gen_length=8, block_length=8, steps=8, cfg_scale=1e308), "cfg_scale must be at most 100.0"),
+    (dict(gen_length=8, block_length=8, steps=8, limit=np.int64(0)), "limit must be a positive length, got 0"),
+    (dict(gen_length=8, block_length=8, steps=8, policy=""), "policy must name a decoder"),
+    (dict(gen_length=8, block_length=8, steps=10**12), "steps=1000000000000 is more than this decoder counts"),
+    (dict(gen_length=8, block_length=8, steps=8, on_step=5), "on_step must be a function"),
 ])
 def test_unknown_or_missing_options_are_one_line_errors(tiny_model, options, message):
     with pytest.raises(LladaError, match=re.escape(message)) as error:
         llada_jax.generate(tiny_model, [1, 2, 3], **options)
+    assert "\n" not in str(error.value)
+
+
+def test_numpy_scalars_are_the_values_they_hold(tiny_model):
+    plain = llada_jax.generate(tiny_model, [1, 2, 3], gen_length=8, block_length=8, steps=8, limit=64)
+    numpy = llada_jax.generate(tiny_model, [1, 2, 3], gen_length=np.int64(8), block_length=np.int32(8),
+                               steps=np.int16(8), limit=np.int64(64), temperature=np.float32(0))
+    assert numpy.output_ids.tolist() == plain.output_ids.tolist()
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda model: llada_jax.generate(model, [10, [11, 12]], gen_length=8, block_length=8, steps=8),
+     "prompt must be token ids, or rows of them of one length"),
+    (lambda model: llada_jax.logits(model, [[10, 11], [12]]), "ids must be token ids, or rows of them of one length"),
+    (lambda model: llada_jax.generate(None, [1, 2], gen_length=8, block_length=8, steps=8),
+     "expected a model from llada_jax.load, got NoneType"),
+    (lambda model: llada_jax.load(None), "load takes a model directory's path, got None"),
+    (lambda model: llada_jax.load(".", device_memory_budget="1GB"), "device memory budget must be a number of bytes"),
+])
+def test_arguments_of_the_wrong_kind_are_one_line_errors(tiny_model, call, message):
+    with pytest.raises(LladaError, match=re.escape(message)) as error:
+        call(tiny_model)
     assert "\n" not in str(error.value)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import sys
 from pathlib import Path
 
@@ -85,8 +86,13 @@ def load(path, dtype: str = "float32", device_memory_budget: int | None = None, 
     `check_weights` first scans every tensor for NaN/Inf (a pass over all weights). With a `mesh`
     (`llada_jax.model.mesh.MeshSpec(...).build()`), the weights are sharded over its model axis (replicated over
     its data axis) and every step's rows are split over its data axis."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise LladaError(f"load takes a model directory's path, got {path!r}")
     model_dir = checked_model_dir(path)
     compute_dtype(dtype)
+    if device_memory_budget is not None and (isinstance(device_memory_budget, bool)
+                                             or not isinstance(device_memory_budget, (int, np.integer))):
+        raise LladaError(f"device memory budget must be a number of bytes, got {device_memory_budget!r}")
     if device_memory_budget is not None and device_memory_budget <= 0:
         raise LladaError(f"device memory budget must be a positive number of bytes, got {device_memory_budget}")
     tokenizer = load_tokenizer(model_dir)
