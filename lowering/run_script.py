@@ -11,6 +11,7 @@ forward passes goes to stderr). `<command>` may carry arguments, e.g. an emulato
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +26,7 @@ TEMPLATE = r"""#!/bin/sh
 # Usage: [IREE_RUN_MODULE="<iree-run-module command>"] ./run.sh ID,ID,...  (prompt token ids)
 # Prints the {gen_length} generated token ids, comma-separated, on its last line.
 set -eu
-here=$(cd "$(dirname "$0")" && pwd)
+here=$(CDPATH= cd -- "$(dirname -- "$0")" && pwd)
 fail() {{ echo "run.sh: error: $*" >&2; exit 1; }}
 [ $# -eq 1 ] || fail "usage: ./run.sh ID,ID,... (comma-separated prompt token ids)"
 case $1 in
@@ -65,7 +66,8 @@ def _float(value: float) -> str:
 
 def write_run_script(bundle_dir: Path, loops: BakedLoops | BakedBlockLoops, config, device: str, weights: dict) -> Path:
     """Write `run.sh` for `loops` into `bundle_dir` (weights as the bundle records them)."""
-    files = [f'"$here/{name}"' if weights["copied"] else f'"{name}"' for name in weights["files"]]
+    # A linked model's path is the user's: quoted for sh, so no character of it runs as shell code.
+    files = [f'"$here/{name}"' if weights["copied"] else shlex.quote(name) for name in weights["files"]]
     parameters = " ".join(f"--parameters=model={file}" for file in files)
     choices = "\n".join(f'{"if" if i == 0 else "elif"} [ "$total" -le {spec.slots} ]; then slots={spec.slots}; '
                         f'function={spec.name}' for i, spec in enumerate(loops.specs))

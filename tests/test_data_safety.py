@@ -81,6 +81,23 @@ def test_quantize_replaces_its_own_output_only_with_force(capsys, tmp_path, mode
     assert snapshot(tmp_path / "q8") != first
 
 
+@pytest.mark.parametrize("added", ["notes.txt", "mine/data.bin", "mine"])
+def test_force_keeps_what_the_user_added_to_an_earlier_output(capsys, tmp_path, model_in_folder, added):
+    """--force replaces an earlier output, not the notes or folders the user put into it since."""
+    out = tmp_path / "q8"
+    argv = [a.replace("{model}", str(model_in_folder)) for a in QUANTIZE] + [str(out)]
+    assert main(argv) == 0
+    path = out / added
+    if added == "mine":
+        path.mkdir()
+    else:
+        path.parent.mkdir(exist_ok=True)
+        path.write_text("the user's")
+    before = snapshot(tmp_path)
+    refused(capsys, argv + ["--force"], f"also what it did not write ({added.split('/')[0]}")
+    assert snapshot(tmp_path) == before
+
+
 def test_force_never_replaces_another_commands_output_or_the_users(capsys, tmp_path, model_in_folder):
     quantized = tmp_path / "q8"
     assert main([a.replace("{model}", str(model_in_folder)) for a in QUANTIZE] + [str(quantized)]) == 0

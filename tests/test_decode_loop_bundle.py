@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -106,3 +107,21 @@ def test_vulkan_bundle_runs_its_loop_through_run_script(tiny_dir, tmp_path, caps
     proc = run_script(path, ids, str(host_iree_run_module()))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[-1] == ",".join(map(str, host_ids(capsys, tiny_dir, ids, policy, steps)))
+
+
+def test_run_script_of_linked_weights_quotes_the_users_path(tiny_dir, tmp_path, capsys, monkeypatch):
+    """A model folder whose name holds shell syntax: run.sh reads the weights there and runs none of it, from
+    any directory and with CDPATH set."""
+    model = tmp_path / "it's $(touch PWNED) `touch PWNED2`"
+    shutil.copytree(tiny_dir, model)
+    policy, threshold, steps = SETTINGS[0]
+    loops = (baked_loops(policy, threshold, GEN, BLOCK, steps, canvas_sizes(MAX_LEN)),)
+    bundle = compile_bundle(model, "host", tmp_path / "linked", max_len=MAX_LEN, window=16, loops=loops,
+                            copy_weights=False)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    proc = subprocess.run([str(bundle / "run.sh"), "1,2,3"], capture_output=True, text=True, timeout=600, cwd=elsewhere,
+                          env={**os.environ, "IREE_RUN_MODULE": str(host_iree_run_module()), "CDPATH": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == ",".join(map(str, host_ids(capsys, tiny_dir, "1,2,3", policy, steps)))
+    assert not list(tmp_path.rglob("PWNED*"))

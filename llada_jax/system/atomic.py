@@ -1,8 +1,9 @@
 """Writes that never replace what the user has: an output is built in a temporary sibling and renamed into
 place, and only over nothing, an empty directory, or a previous output of the same command (with `force`).
 
-Every output directory carries a marker file naming the command that wrote it; that is how a previous output
-is told apart from the user's own directory. A target that is, or contains, one of the command's inputs is
+Every output directory carries a marker file naming the command that wrote it and every path it wrote; that is
+how a previous output is told apart from the user's own directory, and how a file the user added to it since is
+kept: replacing such an output is refused. A target that is, or contains, one of the command's inputs is
 refused outright. The temporary siblings are named by `scratch` (command, host, pid, start time), so a run
 can remove what a killed run of the same target left behind."""
 
@@ -24,11 +25,33 @@ MARKER = ".llada-output.json"
 
 def previous_output(path: Path) -> str | None:
     """The command that wrote directory `path` (from its marker), or None."""
+    record = _marker(path)
+    return record.get("command") if record is not None else None
+
+
+def _marker(path: Path) -> dict | None:
     try:
         record = json.loads((Path(path) / MARKER).read_text())
     except (OSError, ValueError):
         return None
-    return record.get("command") if isinstance(record, dict) else None
+    return record if isinstance(record, dict) else None
+
+
+def _contents(directory: Path) -> list[str]:
+    """Every path under `directory` (files, folders, links), relative to it, but the marker."""
+    found = []
+    for root, folders, files in os.walk(directory):
+        for name in folders + files:
+            found.append(os.path.relpath(os.path.join(root, name), directory))
+    return sorted(path for path in found if path != MARKER)
+
+
+def _added_since(out_dir: Path) -> list[str]:
+    """What `out_dir` holds that the command did not write (None recorded: an output of an older version)."""
+    written = (_marker(out_dir) or {}).get("contents")
+    if not isinstance(written, list):
+        return ["(an output of an older llada that did not list its files)"]
+    return sorted(set(_contents(out_dir)) - set(written))
 
 
 def check_output_dir(out_dir: Path, command: str, inputs=(), force: bool = False) -> bool:
@@ -53,6 +76,11 @@ def check_output_dir(out_dir: Path, command: str, inputs=(), force: bool = False
         raise LladaError(f"{out_dir} is not empty and is {what}; refusing to replace it (choose a new directory)")
     if not force:
         raise LladaError(f"{out_dir} holds an earlier output of `{command}`; pass --force to replace it")
+    added = _added_since(out_dir)
+    if added:
+        raise LladaError(f"{out_dir} holds an earlier output of `{command}` and also what it did not write "
+                         f"({', '.join(added[:3])}{', ...' if len(added) > 3 else ''}); move that out before --force "
+                         "replaces the output")
     return True
 
 
@@ -65,7 +93,7 @@ def atomic_dir(out_dir: Path, command: str, inputs=(), force: bool = False):
     check_output_dir(out_dir, command, inputs, force)
     with scratch_dir(out_dir, command) as staging:  # renamed into place, or removed when the block fails
         yield staging
-        (staging / MARKER).write_text(json.dumps({"command": command}) + "\n")
+        (staging / MARKER).write_text(json.dumps({"command": command, "contents": _contents(staging)}) + "\n")
         publish_permissions(staging)
         replacing = check_output_dir(out_dir, command, inputs, force)
         replace_dir(staging, out_dir, command, replacing)
