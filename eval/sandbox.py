@@ -95,6 +95,9 @@ print(json.dumps({"returncode": returncode, "timed_out": timed_out}))
 """
 
 
+MAX_LIMIT = 2**40  # seconds or bytes: far beyond any sample, well inside what setrlimit and timers take
+
+
 @dataclasses.dataclass(frozen=True)
 class Limits:
     timeout_s: float = 10.0
@@ -105,8 +108,9 @@ class Limits:
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
-            if not getattr(self, field.name) > 0:
-                raise LladaError(f"sandbox limit {field.name} must be > 0, got {getattr(self, field.name)}")
+            value = getattr(self, field.name)
+            if not 0 < value <= MAX_LIMIT:  # the kernel's resource limits are 64-bit
+                raise LladaError(f"sandbox limit {field.name} must be in (0, {MAX_LIMIT}], got {value}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -56,7 +56,9 @@ BAD_INPUTS = {
     "infinite temperature": (replace(VALID, "--temperature", "inf"), "temperature must be a finite number"),
     "unknown remasking": (replace(VALID, "--remasking", "lowest"), "unknown remasking"),
     "unknown dtype": (VALID + ["--dtype", "float8"], "unknown dtype"),
-    "bad id list": (replace(VALID, "--prompt-ids", "1,x"), "comma-separated integers"),
+    "bad id list": (replace(VALID, "--prompt-ids", "1,x"), "comma-separated token ids"),
+    "id list with a hole": (replace(VALID, "--prompt-ids", "1,,2"), "comma-separated token ids"),
+    "id past int64": (replace(VALID, "--prompt-ids", "99999999999999999999"), "comma-separated token ids"),
     "text without tokenizer": (VALID[2:] + ["--prompt", "hi"], "no tokenizer.json"),
 }
 

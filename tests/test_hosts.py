@@ -131,6 +131,8 @@ def test_two_hosts_through_jax_distributed_score_as_one(char_model_dir, tmp_path
     (["--hosts", "auto", "--host-id", "0", "--out", "x.jsonl"], "--hosts auto reads the coordinator"),
     (["--hosts", "2"], "--hosts needs --out"),
     (["--host-id", "1"], "--coordinator and --host-id go with --hosts N"),
+    *[(["--hosts", "2", "--coordinator", address, "--host-id", "0", "--out", "x.jsonl"], "must be HOST:PORT")
+      for address in ("bad", "host:abc", "localhost:-1", "localhost:99999", ":1234", "host:", "host:0")],
 ])
 def test_bad_host_flags_are_one_line_errors_before_anything_starts(flags, message):
     from tests.test_gsm8k import run_cli

@@ -284,3 +284,11 @@ def test_batched_generation_writes_what_one_at_a_time_writes(char_model_dir, tmp
                 *TINY_RUN)
         runs[size] = [[row[key] for key in fields] for row in read_rows(out)]
     assert runs["3"] == runs["1"] and len(runs["1"]) == 4
+
+
+@pytest.mark.parametrize("timeout", [float("inf"), 1e30, 0.0, float("nan")])
+def test_a_sample_timeout_out_of_range_is_a_one_line_error(timeout):
+    from eval.sandbox import Limits
+
+    with pytest.raises(LladaError, match="sandbox limit timeout_s must be in"):
+        Limits(timeout_s=timeout)

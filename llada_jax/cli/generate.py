@@ -42,10 +42,13 @@ def prompt_ids(args, tokenizer, limit: int) -> np.ndarray:
 
 
 def ids_from_text(text: str, what: str) -> np.ndarray:
+    parts = text.split(",")
     try:
-        return np.array([int(part) for part in text.split(",") if part.strip()], np.int64)
-    except ValueError:
-        raise LladaError(f"{what} must be comma-separated integers, got {text.strip()!r}") from None
+        if any(not part.strip() for part in parts) and text.strip():
+            raise ValueError("an empty item")
+        return np.array([int(part) for part in parts if part.strip()], np.int64)
+    except (ValueError, OverflowError):
+        raise LladaError(f"{what} must be comma-separated token ids, got {text.strip()!r}") from None
 
 
 def encoded(text: str, chat: bool, tokenizer, limit: int) -> np.ndarray:

@@ -52,4 +52,12 @@ def _distributed_args(args) -> dict:
     if count < 1 or args.coordinator is None or args.host_id is None:
         raise LladaError("--hosts N needs N >= 1, --coordinator HOST:PORT and --host-id I")
     HostShare(args.host_id, count)  # checks the host number
+    check_address(args.coordinator)
     return {"coordinator_address": args.coordinator, "num_processes": count, "process_id": args.host_id}
+
+
+def check_address(address: str) -> None:
+    """HOST:PORT, checked here: jax.distributed takes a malformed one to a segfault or a wait without end."""
+    host, _, port = address.rpartition(":")
+    if not host or host.startswith(":") or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise LladaError(f"--coordinator must be HOST:PORT with a port in 1..65535, got {address!r}")
