@@ -34,6 +34,7 @@ from lowering.bundle_format import (
     MANIFEST_DIGEST,
     TOKENIZER_FILES,
     VMFB,
+    file_stamp,
     manifest_digest,
     sha256,
 )
@@ -322,7 +323,8 @@ def _place_weights(model_dir: Path, staging: Path, copy: bool, layout: WeightLay
     every weight at load); else as they are (a GPU uploads them anyway; the host side path reads them)."""
     files = sorted(set(weight_files(model_dir).values()))
     if not copy:
-        return {"files": [str(model_dir / f) for f in files], "copied": False}
+        linked = [model_dir.absolute() / f for f in files]
+        return {"files": [str(path) for path in linked], "copied": False, "stamps": [file_stamp(p) for p in linked]}
     say(f"copying {sum(map(byte_size, layout.parameters)) / 1e9:.2f} GB of weights into the bundle")
     if layout.signed:
         signed = {module: scheme for module, scheme in layout.quantized.items() if module not in layout.kernels}

@@ -54,6 +54,12 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def file_stamp(path: Path) -> list[int]:
+    """A linked file's size and modification time: hashing a model's weights at every load would take minutes."""
+    status = Path(path).stat()
+    return [status.st_size, status.st_mtime_ns]
+
+
 def manifest_digest(manifest: dict) -> str:
     """The sha256 of the manifest's fields other than the digest itself, in a canonical spelling."""
     fields = {key: value for key, value in manifest.items() if key != MANIFEST_DIGEST}
@@ -67,6 +73,13 @@ def check_files(bundle_dir: Path, manifest: dict) -> None:
         raise LladaError(f"{bundle_dir}: bundle format {manifest.get('format')} is not {FORMAT_VERSION}; recompile it")
     if manifest.get(MANIFEST_DIGEST) != manifest_digest(manifest):
         raise LladaError(f"{bundle_dir}: {MANIFEST} does not match its checksum (corrupt or edited); recompile it")
+    weights = manifest["weights"]
+    for path, stamp in zip(weights["files"], weights.get("stamps", [])):  # a linked model's files, as compiled
+        if not Path(path).is_file():
+            raise LladaError(f"{bundle_dir}: the bundle's linked weights {path} are missing")
+        if file_stamp(Path(path)) != stamp:
+            raise LladaError(f"{bundle_dir}: the linked weights {path} changed since the bundle was compiled (size or "
+                             "time); recompile it")
     for name, digest in manifest["files"].items():
         path = bundle_dir / name
         if not path.is_file():

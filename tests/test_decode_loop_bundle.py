@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from llada_jax.backends.select import open_bundle
 from llada_jax.bundle_runner import generate_with_bundle
 from llada_jax.cli import main
+from llada_jax.system.errors import LladaError
 from lowering.bundle import compile_bundle
 from lowering.export import canvas_sizes
 from policies.compiled_loop import baked_loops
@@ -125,3 +126,7 @@ def test_run_script_of_linked_weights_quotes_the_users_path(tiny_dir, tmp_path, 
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[-1] == ",".join(map(str, host_ids(capsys, tiny_dir, "1,2,3", policy, steps)))
     assert not list(tmp_path.rglob("PWNED*"))
+    weights = model / "model.safetensors"
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))  # rewritten since
+    with pytest.raises(LladaError, match="the linked weights .* changed since the bundle was compiled"):
+        open_bundle(bundle)
