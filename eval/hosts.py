@@ -58,9 +58,12 @@ def part_files(out: Path) -> list[Path]:
         raise LladaError(f"part files of runs over {' and '.join(map(str, sorted(found)))} hosts sit next to {out}; "
                          "keep one run's")
     count, parts = next(iter(found.items()))
-    missing = sorted(set(range(count)) - set(parts))
-    if missing:
-        raise LladaError(f"{out}: no part file from host {', '.join(map(str, missing))} of {count}")
+    stray = [index for index in parts if index >= count]
+    if stray:
+        raise LladaError(f"{parts[stray[0]]} names host {stray[0]} of {count}, and hosts count from 0")
+    if len(parts) < count:  # the first missing host, found without listing every host of a huge count
+        missing = next(index for index in range(count) if index not in parts)
+        raise LladaError(f"{out}: no part file from host {missing} of {count} ({count - len(parts)} missing)")
     return [parts[index] for index in range(count)]
 
 
@@ -86,9 +89,12 @@ def merge(out: Path, force: bool = False) -> list[dict]:
                          "give every host the same --limit")
     total = totals.pop()
     total = len(rows) if total is None else total
-    missing = [index for index in range(total) if index not in rows]
-    if missing:
-        raise LladaError(f"{out}: {len(missing)} of {total} problems have no row yet (first: {missing[0]}); "
+    beyond = [index for index in rows if index >= total]
+    if beyond:
+        raise LladaError(f"{out}: a part holds problem {beyond[0]}, beyond the run's {total} problems")
+    if len(rows) < total:  # the first missing problem, found without listing every problem of a huge count
+        first = next(index for index in range(total) if index not in rows)
+        raise LladaError(f"{out}: {total - len(rows)} of {total} problems have no row yet (first: {first}); "
                          "finish (or resume) every host first")
     ordered = [rows[index] for index in sorted(rows)]
     try:

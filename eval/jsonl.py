@@ -62,7 +62,19 @@ def _results_row(line: bytes, number: int, path) -> dict:
         row = None
     if not (isinstance(row, dict) and type(row.get("index")) is int and isinstance(row.get("run"), dict)):
         raise LladaError(f"{path}:{number}: not a results row; not a results file (use a new --out file)")
+    if row["index"] < 0:
+        raise LladaError(f"{path}:{number}: a results row's index is a problem's number, not {row['index']}")
+    for name, kinds in ROW_FIELDS.items():
+        if name in row and type(row[name]) not in kinds:
+            raise LladaError(f"{path}:{number}: field {name} holds {row[name]!r}, not what llada wrote there "
+                             "(edited?); fix or remove the row")
+    if "problems" in row and row["problems"] < 1:
+        raise LladaError(f"{path}:{number}: field problems holds {row['problems']}, not a number of problems")
     return row
+
+
+# The fields a summary adds up, as the evaluations write them: an edited row would fail the summary.
+ROW_FIELDS = {"correct": (bool,), "passed": (bool,), "nfe": (int,), "latency_s": (int, float), "problems": (int,)}
 
 
 def check_results_file(path: Path, force: bool) -> None:

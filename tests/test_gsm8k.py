@@ -168,3 +168,13 @@ def test_prompts_too_long_for_the_context_are_refused_before_any_step_or_skipped
     assert len(rows) == 6 and summary["skipped"] == len(skipped) == 1 and summary["problems"] == 5
     assert all("exceeds max_sequence_length=256" in row["skipped"] and row["correct"] is False for row in skipped)
     assert summary["correct"] == sum(row["correct"] for row in rows if "skipped" not in row)
+
+
+@pytest.mark.parametrize("field, value", [("nfe", "abc"), ("correct", "yes"), ("latency_s", None), ("index", -1)])
+def test_a_hand_edited_row_is_refused_before_a_run_resumes_on_it(tmp_path, field, value):
+    path = tmp_path / "rows.jsonl"
+    row = {"index": 0, "run": {"suite": "gsm8k"}, "correct": True, "nfe": 8, "latency_s": 0.5, field: value}
+    path.write_text(json.dumps(row) + "\n")
+    with pytest.raises(LladaError, match=f"rows.jsonl:1: (field {field} holds|a results row's index)"):
+        finished_rows(path, "prompt", {0: "p"}, {"suite": "gsm8k"})
+    assert json.loads(path.read_text()) == row

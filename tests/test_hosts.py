@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -65,6 +66,42 @@ def test_merge_refuses_what_would_be_wrong(tmp_path, parts, message):
     with pytest.raises(LladaError, match=message):
         merge(out)
     assert not out.exists()
+
+
+def part_with(out: Path, host: int, count: int, row: dict) -> None:
+    """Host `host`'s part: problems 0-2 of 3 (host 0 holds 0 and 2), with `row`'s fields in its first row."""
+    rows = [{"index": index, "run": {"suite": "gsm8k"}, "problems": 3, "correct": True} for index in (0, 2)]
+    rows[0].update(row)
+    HostShare(host, count).part(out).write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+@pytest.mark.parametrize("row, stray, message", [
+    ({}, ("R-host0-of-99999999999.jsonl", ""), "part files of runs over 2 and 99999999999 hosts"),
+    ({}, ("R-host5-of-2.jsonl", ""), "names host 5 of 2, and hosts count from 0"),
+    ({"index": 1000000}, None, "a part holds problem 1000000, beyond the run's 3 problems"),
+    ({"index": -1}, None, "a results row's index is a problem's number, not -1"),
+    ({"problems": 10**10}, None, "parts were run over different numbers of problems"),
+    ({"problems": "3"}, None, "field problems holds '3'"),
+    ({"correct": "no"}, None, "field correct holds 'no'"),
+])
+def test_merge_refuses_rows_and_parts_no_run_wrote(tmp_path, row, stray, message):
+    out = tmp_path / "R.jsonl"
+    part_with(out, 0, 2, row)
+    HostShare(1, 2).part(out).write_text(json.dumps({"index": 1, "run": {"suite": "gsm8k"}, "problems": 3,
+                                                     "correct": False}) + "\n")
+    if stray:
+        (tmp_path / stray[0]).write_text(stray[1])
+    with pytest.raises(LladaError, match=re.escape(message)):
+        merge(out)
+    assert not out.exists()
+
+
+def test_merge_finds_the_first_missing_problem_of_a_huge_count(tmp_path):
+    out = tmp_path / "R.jsonl"
+    write_part(out, 0, 2, [0, 2], problems=10**10)
+    write_part(out, 1, 2, [1], problems=10**10)
+    with pytest.raises(LladaError, match="9999999997 of 10000000000 problems have no row yet \\(first: 3\\)"):
+        merge(out)
 
 
 def test_merge_refuses_empty_parts_and_foreign_rows(tmp_path):
