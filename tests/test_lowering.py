@@ -347,3 +347,19 @@ def test_a_decoder_wider_than_the_bundles_windows_is_told_how_to_fit(tiny_dir, t
         "llada: error: the decoder needs a window of 16 positions on a canvas of 16, and this bundle's windows are "
         "[8] wide: compile it with --window 16 or more, or run a decoder with narrower windows (a smaller "
         "--block-length, no lookahead)\n")
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--dtype", "bfloat16"], "compiled with --dtype float32; drop --dtype bfloat16"),
+    (["--dtype", "nonsense"], "drop --dtype nonsense"),
+    (["--activations", "int8"], "compiled with --activations float; drop --activations int8"),
+    (["--check-weights"], "checked by their checksums"),
+    (["--kernels", "own"], "drop --kernels"),
+])
+def test_model_flags_a_bundle_cannot_follow_are_refused_not_ignored(host_bundle, capsys, flags, words):
+    from llada_jax.cli import main
+
+    assert main(["generate", "--bundle", str(host_bundle), "--prompt-ids", "3,4", "--gen-length", "8",
+                 "--block-length", "8", "--steps", "8", "--no-visual", *flags]) == 1
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1

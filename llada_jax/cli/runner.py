@@ -42,6 +42,20 @@ def generation_runner(args, loops: Sequence[tuple] = (), batch_sizes: tuple[int,
     return source.config, source.tokenizer, lambda ids, **options: generate(source, ids, **options)
 
 
+def _checked_against(opened: OpenBundle, args) -> OpenBundle:
+    """A bundle computes as it was compiled: a model flag asking otherwise is refused, not ignored."""
+    manifest = opened.bundle.manifest
+    if getattr(args, "check_weights", False):
+        raise LladaError("--check-weights scans a model's weights; a bundle's files are checked by their checksums")
+    for flag, name, default, compiled in (("--dtype", "dtype", "float32", manifest["compute_dtype"]),
+                                          ("--activations", "activations", "float", manifest["activations"])):
+        asked = getattr(args, name, default)
+        if asked not in (default, compiled):
+            raise LladaError(f"this bundle was compiled with {flag} {compiled}; drop {flag} {asked} (or compile "
+                             "another bundle)")
+    return opened
+
+
 def opened_source(args, loops: Sequence[tuple] = (), batch_sizes: tuple[int, ...] = (1,)):
     """What runs the steps: a loaded model (JAX) or an open bundle (IREE: given, or compiled on first use and
     cached, baking a decode loop for each of `loops` (policy, threshold, gen_length, block_length, steps)
@@ -61,7 +75,7 @@ def opened_source(args, loops: Sequence[tuple] = (), batch_sizes: tuple[int, ...
     if args.bundle is not None:
         if args.model is not None:
             raise LladaError("give either --model or --bundle, not both")
-        return open_bundle(args.bundle, args.backend)
+        return _checked_against(open_bundle(args.bundle, args.backend), args)
     if args.backend == "jax":
         return load_model(args)
     target = {"iree-host": "host", "iree-vulkan": "vulkan"}[args.backend]
