@@ -85,7 +85,8 @@ def check_results_file(path: Path, force: bool) -> None:
 
 
 def read_jsonl(path, required: tuple[str, ...]) -> list[dict]:
-    """A data file (JSONL, or JSONL.gz): one object per non-blank line, each holding the `required` keys."""
+    """A data file (JSONL, or JSONL.gz): one object per non-blank line, each holding the `required` keys as text
+    (a null question would be asked as "None")."""
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
     try:
@@ -104,6 +105,9 @@ def read_jsonl(path, required: tuple[str, ...]) -> list[dict]:
         missing = [key for key in required if not isinstance(row, dict) or key not in row]
         if missing:
             raise LladaError(f"{path}:{number}: missing {', '.join(missing)}")
+        not_text = [key for key in required if not isinstance(row[key], str)]
+        if not_text:
+            raise LladaError(f"{path}:{number}: {not_text[0]} must be text, got {row[not_text[0]]!r}")
         rows.append(row)
     return rows
 

@@ -178,3 +178,11 @@ def test_a_hand_edited_row_is_refused_before_a_run_resumes_on_it(tmp_path, field
     with pytest.raises(LladaError, match=f"rows.jsonl:1: (field {field} holds|a results row's index)"):
         finished_rows(path, "prompt", {0: "p"}, {"suite": "gsm8k"})
     assert json.loads(path.read_text()) == row
+
+
+@pytest.mark.parametrize("question", [None, 5, ["a"]])
+def test_a_question_that_is_not_text_is_refused_not_asked_as_its_spelling(tmp_path, question):
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"question": question, "answer": "so #### 3"}) + "\n")
+    with pytest.raises(LladaError, match="data.jsonl:1: question must be text"):
+        load_problems(data)
