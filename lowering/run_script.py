@@ -26,8 +26,13 @@ TEMPLATE = r"""#!/bin/sh
 # Usage: [IREE_RUN_MODULE="<iree-run-module command>"] ./run.sh ID,ID,...  (prompt token ids)
 # Prints the {gen_length} generated token ids, comma-separated, on its last line.
 set -eu
-here=$(CDPATH= cd -- "$(dirname -- "$0")" && pwd)
 fail() {{ echo "run.sh: error: $*" >&2; exit 1; }}
+script=$0
+while [ -L "$script" ]; do  # called through a link: the bundle's files are next to the script itself
+  target=$(readlink -- "$script") || fail "cannot read the link $script"
+  case $target in /*) script=$target ;; *) script=$(dirname -- "$script")/$target ;; esac
+done
+here=$(CDPATH= cd -- "$(dirname -- "$script")" && pwd)
 [ $# -eq 1 ] || fail "usage: ./run.sh ID,ID,... (comma-separated prompt token ids)"
 case $1 in
   '' | *[!0-9,]* | ,* | *, | *,,*) fail "prompt ids must be comma-separated non-negative integers, got '$1'" ;;
@@ -53,6 +58,7 @@ out=$(${{IREE_RUN_MODULE:-iree-run-module}} --module="$here/steps.vmfb" --device
   {inputs} --output_max_element_count={gen_length}) || fail "iree-run-module failed (set IREE_RUN_MODULE to its path)"
 result() {{ echo "$out" | sed -n "/^result\[$1\]/{{n;s/^[^=]*=//;p;q;}}"; }}
 bad=$(result {bad_pass}) at=$(result {bad_position})
+[ -n "$bad" ] || fail "iree-run-module printed no results (is IREE_RUN_MODULE iree-run-module?)"
 [ "$bad" = "-1" ] || fail "step $((bad + 1)) produced a non-finite score (NaN/Inf) at canvas position $at"
 echo "[$(result 1) forward passes]" >&2
 result 0 | tr -s ' ' ','

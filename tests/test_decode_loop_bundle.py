@@ -98,6 +98,24 @@ def test_run_script_names_a_missing_iree_run_module(loop_bundle):
     assert proc.returncode == 1 and "iree-run-module failed" in proc.stderr.splitlines()[-1]
 
 
+def test_run_script_names_a_command_that_prints_no_results(loop_bundle):
+    proc = run_script(loop_bundle[0], "1,2", "true")
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr == "run.sh: error: iree-run-module printed no results (is IREE_RUN_MODULE iree-run-module?)\n"
+
+
+def test_run_script_called_through_links_finds_its_bundle(loop_bundle, tiny_dir, tmp_path, capsys):
+    """A link on the PATH to run.sh (here a relative link to an absolute one) runs the linked bundle."""
+    policy, _, steps = SETTINGS[0]
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "absolute").symlink_to(loop_bundle[0] / "run.sh")
+    (tmp_path / "bin" / "llada-run").symlink_to(Path("..") / "absolute")
+    proc = subprocess.run([str(tmp_path / "bin" / "llada-run"), "1,2,3"], capture_output=True, text=True,
+                          timeout=600, cwd=tmp_path, env={**os.environ, "IREE_RUN_MODULE": str(host_iree_run_module())})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == ",".join(map(str, host_ids(capsys, tiny_dir, "1,2,3", policy, steps)))
+
+
 def test_vulkan_bundle_runs_its_loop_through_run_script(tiny_dir, tmp_path, capsys):
     """GPU bundles carry the compiled loop too (Mesa's lavapipe here), run by run.sh in a process of its own."""
     require(vulkan_available(), "a Vulkan driver (Mesa's mesa-vulkan-drivers and libvulkan1)")

@@ -363,3 +363,15 @@ def test_model_flags_a_bundle_cannot_follow_are_refused_not_ignored(host_bundle,
                  "--block-length", "8", "--steps", "8", "--no-visual", *flags]) == 1
     err = capsys.readouterr().err
     assert words in err and err.count("\n") == 1
+
+
+def test_an_explicit_default_dtype_is_refused_on_a_bundle_compiled_otherwise(tiny_dir, tmp_path, capsys):
+    from llada_jax.cli import main
+
+    bundle = compile_bundle(tiny_dir, "host", tmp_path / "bf16", max_len=16, window=16, dtype="bfloat16")
+    run = ["generate", "--bundle", str(bundle), "--no-visual", "--gen-length", "8", "--block-length", "8",
+           "--steps", "8", "--prompt-ids", "3,4"]
+    assert main([*run, "--dtype", "float32"]) == 1
+    assert capsys.readouterr().err == ("llada: error: this bundle was compiled with --dtype bfloat16; drop --dtype "
+                                       "float32 (or compile another bundle)\n")
+    assert main([*run, "--dtype", "bfloat16", "--activations", "float"]) == 0

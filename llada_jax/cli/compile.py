@@ -10,6 +10,7 @@ from llada_jax.cli.flags import (
     baked_setting,
     batch_sizes_arg,
     byte_count,
+    model_choices,
     model_dir,
     path_arg,
 )
@@ -29,9 +30,9 @@ def cmd_compile(args) -> None:
     config = read_config(directory) if directory.is_dir() else None  # else compile_bundle says so
     loops = baked_setting(args, canvas_sizes(args.max_len), config) if args.max_len > 0 and config else ()
     out = compile_bundle(directory, args.target, args.out, max_len=args.max_len,
-                         window=args.window, dtype=args.dtype, copy_weights=not args.link_weights,
+                         window=args.window, **model_choices(args), copy_weights=not args.link_weights,
                          device_memory_budget=args.device_memory_budget, loops=loops,
-                         batch_sizes=args.batch_sizes, activations=args.activations, data_tiling=args.data_tiling,
+                         batch_sizes=args.batch_sizes, data_tiling=args.data_tiling,
                          progress=stage_printer(), force=args.force, kernels=args.kernels or "own",
                          block_length=args.block_length)
     script = f"; run it without Python: {out / SCRIPT} ID,ID,..." if (out / SCRIPT).is_file() else ""

@@ -234,11 +234,12 @@ def batch_sizes_arg(text: str) -> tuple[int, ...]:
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, type=path_arg,
                         help="HF LLaDA directory (default: the embedded tiny model)")
-    parser.add_argument("--dtype", default="float32", help="compute dtype: float32 or bfloat16")
+    parser.add_argument("--dtype", default=None, help="compute dtype: float32 (default) or bfloat16")
     parser.add_argument("--check-weights", action="store_true", help="scan every weight for NaN/Inf before use")
-    parser.add_argument("--activations", choices=ACTIVATIONS, default="float",
+    parser.add_argument("--activations", choices=ACTIVATIONS, default=None,
                         help="int8: quantize activations on the fly per 32 columns for 4-bit and 8-bit checkpoints "
-                             "(W4A8 / W8A8 matmuls; 4-bit needs --kernels own); float: W4A16 / weight-only int8")
+                             "(W4A8 / W8A8 matmuls; 4-bit needs --kernels own); float (default): W4A16 or weight-only "
+                             "int8")
     parser.add_argument("--kernels", choices=KERNELS, default=None,
                         help="quantized matmuls on the CPU: own (default where a C compiler exists: our int4/int8 "
                              "kernels, built once per machine into ~/.cache/llada-jax/kernels) or compiler (XLA's "
@@ -253,6 +254,12 @@ def add_data_tiling_flag(parser: argparse.ArgumentParser) -> None:
                         help="IREE CPU bundles: re-lay the weights into the tiles IREE's matmul kernels read, steps "
                              "position-major (holds a second, re-laid copy of the weights; not with a device memory "
                              "budget; slower than the default feature-major bundle at the README's bench size)")
+
+
+def model_choices(args) -> dict:
+    """--dtype and --activations as given: unset ones are left to the defaults of `load` and the bundle
+    compiler, so that a given bundle, which fixed them when compiled, can tell a request from a default."""
+    return {name: value for name in ("dtype", "activations") if (value := getattr(args, name, None)) is not None}
 
 
 def path_arg(text: str) -> str:
@@ -277,5 +284,5 @@ def load_model(args):
     mesh = MeshSpec.parse(args.mesh).build() if getattr(args, "mesh", None) else None
     if mesh is not None:
         print(f"mesh: {describe(mesh)}", file=sys.stderr)
-    return load(model_dir(args), dtype=args.dtype, device_memory_budget=getattr(args, "device_memory_budget", None),
-                activations=args.activations, mesh=mesh, kernels=args.kernels or "own")
+    return load(model_dir(args), **model_choices(args), mesh=mesh, kernels=args.kernels or "own",
+                device_memory_budget=getattr(args, "device_memory_budget", None))

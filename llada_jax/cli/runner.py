@@ -11,7 +11,14 @@ from typing import Sequence
 from llada_jax.api import generate
 from llada_jax.backends.select import OpenBundle, open_bundle
 from llada_jax.bundle_runner import generate_with_bundle
-from llada_jax.cli.flags import add_data_tiling_flag, byte_count, load_model, model_dir, path_arg
+from llada_jax.cli.flags import (
+    add_data_tiling_flag,
+    byte_count,
+    load_model,
+    model_choices,
+    model_dir,
+    path_arg,
+)
 from llada_jax.model.config import read_config
 from llada_jax.system.errors import LladaError
 from llada_jax.weights.tokenizer import load_tokenizer
@@ -47,10 +54,10 @@ def _checked_against(opened: OpenBundle, args) -> OpenBundle:
     manifest = opened.bundle.manifest
     if getattr(args, "check_weights", False):
         raise LladaError("--check-weights scans a model's weights; a bundle's files are checked by their checksums")
-    for flag, name, default, compiled in (("--dtype", "dtype", "float32", manifest["compute_dtype"]),
-                                          ("--activations", "activations", "float", manifest["activations"])):
-        asked = getattr(args, name, default)
-        if asked not in (default, compiled):
+    for flag, name, compiled in (("--dtype", "dtype", manifest["compute_dtype"]),
+                                 ("--activations", "activations", manifest["activations"])):
+        asked = model_choices(args).get(name, compiled)
+        if asked != compiled:
             raise LladaError(f"this bundle was compiled with {flag} {compiled}; drop {flag} {asked} (or compile "
                              "another bundle)")
     return opened
@@ -83,8 +90,8 @@ def opened_source(args, loops: Sequence[tuple] = (), batch_sizes: tuple[int, ...
     sizes = canvas_sizes(config.max_sequence_length)
     baked = tuple(baked_loops(policy, threshold, gen_length, block_length, steps, sizes)
                   for policy, threshold, gen_length, block_length, steps in (setting[:5] for setting in loops))
-    bundle_dir = cached_bundle(model_dir(args), target, dtype=args.dtype, loops=baked, batch_sizes=batch_sizes,
-                               device_memory_budget=budget, activations=args.activations,
+    bundle_dir = cached_bundle(model_dir(args), target, **model_choices(args), loops=baked, batch_sizes=batch_sizes,
+                               device_memory_budget=budget,
                                kernels=args.kernels or "own", block_length=getattr(args, "block_length", None),
                                data_tiling=args.data_tiling,
                                progress=lambda m: print(m, file=sys.stderr))
