@@ -257,13 +257,17 @@ def test_prompt_file_answers_each_line_as_alone(capsys, tmp_path, tiny_dir):
 
 @pytest.mark.parametrize("content, args, expected", [
     ("1,2\n1,x\n", ["--ids"], "line 2 of"), ("\n\n", ["--ids"], "holds no prompt"),
+    ("1,2\n\n1,99999\n", ["--ids"], "line 3 of prompts.txt holds token id 99999 outside the vocabulary"),
+    ("1,2\n\n" + "7," * 250 + "7\n", ["--ids"], "line 3 of prompts.txt: prompt (251) + gen_length (16) = 267"),
+    ("1,2\n", ["--ids", "--gen-length", "12"], "error: gen_length=12 is not a multiple of block_length=8"),
     ("1,2\n", ["--ids", "--batch-size", "0"], "--batch-size must be positive"),
     ("1,2\n", ["--ids", "--prompt-ids", "3"], "either --prompt-file or a prompt"),
 ])
-def test_bad_prompt_files_are_one_line_errors(capsys, tmp_path, tiny_dir, content, args, expected):
+def test_bad_prompt_files_are_one_line_errors(capsys, tmp_path, tiny_dir, monkeypatch, content, args, expected):
     (tmp_path / "prompts.txt").write_text(content)
-    code, out, err = run(capsys, "--model", str(tiny_dir), "--prompt-file", str(tmp_path / "prompts.txt"), *args,
-                         "--gen-length", "16", "--block-length", "8", "--steps", "8")
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run(capsys, "--model", str(tiny_dir), "--prompt-file", "prompts.txt", "--gen-length", "16", *args,
+                         "--block-length", "8", "--steps", "8")
     assert code == 1 and out == ""
     assert err.startswith("llada: error: ") and expected in err and err.count("\n") == 1
 

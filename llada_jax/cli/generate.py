@@ -23,6 +23,8 @@ from llada_jax.cli.flags import (
 from llada_jax.cli.runner import add_runner_flags, generation_runner
 from llada_jax.system.compilation import compile_clock
 from llada_jax.system.errors import LladaError
+from policies.generation import check_token_ids, prepare_generation
+from policies.options import GenerationOptions
 
 
 def add_prompt_flags(parser: argparse.ArgumentParser) -> None:
@@ -57,17 +59,36 @@ def encoded(text: str, chat: bool, tokenizer, limit: int) -> np.ndarray:
     return np.array(tokenizer.encode(tokenizer.chat_prompt(text) if chat else text, limit), np.int64)
 
 
-def file_prompts(args, tokenizer, limit: int) -> list[np.ndarray]:
-    """--prompt-file: one prompt per non-empty line, text (or comma-separated ids with --ids)."""
+def file_lines(path: str) -> list[tuple[str, str]]:
+    """(where, text) of each non-empty line of --prompt-file, `where` naming its line in the file."""
     try:
-        lines = [line.rstrip("\n") for line in open(args.prompt_file, encoding="utf-8") if line.strip()]
+        with open(path, encoding="utf-8") as handle:
+            lines = [(f"line {number} of {path}", line.rstrip("\n")) for number, line in enumerate(handle, 1)
+                     if line.strip()]
     except (OSError, UnicodeDecodeError) as err:
-        raise LladaError(f"cannot read --prompt-file {args.prompt_file}: {err}") from None
+        raise LladaError(f"cannot read --prompt-file {path}: {err}") from None
     if not lines:
-        raise LladaError(f"--prompt-file {args.prompt_file} holds no prompt")
-    if args.ids:
-        return [ids_from_text(line, f"line {number} of {args.prompt_file}") for number, line in enumerate(lines, 1)]
-    return [encoded(line, args.chat, tokenizer, limit) for line in lines]
+        raise LladaError(f"--prompt-file {path} holds no prompt")
+    return lines
+
+
+def file_prompts(args, tokenizer, config) -> list[np.ndarray]:
+    """--prompt-file: one prompt per non-empty line, text (or comma-separated ids with --ids), every one
+    checked before any runs: the decoding options first, then each line, named by its line number."""
+    lines = file_lines(args.prompt_file)
+    limit = config.max_sequence_length
+    prompts = [check_token_ids(ids_from_text(text, where) if args.ids else encoded(text, args.chat, tokenizer, limit),
+                               config, where, allow_mask=False) for where, text in lines]
+    decoding = decoding_kwargs(args, config)
+    decoding.pop("loop")  # how to run, not what
+    options = GenerationOptions.of(decoding)
+    prepare_generation(config, min(prompts, key=len), options)
+    for (where, _), prompt in zip(lines, prompts):
+        try:
+            prepare_generation(config, prompt, options)
+        except LladaError as err:
+            raise LladaError(f"{where}: {err}") from None
+    return prompts
 
 
 def compile_timing(args):
@@ -79,7 +100,7 @@ def compile_timing(args):
 
 def cmd_generate_file(args, config, tokenizer, run) -> None:
     """Every prompt of --prompt-file, --batch-size at a time: one line (text, or JSON with --json) each."""
-    prompts = file_prompts(args, tokenizer, config.max_sequence_length)
+    prompts = file_prompts(args, tokenizer, config)
     for start in range(0, len(prompts), args.batch_size):
         batch = prompts[start: start + args.batch_size]
         for result in run(batch, **decoding_kwargs(args, config)):
