@@ -98,6 +98,28 @@ def test_force_keeps_what_the_user_added_to_an_earlier_output(capsys, tmp_path, 
     assert snapshot(tmp_path) == before
 
 
+def test_force_replaces_an_older_llada_output_only_where_the_new_output_covers_it(capsys, tmp_path,
+                                                                                     model_in_folder):
+    """An output of an older llada records no list of its files: --force replaces it when the new output has
+    every path it holds, and refuses, changing nothing, when it holds anything else (known once the new output is
+    written, so the refusal comes after the work)."""
+    out = tmp_path / "q8"
+    argv = [a.replace("{model}", str(model_in_folder)) for a in QUANTIZE] + [str(out)]
+    assert main(argv) == 0
+    marker = json.loads((out / MARKER).read_text())
+    (out / MARKER).write_text(json.dumps({"command": marker["command"]}))  # as an older llada wrote it
+    (out / "notes.txt").write_text("the user's")
+    before = snapshot(tmp_path)
+    capsys.readouterr()
+    assert main(argv + ["--force"]) == 1
+    assert capsys.readouterr().err.splitlines()[-1].endswith("also what it did not write (notes.txt); move that "
+                                                             "out before --force replaces the output")
+    assert snapshot(tmp_path) == before
+    (out / "notes.txt").unlink()
+    assert main(argv + ["--force"]) == 0
+    assert json.loads((out / MARKER).read_text())["contents"] == marker["contents"]
+
+
 def test_force_never_replaces_another_commands_output_or_the_users(capsys, tmp_path, model_in_folder):
     quantized = tmp_path / "q8"
     assert main([a.replace("{model}", str(model_in_folder)) for a in QUANTIZE] + [str(quantized)]) == 0

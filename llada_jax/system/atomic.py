@@ -46,17 +46,19 @@ def _contents(directory: Path) -> list[str]:
     return sorted(path for path in found if path != MARKER)
 
 
-def _added_since(out_dir: Path) -> list[str]:
-    """What `out_dir` holds that the command did not write (None recorded: an output of an older version)."""
+def _added_since(out_dir: Path, fresh: list[str] | None) -> list[str]:
+    """What `out_dir` holds that the command did not write. An output of an older llada did not list its
+    files: there, what the new output (`fresh`, once written) does not replace by name."""
     written = (_marker(out_dir) or {}).get("contents")
     if not isinstance(written, list):
-        return ["(an output of an older llada that did not list its files)"]
+        written = _contents(out_dir) if fresh is None else fresh  # known only once the new output is written
     return sorted(set(_contents(out_dir)) - set(written))
 
 
-def check_output_dir(out_dir: Path, command: str, inputs=(), force: bool = False) -> bool:
+def check_output_dir(out_dir: Path, command: str, inputs=(), force: bool = False,
+                     fresh: list[str] | None = None) -> bool:
     """Refuse, in one line, a target whose writing could destroy something the user has; say whether it holds an
-    earlier output that the write replaces."""
+    earlier output that the write replaces (`fresh`: the paths of the new output, once written)."""
     out_dir = Path(out_dir)
     target = out_dir.resolve()
     for source in inputs:
@@ -76,7 +78,7 @@ def check_output_dir(out_dir: Path, command: str, inputs=(), force: bool = False
         raise LladaError(f"{out_dir} is not empty and is {what}; refusing to replace it (choose a new directory)")
     if not force:
         raise LladaError(f"{out_dir} holds an earlier output of `{command}`; pass --force to replace it")
-    added = _added_since(out_dir)
+    added = _added_since(out_dir, fresh)
     if added:
         raise LladaError(f"{out_dir} holds an earlier output of `{command}` and also what it did not write "
                          f"({', '.join(added[:3])}{', ...' if len(added) > 3 else ''}); move that out before --force "
@@ -93,9 +95,10 @@ def atomic_dir(out_dir: Path, command: str, inputs=(), force: bool = False):
     check_output_dir(out_dir, command, inputs, force)
     with scratch_dir(out_dir, command) as staging:  # renamed into place, or removed when the block fails
         yield staging
-        (staging / MARKER).write_text(json.dumps({"command": command, "contents": _contents(staging)}) + "\n")
+        fresh = _contents(staging)
+        (staging / MARKER).write_text(json.dumps({"command": command, "contents": fresh}) + "\n")
         publish_permissions(staging)
-        replacing = check_output_dir(out_dir, command, inputs, force)
+        replacing = check_output_dir(out_dir, command, inputs, force, fresh)
         replace_dir(staging, out_dir, command, replacing)
 
 
