@@ -319,22 +319,27 @@ def test_a_full_queue_answers_429(embedded):
 
 def slowed(model, gate: threading.Event):
     """A `make_backend` whose steps wait for `gate` (a generation that runs until the test lets it go on)."""
-    return lambda request: Gated(select_backend(model, request), gate)
+    return hooked(model, lambda: gate.wait(30))
 
 
-class Gated:
-    def __init__(self, backend, gate: threading.Event):
-        self.backend, self.gate = backend, gate
+def hooked(model, before):
+    """A `make_backend` whose every step first calls `before()`."""
+    return lambda request: Hooked(select_backend(model, request), before)
+
+
+class Hooked:
+    def __init__(self, backend, before):
+        self.backend, self.before = backend, before
 
     def __getattr__(self, name):
         return getattr(self.backend, name)
 
     def full(self, *args):
-        self.gate.wait(30)
+        self.before()
         return self.backend.full(*args)
 
     def window(self, *args):
-        self.gate.wait(30)
+        self.before()
         return self.backend.window(*args)
 
 

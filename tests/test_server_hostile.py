@@ -13,10 +13,9 @@ import pytest
 
 import llada_jax
 import llada_jax.server.app
-from llada_jax.backends.select import select_backend
 from llada_jax.server.guards import MAX_BODY_BYTES
 from llada_jax.system.locations import EMBEDDED_DIR
-from tests.test_server import NAME, QUESTIONS, serving, wait_for
+from tests.test_server import NAME, QUESTIONS, hooked, serving, wait_for
 
 CHAT = {"model": NAME, "messages": [{"role": "user", "content": QUESTIONS[0]}]}
 
@@ -232,25 +231,8 @@ def test_a_client_gone_from_a_whole_response_cancels_it(embedded):
 
 
 def paced(model, seconds: float, steps: list[int]):
-    """A `make_backend` whose every step takes at least `seconds`, counted in `steps[0]`."""
-    return lambda request: Paced(select_backend(model, request), seconds, steps)
-
-
-class Paced:
-    def __init__(self, backend, seconds: float, steps: list[int]):
-        self.backend, self.seconds, self.steps = backend, seconds, steps
-
-    def __getattr__(self, name):
-        return getattr(self.backend, name)
-
-    def full(self, *args):
-        return self._paced(self.backend.full, args)
-
-    def window(self, *args):
-        return self._paced(self.backend.window, args)
-
-    def _paced(self, step, args):
-        time.sleep(self.seconds)
-        out = step(*args)
-        self.steps[0] += 1
-        return out
+    """A `make_backend` whose every step takes at least `seconds`, counted in `steps[0]` as it starts."""
+    def before():
+        time.sleep(seconds)
+        steps[0] += 1
+    return hooked(model, before)
