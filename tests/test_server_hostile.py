@@ -13,6 +13,7 @@ import pytest
 
 import llada_jax
 import llada_jax.server.app
+import llada_jax.server.guards
 from llada_jax.server.guards import MAX_BODY_BYTES
 from llada_jax.system.locations import EMBEDDED_DIR
 from tests.test_server import NAME, QUESTIONS, hooked, serving, wait_for
@@ -158,6 +159,27 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read(server):
                 "message"]
         finally:
             connection.close()
+    assert post(server, "/v1/chat/completions", CHAT)[0] == 200
+
+
+def test_a_body_that_stops_arriving_is_answered_408_and_its_connection_closed(server, monkeypatch):
+    """A body shorter than its Content-Length (a client gone quiet, or a slow-body attack) does not hold the
+    connection: after BODY_IDLE_S without a byte, a 408, and the server closes it."""
+    monkeypatch.setattr(llada_jax.server.guards, "BODY_IDLE_S", 0.5)
+    connection = connect(server)
+    try:
+        connection.putrequest("POST", "/v1/chat/completions")
+        connection.putheader("Content-Type", "application/json")
+        connection.putheader("Content-Length", "100")
+        connection.endheaders()
+        connection.send(b'{"model": ')
+        response = connection.getresponse()
+        assert response.status == 408
+        assert json.loads(response.read())["error"]["message"] == "the request body stopped arriving for 0.5 s"
+        assert response.getheader("Connection") == "close"
+        assert connection.sock is None or connection.sock.recv(1) == b""  # closed by the server
+    finally:
+        connection.close()
     assert post(server, "/v1/chat/completions", CHAT)[0] == 200
 
 

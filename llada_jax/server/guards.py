@@ -1,9 +1,12 @@
-"""ASGI guards around the app: a request body over `MAX_BODY_BYTES` is refused (413) before any of it is parsed,
-and an unexpected error is answered as a one-line 500 on a connection that stays usable (Starlette's own
-handler re-raises after answering, so uvicorn logs the error twice and drops the keep-alive connection)."""
+"""ASGI guards around the app: a request body over `MAX_BODY_BYTES` is refused (413) before any of it is parsed;
+one that stops arriving for `BODY_IDLE_S` is answered 408 and its connection closed (uvicorn has no body-read
+timeout: a body shorter than its Content-Length held the connection forever); an unexpected error is answered as
+a one-line 500 on a connection that stays usable (Starlette's own handler re-raises after answering, so uvicorn
+logs the error twice and drops the keep-alive connection)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from fastapi.responses import JSONResponse
@@ -12,6 +15,7 @@ from llada_jax.server.responses import error_body
 
 # The largest legitimate request (a full queue's prompts at a long context, as JSON token ids) is far below this.
 MAX_BODY_BYTES = 32 * 2**20
+BODY_IDLE_S = 30.0  # the longest wait for the next piece of a request body
 log = logging.getLogger("llada.serve")
 
 
@@ -29,7 +33,10 @@ class BodyLimit:
             return await self._refuse(scope, receive, send)
         chunks, size, more = [], 0, True
         while more:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), BODY_IDLE_S)
+            except TimeoutError:
+                return await self._stalled(scope, receive, send)
             if message["type"] != "http.request":  # the client went away while sending
                 return
             chunks.append(message.get("body", b""))
@@ -47,6 +54,10 @@ class BodyLimit:
             return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
 
         await self.app(scope, replay, send)
+
+    async def _stalled(self, scope, receive, send):
+        message = f"the request body stopped arriving for {BODY_IDLE_S:g} s"
+        await JSONResponse(error_body(message), status_code=408, headers={"Connection": "close"})(scope, receive, send)
 
     async def _refuse(self, scope, receive, send):
         message = f"the request body is larger than the server takes ({self.limit // 2**20} MiB)"
