@@ -234,12 +234,12 @@ def batch_sizes_arg(text: str) -> tuple[int, ...]:
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, type=path_arg,
                         help="HF LLaDA directory (default: the embedded tiny model)")
-    parser.add_argument("--dtype", default=None, help="compute dtype: float32 (default) or bfloat16")
+    parser.add_argument("--dtype", default=None, help="compute dtype: float32 or bfloat16 (default: float32)")
     parser.add_argument("--check-weights", action="store_true", help="scan every weight for NaN/Inf before use")
     parser.add_argument("--activations", choices=ACTIVATIONS, default=None,
                         help="int8: quantize activations on the fly per 32 columns for 4-bit and 8-bit checkpoints "
-                             "(W4A8 / W8A8 matmuls; 4-bit needs --kernels own); float (default): W4A16 or weight-only "
-                             "int8")
+                             "(W4A8 / W8A8 matmuls; 4-bit needs --kernels own); float: W4A16 or weight-only int8 "
+                             "(default: float)")
     parser.add_argument("--kernels", choices=KERNELS, default=None,
                         help="quantized matmuls on the CPU: own (default where a C compiler exists: our int4/int8 "
                              "kernels, built once per machine into ~/.cache/llada-jax/kernels) or compiler (XLA's "
