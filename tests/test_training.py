@@ -98,3 +98,54 @@ def test_stopping_early_then_continuing_equals_one_run(tmp_path):
     a, b = load_file(str(straight / "model.safetensors")), load_file(str(continued / "model.safetensors"))
     for name in a:
         np.testing.assert_allclose(a[name], b[name], rtol=1e-6, atol=1e-7)
+
+
+def test_a_diverging_run_stops_before_it_saves_or_exports_non_finite_weights(tmp_path):
+    run = tmp_path / "run"
+    diverged = r"training diverged by step 2 .* nothing was saved; .* smaller --lr"
+    with pytest.raises(llada_jax.LladaError, match=diverged):
+        train(run, dataclasses.replace(SETTINGS, learning_rate=1e20), CONFIG, progress=False)
+    assert not (run / "model").exists() and not list((run / "checkpoints").iterdir())
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(learning_rate=float("inf")), "a finite lr > 0"), (dict(seed=-1), r"seed must be in \[0, 2\^32\)"),
+    (dict(seed=2**64), r"seed must be in \[0, 2\^32\)"),
+])
+def test_bad_settings_are_refused_before_a_run_starts(tmp_path, change, words):
+    with pytest.raises(llada_jax.LladaError, match=words):
+        train(tmp_path / "run", dataclasses.replace(SETTINGS, **change), CONFIG, progress=False)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_run_that_saved_nothing_takes_new_settings_and_one_past_stop_at_is_refused(tmp_path):
+    run = tmp_path / "run"
+    with pytest.raises(llada_jax.LladaError, match="diverged"):
+        train(run, dataclasses.replace(SETTINGS, learning_rate=1e20), CONFIG, progress=False)
+    train(run, SETTINGS, CONFIG, progress=False, stop_at=3)  # the failed run left nothing to keep
+    with pytest.raises(llada_jax.LladaError, match="already at step 3, past --stop-at 2: a run does not go back"):
+        train(run, SETTINGS, CONFIG, progress=False, stop_at=2)
+
+
+def test_train_flags_that_name_nothing_are_refused(capsys, tmp_path):
+    from llada_jax.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["train", "--out", str(tmp_path / "run"), "--export-to", ""])
+    assert "--export-to: must name a path" in capsys.readouterr().err
+    assert main(["train", "--out", str(tmp_path / "run"), "--force"]) == 1
+    assert capsys.readouterr().err == "llada: error: --force replaces an earlier export: it goes with --export-to\n"
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_allocation_past_the_hosts_memory_is_one_line(capsys, tmp_path, monkeypatch):
+    import llada_jax.cli.train
+    from llada_jax.cli import main
+
+    def too_big(*_args, **_kwargs):
+        raise MemoryError("Unable to allocate 34.9 TiB for an array with shape (100000000000, 96)")
+
+    monkeypatch.setattr(llada_jax.cli.train, "train", too_big)
+    assert main(["train", "--out", str(tmp_path / "run"), "--batch", "100000000000"]) == 1
+    assert capsys.readouterr().err == ("llada: error: out of host memory: Unable to allocate 34.9 TiB for an array "
+                                       "with shape (100000000000, 96)\n")

@@ -68,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as err:  # an unwritable --out, a full disk, ...: the system's one-line reason
         print(f"llada: error: {err.strerror or err}: {err.filename or ''}".rstrip(": "), file=sys.stderr)
         return 1
+    except MemoryError as err:  # a host allocation past this machine's memory (numpy names its size)
+        print(f"llada: error: out of host memory{f': {err}' if str(err) else ''}", file=sys.stderr)
+        return 1
     except JaxRuntimeError as err:  # XLA refused a step, e.g. an allocation past the device's memory
         first = str(err).splitlines()[0]
         hint = ("; a smaller setting fits: --dtype bfloat16, --device-memory-budget BYTES or a quantized checkpoint"

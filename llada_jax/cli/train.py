@@ -4,6 +4,7 @@ exported."""
 from __future__ import annotations
 
 from llada_jax.cli.flags import path_arg
+from llada_jax.system.errors import LladaError
 from llada_jax.training.train import (
     TrainSettings,
     embedded_model_config,
@@ -13,7 +14,9 @@ from llada_jax.training.train import (
 
 
 def cmd_train(args) -> None:
-    if args.export_to:
+    if args.force and args.export_to is None:
+        raise LladaError("--force replaces an earlier export: it goes with --export-to")
+    if args.export_to is not None:
         out_dir, step = export_latest(args.out, args.export_to, force=args.force)
         print(f"checkpoint of step {step} exported to {out_dir}")
         return
@@ -39,6 +42,7 @@ def add_train(commands) -> None:
     tr.add_argument("--checkpoint-every", type=int, default=1000)
     tr.add_argument("--stop-at", type=int, default=None, help="stop (and export) at this step of the schedule")
     tr.add_argument("--quiet", action="store_true", help="no progress bar")
-    tr.add_argument("--export-to", default=None, help="only export the run's newest checkpoint to this HF dir")
+    tr.add_argument("--export-to", default=None, type=path_arg,
+                    help="only export the run's newest checkpoint to this HF dir")
     tr.add_argument("--force", action="store_true", help="with --export-to: replace an earlier export there")
     tr.set_defaults(run=cmd_train)

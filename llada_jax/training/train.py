@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import random
 import tempfile
 import time
@@ -29,6 +30,7 @@ from llada_jax.model.kv_state import HIDDEN
 from llada_jax.model.params import init_params
 from llada_jax.system.atomic import atomic_write_bytes, check_output_dir
 from llada_jax.system.errors import LladaError
+from llada_jax.system.interrupts import signals_deferred
 from llada_jax.training.tasks import held_out, training_examples
 from llada_jax.weights import char_tokenizer
 from llada_jax.weights.checkpoint import save_hf
@@ -57,8 +59,10 @@ class TrainSettings:
                 raise LladaError(f"training {name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.gen_length % self.block_length or self.gen_length > self.seq_len:
             raise LladaError("training gen-length must be a multiple of block-length and fit seq-len")
-        if not self.learning_rate > 0 or not 0.0 <= self.block_aware <= 1.0 or self.warmup < 0:
-            raise LladaError("training needs lr > 0, warmup >= 0 and block-aware in [0, 1]")
+        if not 0 < self.learning_rate < math.inf or not 0.0 <= self.block_aware <= 1.0 or self.warmup < 0:
+            raise LladaError("training needs a finite lr > 0, warmup >= 0 and block-aware in [0, 1]")
+        if not 0 <= self.seed < 2**32:
+            raise LladaError(f"training seed must be in [0, 2^32), got {self.seed}")
 
 
 def embedded_model_config(d_model: int = 128, n_layers: int = 4) -> LLaDAConfig:
@@ -191,6 +195,9 @@ def _train_loop(manager, params, opt_state, tokenizer, excluded, settings: Train
     start = 0
     if manager.latest_step() is not None:
         start = manager.latest_step()
+        if start > stop:
+            raise LladaError(f"this run is already at step {start}, past --stop-at {stop}: a run does not go back "
+                             "(--export-to exports its newest checkpoint)")
         restored = _restore(manager, start, ocp.args.StandardRestore({"params": params, "opt": opt_state}))
         params, opt_state = restored["params"], restored["opt"]
     bar = tqdm(range(start, stop), initial=start, total=stop, disable=not progress, desc="train", unit="step")
@@ -206,8 +213,19 @@ def _train_loop(manager, params, opt_state, tokenizer, excluded, settings: Train
             rate = (step + 1 - start) * settings.batch * settings.seq_len / (time.perf_counter() - began)
             bar.set_postfix(loss=f"{smoothed:.4f}", tok_s=f"{rate:,.0f}")
         if (step + 1) % settings.checkpoint_every == 0 or step == stop - 1:
-            manager.save(step + 1, args=ocp.args.StandardSave({"params": params, "opt": opt_state}))
+            _check_finite(params, loss, step + 1, manager.latest_step())
+            with signals_deferred():  # an interrupt waits for the save, which orbax cannot have cut
+                manager.save(step + 1, args=ocp.args.StandardSave({"params": params, "opt": opt_state}))
     return params, opt_state
+
+
+def _check_finite(params, loss, step: int, saved: int | None) -> None:
+    """A diverged run (a learning rate too large) is stopped before it saves or exports non-finite weights."""
+    finite = bool(jnp.isfinite(loss)) and all(bool(jnp.isfinite(leaf).all()) for leaf in jax.tree.leaves(params))
+    if not finite:
+        kept = f"its newest checkpoint (step {saved}) is kept" if saved else "nothing was saved"
+        raise LladaError(f"training diverged by step {step} (a non-finite loss or weight): {kept}; start a new run "
+                         "with a smaller --lr")
 
 
 def export_latest(run_dir: Path, out_dir: Path, force: bool = False) -> tuple[Path, int]:
@@ -251,13 +269,16 @@ def _run_record(run_dir: Path) -> dict:
 
 
 def _check_run_settings(run_dir: Path, settings: TrainSettings, config: LLaDAConfig) -> None:
-    """A run directory belongs to one setting: resuming with different settings is refused."""
+    """A run directory belongs to one setting: resuming with different settings is refused, unless the run
+    never got to save anything (it failed before its first checkpoint)."""
     record = {"settings": dataclasses.asdict(settings), "config": config.to_hf_dict()}
     path = run_dir / "run.json"
     if path.exists():
-        if _run_record(run_dir) != json.loads(json.dumps(record)):
+        if _run_record(run_dir) == json.loads(json.dumps(record)):
+            return
+        checkpoints = run_dir / "checkpoints"
+        if (checkpoints.exists() and any(checkpoints.iterdir())) or (run_dir / "model").exists():
             raise LladaError(f"{run_dir} holds a run with other settings; use a new --out directory")
     elif any(run_dir.iterdir()):
         raise LladaError(f"{run_dir} is not empty and holds no training run (no run.json); use a new --out directory")
-    else:
-        atomic_write_bytes(path, (json.dumps(record, indent=2) + "\n").encode(), TRAIN_COMMAND)
+    atomic_write_bytes(path, (json.dumps(record, indent=2) + "\n").encode(), TRAIN_COMMAND)
