@@ -134,10 +134,12 @@ def _run_compiler(command: list[str], seconds_left: float, timeout: float, phase
     try:
         out, err = proc.communicate(timeout=max(seconds_left, 0.001))
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+        _stop(proc)
         raise LladaError(f"iree-compile took longer than {timeout:g} s and was stopped (LLADA_COMPILE_TIMEOUT_S "
                          "sets the limit)") from None
+    except BaseException:  # an interrupt: the compiler (a session of its own, out of the terminal's reach) goes too
+        _stop(proc)
+        raise
     if proc.returncode != 0:
         how = (f"was killed by {signal.Signals(-proc.returncode).name}" if proc.returncode < 0
                else f"failed (exit status {proc.returncode})")
@@ -145,6 +147,12 @@ def _run_compiler(command: list[str], seconds_left: float, timeout: float, phase
         last = (said.splitlines() or ["no output"])[-1]
         first = next((line for line in said.splitlines() if "error" in line), last)
         raise LladaError(f"iree-compile {how}{phase}: {first}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Kill the compiler's process group and reap it (not reaped before: the group id is still its own)."""
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
 
 
 def compile_bundle(model_dir, target_name: str, out_dir, *, max_len: int = 256, window: int = 64,

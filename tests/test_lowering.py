@@ -375,3 +375,21 @@ def test_an_explicit_default_dtype_is_refused_on_a_bundle_compiled_otherwise(tin
     assert capsys.readouterr().err == ("llada: error: this bundle was compiled with --dtype bfloat16; drop --dtype "
                                        "float32 (or compile another bundle)\n")
     assert main([*run, "--dtype", "bfloat16", "--activations", "float"]) == 0
+
+
+def test_an_interrupted_compile_leaves_no_compiler_running(tmp_path):
+    """iree-compile runs in a session of its own (out of the terminal's reach): SIGTERM or Ctrl-C to llada must
+    stop it too, not leave it compiling into a removed scratch directory."""
+    import os
+    import signal
+    import threading
+
+    from llada_jax.system.interrupts import Terminated, sigterm_raises
+    from lowering.bundle import _run_compiler
+
+    pidfile = tmp_path / "pid"
+    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    with pytest.raises(Terminated), sigterm_raises():
+        _run_compiler(["sh", "-c", f"echo $$ > {pidfile}; exec sleep 60"], 120.0, 120.0)
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pidfile.read_text()), 0)
