@@ -18,6 +18,7 @@ runs (it has no plugin entry points). From Python: `import eval.lm_harness`, the
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from typing import Callable, cast
@@ -34,6 +35,8 @@ from llada_jax.model.mesh import MeshSpec
 from llada_jax.system.errors import LladaError
 from llada_jax.system.locations import default_model_dir
 from policies.block_diffusion import family_decoder
+from policies.generation import check_token_ids
+from policies.options import MAX_CFG_SCALE
 from policies.registry import DecoderSetting
 
 TASKS_DIR = Path(__file__).resolve().parent / "lm_tasks"
@@ -51,15 +54,31 @@ def _mesh(data_devices, model_devices):
     return MeshSpec(data, 1 if model_devices is None else _number("model_devices", model_devices, minimum=1)).build()
 
 
-def _number(name: str, value, kind: Callable = int, minimum=None):
-    """A model argument as a number (lm-eval passes them as text), or a one-line error naming it."""
+def _number(name: str, value, kind: Callable = int, minimum=None, maximum=None, what: str = "model argument"):
+    """A model argument (or request field) as a finite number (lm-eval passes them as text), or a one-line
+    error naming it."""
     try:
         number = kind(value)
-    except (TypeError, ValueError):
-        raise LladaError(f"model argument {name} must be a {kind.__name__}, got {value!r}") from None
+    except (TypeError, ValueError, OverflowError):
+        kind_name = {"int": "an integer", "float": "a number"}.get(kind.__name__, kind.__name__)
+        raise LladaError(f"{what} {name} must be {kind_name}, got {value!r}") from None
+    if not math.isfinite(number):
+        raise LladaError(f"{what} {name} must be finite, got {value!r}")
     if minimum is not None and number < minimum:
-        raise LladaError(f"model argument {name} must be >= {minimum}, got {value!r}")
+        raise LladaError(f"{what} {name} must be >= {minimum}, got {value!r}")
+    if maximum is not None and number > maximum:
+        raise LladaError(f"{what} {name} must be <= {maximum}, got {value!r}")
     return number
+
+
+def _request(instance, fields: int) -> tuple:
+    """A request's arguments: `fields` of them, the first (the context) text; one-line error otherwise."""
+    args = getattr(instance, "args", None)
+    if not isinstance(args, tuple) or len(args) != fields:
+        raise LladaError(f"a request must carry {fields} arguments, got {args!r:.80}")
+    if not isinstance(args[0], str):
+        raise LladaError(f"a request's context must be text, got {type(args[0]).__name__}")
+    return args
 
 
 @register_model("llada-jax")
@@ -85,13 +104,15 @@ class LladaLM(LM):
         self.policy = setting.policy if policy else None  # None: the family's default decoder
         self.threshold = setting.threshold if threshold is None else DecoderSetting(
             setting.policy, _number("threshold", threshold, float)).threshold
-        self.cfg_scale, self.remasking = _number("cfg_scale", cfg_scale, float, 0.0), remasking
+        self.cfg_scale, self.remasking = _number("cfg_scale", cfg_scale, float, 0.0, MAX_CFG_SCALE), remasking
         self.mc_batch_size = _number("mc_batch_size", mc_batch_size, minimum=1)
         self.mc_num = _number("mc_num", mc_num, minimum=self.mc_batch_size)
         if self.mc_num % self.mc_batch_size:
             raise LladaError(f"mc_num ({mc_num}) must be a multiple of mc_batch_size ({mc_batch_size})")
         self.check_greedy, self.seed = _flag(check_greedy), _number("seed", seed, minimum=0)
-        self.model = llada_jax.load(Path(pretrained) if pretrained else default_model_dir(), dtype=dtype,
+        if pretrained is not None and not str(pretrained).strip():
+            raise LladaError("model argument pretrained must name a model directory, got an empty string")
+        self.model = llada_jax.load(Path(pretrained) if pretrained is not None else default_model_dir(), dtype=dtype,
                                     mesh=_mesh(data_devices, model_devices))
         if self.model.tokenizer is None:
             raise LladaError(f"{pretrained}: lm-eval needs a model with a tokenizer.json")
@@ -121,10 +142,10 @@ class LladaLM(LM):
         block_length = self.block_length if self.model.config.block_causal else None
         results = []
         for instance in tqdm(requests, desc="llada-jax loglikelihood", disable=len(requests) < 2):
-            context, continuation = cast(tuple[str, str], instance.args)
-            prefix, target = self.encode_pair(context, continuation)
-            if not target:
-                raise LladaError(f"the continuation {continuation!r} adds no token to its context")
+            context, continuation = _request(instance, 2)
+            if not isinstance(continuation, str):
+                raise LladaError(f"a request's continuation must be text, got {type(continuation).__name__}")
+            prefix, target = self._scored_pair(context, continuation)
             rng = request_rng(self.seed, context, continuation)
             ll = mc_log_likelihood(self.model, prefix, target, self.mc_num, self.mc_batch_size, rng, self.cfg_scale,
                                    block_length)
@@ -135,6 +156,20 @@ class LladaLM(LM):
             self.cache_hook.add_partial("loglikelihood", (context, continuation), (ll, greedy))
         return results
 
+    def _scored_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """(context ids, continuation ids) for the likelihood: neither holds the mask token (it would count as a
+        position to predict), and a context too long for the model keeps its last tokens (lm-eval's rule)."""
+        config = self.model.config
+        prefix, target = self.encode_pair(context, continuation)
+        if not target:
+            raise LladaError(f"the continuation {continuation!r} adds no token to its context")
+        check_token_ids(prefix + target, config, "a request's context and continuation", allow_mask=False)
+        room = config.max_sequence_length - len(target)
+        if room < 0:
+            raise LladaError(f"the continuation's {len(target)} tokens exceed the model's "
+                             f"{config.max_sequence_length} positions")
+        return prefix[len(prefix) - min(room, len(prefix)):], target
+
     def loglikelihood_rolling(self, requests):
         raise LladaError("llada-jax gives no rolling log-likelihood: a diffusion model bounds a text's likelihood "
                          "rather than scoring it token by token; use loglikelihood or generate_until tasks")
@@ -144,7 +179,7 @@ class LladaLM(LM):
         answers: list[str | None] = [None] * len(requests)
         groups: dict[tuple, list[int]] = {}
         for index, instance in enumerate(requests):
-            groups.setdefault(self._gen_setting(cast(tuple, instance.args)[1]), []).append(index)
+            groups.setdefault(self._gen_setting(_request(instance, 2)[1]), []).append(index)
         progress = tqdm(total=len(requests), desc="llada-jax generate_until", disable=len(requests) < 2)
         for (gen_length, temperature), indices in groups.items():
             for start in range(0, len(indices), self.batch_size):
@@ -159,10 +194,19 @@ class LladaLM(LM):
         progress.close()
         return [answer or "" for answer in answers]  # every request was answered
 
-    def _gen_setting(self, gen_kwargs: dict) -> tuple[int, float]:
-        """(answer length in whole blocks, temperature) of a request."""
-        wanted = self.gen_length or int(gen_kwargs.get("max_gen_toks", 256))
-        temperature = float(gen_kwargs.get("temperature", 0.0)) if _flag(gen_kwargs.get("do_sample", False)) else 0.0
+    def _gen_setting(self, gen_kwargs) -> tuple[int, float]:
+        """(answer length in whole blocks, temperature) of a request, its fields checked."""
+        if not isinstance(gen_kwargs, dict):
+            raise LladaError(f"a request's generation arguments must be a dict, got {type(gen_kwargs).__name__}")
+        until = gen_kwargs.get("until") or []
+        if not all(isinstance(stop, str) for stop in ([until] if isinstance(until, str) else
+                                                      until if isinstance(until, (list, tuple)) else [until])):
+            raise LladaError(f"a request's stop strings (until) must be text, got {until!r:.80}")
+        wanted = self.gen_length or _number("max_gen_toks", gen_kwargs.get("max_gen_toks", 256), minimum=1,
+                                            what="request field")
+        temperature = 0.0
+        if _flag(gen_kwargs.get("do_sample", False)):
+            temperature = _number("temperature", gen_kwargs.get("temperature", 0.0), float, 0.0, what="request field")
         return -(-wanted // self.block_length) * self.block_length, temperature
 
     def _options(self, gen_length: int, temperature: float) -> dict:

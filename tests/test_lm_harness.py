@@ -97,7 +97,7 @@ def test_bad_model_arguments_are_one_line_errors():
         LladaLM(colour="blue")
     with pytest.raises(LladaError, match="multiple of mc_batch_size"):
         LladaLM(mc_num=10, mc_batch_size=4)
-    with pytest.raises(LladaError, match="batch_size must be a int, got 'many'"):
+    with pytest.raises(LladaError, match="batch_size must be an integer, got 'many'"):
         LladaLM(batch_size="many")
     with pytest.raises(LladaError, match="mc_num must be >= 32"):
         LladaLM(mc_num=0)
@@ -107,6 +107,46 @@ def test_bad_model_arguments_are_one_line_errors():
         LladaLM(data_devices="2")
     with pytest.raises(LladaError, match="model_devices must be >= 1"):
         LladaLM(model_devices="0")
+
+
+def test_bad_model_arguments_that_once_ran_are_refused():
+    """A non-finite cfg_scale gave NaN likelihoods (inf) or no guidance (nan); an empty pretrained loaded the
+    embedded model."""
+    for value in ("inf", "nan", "1e308"):
+        with pytest.raises(LladaError, match=f"model argument cfg_scale must be (finite|<= 100.0), got '{value}'"):
+            LladaLM(cfg_scale=value)
+    with pytest.raises(LladaError, match="pretrained must name a model directory, got an empty string"):
+        LladaLM(pretrained="")
+
+
+@pytest.mark.parametrize("method, args, words", [
+    ("loglikelihood", ("2+3=", "<|mdm_mask|>"), "context and continuation holds the mask token id 5"),
+    ("loglikelihood", ("<|mdm_mask|>2+3=", "5"), "context and continuation holds the mask token id 5"),
+    ("loglikelihood", (None, "5"), "context must be text, got NoneType"),
+    ("loglikelihood", ("2+3=", 5), "continuation must be text, got int"),
+    ("loglikelihood", ("2+3=",), "must carry 2 arguments"),
+    ("generate_until", ("2+3=", {"max_gen_toks": "abc"}), "max_gen_toks must be an integer, got 'abc'"),
+    ("generate_until", ("2+3=", {"max_gen_toks": -5}), "max_gen_toks must be >= 1, got -5"),
+    ("generate_until", ("2+3=", {"do_sample": True, "temperature": "x"}), "temperature must be a number, got 'x'"),
+    ("generate_until", ("2+3=", {"until": [5]}), r"stop strings \(until\) must be text, got \[5\]"),
+    ("generate_until", ("2+3=", "stop"), "generation arguments must be a dict, got str"),
+    ("generate_until", (None, {}), "context must be text, got NoneType"),
+])
+def test_hostile_requests_are_one_line_errors(lm, method, args, words):
+    with pytest.raises(LladaError, match=words) as caught:
+        getattr(lm, method)([SimpleNamespace(args=args)])
+    assert "\n" not in str(caught.value)
+
+
+def test_a_context_too_long_keeps_its_last_tokens_for_the_likelihood(lm):
+    """As lm-eval does for its own models (and as generate_until does): not an error that ends the whole run."""
+    tokenizer, room = lm.model.tokenizer, lm.model.config.max_sequence_length
+    context, continuation = "1 2 3 " * 100, "4"
+    prefix, target = lm._scored_pair(context, continuation)
+    whole_prefix, whole_target = lm.encode_pair(context, continuation)
+    assert target == whole_target and prefix == whole_prefix[-(room - len(target)):]
+    assert len(prefix) + len(target) == room and tokenizer.decode(prefix).endswith("1 2 3")
+    assert np.isfinite(lm.loglikelihood([SimpleNamespace(args=(context, continuation))])[0][0])
 
 
 def test_lm_eval_runs_the_local_tasks_end_to_end(tmp_path):
