@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import struct
 from pathlib import Path
 
 import pytest
@@ -240,13 +241,18 @@ def test_eval_merge_never_replaces_a_file_of_the_users(capsys, tmp_path):
 
 @pytest.mark.parametrize("command", ["trace", "bench"])
 def test_pictures_are_never_drawn_over_a_file_of_the_users(capsys, tmp_path, tiny_dir, command):
-    picture = tmp_path / "photo.png"
-    picture.write_bytes(b"\x89PNG\r\n\x1a\n my holiday")
+    """Not a PNG, a PNG of someone else's, or notes that merely mention the command: none is replaced."""
     flag = "--out" if command == "trace" else "--plot"
-    for extra in ([], ["--force"]):
-        refused(capsys, [command, "--model", str(tiny_dir), flag, str(picture), *extra],
-                "not an output of this command")
-        assert picture.read_bytes() == b"\x89PNG\r\n\x1a\n my holiday"
+    text = b"Software\0my camera, not llada-jax llada " + command.encode()
+    chunk = struct.pack(">I", len(text)) + b"tEXt" + text + b"\0\0\0\0"
+    for content in (b"\x89PNG\r\n\x1a\n my holiday", b"\x89PNG\r\n\x1a\n" + chunk + b"\0\0\0\0IEND\0\0\0\0",
+                    f"my notes about llada-jax llada {command} runs\n".encode()):
+        picture = tmp_path / "photo.png"
+        picture.write_bytes(content)
+        for extra in ([], ["--force"]):
+            refused(capsys, [command, "--model", str(tiny_dir), flag, str(picture), *extra],
+                    "not an output of this command")
+            assert picture.read_bytes() == content
 
 
 def test_trace_replaces_its_own_picture_only_with_force(capsys, tmp_path, tiny_dir):
