@@ -87,7 +87,11 @@ def test_missing_or_corrupt_model_dir(capsys, tmp_path, model_dir, words):
 @pytest.mark.parametrize("argv", [["generate", "--model", "", "hi"], ["generate", "--bundle", "", "hi"],
                                   ["quantize", "--out", "", "--bits", "4"],
                                   ["compile", "--out", "", "--target", "host"], ["train", "--out", ""],
-                                  ["eval", "gsm8k", "--out", ""], ["serve", ""]])
+                                  ["eval", "gsm8k", "--out", ""], ["serve", ""],
+                                  ["eval", "humaneval", "--samples", ""], ["eval", "humaneval", "--data", ""],
+                                  ["eval", "gsm8k", "--train-data", ""], ["generate", "--prompt-file", ""],
+                                  ["bench", "--plot", ""], ["bench", "--reference", ""], ["bench", "--data", ""],
+                                  ["train", "--out", "run", "--export-to", ""]])
 def test_an_empty_path_is_refused_not_read_as_the_default_or_the_current_directory(capsys, argv):
     with pytest.raises(SystemExit) as exited:
         main(argv)

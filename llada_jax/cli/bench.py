@@ -17,7 +17,7 @@ from eval.figure_file import check_png_target
 from eval.gsm8k import extract_answer, load_problems, prompt_text, same_number
 from eval.reference_bench import check_reference, run_reference
 from eval.task_eval import GEN_LENGTH
-from llada_jax.cli.flags import add_model_flags, batch_sizes_arg, model_dir
+from llada_jax.cli.flags import add_model_flags, batch_sizes_arg, model_dir, path_arg
 from llada_jax.cli.runner import add_runner_flags, generation_runner
 from llada_jax.system.errors import LladaError
 from llada_jax.training.tasks import exact_match, held_out
@@ -123,7 +123,7 @@ def add_bench(commands) -> None:
                     help="random weights at a compute-bound size (d_model 1024, 12 layers, vocab 32768), "
                          "64-token prompts, 128-token answers in blocks of 32, 128 steps")
     be.add_argument("--policy", action="append", help="POLICY or POLICY@THRESHOLD; repeat (default: a standard set)")
-    be.add_argument("--data", default=None, help="GSM8K JSONL instead of the held-out tasks")
+    be.add_argument("--data", default=None, type=path_arg, help="GSM8K JSONL instead of the held-out tasks")
     be.add_argument("--limit", type=int, default=None, help="prompts (per family for the tasks)")
     be.add_argument("--steps", type=int, default=None, help="denoising steps per answer (default 32)")
     be.add_argument("--gen-length", type=int, default=None, help="answer length (default 32)")
@@ -134,12 +134,13 @@ def add_bench(commands) -> None:
                     help="decode loop per setting; both: a host-loop and a compiled-loop row for each")
     be.add_argument("--batch-sizes", type=batch_sizes_arg, default=(1,), metavar="N,N,...",
                     help="prompts per generate call; a row per size with answers/s and its gain over 1 (x/b1)")
-    be.add_argument("--reference", default=None, metavar="DIR",
+    be.add_argument("--reference", default=None, type=path_arg, metavar="DIR",
                     help="a checkout of Fast-dLLM: its PyTorch decoders (vanilla, prefix-cache, dual-cache) timed on "
                          "the same prompts and weights in the same run (columns ref(s), x/ref, same)")
     be.add_argument("--reference-python", default=sys.executable, metavar="PYTHON",
                     help="interpreter with torch and transformers for --reference (default: this one)")
-    be.add_argument("--plot", default=None, help="PNG to write: latency vs accuracy (never over a file of yours)")
+    be.add_argument("--plot", default=None, type=path_arg,
+                    help="PNG to write: latency vs accuracy (never over a file of yours)")
     be.add_argument("--force", action="store_true", help="replace an earlier `llada bench` PNG at --plot")
     be.add_argument("--json", action="store_true")
     be.set_defaults(run=cmd_bench)

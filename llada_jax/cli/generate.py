@@ -172,7 +172,8 @@ def add_generate(commands) -> None:
     add_runner_flags(gen)
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.add_argument("--no-visual", action="store_true", help="no live canvas even on a terminal")
-    gen.add_argument("--prompt-file", default=None, help="one prompt per line; an answer per line on stdout")
+    gen.add_argument("--prompt-file", default=None, type=path_arg,
+                     help="one prompt per line; an answer per line on stdout")
     gen.add_argument("--ids", action="store_true", help="--prompt-file lines are comma-separated token ids")
     gen.add_argument("--batch-size", type=int, default=8, help="--prompt-file prompts generated together")
     add_decoding_flags(gen)
