@@ -57,11 +57,13 @@ CONVERT = ["convert", "--model", "{model}", "--out"]
     ("unrelated", "not an output of this command"),
     ("parent", "contains this command's input"),
     ("input", "is this command's input"),
+    ("inside", "is inside this command's input"),
 ])
 def test_directory_writers_refuse_what_is_not_theirs(capsys, tmp_path, model_in_folder, command, target, expected):
     folder = model_in_folder.parent
     unrelated = user_dir(tmp_path / "unrelated")
-    out = {"unrelated": unrelated, "parent": folder, "input": model_in_folder}[target]
+    out = {"unrelated": unrelated, "parent": folder, "input": model_in_folder,
+           "inside": model_in_folder / "bundle"}[target]
     before = snapshot(tmp_path)
     refused(capsys, [a.replace("{model}", str(model_in_folder)) for a in command] + [str(out)], expected)
     assert snapshot(tmp_path) == before
@@ -176,7 +178,8 @@ def test_training_export_refuses_what_is_not_its_own(capsys, tmp_path):
     unrelated = user_dir(tmp_path / "unrelated")
     before = snapshot(tmp_path)
     for out, expected in [(unrelated, "not an output of this command"), (run_dir, "is this command's input"),
-                          (run_dir.parent, "contains this command's input")]:
+                          (run_dir.parent, "contains this command's input"),
+                          (run_dir / "checkpoints" / "5", "is inside this command's input")]:
         refused(capsys, ["train", "--out", str(run_dir), "--export-to", str(out)], expected)
         assert snapshot(tmp_path) == before
     exported = tmp_path / "exported"

@@ -63,9 +63,10 @@ def check_output_dir(out_dir: Path, command: str, inputs=(), force: bool = False
     target = out_dir.resolve()
     for source in inputs:
         source = Path(source).resolve()
-        if target == source or target in source.parents:
-            raise LladaError(f"{out_dir} {'is' if target == source else 'contains'} this command's input {source}; "
-                             "choose an output directory of its own")
+        if target == source or target in source.parents or source in target.parents:
+            relation = "is" if target == source else "contains" if target in source.parents else "is inside"
+            raise LladaError(f"{out_dir} {relation} this command's input {source}; choose an output directory of "
+                             "its own, outside it")
     if not out_dir.exists() and not out_dir.is_symlink():
         return False
     if out_dir.is_symlink() or not out_dir.is_dir():
