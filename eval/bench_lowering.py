@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from llada_jax.model.config import LLaDAConfig
 from llada_jax.model.params import init_params
 from llada_jax.model.readout import ReadoutSpec, TokenBiases
 from llada_jax.system.atomic import write_once
-from llada_jax.system.locations import default_model_dir
+from llada_jax.system.locations import default_model_dir, user_cache_dir
 from llada_jax.training.tasks import held_out
 from llada_jax.weights.checkpoint import save_hf
 from lowering.bundle_cache import cached_bundle
@@ -98,7 +97,7 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    cache = Path(tempfile.gettempdir()) / "llada-bench"
+    cache = user_cache_dir("bench-models")
     model_dir = bench_model_dir(cache) if args.bench_size else Path(args.model or default_model_dir())
     model = llada_jax.load(model_dir)
     bundle_dir = cached_bundle(model_dir, "host", max_len=args.slots, window=32)

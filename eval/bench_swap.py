@@ -22,7 +22,6 @@ import resource
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from llada_jax.model.params import hf_shapes, init_params
 from llada_jax.model.shapes import bucket
 from llada_jax.staging.swap import kv_bytes
 from llada_jax.system.errors import LladaError
+from llada_jax.system.locations import user_cache_dir
 from llada_jax.weights.checkpoint import save_hf
 from lowering.bundle_cache import cached_bundle
 
@@ -46,7 +46,7 @@ GEN_LENGTH = 32
 
 
 def model_dir() -> Path:
-    out = Path(tempfile.gettempdir()) / "llada-bench" / "swap-d1024-l16"
+    out = user_cache_dir("bench-models") / "swap-d1024-l16"
     if not (out / "config.json").is_file():
         save_hf(init_params(SWAP_CONFIG, seed=0), SWAP_CONFIG, out)
     return out

@@ -6,8 +6,6 @@ import argparse
 import functools
 import json
 import sys
-import tempfile
-from pathlib import Path
 
 import numpy as np
 
@@ -20,6 +18,7 @@ from eval.task_eval import GEN_LENGTH
 from llada_jax.cli.flags import add_model_flags, batch_sizes_arg, model_dir, path_arg
 from llada_jax.cli.runner import add_runner_flags, generation_runner
 from llada_jax.system.errors import LladaError
+from llada_jax.system.locations import user_cache_dir
 from llada_jax.training.tasks import exact_match, held_out
 from policies.compiled_loop import loop_covers
 from policies.registry import DecoderSetting, make_policy
@@ -54,7 +53,7 @@ def resolve_workload(args) -> None:
         elif getattr(args, name) <= 0:
             raise LladaError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.bench_size:
-        args.model = str(bench_model_dir(Path(tempfile.gettempdir()) / "llada-bench", ENGINE_CONFIG))
+        args.model = str(bench_model_dir(user_cache_dir("bench-models"), ENGINE_CONFIG))
 
 
 def check_reference_flags(args, settings: list[DecoderSetting]) -> None:
@@ -121,7 +120,8 @@ def add_bench(commands) -> None:
     add_runner_flags(be)
     be.add_argument("--bench-size", action="store_true",
                     help="random weights at a compute-bound size (d_model 1024, 12 layers, vocab 32768), "
-                         "64-token prompts, 128-token answers in blocks of 32, 128 steps")
+                         "64-token prompts, 128-token answers in blocks of 32, 128 steps (the checkpoint is written "
+                         "once, into ~/.cache/llada-jax/bench-models)")
     be.add_argument("--policy", action="append", help="POLICY or POLICY@THRESHOLD; repeat (default: a standard set)")
     be.add_argument("--data", default=None, type=path_arg, help="GSM8K JSONL instead of the held-out tasks")
     be.add_argument("--limit", type=int, default=None, help="prompts (per family for the tasks)")
