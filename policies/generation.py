@@ -93,6 +93,11 @@ class Prepared:
     block_length: int | None = None  # block diffusion's blocks
 
     @property
+    def window_widths(self) -> tuple[int, ...]:
+        """The window steps' widths its decoder is known to take (those of its compiled loop's spec)."""
+        return self.loop_spec.window_widths() if isinstance(self.loop_spec, LoopSpec) else ()
+
+    @property
     def rows_per_prompt(self) -> int:
         """Canvas rows of one prompt: 2 under CFG (conditional, unconditional)."""
         return 2 if self.cfg_scale > 0.0 else 1

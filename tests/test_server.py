@@ -50,7 +50,13 @@ def serving(model, max_batch: int = 4, max_queue: int = 8, make_backend=None, ap
     """The app on uvicorn in a thread; yields (base URL, engine)."""
     served = Served(NAME, model.config, model.tokenizer, defaults)
     engine = Engine(make_backend or functools.partial(select_backend, model), 256, max_batch, max_queue)
-    app = create_app(served, engine, api_key)
+    with running(create_app(served, engine, api_key)) as url:
+        yield url, engine
+
+
+@contextlib.contextmanager
+def running(app):
+    """`app` on uvicorn in a thread; yields its base URL."""
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -59,7 +65,7 @@ def serving(model, max_batch: int = 4, max_queue: int = 8, make_backend=None, ap
         time.sleep(0.01)
     port = server.servers[0].sockets[0].getsockname()[1]
     try:
-        yield f"http://127.0.0.1:{port}/v1", engine
+        yield f"http://127.0.0.1:{port}/v1"
     finally:
         server.should_exit = True
         thread.join()

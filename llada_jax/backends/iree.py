@@ -125,15 +125,28 @@ def load_bundle(path, expected_target: str | None = None) -> Bundle:
     return Bundle(bundle_dir, manifest, config)
 
 
+def check_readout(readout_spec: ReadoutSpec, cfg_scale: float) -> None:
+    """A bundle's steps end in the argmax: a decoder reading anything else is refused."""
+    if readout_spec != ReadoutSpec(kind="argmax") or cfg_scale != 0.0:
+        raise LladaError("IREE bundles read out the argmax only: use temperature 0, cfg-scale 0 and "
+                         "low_confidence remasking without top-k / top-p (Dream checkpoints: --top-k 0)")
+
+
+def window_refusal(bundle: Bundle, width: int, slots: int) -> LladaError:
+    """The error for a decoder needing window steps of `width` positions that `bundle` was not compiled with."""
+    widths = sorted({step["width"] for step in bundle.manifest["steps"] if step["kind"] == "window"})
+    return LladaError(f"the decoder needs a window of {width} positions on a canvas of {slots}, and this bundle's "
+                      f"windows are {widths or 'none'} wide: compile it with --window {width} or more, or run a "
+                      "decoder with narrower windows (a smaller --block-length, no lookahead)")
+
+
 class IreeBackend(Backend):
     """`policies.backend.Backend` over a bundle's compiled steps. `side`: where revision's side path
     runs (the caller may offer XLA on the host; this module never imports JAX)."""
 
     def __init__(self, bundle: Bundle, session: Session, readout_spec: ReadoutSpec, biases: TokenBiases,
                  cfg_scale: float = 0.0, side: Callable[["IreeBackend"], SideBackend | None] | None = None):
-        if readout_spec != ReadoutSpec(kind="argmax") or cfg_scale != 0.0:
-            raise LladaError("IREE bundles read out the argmax only: use temperature 0, cfg-scale 0 and "
-                             "low_confidence remasking without top-k / top-p (Dream checkpoints: --top-k 0)")
+        check_readout(readout_spec, cfg_scale)
         self.bundle, self.session, self.config = bundle, session, bundle.config
         self.readout_spec, self.biases, self._side = readout_spec, biases, side
         # Uploaded once per generation; every step passes the same device buffers.
@@ -156,10 +169,7 @@ class IreeBackend(Backend):
         batch, width = window_ids.shape
         name = StepSpec("window", batch, state.slots, width).name
         if name not in self.bundle.steps:
-            widths = sorted({step["width"] for step in self.bundle.manifest["steps"] if step["kind"] == "window"})
-            raise LladaError(f"the decoder needs a window of {width} positions on a canvas of {state.slots}, and this "
-                             f"bundle's windows are {widths or 'none'} wide: compile it with --window {width} or more, "
-                             "or run a decoder with narrower windows (a smaller --block-length, no lookahead)")
+            raise window_refusal(self.bundle, width, state.slots)
         out = self._call(name, state.keys, state.values,
                          kv_state.visible_bias(state, visible), np.asarray(window_ids, np.int32),
                          np.asarray(window_pos, np.int32), np.asarray(window_valid, np.int32))

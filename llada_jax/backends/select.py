@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from llada_jax.backends.iree import Bundle, IreeBackend, Session, load_bundle
+from llada_jax.backends.iree import Bundle, IreeBackend, Session, check_readout, load_bundle, window_refusal
 from llada_jax.staging.swap import StagingStats, kv_bytes, ring_buffers
 from llada_jax.system.errors import LladaError
 from policies.backend import Backend, BackendRequest, SideBackend
@@ -50,11 +50,28 @@ def select_backend(source, request: BackendRequest) -> Backend:
     return _xla_backend(source, request)
 
 
-def _iree_backend(opened: OpenBundle, request: BackendRequest) -> Backend:
+def check_request(source, request: BackendRequest, window_widths: tuple[int, ...] = ()) -> None:
+    """Refuse, before a generation is queued, what the backend of `source` would refuse once it runs: a bundle
+    reads out the argmax only, holds one block length's steps and the window widths it was compiled with
+    (`window_widths`: those the decoder is known to need). A loaded model runs any request."""
+    if not isinstance(source, OpenBundle):
+        return
+    _check_block_length(source, request)
+    check_readout(request.readout_spec, request.cfg_scale)
+    compiled = {step["width"] for step in source.bundle.manifest["steps"] if step["kind"] == "window"}
+    for width in sorted(set(window_widths) - compiled)[-1:]:
+        raise window_refusal(source.bundle, width, request.slots)
+
+
+def _check_block_length(opened: OpenBundle, request: BackendRequest) -> None:
     compiled = opened.bundle.manifest.get("block_length")
     if compiled is not None and request.block_length not in (None, compiled):
         raise LladaError(f"this bundle holds the block steps of --block-length {compiled}, not "
                          f"{request.block_length} (llada compile --block-length {request.block_length})")
+
+
+def _iree_backend(opened: OpenBundle, request: BackendRequest) -> Backend:
+    _check_block_length(opened, request)
     return IreeBackend(opened.bundle, opened.session, request.readout_spec, request.biases, request.cfg_scale,
                        _host_side_path(opened))
 

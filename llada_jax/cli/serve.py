@@ -8,7 +8,7 @@ import os
 import socket
 import sys
 
-from llada_jax.backends.select import OpenBundle, select_backend
+from llada_jax.backends.select import OpenBundle, check_request, select_backend
 from llada_jax.cli.flags import add_decoding_flags, add_model_flags, decoding_kwargs, model_dir, path_arg
 from llada_jax.cli.runner import add_runner_flags, opened_source
 from llada_jax.model.shapes import bucket
@@ -56,7 +56,8 @@ def served_model(args) -> tuple[Served, Engine]:
         tokenizer, limit, name = source.tokenizer, None, str(model_dir(args))
     if tokenizer is None:
         raise LladaError(f"{name} has no tokenizer.json: the server needs one to read prompts and write answers")
-    served = Served(args.served_model_name or _short_name(name), source.config, tokenizer, defaults, limit)
+    served = Served(args.served_model_name or _short_name(name), source.config, tokenizer, defaults, limit,
+                    functools.partial(check_request, source))
     engine = Engine(functools.partial(select_backend, source), bucket(served.context), args.max_batch,
                     args.max_queue)
     return served, engine

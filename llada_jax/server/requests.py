@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import secrets
+from typing import Callable
 
 import numpy as np
 
@@ -16,6 +17,7 @@ from llada_jax.server.answer import SettledAnswer
 from llada_jax.server.protocol import ChatRequest, CompletionRequest, GenerationFields
 from llada_jax.system.errors import LladaError
 from llada_jax.weights.tokenizer import Tokenizer
+from policies.backend import BackendRequest
 from policies.generation import Prepared, check_token_ids, prepare_generation
 from policies.options import GenerationOptions
 from policies.registry import DecoderSetting
@@ -74,6 +76,7 @@ class Served:
     tokenizer: Tokenizer
     defaults: Defaults
     limit: int | None = None    # a bundle's longest canvas, when lower than the model's own
+    check: Callable[[BackendRequest, tuple[int, ...]], None] | None = None  # what its backend refuses (a bundle)
 
     @property
     def context(self) -> int:
@@ -187,6 +190,8 @@ def jobs_of(served: Served, request: CompletionRequest | ChatRequest, capacity: 
                     seed=seed + choice, logits_eos_inf=defaults.logits_eos_inf,
                     confidence_eos_eot_inf=defaults.confidence_eos_eot_inf, limit=served.limit,
                     **dict(defaults.block_options)))
+                if served.check is not None:
+                    served.check(prepared.backend_request(), prepared.window_widths)
             answer = SettledAnswer(served.tokenizer, served.config.mask_token_id, end_ids(served.config),
                                    tuple(request.stop or ()), prepared.revisable, asked)
             jobs.append(Job(len(jobs), prepared, answer, len(prompt)))
