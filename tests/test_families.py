@@ -111,6 +111,7 @@ BAD_FIELDS = [
     ("llada-moe", {"shared_expert_intermediate_size": 64}, "shared_expert_intermediate_size"),
     ("llada-moe", {"attention_bias": True}, "attention_bias"),
     ("llada-moe", {"num_experts_per_tok": 9}, "experts per token"),
+    ("llada-moe", {"num_experts": 0, "num_experts_per_tok": 0}, "num_experts=0: LLaDAMoEModelLM needs at least one"),
     ("llada-moe", {"eos_token_id": None}, "eos_token_id"),
     ("llada-moe", {"rope_theta": "fast"}, "rope_theta must be a finite number, got 'fast'"),
     ("dream", {"num_key_value_heads": [4]}, "num_key_value_heads must be an integer, got"),

@@ -412,3 +412,17 @@ def test_a_streamed_stage_reads_each_expert_kind_back_to_back(checkpoint):
                 (layer, places[piece.keys[0]][2], e) for e in range(CONFIG.n_experts)]
             starts = [offset for _, _, offset, _ in piece.reads()]
             assert starts == [piece.offset + e * piece.length // CONFIG.n_experts for e in range(CONFIG.n_experts)]
+
+
+def test_a_dense_layer_width_no_group_divides_still_loads(tmp_path):
+    """The memory check's 4-bit suggestion picks a group dividing every matrix's input width, the dense layers'
+    too; it refused this float checkpoint ("group size 32 does not divide a matrix's 48 input columns")."""
+    import dataclasses
+
+    from llada_jax.weights.quant_config import default_group_size
+
+    config = dataclasses.replace(CONFIG, mlp_hidden_size=32, shared_expert_size=32, dense_hidden_size=48)
+    assert default_group_size(config) is None
+    assert default_group_size(dataclasses.replace(config, dense_hidden_size=64)) == 32
+    model = llada_jax.load(write_checkpoint(tmp_path / "dense48", config))
+    assert len(llada_jax.generate(model, [1, 2, 3], gen_length=8, block_length=8, steps=8).output_ids) == 8

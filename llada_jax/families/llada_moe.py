@@ -23,6 +23,8 @@ EXPERT_MATRICES = {"experts_gate": "gate_proj", "experts_up": "up_proj", "expert
 
 def config_fields(raw: dict) -> dict:
     experts, per_token, hidden = integers(raw, "num_experts", "num_experts_per_tok", "expert_intermediate_size")
+    if experts < 1:  # 0 would read as a dense model, whose names the checkpoint does not have
+        raise LladaError(f"config field num_experts={experts}: {ARCHITECTURE} needs at least one expert")
     for field, allowed in (("attention_bias", (False,)), ("clip_qkv", (None,)), ("partial_rotary_factor", (1, 1.0)),
                            ("moe_router_enable_expert_bias", (False, None)),
                            ("shared_expert_intermediate_size", (None,)), ("qk_layernorm", (True, False))):

@@ -134,5 +134,5 @@ def _matrices(config: LLaDAConfig) -> list[str]:
 
 def default_group_size(config: LLaDAConfig) -> int | None:
     """The largest of GROUP_SIZES dividing every matrix's input width (None if none does)."""
-    widths = (config.d_model, config.mlp_hidden_size)
+    widths = {shape[-1] for shape in hf_shapes(config).values() if len(shape) == 2}
     return next((g for g in sorted(GROUP_SIZES, reverse=True) if all(w % g == 0 for w in widths)), None)
