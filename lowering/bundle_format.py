@@ -66,6 +66,41 @@ def manifest_digest(manifest: dict) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
 
+# The fields the runtime reads, and their JSON types (bool is not an int here).
+FIELDS = {"target": str, "driver": str, "max_len": int, "compute_dtype": str, "activations": str,
+          "model_config": dict, "steps": list, "files": dict, "weights": dict}
+STEP_FIELDS = {"name": str, "kind": str, "batch": int, "slots": int}
+KIND_NAMES = {str: "text", int: "an integer", dict: "an object", list: "a list"}
+
+
+def _typed(value, kind: type) -> bool:
+    return isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+
+
+def check_fields(bundle_dir: Path, manifest: dict) -> None:
+    """Every field the runtime reads is there with its type: a manifest edited with its checksum recomputed is
+    refused in one line, not read halfway."""
+    def refuse(what: str):
+        raise LladaError(f"{bundle_dir}: {MANIFEST} is not a bundle manifest ({what}); recompile it")
+
+    for field, kind in FIELDS.items():
+        if not _typed(manifest.get(field), kind):
+            refuse(f"{field} is missing or not {KIND_NAMES[kind]}")
+    for step in manifest["steps"]:
+        if not isinstance(step, dict) or not all(_typed(step.get(f), k) for f, k in STEP_FIELDS.items()):
+            refuse(f"a step is not an object with {', '.join(STEP_FIELDS)}")
+        if step["kind"] == "window" and not _typed(step.get("width"), int):
+            refuse("a window step has no integer width")
+    if not all(isinstance(name, str) and isinstance(digest, str) for name, digest in manifest["files"].items()):
+        refuse("files is not a map of names to checksums")
+    weights = manifest["weights"]
+    if not (isinstance(weights.get("files"), list) and all(isinstance(path, str) for path in weights["files"])
+            and isinstance(weights.get("stamps", []), list)
+            and all(isinstance(stamp, list) and len(stamp) == 2 and all(_typed(n, int) for n in stamp)
+                    for stamp in weights.get("stamps", []))):
+        refuse("weights has no list of files, or stamps that are not [size, time] pairs")
+
+
 def check_files(bundle_dir: Path, manifest: dict) -> None:
     """The manifest is as written (its own checksum) and every file it lists exists with its recorded sha256: an
     edited manifest (a field removed, a config changed) would otherwise skip checks or run another model."""
@@ -73,6 +108,7 @@ def check_files(bundle_dir: Path, manifest: dict) -> None:
         raise LladaError(f"{bundle_dir}: bundle format {manifest.get('format')} is not {FORMAT_VERSION}; recompile it")
     if manifest.get(MANIFEST_DIGEST) != manifest_digest(manifest):
         raise LladaError(f"{bundle_dir}: {MANIFEST} does not match its checksum (corrupt or edited); recompile it")
+    check_fields(bundle_dir, manifest)
     weights = manifest["weights"]
     for path, stamp in zip(weights["files"], weights.get("stamps", [])):  # a linked model's files, as compiled
         if not Path(path).is_file():
