@@ -307,3 +307,19 @@ def test_a_bad_byte_count_is_a_usage_error(capsys, command, text):
     with pytest.raises(SystemExit) as exit_:
         main([command, "--device-memory-budget", text])
     assert exit_.value.code == 2 and "expected a number of bytes" in capsys.readouterr().err.splitlines()[-1]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["generate", "--prompt-ids", "1,2", "--chat"], "--chat wraps prompt text in the chat template"),
+    (["generate", "--prompt-ids", "1,2", "--ids"], "--ids reads --prompt-file's lines as token ids"),
+    (["trace", "--prompt-ids", "1,2", "--chat", "--out", "never.png"], "--chat wraps prompt text"),
+    (["trace", "--out", "never.png"], "give exactly one of a prompt text"),
+])
+def test_prompt_flags_that_would_be_ignored_are_refused_before_the_model_loads(capsys, monkeypatch, tmp_path, argv,
+                                                                              words):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("llada_jax.cli.generate.generation_runner", lambda *a, **k: pytest.fail("loaded a model"))
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("llada: error: ") and words in err and err.count("\n") == 1
+    assert not (tmp_path / "never.png").exists()

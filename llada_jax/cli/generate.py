@@ -34,10 +34,21 @@ def add_prompt_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
 
 
-def prompt_ids(args, tokenizer, limit: int) -> np.ndarray:
-    """The prompt's ids; text far too long for a context of `limit` tokens is refused before tokenizing."""
-    if (args.prompt is None) == (args.prompt_ids is None):
+def check_prompt_flags(args) -> None:
+    """The prompt flags' own errors, before any model loads: one prompt, and no flag that would be ignored."""
+    if getattr(args, "prompt_file", None) is not None:
+        check_prompt_file_flags(args)
+    elif (args.prompt is None) == (args.prompt_ids is None):
         raise LladaError("give exactly one of a prompt text (positional or --prompt) and --prompt-ids")
+    if getattr(args, "ids", False) and args.prompt_file is None:
+        raise LladaError("--ids reads --prompt-file's lines as token ids: give --prompt-file (or use --prompt-ids)")
+    if args.chat and (args.prompt_ids is not None or getattr(args, "ids", False)):
+        raise LladaError("--chat wraps prompt text in the chat template; token ids are used as given (drop --chat)")
+
+
+def prompt_ids(args, tokenizer, limit: int) -> np.ndarray:
+    """The prompt's ids (see `check_prompt_flags`); text far too long for a context of `limit` tokens is refused
+    before tokenizing."""
     if args.prompt_ids is not None:
         return ids_from_text(args.prompt_ids, "--prompt-ids")
     return encoded(args.prompt, args.chat, tokenizer, limit)
@@ -123,8 +134,7 @@ def check_prompt_file_flags(args) -> None:
 
 
 def cmd_generate(args) -> None:
-    if args.prompt_file is not None:
-        check_prompt_file_flags(args)
+    check_prompt_flags(args)
     batch_sizes = (1, args.batch_size) if args.prompt_file is not None else (1,)  # a bundle's compiled sizes
     config, tokenizer, run = generation_runner(args, loop_settings(args), batch_sizes=batch_sizes)
     if args.prompt_file is not None:
@@ -153,7 +163,8 @@ def cmd_generate(args) -> None:
 
 
 def cmd_trace(args) -> None:
-    check_png_target(args.out, "llada trace", args.force)  # before the model loads
+    check_prompt_flags(args)  # before the model loads
+    check_png_target(args.out, "llada trace", args.force)
     config, tokenizer, run = generation_runner(args)
     ids = prompt_ids(args, tokenizer, config.max_sequence_length)
     result = run(ids, **decoding_kwargs(args, config))
