@@ -115,6 +115,7 @@ BAD_FIELDS = [
     ("llada-moe", {"eos_token_id": None}, "eos_token_id"),
     ("llada-moe", {"rope_theta": "fast"}, "rope_theta must be a finite number, got 'fast'"),
     ("dream", {"num_key_value_heads": [4]}, "num_key_value_heads must be an integer, got"),
+    ("dream", {"mask_token_id": 251}, "mask_token_id=251 is also the end-of-text id"),
 ]
 
 

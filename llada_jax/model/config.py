@@ -69,6 +69,9 @@ class LLaDAConfig:
         if not 0 <= self.mask_token_id < self.embedding_size:
             raise LladaError(f"config mask_token_id={self.mask_token_id} is outside the embedding "
                              f"(size {self.embedding_size})")
+        if self.mask_token_id in (self.eos_token_id, self.eot_token_id):  # every answer would end at once
+            raise LladaError(f"config mask_token_id={self.mask_token_id} is also the end-of-text id (eos "
+                             f"{self.eos_token_id}, eot {self.eot_token_id})")
         if not (0 < self.rope_theta < math.inf and 0 < self.rms_norm_eps < math.inf):
             raise LladaError(f"config rope_theta and rms_norm_eps must be finite and positive, got {self.rope_theta} "
                              f"and {self.rms_norm_eps}")
