@@ -37,6 +37,9 @@ here=$(CDPATH= cd -- "$(dirname -- "$script")" && pwd)
 case $1 in
   '' | *[!0-9,]* | ,* | *, | *,,*) fail "prompt ids must be comma-separated non-negative integers, got '$1'" ;;
 esac
+given=$(($(printf '%s' "$1" | tr -cd , | wc -c) + 1))  # counted before any per-id work
+[ "$given" -le {largest} ] || fail "prompt ($given) + gen_length ({gen_length}) = $((given + {gen_length})) exceeds \
+the bundle's longest canvas ({largest})"
 count=0
 padded=""
 for id in $(echo "$1" | tr ',' ' '); do

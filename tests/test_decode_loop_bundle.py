@@ -86,6 +86,7 @@ def test_run_script_prints_the_ids_the_host_generates(loop_bundle, tiny_dir, cap
     ("-1", "comma-separated"), (f"1,{TINY.embedding_size}", "outside the vocabulary"),
     (f"{TINY.mask_token_id}", "mask token id"), (",".join(["3"] * (MAX_LEN - GEN + 1)), "longest canvas (32)"),
     ("99999999999999999999", "outside the vocabulary"),
+    (",".join(["3"] * 20000), "prompt (20000) + gen_length (16) = 20016 exceeds the bundle's longest canvas (32)"),
 ])
 def test_run_script_refuses_bad_ids_in_one_line(loop_bundle, ids, message):
     proc = run_script(loop_bundle[0], ids, str(host_iree_run_module()))
