@@ -163,8 +163,8 @@ def cmd_generate(args) -> None:
 
 
 def cmd_trace(args) -> None:
-    check_prompt_flags(args)  # before the model loads
-    check_png_target(args.out, "llada trace", args.force)
+    check_png_target(args.out, "llada trace", args.force)  # before the model loads
+    check_prompt_flags(args)
     config, tokenizer, run = generation_runner(args)
     ids = prompt_ids(args, tokenizer, config.max_sequence_length)
     result = run(ids, **decoding_kwargs(args, config))
