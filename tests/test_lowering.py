@@ -332,7 +332,7 @@ def test_data_tiling_is_refused_where_it_cannot_help(tiny_dir, tmp_path, capsys)
             compile_bundle(tiny_dir, target, tmp_path / "b", max_len=8, window=8, device_memory_budget=budget,
                            data_tiling=True)
     assert not (tmp_path / "b").exists()
-    assert main(["generate", "--model", str(tiny_dir), "--data-tiling", "--gen-length", "8"]) == 1
+    assert main(["generate", "--model", str(tiny_dir), "--data-tiling", "--gen-length", "8", "--prompt-ids", "1"]) == 1
     assert "use it with --backend iree-host" in capsys.readouterr().err
 
 
