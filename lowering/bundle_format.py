@@ -93,12 +93,12 @@ def check_fields(bundle_dir: Path, manifest: dict) -> None:
             refuse("a window step has no integer width")
     if not all(isinstance(name, str) and isinstance(digest, str) for name, digest in manifest["files"].items()):
         refuse("files is not a map of names to checksums")
-    weights = manifest["weights"]
-    if not (isinstance(weights.get("files"), list) and all(isinstance(path, str) for path in weights["files"])
-            and isinstance(weights.get("stamps", []), list)
-            and all(isinstance(stamp, list) and len(stamp) == 2 and all(_typed(n, int) for n in stamp)
-                    for stamp in weights.get("stamps", []))):
-        refuse("weights has no list of files, or stamps that are not [size, time] pairs")
+    files, stamps = manifest["weights"].get("files"), manifest["weights"].get("stamps", [])
+    if not isinstance(files, list) or not all(isinstance(path, str) for path in files):
+        refuse("weights has no list of files")
+    if not isinstance(stamps, list) or not all(isinstance(stamp, list) and len(stamp) == 2
+                                               and all(_typed(n, int) for n in stamp) for stamp in stamps):
+        refuse("weights' stamps are not [size, time] pairs")
 
 
 def check_files(bundle_dir: Path, manifest: dict) -> None:

@@ -99,6 +99,11 @@ class Bundle:
     def steps(self) -> set[str]:
         return {step["name"] for step in self.manifest["steps"]}
 
+    @property
+    def window_widths(self) -> list[int]:
+        """The widths of its window steps, narrowest first."""
+        return sorted({step["width"] for step in self.manifest["steps"] if step["kind"] == "window"})
+
 
 def load_bundle(path, expected_target: str | None = None) -> Bundle:
     """Read and check a bundle: format, IREE runtime version, target, file checksums."""
@@ -134,10 +139,9 @@ def check_readout(readout_spec: ReadoutSpec, cfg_scale: float) -> None:
 
 def window_refusal(bundle: Bundle, width: int, slots: int) -> LladaError:
     """The error for a decoder needing window steps of `width` positions that `bundle` was not compiled with."""
-    widths = sorted({step["width"] for step in bundle.manifest["steps"] if step["kind"] == "window"})
     return LladaError(f"the decoder needs a window of {width} positions on a canvas of {slots}, and this bundle's "
-                      f"windows are {widths or 'none'} wide: compile it with --window {width} or more, or run a "
-                      "decoder with narrower windows (a smaller --block-length, no lookahead)")
+                      f"windows are {bundle.window_widths or 'none'} wide: compile it with --window {width} or more, "
+                      "or run a decoder with narrower windows (a smaller --block-length, no lookahead)")
 
 
 class IreeBackend(Backend):

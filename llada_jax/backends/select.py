@@ -58,9 +58,9 @@ def check_request(source, request: BackendRequest, window_widths: tuple[int, ...
         return
     _check_block_length(source, request)
     check_readout(request.readout_spec, request.cfg_scale)
-    compiled = {step["width"] for step in source.bundle.manifest["steps"] if step["kind"] == "window"}
-    for width in sorted(set(window_widths) - compiled)[-1:]:
-        raise window_refusal(source.bundle, width, request.slots)
+    missing = sorted(set(window_widths) - set(source.bundle.window_widths))
+    if missing:
+        raise window_refusal(source.bundle, missing[-1], request.slots)
 
 
 def _check_block_length(opened: OpenBundle, request: BackendRequest) -> None:
