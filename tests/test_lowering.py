@@ -375,6 +375,20 @@ def test_model_flags_a_bundle_cannot_follow_are_refused_not_ignored(host_bundle,
     assert words in err and err.count("\n") == 1
 
 
+def test_a_prompt_file_line_too_long_for_the_bundle_is_named_before_any_answer(host_bundle, tmp_path, capsys):
+    """The bundle's --max-len, not the model's context, bounds each line: line 3 fits the model but not the
+    bundle, and is refused before the first batch prints."""
+    from llada_jax.cli import main
+
+    (tmp_path / "prompts.txt").write_text("3,4\n\n" + "5," * 29 + "5\n")
+    assert main(["generate", "--bundle", str(host_bundle), "--prompt-file", str(tmp_path / "prompts.txt"), "--ids",
+                 "--batch-size", "1", "--gen-length", "8", "--block-length", "8", "--steps", "8"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert err.startswith(f"llada: error: line 3 of {tmp_path / 'prompts.txt'}: prompt (30) + gen_length (8) = 38")
+    assert "--max-len 32" in err
+
+
 def test_an_explicit_default_dtype_is_refused_on_a_bundle_compiled_otherwise(tiny_dir, tmp_path, capsys):
     from llada_jax.cli import main
 

@@ -84,7 +84,7 @@ def cmd_bench(args) -> None:
     loops = ("host", "compiled") if args.loop == "both" else (args.loop,)
     baked = [(s.policy, s.threshold, args.gen_length, args.block_length, args.steps) for s in settings
              if loops != ("host",) and loop_covers(make_policy(s.policy))]
-    config, tokenizer, run = generation_runner(args, baked, args.batch_sizes)
+    config, tokenizer, run, _ = generation_runner(args, baked, args.batch_sizes)
     prompts = bench_prompts(args, tokenizer, config)
     progress = lambda message: print(message, file=sys.stderr)  # noqa: E731
     reference = reference_runner(args, config, prompts, settings, progress)
@@ -96,8 +96,8 @@ def cmd_bench(args) -> None:
 
     report = measure(run, reference)
     if args.mesh:  # the same rows on one device, measured in the same run
-        _, _, alone = generation_runner(argparse.Namespace(**{**vars(args), "mesh": None}), baked, args.batch_sizes)
-        report = mesh_report(report, measure(alone), args.mesh)
+        alone = generation_runner(argparse.Namespace(**{**vars(args), "mesh": None}), baked, args.batch_sizes)
+        report = mesh_report(report, measure(alone.run), args.mesh)
     if args.plot:
         plot(report, args.plot, force=args.force)
     print(json.dumps(report["rows"]) if args.json else format_table(report))

@@ -20,7 +20,7 @@ from llada_jax.cli.flags import (
     path_arg,
     policy_arg,
 )
-from llada_jax.cli.runner import add_runner_flags, generation_runner
+from llada_jax.cli.runner import Runner, add_runner_flags, generation_runner
 from llada_jax.system.compilation import compile_clock
 from llada_jax.system.errors import LladaError
 from policies.generation import check_token_ids, prepare_generation
@@ -83,16 +83,17 @@ def file_lines(path: str) -> list[tuple[str, str]]:
     return lines
 
 
-def file_prompts(args, tokenizer, config) -> list[np.ndarray]:
+def file_prompts(args, tokenizer, config, limit: int | None) -> list[np.ndarray]:
     """--prompt-file: one prompt per non-empty line, text (or comma-separated ids with --ids), every one
-    checked before any runs: the decoding options first, then each line, named by its line number."""
+    checked before any runs (against a bundle's --max-len `limit` too): the decoding options first, then each
+    line, named by its line number."""
     lines = file_lines(args.prompt_file)
-    limit = config.max_sequence_length
-    prompts = [check_token_ids(ids_from_text(text, where) if args.ids else encoded(text, args.chat, tokenizer, limit),
+    context = config.max_sequence_length
+    prompts = [check_token_ids(ids_from_text(text, where) if args.ids else encoded(text, args.chat, tokenizer, context),
                                config, where, allow_mask=False) for where, text in lines]
     decoding = decoding_kwargs(args, config)
     decoding.pop("loop")  # how to run, not what
-    options = GenerationOptions.of(decoding)
+    options = GenerationOptions.of({**decoding, "limit": limit})
     prepare_generation(config, min(prompts, key=len), options)
     for (where, _), prompt in zip(lines, prompts):
         try:
@@ -109,9 +110,10 @@ def compile_timing(args):
     return compile_clock()
 
 
-def cmd_generate_file(args, config, tokenizer, run) -> None:
+def cmd_generate_file(args, runner: Runner) -> None:
     """Every prompt of --prompt-file, --batch-size at a time: one line (text, or JSON with --json) each."""
-    prompts = file_prompts(args, tokenizer, config)
+    config, tokenizer, run, limit = runner
+    prompts = file_prompts(args, tokenizer, config, limit)
     for start in range(0, len(prompts), args.batch_size):
         batch = prompts[start: start + args.batch_size]
         for result in run(batch, **decoding_kwargs(args, config)):
@@ -136,9 +138,10 @@ def check_prompt_file_flags(args) -> None:
 def cmd_generate(args) -> None:
     check_prompt_flags(args)
     batch_sizes = (1, args.batch_size) if args.prompt_file is not None else (1,)  # a bundle's compiled sizes
-    config, tokenizer, run = generation_runner(args, loop_settings(args), batch_sizes=batch_sizes)
+    runner = generation_runner(args, loop_settings(args), batch_sizes=batch_sizes)
     if args.prompt_file is not None:
-        return cmd_generate_file(args, config, tokenizer, run)
+        return cmd_generate_file(args, runner)
+    config, tokenizer, run, _ = runner
     ids = prompt_ids(args, tokenizer, config.max_sequence_length)
     live = sys.stderr.isatty() and not args.json and not args.no_visual and args.loop != "compiled"
     canvas = LiveCanvas(tokenizer, config.special_ids_in_vocab(config.eos_token_id, config.eot_token_id))
@@ -165,7 +168,7 @@ def cmd_generate(args) -> None:
 def cmd_trace(args) -> None:
     check_png_target(args.out, "llada trace", args.force)  # before the model loads
     check_prompt_flags(args)
-    config, tokenizer, run = generation_runner(args)
+    config, tokenizer, run, _ = generation_runner(args)
     ids = prompt_ids(args, tokenizer, config.max_sequence_length)
     result = run(ids, **decoding_kwargs(args, config))
     assert not isinstance(result, list), "one prompt gives one result"

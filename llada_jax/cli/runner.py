@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
-from typing import Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from llada_jax.api import generate
 from llada_jax.backends.select import OpenBundle, open_bundle
@@ -19,9 +19,9 @@ from llada_jax.cli.flags import (
     model_dir,
     path_arg,
 )
-from llada_jax.model.config import read_config
+from llada_jax.model.config import LLaDAConfig, read_config
 from llada_jax.system.errors import LladaError
-from llada_jax.weights.tokenizer import load_tokenizer
+from llada_jax.weights.tokenizer import Tokenizer, load_tokenizer
 from lowering.bundle_cache import cached_bundle
 from lowering.export import canvas_sizes
 from policies.compiled_loop import baked_loops
@@ -39,14 +39,24 @@ def add_runner_flags(parser: argparse.ArgumentParser) -> None:
     add_data_tiling_flag(parser)
 
 
-def generation_runner(args, loops: Sequence[tuple] = (), batch_sizes: tuple[int, ...] = (1,)):
-    """(config, tokenizer, generate(ids, **options)) for the chosen model and backend (see `opened_source`).
-    A bundle runs through the bundle runner: IREE steps, no JAX in the generation (the CLI process itself has
-    JAX loaded)."""
+class Runner(NamedTuple):
+    """The chosen model's config and tokenizer, generate(ids, **options), and the longest canvas it runs: a
+    bundle's compiled --max-len, None for the model's own context."""
+
+    config: LLaDAConfig
+    tokenizer: Tokenizer | None
+    run: Callable
+    limit: int | None
+
+
+def generation_runner(args, loops: Sequence[tuple] = (), batch_sizes: tuple[int, ...] = (1,)) -> Runner:
+    """What generates for the chosen model and backend (see `opened_source`). A bundle runs through the bundle
+    runner: IREE steps, no JAX in the generation (the CLI process itself has JAX loaded)."""
     source = opened_source(args, loops, batch_sizes)
     if isinstance(source, OpenBundle):
-        return source.config, load_tokenizer(source.bundle.path), functools.partial(generate_with_bundle, source)
-    return source.config, source.tokenizer, lambda ids, **options: generate(source, ids, **options)
+        run = functools.partial(generate_with_bundle, source)
+        return Runner(source.config, load_tokenizer(source.bundle.path), run, source.bundle.manifest["max_len"])
+    return Runner(source.config, source.tokenizer, lambda ids, **options: generate(source, ids, **options), None)
 
 
 def _checked_against(opened: OpenBundle, args) -> OpenBundle:
