@@ -6,7 +6,8 @@ POSIX shell, no Python (a phone's `adb shell` has `sh`, `sed` and `tr`).
 checks the prompt ids (integers in the vocabulary, not the mask, room in the largest canvas), picks the
 smallest compiled canvas that holds prompt + gen_length (the size the host would pick), pads the prompt,
 runs the loop function, and prints the generated ids, comma-separated, on its last line (the number of
-forward passes goes to stderr). `<command>` may carry arguments, e.g. an emulator in front of the tool.
+forward passes goes to stderr). `<command>` is the tool's path (spaces and all) or a command with arguments, e.g.
+an emulator in front of the tool.
 """
 
 from __future__ import annotations
@@ -56,7 +57,11 @@ else
   fail "prompt ($count) + gen_length ({gen_length}) = $total exceeds the bundle's longest canvas ({largest})"
 fi
 while [ "$count" -lt "$slots" ]; do padded="$padded 0"; count=$((count + 1)); done
-out=$(${{IREE_RUN_MODULE:-iree-run-module}} --module="$here/steps.vmfb" --device={device} {parameters} \
+tool=${{IREE_RUN_MODULE:-iree-run-module}}
+set -f  # a tool file's path is one word, spaces and all; anything else is a command with arguments (an emulator)
+if [ -f "$tool" ] && [ -x "$tool" ]; then set -- "$tool"; else set -- $tool; fi
+set +f
+out=$("$@" --module="$here/steps.vmfb" --device={device} {parameters} \
   --function="$function" --input="${{slots}}xi32=${{padded# }}" --input="i32=$prompt_len" \
   {inputs} --output_max_element_count={gen_length}) || fail "iree-run-module failed (set IREE_RUN_MODULE to its path)"
 result() {{ echo "$out" | sed -n "/^result\[$1\]/{{n;s/^[^=]*=//;p;q;}}"; }}

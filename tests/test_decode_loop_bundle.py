@@ -117,6 +117,19 @@ def test_run_script_called_through_links_finds_its_bundle(loop_bundle, tiny_dir,
     assert proc.stdout.splitlines()[-1] == ",".join(map(str, host_ids(capsys, tiny_dir, "1,2,3", policy, steps)))
 
 
+def test_run_script_takes_a_tool_path_with_spaces_and_a_command_with_arguments(loop_bundle, tiny_dir, tmp_path, capsys):
+    """IREE_RUN_MODULE naming a tool file is that file, spaces and all; otherwise a command with arguments (here
+    `env` in front of the tool, as an emulator would be)."""
+    policy, _, steps = SETTINGS[0]
+    want = ",".join(map(str, host_ids(capsys, tiny_dir, "1,2,3", policy, steps)))
+    (tmp_path / "my tools").mkdir()
+    (tmp_path / "my tools" / "iree-run-module").symlink_to(host_iree_run_module())
+    for command in (str(tmp_path / "my tools" / "iree-run-module"), f"env {host_iree_run_module()}"):
+        proc = run_script(loop_bundle[0], "1,2,3", command)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.splitlines()[-1] == want
+
+
 def test_vulkan_bundle_runs_its_loop_through_run_script(tiny_dir, tmp_path, capsys):
     """GPU bundles carry the compiled loop too (Mesa's lavapipe here), run by run.sh in a process of its own."""
     require(vulkan_available(), "a Vulkan driver (Mesa's mesa-vulkan-drivers and libvulkan1)")
