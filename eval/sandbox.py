@@ -6,8 +6,9 @@ wall-clock timeout, and after any exit, it SIGKILLs the program's process group.
 level string only when a probe at startup (`eval.sandbox_probe`) showed it works here:
 - fsview: `bwrap` (bubblewrap) builds the supervisor a mount namespace in which `/` is read-only, /tmp,
   /var/tmp and /dev/shm are private, empty and read-only, /dev (read-only) and /proc are fresh, and only the
-  sample's work dir (its cwd, also its TMPDIR and HOME) and the supervisor's output dir are writable, each at
-  its host path. A sample can neither leave files behind nor touch another's. bwrap also makes the netns and pidns
+  sample's work dir (its cwd, also its TMPDIR and HOME: an empty tmpfs of `disk_bytes`, so its files are bounded
+  in all, not only each one) and the supervisor's output dir are writable, each at its host path. A sample can
+  neither leave files behind nor touch another's. bwrap also makes the netns and pidns
   below (and private IPC and UTS namespaces); as root it keeps only the capabilities the uid drop needs;
 - netns: a network namespace of its own: only a loopback (down under `unshare --net`, up but private under
   bwrap), so no connection leaves it;
@@ -105,6 +106,7 @@ class Limits:
     processes: int = 32
     file_bytes: int = 16 << 20
     open_files: int = 64
+    disk_bytes: int = 64 << 20  # all of the work dir's files (under fsview; without it, each file's size only)
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -124,12 +126,13 @@ class Sandbox:
         uid = ("uid-readall" if self.read_all else "uid",) if self.drop_uid else ()
         return "+".join((*self.namespaces, *uid, "rlimits", "pgroup"))
 
-    def supervisor_command(self, spec: dict, base: Path, writable: list[Path]) -> list[str]:
-        """The supervisor inside the namespaces. Under fsview it sees the host dir `base` read-only and the
-        `writable` dirs in it read-write (the only places it or the program may write)."""
+    def supervisor_command(self, spec: dict, base: Path, work: Path, io: Path, disk_bytes: int) -> list[str]:
+        """The supervisor inside the namespaces. Under fsview it sees the host dir `base` read-only, the
+        program's `work` dir in it as an empty tmpfs of `disk_bytes` and its own `io` dir read-write (the only
+        places it or the program may write)."""
         wrapper = []
         if "fsview" in self.namespaces:
-            wrapper = bwrap_wrapper(base, writable, self.kept_caps())
+            wrapper = bwrap_wrapper(base, work, io, disk_bytes, self.kept_caps())
         elif self.namespaces:
             wrapper = unshare_wrapper("pidns" in self.namespaces)
         return wrapper + [sys.executable, "-I", "-c", SUPERVISOR, json.dumps(spec)]
@@ -140,7 +143,7 @@ class Sandbox:
             return ()
         return SETPRIV_CAPS + (("CAP_DAC_READ_SEARCH",) if self.read_all else ())
 
-    def program_command(self, slot: int, script: str) -> list[str]:
+    def program_command(self, slot: int, script: Path) -> list[str]:
         prefix = []
         if self.drop_uid:
             uid = UID_BASE + slot
@@ -150,13 +153,14 @@ class Sandbox:
             if self.read_all:
                 prefix.append("--ambient-caps=+dac_read_search")
             prefix.append("--")
-        return prefix + [sys.executable, "-I", script]
+        return prefix + [sys.executable, "-I", str(script)]
 
 
-def bwrap_wrapper(base: Path, writable: list[Path], caps: tuple[str, ...]) -> list[str]:
+def bwrap_wrapper(base: Path, work: Path, io: Path, disk_bytes: int, caps: tuple[str, ...]) -> list[str]:
     """bwrap's command line for the fsview layer (and with it netns and pidns): `/` read-only, PRIVATE_DIRS
     empty and read-only, `base` read-only (bound, so it keeps its host mode: a mount point that bwrap makes
-    is 0700, closed to the sample's uid) and each `writable` dir in it read-write, all at their host paths."""
+    is 0700, closed to the sample's uid), `work` in it an empty tmpfs of `disk_bytes` that any uid may write,
+    and `io` in it read-write, all at their host paths."""
     wrapper = [shutil.which("bwrap") or "bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
     for private in PRIVATE_DIRS:
         wrapper += ["--tmpfs", private]
@@ -164,8 +168,7 @@ def bwrap_wrapper(base: Path, writable: list[Path], caps: tuple[str, ...]) -> li
     # since it makes read-only only that one mount point and not the binds inside it.
     for path in [*interpreter_mounts(), base]:
         wrapper += ["--ro-bind", str(path), str(path)]
-    for path in writable:
-        wrapper += ["--bind", str(path), str(path)]
+    wrapper += ["--size", str(disk_bytes), "--perms", "1777", "--tmpfs", str(work), "--bind", str(io), str(io)]
     for mount in (*PRIVATE_DIRS, "/dev"):  # bwrap's fresh /dev is a writable tmpfs too
         wrapper += ["--remount-ro", mount]
     # The supervisor gets a session of its own, so the harness's killpg of bwrap's group misses it; it still
@@ -206,7 +209,8 @@ class Outcome:
 
 
 def run_program(source: str, sandbox: Sandbox, limits: Limits = Limits(), slot: int = 0) -> Outcome:
-    """Run `source` as a script in a fresh temp dir; it passes iff it exits 0 after its last line ran."""
+    """Run `source` as a script (read-only, beside its work dir) in a fresh temp dir, its cwd; it passes iff it
+    exits 0 after its last line ran."""
     marker = secrets.token_hex(16)
     base = Path(tempfile.mkdtemp(prefix="llada-sandbox-"))
     try:
@@ -214,14 +218,16 @@ def run_program(source: str, sandbox: Sandbox, limits: Limits = Limits(), slot: 
         work, io = base / "work", base / "io"  # the program's cwd; the supervisor's record of its output
         work.mkdir()
         io.mkdir()
-        (work / "program.py").write_text(f"{source}\nprint({marker!r})\n")
+        program = base / "program.py"
+        program.write_text(f"{source}\nprint({marker!r})\n")
+        program.chmod(0o644)  # readable by the program's uid, writable by none but the harness
         if sandbox.drop_uid:
             os.chown(work, UID_BASE + slot, UID_BASE + slot)
-        spec = {"command": sandbox.program_command(slot, "program.py"), "cwd": str(work), "timeout": limits.timeout_s,
+        spec = {"command": sandbox.program_command(slot, program), "cwd": str(work), "timeout": limits.timeout_s,
                 "env": {**SANDBOX_ENV, "TMPDIR": str(work), "HOME": str(work)},
                 "stdout": str(io / "stdout"), "stderr": str(io / "stderr"),
                 "rlimits": rlimits(limits, _process_limit(sandbox, limits))}
-        status, supervisor_err = _supervise(sandbox.supervisor_command(spec, base, [work, io]), limits)
+        status, supervisor_err = _supervise(sandbox.supervisor_command(spec, base, work, io, limits.disk_bytes), limits)
         return judge(status, supervisor_err, _tail(io / "stdout"), _tail(io / "stderr"), marker)
     finally:
         shutil.rmtree(base, ignore_errors=True)

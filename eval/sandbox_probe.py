@@ -12,12 +12,14 @@ import sys
 from eval.sandbox import PRIVATE_DIRS, UID_BASE, Limits, Sandbox, interpreter_mounts, run_program
 from llada_jax.system.errors import LladaError
 
+PROBE_LIMITS = Limits(timeout_s=30.0)
+
 
 @functools.cache
 def detect_sandbox() -> Sandbox:
     """The strongest sandbox whose probe passes here (probed once per process, strongest first)."""
     for candidate in candidates():
-        if run_program(probe_source(candidate), candidate, Limits(timeout_s=30.0)).passed:
+        if run_program(probe_source(candidate, PROBE_LIMITS), candidate, PROBE_LIMITS).passed:
             return candidate
     raise LladaError("cannot run a sandboxed python subprocess here (even without namespaces)")
 
@@ -32,11 +34,11 @@ def candidates() -> list[Sandbox]:
     return [Sandbox(space, drop, read_all) for space in spaces for drop, read_all in uid_modes]
 
 
-def probe_source(sandbox: Sandbox) -> str:
-    """A program that passes only if every layer `sandbox` claims is really in place."""
+def probe_source(sandbox: Sandbox, limits: Limits) -> str:
+    """A program that passes only if every layer `sandbox` claims is really in place (run under `limits`)."""
     lines = ["import errno, os, socket, sys", f"assert sys.version == {sys.version!r}"]  # the harness's interpreter
     if "fsview" in sandbox.namespaces:
-        lines += fsview_probe()
+        lines += fsview_probe(limits.disk_bytes)
     if "netns" in sandbox.namespaces:  # a fresh namespace has a loopback and nothing else
         lines.append("assert [name for _, name in socket.if_nameindex()] == ['lo'], socket.if_nameindex()")
     if "netns" in sandbox.namespaces and "fsview" not in sandbox.namespaces:  # unshare leaves loopback down
@@ -48,10 +50,10 @@ def probe_source(sandbox: Sandbox) -> str:
     return "\n".join(lines)
 
 
-def fsview_probe() -> list[str]:
+def fsview_probe(disk_bytes: int) -> list[str]:
     """Probe lines: PRIVATE_DIRS hold at most the way down to the cwd, and they, /dev and the cwd's parent
     are read-only (not merely closed to the program's uid) while the cwd is writable (a probe file that does
-    get created is removed at once)."""
+    get created is removed at once) and holds at most `disk_bytes`."""
     name = f"llada-probe-{secrets.token_hex(8)}"
     return ["def write_error(path):",
             "    try:",
@@ -66,4 +68,5 @@ def fsview_probe() -> list[str]:
              f"os.path.join(private, entry) in {[str(path) for path in interpreter_mounts()]!r}, (private, entry)"),
             f"for place in [*{PRIVATE_DIRS!r}, '/dev', '..']:",
             f"    assert write_error(os.path.join(place, {name!r})) == errno.EROFS, place",
-            f"assert write_error({name!r}) == 0"]
+            f"assert write_error({name!r}) == 0",
+            f"assert os.statvfs('.').f_blocks * os.statvfs('.').f_frsize <= {disk_bytes}, os.statvfs('.')"]

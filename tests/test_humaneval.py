@@ -208,8 +208,18 @@ def test_writes_outside_the_work_dir_fail_and_leave_nothing(tmp_path, capsys, wr
     assert written == rows and summary["samples"] == len(samples)
 
 
+def test_a_samples_files_are_bounded_in_all_not_only_each_one():
+    """Under fsview the work dir holds at most `disk_bytes`: files each under `file_bytes` still fill it, and the
+    write past it fails (no space), not the host's disk."""
+    need_fsview()
+    limits = Limits(disk_bytes=4 << 20, file_bytes=3 << 20)
+    fill = "for n in range(4):\n    with open(f'part{n}', 'wb') as f:\n        f.write(bytes(2 << 20))"
+    assert run_program(fill, detect_sandbox(), limits).result == "failed: OSError: [Errno 28] No space left on device"
+    assert run_program(fill.replace("range(4)", "range(1)"), detect_sandbox(), limits).passed
+
+
 def test_each_program_runs_in_a_fresh_temp_dir_that_is_removed():
-    source = "import os\nassert os.listdir('.') == ['program.py'], os.listdir('.')\nraise SystemExit(os.getcwd())"
+    source = "import os\nassert os.listdir('.') == [], os.listdir('.')\nraise SystemExit(os.getcwd())"
     outcome = run_program(source, detect_sandbox())
     work = Path(outcome.result.removeprefix("failed: "))
     assert outcome.result.startswith("failed: /") and work.name == "work"
