@@ -296,6 +296,21 @@ def test_quantize_refuses_quantized_input_and_in_place_output(checkpoints, tmp_p
     assert not (tmp_path / "again").exists() and not (tmp_path / "g").exists()
 
 
+@pytest.mark.parametrize("bits, value", [(8, np.nan), (4, np.inf)])
+def test_non_finite_weights_are_refused_not_quantized_into_finite_integers(tmp_path, bits, value):
+    """A NaN would give its group scale 1 and integers that --check-weights can no longer see."""
+    from safetensors.numpy import load_file, save_file
+
+    source = write_checkpoint(tmp_path / "src")
+    tensors = load_file(source / "model.safetensors")
+    tensors["model.transformer.blocks.1.q_proj.weight"][3, 5] = value
+    save_file(tensors, source / "model.safetensors", metadata={"format": "pt"})
+    one_line_error(lambda: quantize_checkpoint(source, tmp_path / "q", QuantScheme(bits, 16 if bits == 4 else None)),
+                   f"cannot quantize tensor model.transformer.blocks.1.q_proj.weight: it holds a non-finite value "
+                   f"({np.float32(value)}) at index [3, 5]")
+    assert not (tmp_path / "q").exists()
+
+
 def test_missing_scale_is_named(checkpoints, tmp_path):
     broken = shutil.copytree(checkpoints["int4-g16"], tmp_path / "broken")
     edit_json(broken / "model.safetensors.index.json",

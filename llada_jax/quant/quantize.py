@@ -55,12 +55,19 @@ class QuantScheme:
         return columns // self.group_size
 
 
-def quantize_matrix(w: np.ndarray, scheme: QuantScheme) -> tuple[np.ndarray, np.ndarray]:
+def quantize_matrix(w: np.ndarray, scheme: QuantScheme, name: str = "a matrix") -> tuple[np.ndarray, np.ndarray]:
     """(q int8 `[O, I]`, scale float32 `[O, G]`, bf16-representable). A group with no weight above ~1e-36
-    in magnitude gets scale 1 and zeros."""
+    in magnitude gets scale 1 and zeros. A non-finite weight is refused, naming `name`: its group would
+    become finite integers and hide it."""
     rows, columns = w.shape
     groups = scheme.groups(columns)
-    grouped = np.asarray(w, np.float32).reshape(rows, groups, columns // groups)
+    w = np.asarray(w, np.float32)
+    bad = np.flatnonzero(~np.isfinite(w))
+    if bad.size:
+        index = [int(i) for i in np.unravel_index(bad[0], w.shape)]
+        raise LladaError(f"cannot quantize {name}: it holds a non-finite value ({w.reshape(-1)[bad[0]]}) at index "
+                         f"{index}, which integers cannot keep (fix the checkpoint)")
+    grouped = w.reshape(rows, groups, columns // groups)
     absmax = np.max(np.abs(grouped), axis=-1)
     scale = (absmax / scheme.qmax).astype(ml_dtypes.bfloat16).astype(np.float32)
     # A group too small for a normal bf16 scale (absmax below ~1e-36, all zeros included) is stored as 0s.

@@ -38,7 +38,7 @@ def stored_tensors(name: str, array, scheme: QuantScheme | None) -> dict[str, np
     """What the checkpoint stores for one `.weight` tensor: itself, or its packed integers and scales."""
     if scheme is None:
         return {name: array}
-    q, scale = quantize_matrix(np.asarray(array, np.float32), scheme)
+    q, scale = quantize_matrix(np.asarray(array, np.float32), scheme, f"tensor {name}")
     module = name[: -len(".weight")]
     return {f"{module}.weight_packed": pack_int32(q, scheme.bits),
             f"{module}.weight_scale": scale.astype(ml_dtypes.bfloat16),
