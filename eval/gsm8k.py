@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from eval.context_fit import skipped_reasons
 from eval.hosts import HostShare
-from eval.jsonl import RowWriter, finished_rows, read_jsonl, run_setting
+from eval.jsonl import RowWriter, finished_rows, model_setting, read_jsonl, run_setting
 from eval.task_eval import answer_text, generate_batch
 from llada_jax.system.errors import LladaError
 
@@ -111,7 +111,7 @@ def evaluate(model, problems: list[dict], shots: list[dict], decoding: dict, *, 
         raise LladaError(f"--batch-size must be >= 1, got {batch_size}")
     prompts = {index: prompt_text(p["question"], shots, model.tokenizer if chat else None)
                for index, p in enumerate(problems) if share.owns(index)}
-    run = run_setting("gsm8k", decoding, shots=len(shots), chat=chat)
+    run = run_setting("gsm8k", decoding, shots=len(shots), chat=chat, **model_setting(model))
     path = share.part(out)
     with RowWriter(path) as writer:
         rows = finished_rows(path, "prompt", prompts, run)

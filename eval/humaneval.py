@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from eval.context_fit import skipped_reasons
 from eval.hosts import HostShare
-from eval.jsonl import RowWriter, finished_rows, read_jsonl, run_setting
+from eval.jsonl import RowWriter, finished_rows, model_setting, read_jsonl, run_setting
 from eval.sandbox import Limits, Sandbox, run_program
 from eval.sandbox_probe import detect_sandbox
 from eval.task_eval import answer_text, generate_batch
@@ -226,4 +226,4 @@ def model_jobs(model, problems: list[dict], decoding: dict, skip_too_long: bool 
 
     return Jobs(dict(enumerate(problems)),
                 lambda indices: complete(model, [problems[index] for index in indices], decoding),
-                run_setting("humaneval", decoding), skipped)
+                run_setting("humaneval", decoding, **model_setting(model)), skipped)

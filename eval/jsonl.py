@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from llada_jax.system.errors import LladaError
+from llada_jax.weights.fingerprint import fingerprint
 
 
 def read_rows(path: Path | None, cut_partial: bool = False) -> list[dict]:
@@ -159,10 +160,17 @@ class RowWriter:
 
 
 def run_setting(suite: str, decoding: dict | None = None, **extra) -> dict:
-    """What a results row was generated under (suite, decoder flags, shots, ...): rows of another setting
-    never mix into a run's file. The decode loop is left out: the host and compiled loops give the same
+    """What a results row was generated under (suite, model, decoder flags, shots, ...): rows of another
+    setting never mix into a run's file. The decode loop is left out: the host and compiled loops give the same
     tokens."""
     return {"suite": suite, **extra, **{key: value for key, value in (decoding or {}).items() if key != "loop"}}
+
+
+def model_setting(model) -> dict:
+    """The model part of a run setting: its files' fingerprint (not its path: a copied checkpoint resumes) and
+    how it computes."""
+    return {"model": fingerprint(model.path) if model.path is not None else None, "dtype": model.dtype,
+            "activations": model.activations, "kernels": model.kernels}
 
 
 def finished_rows(path: Path | None, key: str, expected: dict, run: dict | None = None) -> dict:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -148,6 +149,26 @@ def test_run_appends_rows_and_a_killed_run_resumes(char_model_dir, tmp_path, cap
 
     with pytest.raises(LladaError, match="written for a different prompt"):
         run_cli(*common, "--limit", "1", "--shots", "1", "--train-data", str(GSM8K_TEST))
+
+
+def test_a_run_resumes_only_with_the_model_that_began_it(char_model_dir, tmp_path, capsys):
+    """The rows' run setting names the model by its files, not its path: a copy resumes the run; other weights
+    of the same shapes, or another dtype, are refused before any step (one score over two models is wrong)."""
+    from safetensors.numpy import load_file, save_file
+
+    out = tmp_path / "gsm8k.jsonl"
+    run_cli("--model", str(char_model_dir), "--out", str(out), *TINY_RUN, "--limit", "1", "--json")
+    copy = shutil.copytree(char_model_dir, tmp_path / "copy")
+    run_cli("--model", str(copy), "--out", str(out), *TINY_RUN, "--limit", "2", "--json")
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["problems"] == 2
+    tensors = load_file(copy / "model.safetensors")
+    tensors["model.transformer.ff_out.weight"][0, 0] += 1.0
+    save_file(tensors, copy / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(LladaError, match=r"row 0 was written with another setting \(model\); use a new --out file"):
+        run_cli("--model", str(copy), "--out", str(out), *TINY_RUN, "--limit", "3")
+    with pytest.raises(LladaError, match=r"another setting \(dtype\)"):
+        run_cli("--model", str(char_model_dir), "--dtype", "bfloat16", "--out", str(out), *TINY_RUN, "--limit", "3")
+    assert len(read_rows(out)) == 2
 
 
 def test_prompts_too_long_for_the_context_are_refused_before_any_step_or_skipped(tmp_path, capsys):
