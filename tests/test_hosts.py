@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -161,13 +162,36 @@ def test_two_hosts_through_jax_distributed_score_as_one(char_model_dir, tmp_path
         [[row[key] for key in fields] for row in read_rows(tmp_path / "alone.jsonl")]
 
 
+@pytest.mark.parametrize("stop", [None, signal.SIGINT, signal.SIGTERM])
+def test_a_host_whose_peers_never_join_stops_in_one_line(tmp_path, stop):
+    """jax.distributed's own wait ignores signals and ends in an abort with a stack dump; ours ends at
+    --host-timeout, or at once on Ctrl-C/SIGTERM, in one line, and writes nothing."""
+    run = ["eval", "gsm8k", "--limit", "2", *TINY_RUN, "--out", str(tmp_path / "r.jsonl"),
+           "--hosts", "2", "--coordinator", f"127.0.0.1:{free_port()}", "--host-id", "0", "--host-timeout", "4"]
+    host = llada(*run)
+    if stop is not None:
+        assert host.stderr.readline().startswith("waiting up to 4 s for every host to join through 127.0.0.1:")
+        host.send_signal(stop)
+    _, err = host.communicate(timeout=120)
+    last = {None: "llada: error: not every host joined within 4 s (--host-timeout): start each host with the same "
+                  "--hosts and --coordinator, and a --host-id of its own",
+            signal.SIGINT: "llada: interrupted while waiting for the other hosts",
+            signal.SIGTERM: "llada: interrupted (SIGTERM) while waiting for the other hosts"}[stop]
+    assert err.splitlines()[-1] == last and "Check failure" not in err
+    assert host.returncode == {None: 1, signal.SIGINT: 130, signal.SIGTERM: 143}[stop]
+    assert not list(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize(("flags", "message"), [
     (["--hosts", "2", "--out", "x.jsonl"], "--hosts N needs N >= 1, --coordinator HOST:PORT and --host-id I"),
     (["--hosts", "2", "--coordinator", "127.0.0.1:1", "--host-id", "2", "--out", "x.jsonl"], r"must be in \[0, 2\)"),
     (["--hosts", "two", "--out", "x.jsonl"], "--hosts takes auto or a number of hosts, got 'two'"),
     (["--hosts", "auto", "--host-id", "0", "--out", "x.jsonl"], "--hosts auto reads the coordinator"),
     (["--hosts", "2"], "--hosts needs --out"),
-    (["--host-id", "1"], "--coordinator and --host-id go with --hosts N"),
+    (["--host-id", "1"], "--coordinator, --host-id and --host-timeout go with --hosts"),
+    (["--host-timeout", "5"], "--coordinator, --host-id and --host-timeout go with --hosts"),
+    *[(["--hosts", "2", "--coordinator", "127.0.0.1:1", "--host-id", "0", "--out", "x.jsonl", "--host-timeout", value],
+       r"--host-timeout must be in \(0, 604800\] seconds") for value in ("0", "-1", "nan", "inf")],
     *[(["--hosts", "2", "--coordinator", address, "--host-id", "0", "--out", "x.jsonl"], "must be HOST:PORT")
       for address in ("bad", "host:abc", "localhost:-1", "localhost:99999", ":1234", "host:", "host:0")],
 ])
