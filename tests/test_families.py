@@ -116,6 +116,10 @@ BAD_FIELDS = [
     ("llada-moe", {"rope_theta": "fast"}, "rope_theta must be a finite number, got 'fast'"),
     ("dream", {"num_key_value_heads": [4]}, "num_key_value_heads must be an integer, got"),
     ("dream", {"mask_token_id": 251}, "mask_token_id=251 is also the end-of-text id"),
+    ("dream", {"hidden_size": 1e300, "num_attention_heads": 1, "num_key_value_heads": 1},
+     "config field d_model must be at most 2147483647, got 1e\\+300"),
+    ("dream", {"num_hidden_layers": 10**9}, "config field n_layers must be at most 4096, got 1e\\+09"),
+    ("llada-moe", {"num_experts": 10**6}, "config field n_experts must be at most 4096"),
 ]
 
 

@@ -12,6 +12,11 @@ from llada_jax import families
 from llada_jax.families import llada
 from llada_jax.system.errors import LladaError
 
+MAX_SIZE = 2**31 - 1  # a width, length or vocabulary past this overflows XLA's int32 indexing
+MAX_LAYERS = 4096    # layers, or experts: far past any model, and a table per tensor stays seconds to build
+SIZES = ("d_model", "n_heads", "n_kv_heads", "mlp_hidden_size", "vocab_size", "embedding_size", "max_sequence_length",
+         "dense_hidden_size", "shared_expert_size")
+
 
 @dataclasses.dataclass(frozen=True)
 class LLaDAConfig:
@@ -54,6 +59,9 @@ class LLaDAConfig:
                      "vocab_size", "embedding_size", "max_sequence_length"):
             if type(getattr(self, name)) is not int or getattr(self, name) <= 0:
                 raise LladaError(f"config field {name} must be a positive integer, got {getattr(self, name)!r}")
+        for name, most in (*((name, MAX_SIZE) for name in SIZES), ("n_layers", MAX_LAYERS), ("n_experts", MAX_LAYERS)):
+            if getattr(self, name) > most:  # checked before any per-layer or per-expert table is built
+                raise LladaError(f"config field {name} must be at most {most}, got {getattr(self, name):.3g}")
         for name in ("mask_token_id", "eos_token_id", "eot_token_id"):  # EOS / EoT may lie past a small vocabulary
             if type(getattr(self, name)) is not int or getattr(self, name) < 0:
                 raise LladaError(f"config field {name} must be a token id >= 0, got {getattr(self, name)!r}")
