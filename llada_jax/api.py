@@ -25,6 +25,8 @@ def logits(model: Model, ids, block_length: int | None = None, context_ids=None)
     `context_ids` `[B, L]`, each block of `ids` sees the earlier blocks of `context_ids` instead (a noised sequence
     against its clean one, as block diffusion's training bound reads it)."""
     _check_model(model)
+    if block_length is not None and (isinstance(block_length, bool) or not isinstance(block_length, (int, np.integer))):
+        raise LladaError(f"block_length must be an integer, got {block_length!r}")
     ids = check_token_ids(ids, model.config, "ids", allow_mask=True)
     if ids.ndim != 2:
         raise LladaError(f"ids must have shape [batch, length], got {list(ids.shape)}")

@@ -248,6 +248,9 @@ def test_numpy_scalars_are_the_values_they_hold(tiny_model):
      "expected a model from llada_jax.load, got NoneType"),
     (lambda model: llada_jax.load(None), "load takes a model directory's path, got None"),
     (lambda model: llada_jax.load(".", device_memory_budget="1GB"), "device memory budget must be a number of bytes"),
+    (lambda model: llada_jax.load(model.path, mesh="data=2"), "mesh must be a jax Mesh with axes ('data', 'model')"),
+    *[(lambda model, value=value: llada_jax.logits(model, [[1, 2]], block_length=value),
+       f"block_length must be an integer, got {value!r}") for value in (True, 2.0, "2")],
 ])
 def test_arguments_of_the_wrong_kind_are_one_line_errors(tiny_model, call, message):
     with pytest.raises(LladaError, match=re.escape(message)) as error:

@@ -60,6 +60,13 @@ class MeshSpec:
         return Mesh(grid, (DATA, MODEL))
 
 
+def check_mesh(mesh) -> None:
+    """A mesh given to `load` is one `MeshSpec.build` makes: a jax Mesh with the data and model axes."""
+    if not isinstance(mesh, Mesh) or tuple(mesh.axis_names) != (DATA, MODEL):
+        raise LladaError(f"mesh must be a jax Mesh with axes ({DATA!r}, {MODEL!r}), as "
+                         f"llada_jax.model.mesh.MeshSpec.parse('data=2').build() makes; got {mesh!r:.80}")
+
+
 def check_fits_model_axis(config, mesh: Mesh) -> None:
     """The model axis splits attention by heads: its size must divide the query and K/V head counts."""
     size = mesh.shape[MODEL]

@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 from tqdm import tqdm
 
 from llada_jax.model.config import LLaDAConfig, checked_model_dir, read_config
-from llada_jax.model.mesh import MODEL, check_fits_model_axis
+from llada_jax.model.mesh import MODEL, check_fits_model_axis, check_mesh
 from llada_jax.model.moe import kernels_take_experts
 from llada_jax.model.params import hf_shapes
 from llada_jax.quant.choice import Kernels, check_activations, kernels_in_use
@@ -95,6 +95,8 @@ def load(path, dtype: str = "float32", device_memory_budget: int | None = None, 
         raise LladaError(f"device memory budget must be a number of bytes, got {device_memory_budget!r}")
     if device_memory_budget is not None and device_memory_budget <= 0:
         raise LladaError(f"device memory budget must be a positive number of bytes, got {device_memory_budget}")
+    if mesh is not None:
+        check_mesh(mesh)
     tokenizer = load_tokenizer(model_dir)
     eot = eot_id_from_files(model_dir)
     if eot is None and tokenizer is not None:
