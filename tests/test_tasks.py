@@ -5,7 +5,10 @@ from __future__ import annotations
 import itertools
 import random
 
-from llada_jax.training.tasks import FAMILIES, MIN_ANSWER, held_out, training_examples
+import pytest
+
+from llada_jax.system.errors import LladaError
+from llada_jax.training.tasks import FAMILIES, MAX_HELD_OUT_PER_FAMILY, MIN_ANSWER, held_out, training_examples
 
 
 def test_generators_are_deterministic_and_answers_span_three_blocks():
@@ -37,3 +40,10 @@ def test_word_problem_answers_end_with_the_number():
         if e.family == "word":
             steps = e.answer.split(". ")
             assert steps[-1].startswith("#### ") and steps[1].split("=")[1] == steps[-1][5:]
+
+
+@pytest.mark.parametrize("limit", [0, -1, MAX_HELD_OUT_PER_FAMILY + 1, 10**7])
+def test_a_limit_outside_what_the_families_hold_is_refused_not_searched_forever(limit):
+    with pytest.raises(LladaError, match=rf"--limit must be a number of examples per family in \[1, 100000\], "
+                                         rf"got {limit}"):
+        held_out(limit)

@@ -16,6 +16,7 @@ from llada_jax.system.errors import LladaError
 MIN_ANSWER = 17
 HELD_OUT_SEED = 2_000_003
 HELD_OUT_PER_FAMILY = 100
+MAX_HELD_OUT_PER_FAMILY = 100_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,8 +73,9 @@ FAMILIES: dict[str, Callable[[random.Random], Example]] = {
 
 def held_out(per_family: int = HELD_OUT_PER_FAMILY) -> list[Example]:
     """The fixed evaluation split: the first distinct examples of each family from a reserved seed."""
-    if per_family <= 0:
-        raise LladaError(f"--limit must be a positive number of examples per family, got {per_family}")
+    if not 0 < per_family <= MAX_HELD_OUT_PER_FAMILY:  # a family's distinct prompts are finite (the fewest: 1.6M)
+        raise LladaError(f"--limit must be a number of examples per family in [1, {MAX_HELD_OUT_PER_FAMILY}], "
+                         f"got {per_family}")
     examples = []
     for offset, (_, make) in enumerate(sorted(FAMILIES.items())):
         rng = random.Random(HELD_OUT_SEED + offset)
