@@ -101,6 +101,11 @@ def fault_tensor_in_wrong_shard(d):
     edit_json(d / "model.safetensors.index.json", move)
 
 
+def fault_shard_outside_the_directory(d):
+    edit_json(d / "model.safetensors.index.json",
+              lambda index: index["weight_map"].update({next(iter(index["weight_map"])): "../elsewhere.safetensors"}))
+
+
 def fault_no_config(d):
     (d / "config.json").unlink()
 
@@ -139,6 +144,7 @@ FAULTS = {
     fault_bad_index: "not a valid safetensors index",
     fault_missing_shard: "shard model-00001-of-",
     fault_tensor_in_wrong_shard: "is listed in the index but not in this shard",
+    fault_shard_outside_the_directory: "shard ../elsewhere.safetensors is not a file name in the model directory",
     fault_no_config: "no config.json",
     fault_bad_config: "not valid JSON",
     fault_unsupported_architecture: "weight_tying=True is not supported",

@@ -152,6 +152,18 @@ def test_a_file_where_a_directory_goes_is_refused(capsys, tmp_path, model_in_fol
     assert target.read_text() == "mine"
 
 
+def test_a_link_or_an_unwritable_place_is_named_as_given(capsys, tmp_path, model_in_folder):
+    """A link is refused as a link (whatever it points at is left alone); a place nothing can be written is named
+    by --out, not by the hidden scratch sibling the write would have made."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    refused(capsys, [a.replace("{model}", str(model_in_folder)) for a in QUANTIZE] + [str(tmp_path / "link")],
+            f"{tmp_path / 'link'} is a symbolic link; refusing to write through or over it")
+    refused(capsys, [a.replace("{model}", str(model_in_folder)) for a in QUANTIZE] + ["/proc/llada-out"],
+            "cannot write /proc/llada-out: No such file or directory")
+    assert not any((tmp_path / "real").iterdir())
+
+
 @pytest.mark.parametrize("target, expected", [
     ("unrelated", "not an output of this command"),
     ("parent", "contains this command's input"),

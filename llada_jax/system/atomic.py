@@ -69,7 +69,9 @@ def check_output_dir(out_dir: Path, command: str, inputs=(), force: bool = False
                              "its own, outside it")
     if not out_dir.exists() and not out_dir.is_symlink():
         return False
-    if out_dir.is_symlink() or not out_dir.is_dir():
+    if out_dir.is_symlink():
+        raise LladaError(f"{out_dir} is a symbolic link; refusing to write through or over it (give a real directory)")
+    if not out_dir.is_dir():
         raise LladaError(f"{out_dir} exists and is not a directory; refusing to replace it")
     if not any(out_dir.iterdir()):
         return False
@@ -108,11 +110,12 @@ def scratch_dir(target: Path, command: str):
     """Yield a scratch sibling of `target` for the files a write of it needs on the way; it is removed when the
     block ends (unless the block moved it), and by a later write of `target` if this process is killed first."""
     target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_scratch(target)
+    with _named_as(target):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_scratch(target)
     path = None
     try:
-        with signals_deferred():  # a signal between the mkdir and the assignment would leave it unknown here
+        with signals_deferred(), _named_as(target):  # a signal between the mkdir and the assignment: unknown here
             path = _new_scratch_dir(target, command)
         yield path
     finally:
@@ -122,6 +125,15 @@ def scratch_dir(target: Path, command: str):
 
 def _new_scratch_dir(target: Path, command: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=scratch_prefix(target, command), dir=target.parent))
+
+
+@contextlib.contextmanager
+def _named_as(target: Path):
+    """A place where nothing can be written is named as the user gave it, not by a hidden scratch name."""
+    try:
+        yield
+    except OSError as err:
+        raise LladaError(f"cannot write {target}: {err.strerror or err}") from None
 
 
 def write_once(out: Path, complete, write) -> Path:

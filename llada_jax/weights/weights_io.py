@@ -36,7 +36,9 @@ def weight_files(model_dir: Path) -> dict[str, str]:
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise LladaError(f"{index_path}: 'weight_map' must map tensor names to file names")
         for shard in sorted(set(weight_map.values())):
-            if "/" in shard or not (model_dir / shard).is_file():
+            if "/" in shard:  # the index names files beside it, never elsewhere
+                raise LladaError(f"{index_path}: shard {shard} is not a file name in the model directory")
+            if not (model_dir / shard).is_file():
                 raise LladaError(f"{index_path}: shard {shard} is missing")
         return weight_map
     single = model_dir / SINGLE_FILE
