@@ -508,3 +508,13 @@ def test_small_integers_become_bf16_exactly(dtype):
     values = jnp.arange(int(info.min), int(info.max) + 1).astype(dtype)
     got = np.asarray(qlinear.as_numbers(values, jnp.bfloat16)).astype(np.float32)
     assert np.array_equal(got, np.arange(int(info.min), int(info.max) + 1, dtype=np.float32))
+
+
+def test_4_bits_where_no_group_size_divides_the_widths_is_refused_in_one_line(capsys, tmp_path):
+    """A model 48 wide somewhere: no group of 32, 64 or 128 divides it, so 4 bits needs --bits 8 instead."""
+    source = write_checkpoint(tmp_path / "src", dataclasses.replace(TINY, mlp_hidden_size=48))
+    assert main(["quantize", "--model", str(source), "--out", str(tmp_path / "q4"), "--bits", "4"]) == 1
+    assert capsys.readouterr().err == ("llada: error: no 4-bit group size (32, 64, 128) divides every input width of "
+                                       "this model's matrices; quantize it with --bits 8 (and --head-bits 8)\n")
+    assert main(["quantize", "--model", str(source), "--out", str(tmp_path / "q8"), "--bits", "8"]) == 0
+    assert not (tmp_path / "q4").exists()

@@ -5,13 +5,17 @@ from __future__ import annotations
 from llada_jax.cli.flags import model_dir, path_arg
 from llada_jax.model.config import read_config
 from llada_jax.quant.quantize import BITS, GROUP_SIZES, QuantScheme
+from llada_jax.system.errors import LladaError
 from llada_jax.weights.quant_config import EDGE_SCHEME, default_group_size
 from llada_jax.weights.quantize_checkpoint import quantize_checkpoint
 
 
 def cmd_quantize(args) -> None:
     source = model_dir(args)
-    group = args.group_size or default_group_size(read_config(source)) or GROUP_SIZES[0]  # for 4-bit matrices
+    group = args.group_size or default_group_size(read_config(source))  # for 4-bit matrices
+    if group is None and 4 in (args.bits, args.head_bits):
+        raise LladaError(f"no 4-bit group size ({', '.join(map(str, GROUP_SIZES))}) divides every input width of "
+                         "this model's matrices; quantize it with --bits 8 (and --head-bits 8)")
     scheme = QuantScheme(args.bits, group if args.bits == 4 else args.group_size)
     head = QuantScheme(4, group) if args.head_bits == 4 else EDGE_SCHEME
     out = quantize_checkpoint(source, args.out, scheme, head=head, progress=True, force=args.force)
