@@ -139,14 +139,15 @@ def evaluate(model, problems: list[dict], shots: list[dict], decoding: dict, *, 
 
 
 def summarize(rows: list[dict], run: dict) -> dict:
-    """Accuracy over the problems that ran (`skipped`: prompts too long for the model's context, counted apart);
+    """Accuracy over the problems that ran, None if none did (`skipped`: prompts too long for the model's
+    context, counted apart);
     speed over the generated ones (`errors`: prompts the model's vocabulary cannot represent, scored wrong); the
     setting of `run` (see `eval.jsonl.run_setting`)."""
     scored = [row for row in rows if "skipped" not in row]
     generated = [row for row in scored if "error" not in row]
     correct = sum(row["correct"] for row in scored)
     seconds = sum(row.get("share_s", row["latency_s"]) for row in generated)
-    return {"accuracy": correct / len(scored) if scored else 0.0, "correct": correct, "problems": len(scored),
+    return {"accuracy": correct / len(scored) if scored else None, "correct": correct, "problems": len(scored),
             "skipped": len(rows) - len(scored), "errors": len(scored) - len(generated),
             "mean_nfe": float(np.mean([row["nfe"] for row in generated])) if generated else 0.0,
             "tokens_per_s": len(generated) * run["gen_length"] / seconds if seconds else 0.0,

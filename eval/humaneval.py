@@ -177,13 +177,13 @@ def skipped_row(index: int, problem: dict, reason: str, jobs: "Jobs", sandbox: S
 
 
 def summarize(rows: list[dict], sandbox: str) -> dict:
-    """pass@1 = mean over tasks of the fraction of that task's samples that pass; `skipped` samples (prompts
-    too long for the model's context) are counted apart."""
+    """pass@1 = mean over tasks of the fraction of that task's samples that pass (None if none ran); `skipped`
+    samples (prompts too long for the model's context) are counted apart."""
     scored = [row for row in rows if "skipped" not in row]
     by_task = collections.defaultdict(list)
     for row in scored:
         by_task[row["task_id"]].append(row["passed"])
-    summary = {"pass@1": float(np.mean([np.mean(passed) for passed in by_task.values()])) if scored else 0.0,
+    summary = {"pass@1": float(np.mean([np.mean(passed) for passed in by_task.values()])) if scored else None,
                "passed": sum(row["passed"] for row in scored), "samples": len(scored), "tasks": len(by_task),
                "skipped": len(rows) - len(scored), "sandbox": sandbox}
     generated = [row for row in scored if "nfe" in row]

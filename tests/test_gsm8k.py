@@ -207,3 +207,21 @@ def test_a_question_that_is_not_text_is_refused_not_asked_as_its_spelling(tmp_pa
     data.write_text(json.dumps({"question": question, "answer": "so #### 3"}) + "\n")
     with pytest.raises(LladaError, match="data.jsonl:1: question must be text"):
         load_problems(data)
+
+
+def test_a_run_with_nothing_scored_has_no_accuracy_and_errors_are_named(capsys):
+    """All skipped: accuracy n/a (JSON null), not 0.000; prompts the vocabulary lacks are counted on the line."""
+    from eval.gsm8k import summarize
+    from llada_jax.cli.evaluate import print_gsm8k
+
+    run = {"suite": "gsm8k", "shots": 0, "chat": False, "gen_length": 16, "block_length": 8, "steps": 8,
+           "policy": "vanilla", "threshold": None}
+    skipped = {"index": 0, "correct": False, "nfe": 0, "latency_s": 0.0, "skipped": "too long"}
+    summary = summarize([skipped], run)
+    assert summary["accuracy"] is None and summary["problems"] == 0
+    print_gsm8k(summary, as_json=False)
+    assert capsys.readouterr().out.startswith("accuracy n/a (0/0)")
+    error = {"index": 1, "correct": False, "nfe": 0, "latency_s": 0.0, "error": "no token for '’'"}
+    print_gsm8k(summarize([skipped, error], run), as_json=False)
+    line = capsys.readouterr().out
+    assert line.startswith("accuracy 0.000 (0/1)") and "errors 1 (text the vocabulary lacks: scored wrong)" in line

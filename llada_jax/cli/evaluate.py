@@ -56,8 +56,13 @@ def print_gsm8k(summary: dict, as_json: bool, share: HostShare = HostShare()) ->
     if as_json:
         print(json.dumps({**summary, **_host_fields(share)}))
         return
-    print(f"{_whose(share)}accuracy {summary['accuracy']:.3f} ({summary['correct']}/{summary['problems']})  "
-          f"mean NFE {summary['mean_nfe']:.1f}  {summary['tokens_per_s']:.1f} tok/s{_skipped(summary)}")
+    errors = f"  errors {summary['errors']} (text the vocabulary lacks: scored wrong)" if summary["errors"] else ""
+    print(f"{_whose(share)}accuracy {_fraction(summary['accuracy'])} ({summary['correct']}/{summary['problems']})  "
+          f"mean NFE {summary['mean_nfe']:.1f}  {summary['tokens_per_s']:.1f} tok/s{errors}{_skipped(summary)}")
+
+
+def _fraction(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
 
 
 def _skipped(summary: dict) -> str:
@@ -111,7 +116,7 @@ def print_humaneval(summary: dict, as_json: bool, share: HostShare = HostShare()
     speed = ""
     if "mean_nfe" in summary:
         speed = f"  mean NFE {summary['mean_nfe']:.1f}  {summary['tokens_per_s']:.1f} tok/s"
-    print(f"{_whose(share)}pass@1 {summary['pass@1']:.3f} ({summary['passed']}/{summary['samples']} samples, "
+    print(f"{_whose(share)}pass@1 {_fraction(summary['pass@1'])} ({summary['passed']}/{summary['samples']} samples, "
           f"{summary['tasks']} tasks){speed}  sandbox {summary['sandbox']}{_skipped(summary)}")
 
 
