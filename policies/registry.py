@@ -54,6 +54,10 @@ class DecoderSetting:
 
 def parse_policy(spec: str) -> tuple[str, dict[str, list[str]]]:
     """(BASE, {modifier: its parameters as written}), names checked."""
+    if "@" in spec:  # the command line's POLICY@THRESHOLD; here the threshold is an option of its own
+        policy, _, threshold = spec.partition("@")
+        raise LladaError(f"a policy names no threshold: give policy={policy!r}, threshold={threshold} "
+                         "(POLICY@THRESHOLD is the command line's --policy form)")
     base, *parts = spec.split("+")
     if base not in CACHE_POLICIES:
         raise LladaError(f"unknown policy {base!r}; choose one of {', '.join(CACHE_POLICIES)} "

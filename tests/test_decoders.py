@@ -224,6 +224,8 @@ def test_a_model_that_predicts_the_mask_token_ends_each_block(tmp_path, policy, 
     (dict(gen_length=8, block_length=8, steps=8, cfg_scale=1e308), "cfg_scale must be at most 100.0"),
     (dict(gen_length=8, block_length=8, steps=8, limit=np.int64(0)), "limit must be a positive length, got 0"),
     (dict(gen_length=8, block_length=8, steps=8, policy=""), "policy must name a decoder"),
+    (dict(gen_length=8, block_length=8, steps=8, policy="dual-cache@0.9"),
+     "a policy names no threshold: give policy='dual-cache', threshold=0.9"),
     (dict(gen_length=8, block_length=8, steps=10**12), "steps=1000000000000 is more than this decoder counts"),
     (dict(gen_length=8, block_length=8, steps=8, on_step=5), "on_step must be a function"),
 ])
