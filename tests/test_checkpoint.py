@@ -139,7 +139,7 @@ def fault_malformed_architectures(d):
 FAULTS = {
     fault_missing_tensor: "missing tensor model.transformer.blocks.1.q_proj.weight",
     fault_unexpected_tensor: "unexpected tensor model.transformer.blocks.1.",
-    fault_config_contradicts_weights: "ff_proj.weight has shape [64, 32] but config.json implies [48, 32]",
+    fault_config_contradicts_weights: "ff_proj.weight is bfloat16 [64, 32] but config.json implies float [48, 32]",
     fault_truncated_shard: "unreadable safetensors file",
     fault_bad_index: "not a valid safetensors index",
     fault_missing_shard: "shard model-00001-of-",
@@ -165,6 +165,20 @@ def test_checkpoint_faults_give_one_line_errors(tmp_path, sharded_bf16_dir, faul
         llada_jax.load(broken)
     message = str(err.value)
     assert FAULTS[fault] in message and "\n" not in message
+
+
+@pytest.mark.parametrize("fault", [fault_config_contradicts_weights, fault_missing_tensor, fault_unexpected_tensor,
+                                   fault_truncated_shard], ids=lambda f: f.__name__)
+def test_convert_refuses_what_would_not_load_and_writes_nothing(tmp_path, sharded_bf16_dir, fault, capsys):
+    """`llada convert` checks names, dtypes and shapes from the headers before it writes, so it never says "loads
+    in place" of a checkpoint the loader refuses."""
+    from llada_jax.cli import main
+
+    broken = shutil.copytree(sharded_bf16_dir, tmp_path / "broken")
+    fault(broken)
+    assert main(["convert", "--model", str(broken), "--out", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert FAULTS[fault] in err and err.count("\n") == 1 and not (tmp_path / "out").exists()
 
 
 # config.json values that used to load as something else (or be ignored): each is refused, naming the field.

@@ -14,6 +14,7 @@ from tqdm import tqdm
 from llada_jax.model.config import read_config
 from llada_jax.system.atomic import MARKER, atomic_dir
 from llada_jax.weights.safetensors_file import DTYPES, SafetensorsFile, write_tensors
+from llada_jax.weights.stored_layout import Layout, check_stored, stored_layout
 from llada_jax.weights.weights_io import check_names, checkpoint_quantization, weight_files
 
 CONVERT_COMMAND = "llada convert"
@@ -26,8 +27,10 @@ def realign_checkpoint(model_dir: Path, out_dir: Path, force: bool = False, prog
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     config = read_config(model_dir)
     weight_map = weight_files(model_dir)
-    check_names(weight_map, config, model_dir, checkpoint_quantization(model_dir, config))
+    quantized = checkpoint_quantization(model_dir, config)
+    check_names(weight_map, config, model_dir, quantized)
     shards = sorted(set(weight_map.values()))
+    check_headers(model_dir, shards, stored_layout(config, quantized))  # what would not load is not written
     with atomic_dir(out_dir, CONVERT_COMMAND, inputs=(model_dir,), force=force) as staging:
         for path in model_dir.iterdir():
             if path.is_file() and path.name not in shards and path.name != MARKER:
@@ -37,3 +40,13 @@ def realign_checkpoint(model_dir: Path, out_dir: Path, force: bool = False, prog
                 specs = {name: (DTYPES[dtype], shape) for name, (dtype, shape, _, _) in stored.entries.items()}
                 write_tensors(staging / shard, specs, stored.read, stored.metadata)
     return out_dir
+
+
+def check_headers(model_dir: Path, shards: list[str], layout: Layout) -> None:
+    """Each tensor of the shards' headers of the dtype kind and shape config.json implies (nothing read but
+    the headers)."""
+    for shard in shards:
+        with SafetensorsFile(model_dir / shard) as stored:
+            for name, (dtype, shape, _, _) in stored.entries.items():
+                if name in layout:
+                    check_stored(name, DTYPES[dtype], shape, layout[name], model_dir / shard)

@@ -19,6 +19,7 @@ from llada_jax.quant.quantize import HostQuantized, QuantScheme
 from llada_jax.system.errors import LladaError
 from llada_jax.weights.quant_config import quantized_modules
 from llada_jax.weights.safetensors_file import DTYPES, SafetensorsFile
+from llada_jax.weights.stored_layout import check_stored
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -136,10 +137,7 @@ def iter_tensors(model_dir: Path, config: LLaDAConfig, weight_map: dict[str, str
 
 
 def _check_float(array: np.ndarray, name: str, shape: tuple[int, ...], where: Path) -> np.ndarray:
-    if array.dtype not in (np.float32, np.float16) and array.dtype.name != "bfloat16":
-        raise LladaError(f"{where}: tensor {name} has unsupported dtype {array.dtype} (need a float)")
-    if array.shape != shape:
-        raise LladaError(f"{where}: tensor {name} has shape {list(array.shape)} but config.json implies {list(shape)}")
+    check_stored(name, array.dtype, array.shape, ("float", shape), where)
     return array
 
 
@@ -153,13 +151,8 @@ def _read_quantized(read, module: str, shape: tuple[int, ...], scheme: QuantSche
     if stored_shape.reshape(-1).tolist() != [rows, columns]:
         raise LladaError(f"{where}: {module}.weight_shape is {stored_shape.tolist()} but config.json implies "
                          f"{[rows, columns]}")
-    if packed.dtype != np.int32 or packed.shape != (rows, words):
-        raise LladaError(f"{where}: {module}.weight_packed must be int32 {[rows, words]} for {scheme.bits}-bit "
-                         f"values, got {packed.dtype} {list(packed.shape)}")
-    groups = scheme.groups(columns)
-    if scale.shape != (rows, groups) or not (scale.dtype.kind == "f" or scale.dtype.name == "bfloat16"):
-        raise LladaError(f"{where}: {module}.weight_scale must be float {[rows, groups]}, got {scale.dtype} "
-                         f"{list(scale.shape)}")
+    check_stored(f"{module}.weight_packed", packed.dtype, packed.shape, ("int32", (rows, words)), where)
+    check_stored(f"{module}.weight_scale", scale.dtype, scale.shape, ("float", (rows, scheme.groups(columns))), where)
     return HostQuantized(packed, scale, scheme, columns)
 
 
