@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -78,7 +79,9 @@ def test_quantize_replaces_its_own_output_only_with_force(capsys, tmp_path, mode
     refused(capsys, argv, "pass --force to replace it")
     assert snapshot(tmp_path / "q8") == first
     assert main(argv + ["--force"]) == 0
-    assert snapshot(tmp_path / "q8") == first  # the same copy, written anew
+    again, first_files = snapshot(tmp_path / "q8"), dict(first)
+    del again[MARKER], first_files[MARKER]  # the marker's stamps are the new files' times
+    assert again == first_files  # the same copy, written anew
     assert main(argv[:2] + ["4"] + argv[3:] + ["--force"]) == 0
     assert json.loads((tmp_path / "q8" / "config.json").read_text())["quantization_config"]
     assert snapshot(tmp_path / "q8") != first
@@ -98,6 +101,24 @@ def test_force_keeps_what_the_user_added_to_an_earlier_output(capsys, tmp_path, 
         path.write_text("the user's")
     before = snapshot(tmp_path)
     refused(capsys, argv + ["--force"], f"also what it did not write ({added.split('/')[0]}")
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("edit", ["rewrite", "append", "touch"])
+def test_force_keeps_a_file_the_user_edited_in_an_earlier_output(capsys, tmp_path, model_in_folder, edit):
+    """A file the command wrote and the user changed since (its size or modification time) is the user's now."""
+    out = tmp_path / "q8"
+    argv = [a.replace("{model}", str(model_in_folder)) for a in QUANTIZE] + [str(out)]
+    assert main(argv) == 0
+    config = out / "config.json"
+    if edit == "rewrite":
+        config.write_text(config.read_text().replace("{", "{ ", 1))
+    elif edit == "append":
+        config.write_text(config.read_text() + "\n")
+    else:
+        os.utime(config, ns=(config.stat().st_atime_ns, config.stat().st_mtime_ns + 10**9))
+    before = snapshot(tmp_path)
+    refused(capsys, argv + ["--force"], "with files changed since it wrote them (config.json)")
     assert snapshot(tmp_path) == before
 
 

@@ -1,11 +1,12 @@
 """Writes that never replace what the user has: an output is built in a temporary sibling and renamed into
 place, and only over nothing, an empty directory, or a previous output of the same command (with `force`).
 
-Every output directory carries a marker file naming the command that wrote it and every path it wrote; that is
-how a previous output is told apart from the user's own directory, and how a file the user added to it since is
-kept: replacing such an output is refused. A target that is, or contains, one of the command's inputs is
-refused outright. The temporary siblings are named by `scratch` (command, host, pid, start time), so a run
-can remove what a killed run of the same target left behind."""
+Every output directory carries a marker file naming the command that wrote it, every path it wrote and each
+file's size and modification time; that is how a previous output is told apart from the user's own directory,
+and how a file the user added to it or edited since is kept: replacing such an output is refused. A target
+that is, or contains, one of the command's inputs is refused outright. The temporary siblings are named by
+`scratch` (command, host, pid, start time), so a run can remove what a killed run of the same target left
+behind."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import contextlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 
@@ -84,9 +86,35 @@ def check_output_dir(out_dir: Path, command: str, inputs=(), force: bool = False
     added = _added_since(out_dir, fresh)
     if added:
         raise LladaError(f"{out_dir} holds an earlier output of `{command}` and also what it did not write "
-                         f"({', '.join(added[:3])}{', ...' if len(added) > 3 else ''}); move that out before --force "
-                         "replaces the output")
+                         f"({_first(added)}); move that out before --force replaces the output")
+    edited = _edited_since(out_dir)
+    if edited:
+        raise LladaError(f"{out_dir} holds an earlier output of `{command}` with files changed since it wrote them "
+                         f"({_first(edited)}); move them out before --force replaces the output")
     return True
+
+
+def _first(paths: list[str]) -> str:
+    return f"{', '.join(paths[:3])}{', ...' if len(paths) > 3 else ''}"
+
+
+def _stamps(directory: Path, paths: list[str]) -> dict[str, list[int]]:
+    """Size and modification time of each regular file among `paths` (what an edit changes)."""
+    stamps = {}
+    for path in paths:
+        status = os.lstat(directory / path)
+        if stat.S_ISREG(status.st_mode):
+            stamps[path] = [status.st_size, status.st_mtime_ns]
+    return stamps
+
+
+def _edited_since(out_dir: Path) -> list[str]:
+    """The files of an earlier output whose size or modification time is not what its marker recorded."""
+    recorded = (_marker(out_dir) or {}).get("stamps")
+    if not isinstance(recorded, dict):
+        return []  # an older llada's output: it recorded none
+    present = _stamps(out_dir, [path for path in recorded if os.path.lexists(out_dir / path)])
+    return sorted(path for path, stamp in present.items() if stamp != recorded[path])
 
 
 @contextlib.contextmanager
@@ -99,7 +127,8 @@ def atomic_dir(out_dir: Path, command: str, inputs=(), force: bool = False):
     with scratch_dir(out_dir, command) as staging:  # renamed into place, or removed when the block fails
         yield staging
         fresh = _contents(staging)
-        (staging / MARKER).write_text(json.dumps({"command": command, "contents": fresh}) + "\n")
+        record = {"command": command, "contents": fresh, "stamps": _stamps(staging, fresh)}
+        (staging / MARKER).write_text(json.dumps(record) + "\n")
         publish_permissions(staging)
         replacing = check_output_dir(out_dir, command, inputs, force, fresh)
         replace_dir(staging, out_dir, command, replacing)
