@@ -24,10 +24,11 @@ import numpy as np
 
 from eval.figure_file import save_png
 from eval.reference_bench import add_reference_columns, faster_pass
-from eval.task_eval import BLOCK_LENGTH, GEN_LENGTH, answer_text
+from eval.task_eval import BLOCK_LENGTH, GEN_LENGTH
 from llada_jax.model.config import LLaDAConfig
 from llada_jax.system.compilation import compile_clock
 from llada_jax.system.errors import LladaError
+from llada_jax.weights.tokenizer import answer_text
 from policies.compiled_loop import loop_covers
 from policies.registry import DecoderSetting, make_policy
 

@@ -16,8 +16,9 @@ from tqdm import tqdm
 from eval.context_fit import skipped_reasons
 from eval.hosts import HostShare
 from eval.jsonl import RowWriter, finished_rows, model_setting, read_jsonl, run_setting
-from eval.task_eval import answer_text, generate_batch
+from eval.task_eval import generate_batch
 from llada_jax.system.errors import LladaError
+from llada_jax.weights.tokenizer import answer_text
 
 # A number as written in GSM8K text: optional sign and dollar, thousands groups, optional decimals.
 NUMBER = re.compile(r"-?\$?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")

@@ -23,8 +23,9 @@ from eval.hosts import HostShare
 from eval.jsonl import RowWriter, finished_rows, model_setting, read_jsonl, run_setting
 from eval.sandbox import Limits, Sandbox, run_program
 from eval.sandbox_probe import detect_sandbox
-from eval.task_eval import answer_text, generate_batch
+from eval.task_eval import generate_batch
 from llada_jax.system.errors import LladaError
+from llada_jax.weights.tokenizer import answer_text
 
 INSTRUCTION = "Complete the following Python function. Reply with the whole function in a ```python code block.\n\n"
 FENCED = re.compile(r"```(?:python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)

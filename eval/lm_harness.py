@@ -30,10 +30,10 @@ from tqdm import tqdm
 
 import llada_jax
 from eval.mc_likelihood import block_greedy_answer, greedy_matches, mc_log_likelihood, request_rng
-from eval.task_eval import answer_text
 from llada_jax.model.mesh import MeshSpec
 from llada_jax.system.errors import LladaError
 from llada_jax.system.locations import default_model_dir
+from llada_jax.weights.tokenizer import answer_text
 from policies.block_diffusion import family_decoder
 from policies.generation import check_token_ids
 from policies.options import MAX_CFG_SCALE

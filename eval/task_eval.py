@@ -14,18 +14,10 @@ from tqdm import tqdm
 from llada_jax.api import generate
 from llada_jax.system.errors import LladaError
 from llada_jax.training.tasks import exact_match, held_out
+from llada_jax.weights.tokenizer import answer_text
 from policies.registry import DecoderSetting
 
 GEN_LENGTH, BLOCK_LENGTH = 32, 8
-
-
-def answer_text(tokenizer, output_ids: np.ndarray, config) -> str:
-    """The decoded answer: everything before the first EoT/EOS."""
-    ids = output_ids.tolist()
-    for stop in (config.eot_token_id, config.eos_token_id):
-        if stop in ids:
-            ids = ids[: ids.index(stop)]
-    return tokenizer.decode(ids)
 
 
 def generate_batch(model, prompts: list[str], decoding: dict) -> tuple[list, float]:

@@ -323,3 +323,24 @@ def test_prompt_flags_that_would_be_ignored_are_refused_before_the_model_loads(c
     err = capsys.readouterr().err
     assert err.startswith("llada: error: ") and words in err and err.count("\n") == 1
     assert not (tmp_path / "never.png").exists()
+
+
+def test_generated_text_ends_at_the_first_end_of_text_as_the_server_answers(capsys):
+    """What the canvas holds after EOS/EoT is padding, not answer: the printed text stops there (the ids are all
+    printed), here where the tokens after the first EOS would decode to text."""
+    import llada_jax
+    from llada_jax.system.locations import EMBEDDED_DIR
+    from llada_jax.weights.tokenizer import answer_text
+
+    code, out, _ = run(capsys, "<|eot_id|>", "--json")
+    row, model = json.loads(out), llada_jax.load(EMBEDDED_DIR)
+    assert code == 0 and row["text"] == answer_text(model.tokenizer, row["output_ids"], model.config)
+    assert row["text"] != model.tokenizer.decode(row["output_ids"])
+
+
+def test_a_prompt_file_line_the_tokenizer_refuses_is_named(capsys, tmp_path, monkeypatch):
+    (tmp_path / "prompts.txt").write_text("ok\n\ncafé ✓\n")
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run(capsys, "--prompt-file", "prompts.txt")
+    assert code == 1 and out == "" and err.count("\n") == 1
+    assert err.startswith("llada: error: line 3 of prompts.txt: the model's vocabulary has no token for")

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 import llada_jax
-from eval.task_eval import answer_text
 from llada_jax.system.locations import default_model_dir
 from llada_jax.training.tasks import held_out
+from llada_jax.weights.tokenizer import answer_text
 
 
 @pytest.fixture(scope="module")

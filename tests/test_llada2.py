@@ -208,7 +208,7 @@ def test_lm_eval_adapter_decodes_with_the_family_default_and_gives_block_diffusi
 
     from eval.lm_harness import LladaLM
     from eval.mc_likelihood import block_greedy_answer, mc_log_likelihood, request_rng
-    from eval.task_eval import answer_text
+    from llada_jax.weights.tokenizer import answer_text
 
     lm = LladaLM(pretrained=str(chat_model.path), mc_num=8, mc_batch_size=4, block_length=4)
     assert (lm.policy, lm.threshold) == ("dual-cache", 0.95)
@@ -229,8 +229,8 @@ def test_lm_eval_adapter_decodes_with_the_family_default_and_gives_block_diffusi
 def test_llada_serve_answers_as_generate_alone(chat_model):
     import openai
 
-    from eval.task_eval import answer_text
     from llada_jax.server.requests import Defaults
+    from llada_jax.weights.tokenizer import answer_text
     from tests import test_server
 
     defaults = Defaults(gen_length=16, block_length=8, steps=8, policy="dual-cache", threshold=0.95,

@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 import llada_jax
 from eval.lm_harness import LladaLM
 from eval.mc_likelihood import mask_counts, masked_copies, mc_log_likelihood
-from eval.task_eval import answer_text
 from llada_jax.system.errors import LladaError
 from llada_jax.training.tasks import held_out
+from llada_jax.weights.tokenizer import answer_text
 
 pytestmark = pytest.mark.slow  # IREE compiles or child processes: the full tier only
 

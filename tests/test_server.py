@@ -23,13 +23,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import llada_jax
-from eval.task_eval import answer_text
 from llada_jax.backends.select import select_backend
 from llada_jax.cli import main
 from llada_jax.server.app import create_app
 from llada_jax.server.engine import Busy, Engine
 from llada_jax.server.requests import Defaults, Served
 from llada_jax.system.locations import EMBEDDED_DIR
+from llada_jax.weights.tokenizer import answer_text
 from policies.generation import prepare_generation
 from policies.options import GenerationOptions
 from tests.conftest import TINY

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -151,6 +152,38 @@ def test_text_outside_the_vocabulary_is_refused_naming_its_first_character(char_
     with pytest.raises(LladaError, match=f"no token for '{char}' \\(U\\+{ord(char):04X}\\)"):
         tokenizer.encode(text)
     assert tokenizer.decode(tokenizer.encode("what?")) == "what?"  # the unknown token's own text is fine
+
+
+def rebuilt(char_model_dir, model) -> object:
+    """The fixture's tokenizer with its model swapped (its vocabulary kept), loaded back."""
+    backend = Tokenizer.from_file(str(char_model_dir / "tokenizer.json"))
+    backend.model = model
+    backend.save(str(char_model_dir / "tokenizer.json"))
+    return load_tokenizer(char_model_dir)
+
+
+def test_a_tokenizer_that_drops_what_it_cannot_spell_is_refused_not_obeyed(char_model_dir):
+    """A BPE without an unknown token skips characters it lacks: "héllo" would be asked as "hllo"."""
+    vocab = {c: i for i, c in enumerate("abcdefghijklmnopqrstuvwxyz ?")}
+    tokenizer = rebuilt(char_model_dir, models.BPE(vocab, [], unk_token=None))
+    assert tokenizer.decode(tokenizer.encode("hello")) == "hello"
+    for text in ("héllo", "ééé"):
+        with pytest.raises(LladaError, match="no token for 'é' \\(U\\+00E9\\)"):
+            tokenizer.encode(text)
+
+
+def test_a_vocabulary_without_its_unknown_token_is_a_one_line_error(char_model_dir):
+    tokenizer = rebuilt(char_model_dir, models.WordLevel({"a": 0, "b": 1}, unk_token="[UNK]"))
+    with pytest.raises(LladaError, match="the tokenizer cannot encode the text: WordLevel error: Missing"):
+        tokenizer.encode("abc")
+
+
+@pytest.mark.parametrize("text, words", [("ab\udcffc", "not valid UTF-8 (an undecodable byte or a lone surrogate "
+                                                       "at character 2)"),
+                                         (b"ab", "text must be a string, got bytes"), (None, "got NoneType")])
+def test_text_that_is_not_text_is_a_one_line_error(char_model_dir, text, words):
+    with pytest.raises(LladaError, match=re.escape(words)):
+        load_tokenizer(char_model_dir).encode(text)
 
 
 def test_embedded_model_refuses_unrepresentable_prompt_in_one_line(capsys):

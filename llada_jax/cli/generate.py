@@ -23,6 +23,7 @@ from llada_jax.cli.flags import (
 from llada_jax.cli.runner import Runner, add_runner_flags, generation_runner
 from llada_jax.system.compilation import compile_clock
 from llada_jax.system.errors import LladaError
+from llada_jax.weights.tokenizer import answer_text
 from policies.generation import check_token_ids, prepare_generation
 from policies.options import GenerationOptions
 
@@ -89,7 +90,8 @@ def file_prompts(args, tokenizer, config, limit: int | None) -> list[np.ndarray]
     line, named by its line number."""
     lines = file_lines(args.prompt_file)
     context = config.max_sequence_length
-    prompts = [check_token_ids(ids_from_text(text, where) if args.ids else encoded(text, args.chat, tokenizer, context),
+    prompts = [check_token_ids(ids_from_text(text, where) if args.ids else line_encoded(where, text, args.chat,
+                                                                                         tokenizer, context),
                                config, where, allow_mask=False) for where, text in lines]
     decoding = decoding_kwargs(args, config)
     decoding.pop("loop")  # how to run, not what
@@ -101,6 +103,14 @@ def file_prompts(args, tokenizer, config, limit: int | None) -> list[np.ndarray]
         except LladaError as err:
             raise LladaError(f"{where}: {err}") from None
     return prompts
+
+
+def line_encoded(where: str, text: str, chat: bool, tokenizer, limit: int) -> np.ndarray:
+    """A --prompt-file line's ids; what the tokenizer refuses is named by its line."""
+    try:
+        return encoded(text, chat, tokenizer, limit)
+    except LladaError as err:
+        raise LladaError(f"{where}: {err}") from None
 
 
 def compile_timing(args):
@@ -117,7 +127,7 @@ def cmd_generate_file(args, runner: Runner) -> None:
     for start in range(0, len(prompts), args.batch_size):
         batch = prompts[start: start + args.batch_size]
         for result in run(batch, **decoding_kwargs(args, config)):
-            text = tokenizer.decode(result.output_ids) if tokenizer is not None else None
+            text = answer_text(tokenizer, result.output_ids, config) if tokenizer is not None else None
             if args.json:
                 print(json.dumps({"output_ids": result.output_ids.tolist(), "nfe": result.nfe, "wall_s": result.wall_s,
                                   **({"text": text} if text is not None else {})}), flush=True)
@@ -150,7 +160,7 @@ def cmd_generate(args) -> None:
     assert not isinstance(result, list), "one prompt gives one result"
     compile_s = clock.seconds if clock is not None else 0.0
     speed = len(result.output_ids) / max(result.wall_s - compile_s, 1e-9)
-    text = tokenizer.decode(result.output_ids) if tokenizer is not None else None
+    text = answer_text(tokenizer, result.output_ids, config) if tokenizer is not None else None
     if args.json:
         row = {"output_ids": result.output_ids.tolist(), "nfe": result.nfe, "wall_s": result.wall_s,
                "tokens_per_s": speed, **({"compile": clock.as_dict()} if clock is not None else {}),

@@ -33,18 +33,22 @@ class Tokenizer:
         token would silently encode another prompt (byte-level BPE, like LLaDA-8B's, represents all). With
         `limit` (a context's tokens), text far too long for it is refused before the tokenizer spends seconds
         and gigabytes on it."""
+        check_text(text)
         if limit is not None and len(text) > limit * self.longest_token_chars * TEXT_MARGIN:
             raise LladaError(f"the text ({len(text)} characters) cannot fit a context of {limit} tokens")
-        encoding = self.backend.encode(text, add_special_tokens=True)
+        try:
+            encoding = self.backend.encode(text, add_special_tokens=True)
+        except Exception as err:  # the tokenizers library raises plain Exceptions (a vocabulary without its unk)
+            raise LladaError(f"the tokenizer cannot encode the text: {str(err).splitlines()[0]}") from None
         unknown = getattr(self.backend.model, "unk_token", None)
         unknown_id = self.backend.token_to_id(unknown) if unknown else None
-        if unknown_id is None or unknown_id not in encoding.ids:
-            return encoding.ids
-        for token_id, (start, end) in zip(encoding.ids, encoding.offsets):
-            if unknown_id is not None and token_id == unknown_id and end > start and text[start:end] != unknown:
-                char = text[start:end][:1]
-                raise LladaError(f"the model's vocabulary has no token for {char!r} (U+{ord(char):04X}), "
-                                 "the first such character of the text")
+        spans = [(start, end) for token_id, (start, end) in zip(encoding.ids, encoding.offsets)
+                 if end > start and not (token_id == unknown_id and text[start:end] != unknown)]
+        missing = first_uncovered(text, spans)  # an unknown token, or a character the tokenizer dropped
+        if missing is not None:
+            char = text[missing]
+            raise LladaError(f"the model's vocabulary has no token for {char!r} (U+{ord(char):04X}), "
+                             "the first such character of the text")
         return encoding.ids
 
     @functools.cached_property
@@ -72,6 +76,35 @@ class Tokenizer:
         if not self.chat_template:
             raise LladaError("this model's tokenizer_config.json has no chat_template; drop --chat")
         return render_chat_template(self.chat_template, messages, self.special_tokens, add_generation_prompt)
+
+
+def answer_text(tokenizer: Tokenizer, output_ids, config) -> str:
+    """The decoded answer: everything before the first EoT/EOS (what follows is the canvas's padding)."""
+    ids = [int(token) for token in output_ids]
+    for stop in (config.eot_token_id, config.eos_token_id):
+        if stop in ids:
+            ids = ids[: ids.index(stop)]
+    return tokenizer.decode(ids)
+
+
+def check_text(text) -> None:
+    """Text the tokenizer can take: a string whose characters UTF-8 can spell (not a lone surrogate, which is
+    what an undecodable byte of a command line becomes)."""
+    if not isinstance(text, str):
+        raise LladaError(f"text must be a string, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise LladaError(f"the text is not valid UTF-8 (an undecodable byte or a lone surrogate at character "
+                         f"{err.start})") from None
+
+
+def first_uncovered(text: str, spans: list[tuple[int, int]]) -> int | None:
+    """The first non-whitespace character of `text` outside every `(start, end)` span, or None."""
+    covered = bytearray(len(text))
+    for start, end in spans:
+        covered[start:end] = b"\1" * (end - start)
+    return next((index for index, flag in enumerate(covered) if not flag and not text[index].isspace()), None)
 
 
 @functools.lru_cache(maxsize=8)
