@@ -202,3 +202,10 @@ def test_a_prompt_far_too_long_for_the_model_is_refused_in_one_line(capsys):
     assert main(["generate", "--no-visual", "a" * 20_000]) == 1  # the embedded model: 256 tokens
     assert capsys.readouterr().err == ("llada: error: the text (20000 characters) cannot fit a context of 256 "
                                        "tokens\n")
+
+
+@pytest.mark.parametrize("turn", [{"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                                  {"role": "user", "content": None}, {"role": "user"}, {"content": "hi"}, "hi"])
+def test_a_chat_turn_that_is_not_text_is_refused_not_rendered_as_its_python_spelling(char_model_dir, turn):
+    with pytest.raises(LladaError, match="a chat turn must be {'role': text, 'content': text}, got "):
+        load_tokenizer(char_model_dir).chat([turn])

@@ -75,6 +75,10 @@ class Tokenizer:
         generation prompt)."""
         if not self.chat_template:
             raise LladaError("this model's tokenizer_config.json has no chat_template; drop --chat")
+        for message in messages:  # a template would render anything else as its Python spelling
+            if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                    and isinstance(message.get("content"), str)):
+                raise LladaError(f"a chat turn must be {{'role': text, 'content': text}}, got {message!r:.80}")
         return render_chat_template(self.chat_template, messages, self.special_tokens, add_generation_prompt)
 
 
