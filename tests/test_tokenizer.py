@@ -71,6 +71,21 @@ def test_a_template_that_fails_at_any_step_is_a_one_line_error(template, words):
         render_chat_template(template, [{"role": "user", "content": "x"}], {})
 
 
+def test_a_template_that_never_ends_is_stopped_in_one_line(monkeypatch):
+    """The checkpoint's template is code: nested loops of the sandbox's longest range would run for hours."""
+    import sys
+
+    from llada_jax.weights import tokenizer
+
+    monkeypatch.setattr(tokenizer, "RENDER_SECONDS", 0.5)
+    before = sys.gettrace()
+    endless = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    with pytest.raises(LladaError, match=r"chat template did not finish rendering within 0.5 s"):
+        render_chat_template(endless, [{"role": "user", "content": "x"}], {})
+    assert sys.gettrace() is before  # the clock is off again (a debugger's or coverage's tracer is back)
+    assert render_chat_template("{{ messages[0]['content'] }}", [{"role": "user", "content": "x"}], {}) == "x"
+
+
 def test_real_instruct_eot_id_is_read_from_added_tokens():
     assert eot_id_from_files(LLADA_8B_DIR) == 126348
 

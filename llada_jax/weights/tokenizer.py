@@ -3,10 +3,13 @@ template from `tokenizer_config.json` / `special_tokens_map.json`."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import functools
 import json
+import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,6 +22,7 @@ EOT_TOKEN = "<|eot_id|>"
 # A token covers at most the vocabulary's longest token of normalized text, and a normalizer (NFC) composes at most
 # a few characters into one: text longer than that bound cannot fit, and is refused before tokenizing it.
 TEXT_MARGIN = 4
+RENDER_SECONDS = 2.0  # a chat template renders in milliseconds; one still running after this never ends
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,11 +171,38 @@ def render_chat_template(template: str, messages: list[dict], special_tokens: di
 
     template_code = _compiled_template(template)
     try:
-        return template_code.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                    tools=None, documents=None, **special_tokens)
+        with time_bound(RENDER_SECONDS):
+            return template_code.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                        tools=None, documents=None, **special_tokens)
+    except TooSlow:
+        raise LladaError(f"chat template did not finish rendering within {RENDER_SECONDS:g} s (a loop without "
+                         "end?); fix the model's tokenizer_config.json") from None
     except Exception as err:  # the checkpoint's template is code: any error it raises is the template's
         detail = str(err) if isinstance(err, TemplateError) else f"{type(err).__name__}: {err}"
         raise LladaError(f"chat template failed: {detail}") from None
+
+
+class TooSlow(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def time_bound(seconds: float):
+    """Python code run inside (a compiled template: the checkpoint's code) raises TooSlow once `seconds` have
+    passed, at its next line: a trace function on this thread checks the clock."""
+    deadline = time.monotonic() + seconds
+    previous = sys.gettrace()
+
+    def tracer(frame, event, arg):
+        if time.monotonic() > deadline:
+            raise TooSlow
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        yield
+    finally:
+        sys.settrace(previous)
 
 
 def _token_text(value) -> str | None:
