@@ -193,7 +193,7 @@ def test_a_host_whose_peers_never_join_stops_in_one_line(tmp_path, stop):
     *[(["--hosts", "2", "--coordinator", "127.0.0.1:1", "--host-id", "0", "--out", "x.jsonl", "--host-timeout", value],
        r"--host-timeout must be in \(0, 604800\] seconds") for value in ("0", "-1", "nan", "inf")],
     *[(["--hosts", "2", "--coordinator", address, "--host-id", "0", "--out", "x.jsonl"], "must be HOST:PORT")
-      for address in ("bad", "host:abc", "localhost:-1", "localhost:99999", ":1234", "host:", "host:0")],
+      for address in ("bad", "host:abc", "localhost:-1", "localhost:99999", ":1234", "host:", "host:0", "host:٣٠٠٠")],
 ])
 def test_bad_host_flags_are_one_line_errors_before_anything_starts(flags, message):
     from tests.test_gsm8k import run_cli

@@ -131,6 +131,7 @@ def test_missing_chat_template_is_a_clear_error(char_model_dir):
     ("tokenizer_config.json", {"chat_template": ["x"]}, None),  # no default among the named: none
     ("tokenizer_config.json", {"added_tokens_decoder": [1, 2]}, "added_tokens_decoder must map token ids"),
     ("tokenizer_config.json", {"added_tokens_decoder": {"abc": {"content": "<|eot_id|>"}}}, "not a token id"),
+    ("tokenizer_config.json", {"added_tokens_decoder": {"٣": {"content": "<|eot_id|>"}}}, "not a token id"),
 ])
 def test_malformed_tokenizer_files_are_one_line_errors(char_model_dir, file, change, words):
     path = char_model_dir / file

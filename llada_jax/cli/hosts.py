@@ -103,5 +103,5 @@ def _distributed_args(args) -> dict:
 def check_address(address: str) -> None:
     """HOST:PORT, checked here: jax.distributed takes a malformed one to a segfault or a wait without end."""
     host, _, port = address.rpartition(":")
-    if not host or host.startswith(":") or not port.isdigit() or not 1 <= int(port) <= 65535:
+    if not host or host.startswith(":") or not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
         raise LladaError(f"--coordinator must be HOST:PORT with a port in 1..65535, got {address!r}")

@@ -252,7 +252,7 @@ def eot_id_from_files(model_dir: Path) -> int | None:
         raise LladaError(f"{path}: added_tokens_decoder must map token ids to tokens")
     for token_id, entry in added.items():
         if isinstance(entry, dict) and entry.get("content") == EOT_TOKEN:
-            if not token_id.isdigit():
+            if not (token_id.isascii() and token_id.isdigit()):
                 raise LladaError(f"{path}: added_tokens_decoder names {EOT_TOKEN} with id {token_id!r}, not a token id")
             return int(token_id)
     return None
