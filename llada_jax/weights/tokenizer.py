@@ -78,7 +78,8 @@ class Tokenizer:
         """A conversation (`{"role", "content"}` turns) rendered with the chat template (and the assistant's
         generation prompt)."""
         if not self.chat_template:
-            raise LladaError("this model's tokenizer_config.json has no chat_template; drop --chat")
+            raise LladaError("this model's tokenizer_config.json has no chat_template, so it takes plain prompts only "
+                             "(drop --chat; a server: /v1/completions)")
         for message in messages:  # a template would render anything else as its Python spelling
             if not (isinstance(message, dict) and isinstance(message.get("role"), str)
                     and isinstance(message.get("content"), str)):
