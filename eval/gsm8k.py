@@ -141,9 +141,8 @@ def evaluate(model, problems: list[dict], shots: list[dict], decoding: dict, *, 
 
 def summarize(rows: list[dict], run: dict) -> dict:
     """Accuracy over the problems that ran, None if none did (`skipped`: prompts too long for the model's
-    context, counted apart);
-    speed over the generated ones (`errors`: prompts the model's vocabulary cannot represent, scored wrong); the
-    setting of `run` (see `eval.jsonl.run_setting`)."""
+    context, counted apart); speed over the generated ones (`errors`: prompts the model's vocabulary cannot
+    represent, scored wrong); the setting of `run` (see `eval.jsonl.run_setting`)."""
     scored = [row for row in rows if "skipped" not in row]
     generated = [row for row in scored if "error" not in row]
     correct = sum(row["correct"] for row in scored)

@@ -84,11 +84,16 @@ def dequantize(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
     return (q.reshape(rows, groups, columns // groups).astype(np.float32) * scale[..., None]).reshape(rows, columns)
 
 
+def packed_words(columns: int, bits: int) -> int:
+    """The int32 words a row of `columns` packed `bits`-bit values fills: ceil(columns * bits / 32)."""
+    return -(-columns * bits // 32)
+
+
 def pack_int32(q: np.ndarray, bits: int) -> np.ndarray:
-    """int8 values `[O, I]` -> int32 `[O, ceil(I * bits / 32)]` (see the module docstring). Built as
+    """int8 values `[O, I]` -> int32 `[O, packed_words(I, bits)]` (see the module docstring). Built as
     little-endian bytes (two 4-bit fields per byte, low nibble first), then read as int32 words."""
     rows, columns = q.shape
-    words = -(-columns * bits // 32)
+    words = packed_words(columns, bits)
     unsigned = np.zeros((rows, words * 32 // bits), np.uint8)
     unsigned[:, :columns] = q.view(np.uint8) + np.uint8(1 << (bits - 1))  # two's complement + 2**(bits-1), mod 256
     packed = unsigned if bits == 8 else unsigned[:, 0::2] | (unsigned[:, 1::2] << np.uint8(4))

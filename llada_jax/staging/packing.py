@@ -17,7 +17,7 @@ from numpy.typing import DTypeLike
 
 from llada_jax.model.config import LLaDAConfig
 from llada_jax.model.params import layer_stage_shapes
-from llada_jax.quant.quantize import HostQuantized
+from llada_jax.quant.quantize import HostQuantized, packed_words
 
 ALIGN = 16  # elements: every tensor of a packed stage starts on a 64-byte boundary (float32)
 # Head chunks hold a multiple of this many vocabulary rows: IREE's llvm-cpu code for a 10667-row chunk
@@ -99,7 +99,7 @@ def quantized_layout(shapes: dict[str, tuple[int, ...]], schemes: dict, float_dt
             continue
         *rows, columns = shape  # a stack of experts: [E, O, I]
         byte = np.int8 if name in signed_bytes else np.uint8
-        specs[f"{name}.values"] = ((*rows, -(-columns * scheme.bits // 32) * 4), byte)
+        specs[f"{name}.values"] = ((*rows, packed_words(columns, scheme.bits) * 4), byte)
         specs[f"{name}.scale"] = ((*rows, scheme.groups(columns)), scale_dtypes[name])
     return ByteLayout.of(specs)
 

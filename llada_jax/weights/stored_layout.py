@@ -9,7 +9,7 @@ import numpy as np
 
 from llada_jax.model.config import LLaDAConfig
 from llada_jax.model.params import hf_shapes
-from llada_jax.quant.quantize import QuantScheme
+from llada_jax.quant.quantize import QuantScheme, packed_words
 from llada_jax.system.errors import LladaError
 
 # stored name -> (kind, shape): kind "float" (float32/16, bfloat16), "int32" (packed words) or "integer" (a
@@ -25,7 +25,7 @@ def stored_layout(config: LLaDAConfig, quantized: dict[str, QuantScheme]) -> Lay
             layout[name] = ("float", shape)
             continue
         scheme, (rows, columns) = quantized[module], shape
-        layout[f"{module}.weight_packed"] = ("int32", (rows, -(-columns * scheme.bits // 32)))
+        layout[f"{module}.weight_packed"] = ("int32", (rows, packed_words(columns, scheme.bits)))
         layout[f"{module}.weight_scale"] = ("float", (rows, scheme.groups(columns)))
         layout[f"{module}.weight_shape"] = ("integer", None)
     return layout

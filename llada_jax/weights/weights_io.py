@@ -15,11 +15,11 @@ import numpy as np
 
 from llada_jax.model.config import LLaDAConfig, read_hf_dict
 from llada_jax.model.params import hf_shapes
-from llada_jax.quant.quantize import HostQuantized, QuantScheme
+from llada_jax.quant.quantize import HostQuantized, QuantScheme, packed_words
 from llada_jax.system.errors import LladaError
 from llada_jax.weights.quant_config import quantized_modules
 from llada_jax.weights.safetensors_file import DTYPES, SafetensorsFile
-from llada_jax.weights.stored_layout import check_stored
+from llada_jax.weights.stored_layout import check_stored, stored_layout
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -49,22 +49,9 @@ def weight_files(model_dir: Path) -> dict[str, str]:
         return {name: SINGLE_FILE for name in handle.entries}
 
 
-def stored_names(config: LLaDAConfig, quantized: dict[str, QuantScheme]) -> dict[str, tuple]:
-    """Every tensor the checkpoint must hold: stored name -> (logical `.weight` name, part)."""
-    names = {}
-    for name in hf_shapes(config):
-        module = name[: -len(".weight")]
-        if module in quantized:
-            for part in ("weight_packed", "weight_scale", "weight_shape"):
-                names[f"{module}.{part}"] = (name, part)
-        else:
-            names[name] = (name, "weight")
-    return names
-
-
 def check_names(weight_map: dict[str, str], config: LLaDAConfig, where: Path,
                 quantized: dict[str, QuantScheme] | None = None) -> None:
-    expected = stored_names(config, quantized or {})
+    expected = stored_layout(config, quantized or {})  # every tensor the checkpoint must hold
     missing = [name for name in expected if name not in weight_map]
     if missing:
         raise LladaError(f"{where}: missing tensor {missing[0]} ({len(missing)} missing in all)")
@@ -145,7 +132,7 @@ def _read_quantized(read, module: str, shape: tuple[int, ...], scheme: QuantSche
                     scales_in_place: bool = False, words_in_place: bool = False) -> HostQuantized:
     """The module's parts, its scales and packed words mapped where asked and aligned."""
     rows, columns = shape
-    words = -(-columns * scheme.bits // 32)
+    words = packed_words(columns, scheme.bits)
     packed = read(f"{module}.weight_packed", words_in_place, np.int32)
     scale, stored_shape = read(f"{module}.weight_scale", scales_in_place), read(f"{module}.weight_shape")
     if stored_shape.reshape(-1).tolist() != [rows, columns]:
